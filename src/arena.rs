@@ -1,0 +1,164 @@
+//! The staging arena: one anonymous mapping, cut into equal buffers.
+//!
+//! Anonymous mmap gives page-aligned memory (so every buffer is aligned for
+//! O_DIRECT when the buffer size is a multiple of the block), populated up
+//! front so the first save does not page-fault, and locked with `mlock` when
+//! RLIMIT_MEMLOCK allows so the kernel never swaps it out under a write. Its
+//! size is fixed when it is made and does not depend on the checkpoint.
+//!
+//! For CUDA, the Python layer registers the whole mapping with
+//! `cudaHostRegister`; `mlock` alone does not make memory DMA-pinned for CUDA.
+
+use crate::error::{Error, Result};
+
+pub struct Arena {
+    ptr: *mut u8,
+    len: usize,
+    buf_size: usize,
+    locked: bool,
+}
+
+// SAFETY: the arena owns its mapping exclusively; the raw pointer is only an
+// address. Handing out disjoint buffers and making sure the kernel is done
+// with one before it is reused is the writer's job.
+unsafe impl Send for Arena {}
+// SAFETY: shared references only expose the address and sizes; writing into
+// buffers goes through `buf_mut`, which takes `&mut self`.
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    /// Map `nbufs` buffers of `buf_size` bytes (a multiple of the page size).
+    pub fn new(buf_size: usize, nbufs: usize, lock: bool) -> Result<Self> {
+        let page = page_size();
+        if buf_size == 0 || buf_size % page != 0 {
+            return Err(Error::option(format!(
+                "buffer size {buf_size} must be a positive multiple of the page size {page}"
+            )));
+        }
+        if nbufs == 0 {
+            return Err(Error::option("the arena needs at least one buffer"));
+        }
+        let len = buf_size
+            .checked_mul(nbufs)
+            .ok_or_else(|| Error::option("arena size overflows"))?;
+        // SAFETY: an anonymous private mapping with no address hint; the
+        // arguments are valid and the result is checked against MAP_FAILED.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::last_os(
+                format!("cannot map a {len}-byte staging arena"),
+                None,
+            ));
+        }
+        // SAFETY: `ptr..ptr+len` is the mapping we just created.
+        let locked = lock && unsafe { libc::mlock(ptr, len) } == 0;
+        Ok(Arena {
+            ptr: ptr.cast(),
+            len,
+            buf_size,
+            locked,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn buf_size(&self) -> usize {
+        self.buf_size
+    }
+
+    pub fn nbufs(&self) -> usize {
+        self.len / self.buf_size
+    }
+
+    /// Whether `mlock` succeeded.
+    pub fn locked(&self) -> bool {
+        self.locked
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Address of buffer `i`.
+    pub fn buf_ptr(&self, i: usize) -> *mut u8 {
+        assert!(i < self.nbufs());
+        // SAFETY: `i * buf_size < len`, so the result stays inside the mapping.
+        unsafe { self.ptr.add(i * self.buf_size) }
+    }
+
+    /// Buffer `i`, writable.
+    pub fn buf_mut(&mut self, i: usize) -> &mut [u8] {
+        let p = self.buf_ptr(i);
+        // SAFETY: the buffer lies inside our mapping, and `&mut self`
+        // guarantees no other slice of the arena is alive in this thread.
+        // The kernel must not be using this buffer: the writer only hands out
+        // buffers whose I/O has completed.
+        unsafe { std::slice::from_raw_parts_mut(p, self.buf_size) }
+    }
+
+    /// Buffer `i`, readable.
+    pub fn buf(&self, i: usize) -> &[u8] {
+        let p = self.buf_ptr(i);
+        // SAFETY: inside our mapping; see `buf_mut`.
+        unsafe { std::slice::from_raw_parts(p, self.buf_size) }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: we created exactly this mapping in `new` and nobody else
+        // unmaps it; munmap also drops the mlock.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_are_aligned_and_disjoint() {
+        let mut a = Arena::new(1 << 16, 4, true).unwrap();
+        assert_eq!(a.len(), 1 << 18);
+        for i in 0..a.nbufs() {
+            assert_eq!(a.buf_ptr(i) as usize % 4096, 0);
+            a.buf_mut(i).fill(i as u8 + 1);
+        }
+        for i in 0..a.nbufs() {
+            assert!(a.buf(i).iter().all(|&b| b == i as u8 + 1));
+        }
+    }
+
+    #[test]
+    fn rejects_bad_sizes() {
+        assert!(Arena::new(1000, 4, false).is_err());
+        assert!(Arena::new(4096, 0, false).is_err());
+    }
+}

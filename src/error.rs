@@ -1,0 +1,92 @@
+//! Error type of the core: every failure carries what was being done, the
+//! path involved and, for operating-system failures, the errno.
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// What went wrong, coarsely: the binding maps each kind to a Python exception.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// An operating-system call failed (open, write, fsync, rename...): has an errno.
+    Os,
+    /// The caller's layout is inconsistent (overlapping segments, a checksum
+    /// slot placed before the bytes it covers, ...).
+    InvalidLayout,
+    /// An option is out of range.
+    InvalidOption,
+}
+
+#[derive(Debug)]
+pub struct Error {
+    pub kind: ErrorKind,
+    /// errno for [`ErrorKind::Os`].
+    pub errno: Option<i32>,
+    /// The file or directory the failing operation was about.
+    pub path: Option<PathBuf>,
+    /// What was being done, e.g. "write at offset 4096 (len 1048576)".
+    pub context: String,
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn os(errno: i32, context: impl Into<String>, path: Option<&Path>) -> Self {
+        Error {
+            kind: ErrorKind::Os,
+            errno: Some(errno),
+            path: path.map(Path::to_path_buf),
+            context: context.into(),
+        }
+    }
+
+    pub fn from_io(err: &io::Error, context: impl Into<String>, path: Option<&Path>) -> Self {
+        Self::os(err.raw_os_error().unwrap_or(libc::EIO), context, path)
+    }
+
+    /// The current `errno`, right after a failed libc call.
+    pub fn last_os(context: impl Into<String>, path: Option<&Path>) -> Self {
+        Self::from_io(&io::Error::last_os_error(), context, path)
+    }
+
+    pub fn layout(msg: impl Into<String>) -> Self {
+        Error {
+            kind: ErrorKind::InvalidLayout,
+            errno: None,
+            path: None,
+            context: msg.into(),
+        }
+    }
+
+    pub fn option(msg: impl Into<String>) -> Self {
+        Error {
+            kind: ErrorKind::InvalidOption,
+            errno: None,
+            path: None,
+            context: msg.into(),
+        }
+    }
+
+    /// Human-readable description of the errno (strerror).
+    pub fn strerror(&self) -> String {
+        match self.errno {
+            Some(e) => io::Error::from_raw_os_error(e).to_string(),
+            None => String::new(),
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.context)?;
+        if let Some(p) = &self.path {
+            write!(f, " [{}]", p.display())?;
+        }
+        if self.errno.is_some() {
+            write!(f, ": {}", self.strerror())?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Error {}

@@ -1,0 +1,395 @@
+//! The hybrid alignment partitioner.
+//!
+//! A file is described as a list of [`Segment`]s: where each piece of the
+//! file comes from (caller memory, owned bytes, or the CRC32 of other
+//! segments) and at which offset it goes. Gaps between segments are zeros.
+//!
+//! The partitioner turns that description into *extents*: block-aligned,
+//! block-multiple ranges of the file, each at most one arena buffer long.
+//! Every extent is gathered (copied, checksummed) from its segments into an
+//! aligned arena buffer and written with O_DIRECT. Pieces that are not
+//! aligned themselves (zip headers, small records, a record's unaligned end)
+//! are gathered into the aligned blocks they share with their neighbours, so
+//! the only unaligned thing left is the end of the file: the last extent is
+//! padded with zeros to a whole block and the file is truncated to its true
+//! length afterwards.
+//!
+//! [`Layout::split`] cuts the padded file into `n` balanced, block-aligned
+//! parts, one per parallel writer.
+
+use crate::error::{Error, Result};
+use std::ops::Range;
+
+/// Caller memory that the writer reads from.
+#[derive(Debug, Clone, Copy)]
+pub struct MemRef {
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: a MemRef is only a (pointer, length) pair; the contract of
+// `MemRef::new` makes the creator guarantee that the memory stays valid and
+// readable for as long as any layout holding it is in use, from any thread.
+unsafe impl Send for MemRef {}
+// SAFETY: as above; the writer only ever reads through the pointer.
+unsafe impl Sync for MemRef {}
+
+impl MemRef {
+    /// # Safety
+    /// `ptr` must be valid for reads of `len` bytes for as long as the
+    /// [`Layout`] that holds this reference is used, and nobody may free that
+    /// memory meanwhile. (Concurrent *writes* are a race on the values, not
+    /// on memory safety of this crate's own structures, and are the caller's
+    /// business: the file then holds some mix of old and new bytes.)
+    pub unsafe fn new(ptr: *const u8, len: usize) -> Self {
+        MemRef { ptr, len }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes `[off, off + len)` of this memory.
+    pub fn slice(&self, off: usize, len: usize) -> &[u8] {
+        assert!(off.checked_add(len).is_some_and(|e| e <= self.len));
+        if len == 0 {
+            return &[];
+        }
+        // SAFETY: bounds checked above; validity for reads is the contract
+        // of `MemRef::new`.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) }
+    }
+}
+
+/// Where a segment's bytes come from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// Bytes owned by the layout (headers, small records).
+    Bytes(Vec<u8>),
+    /// Caller memory (tensor storages).
+    Mem(MemRef),
+    /// The little-endian CRC32 of every segment tagged with this checksum id.
+    /// All those segments must end before this slot begins, so the value is
+    /// known when the writer (which goes in file order) reaches it.
+    Crc32(u32),
+}
+
+impl Source {
+    pub fn len(&self) -> u64 {
+        match self {
+            Source::Bytes(b) => b.len() as u64,
+            Source::Mem(m) => m.len() as u64,
+            Source::Crc32(_) => 4,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One piece of the file.
+#[derive(Debug, Clone)]
+pub struct Segment {
+    pub offset: u64,
+    pub source: Source,
+    /// Checksum id this segment's bytes are accumulated into.
+    pub crc_id: Option<u32>,
+}
+
+impl Segment {
+    pub fn end(&self) -> u64 {
+        self.offset + self.source.len()
+    }
+}
+
+/// A block-aligned range of the file, written from one arena buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub offset: u64,
+    /// A multiple of the block size.
+    pub len: usize,
+}
+
+/// A run of one segment's bytes inside an extent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// Index into [`Layout::segments`].
+    pub segment: usize,
+    /// Offset inside the segment.
+    pub seg_offset: u64,
+    /// Offset inside the extent (the arena buffer).
+    pub buf_offset: usize,
+    pub len: usize,
+}
+
+/// A validated file description.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    segments: Vec<Segment>,
+    file_len: u64,
+    block: usize,
+    crc_ids: u32,
+}
+
+impl Layout {
+    /// Validate and sort `segments`. `file_len` is the true length of the
+    /// file (at least the end of the last segment; the rest is zeros).
+    /// `block` is the O_DIRECT block size (a power of two).
+    pub fn new(mut segments: Vec<Segment>, file_len: u64, block: usize) -> Result<Self> {
+        if !block.is_power_of_two() {
+            return Err(Error::option(format!("block size {block} is not a power of two")));
+        }
+        segments.retain(|s| !s.source.is_empty());
+        segments.sort_by_key(|s| s.offset);
+        let mut crc_ids = 0u32;
+        for s in &segments {
+            if let Some(id) = s.crc_id {
+                crc_ids = crc_ids.max(id + 1);
+            }
+            if let Source::Crc32(id) = s.source {
+                crc_ids = crc_ids.max(id + 1);
+                if s.crc_id.is_some() {
+                    return Err(Error::layout("a checksum slot cannot itself be checksummed"));
+                }
+            }
+        }
+        // Where each checksum's covered bytes end, to check slot placement.
+        let mut covered_end = vec![0u64; crc_ids as usize];
+        let mut prev_end = 0u64;
+        for (i, s) in segments.iter().enumerate() {
+            if i > 0 && s.offset < prev_end {
+                return Err(Error::layout(format!(
+                    "segment at offset {} overlaps the previous one, which ends at {}",
+                    s.offset, prev_end
+                )));
+            }
+            prev_end = s.offset.checked_add(s.source.len()).ok_or_else(|| {
+                Error::layout(format!("segment at offset {} overflows u64", s.offset))
+            })?;
+            if let Some(id) = s.crc_id {
+                covered_end[id as usize] = covered_end[id as usize].max(s.end());
+            }
+        }
+        for s in &segments {
+            if let Source::Crc32(id) = s.source {
+                if covered_end[id as usize] > s.offset {
+                    return Err(Error::layout(format!(
+                        "checksum slot for id {id} at offset {} comes before the end of the \
+                         bytes it covers ({})",
+                        s.offset, covered_end[id as usize]
+                    )));
+                }
+            }
+        }
+        if file_len < prev_end {
+            return Err(Error::layout(format!(
+                "file length {file_len} is shorter than the last segment's end {prev_end}"
+            )));
+        }
+        Ok(Layout {
+            segments,
+            file_len,
+            block,
+            crc_ids,
+        })
+    }
+
+    pub fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    pub fn file_len(&self) -> u64 {
+        self.file_len
+    }
+
+    pub fn block(&self) -> usize {
+        self.block
+    }
+
+    /// Number of checksum ids in use (ids are `0..crc_ids`).
+    pub fn crc_ids(&self) -> u32 {
+        self.crc_ids
+    }
+
+    /// The file length rounded up to a whole block: what is written before
+    /// the final truncate.
+    pub fn padded_len(&self) -> u64 {
+        crate::align::align_up(self.file_len, self.block as u64)
+    }
+
+    /// Split the padded file into `n` block-aligned parts whose sizes differ
+    /// by at most one block. Parts may be empty when there are fewer blocks
+    /// than parts.
+    pub fn split(&self, n: usize) -> Vec<Range<u64>> {
+        let n = n.max(1) as u64;
+        let blocks = self.padded_len() / self.block as u64;
+        let b = self.block as u64;
+        (0..n)
+            .map(|i| (blocks * i / n) * b..(blocks * (i + 1) / n) * b)
+            .collect()
+    }
+
+    /// The extents covering `range` (block-aligned; its end may be the padded
+    /// length), each at most `max_len` bytes (rounded down to whole blocks).
+    pub fn extents(&self, range: Range<u64>, max_len: usize) -> Result<Vec<Extent>> {
+        let b = self.block as u64;
+        if range.start % b != 0 || range.end % b != 0 || range.end > self.padded_len() {
+            return Err(Error::layout(format!(
+                "range {range:?} is not block-aligned ({b}) inside the padded file ({})",
+                self.padded_len()
+            )));
+        }
+        let step = crate::align::align_down(max_len as u64, b).max(b);
+        let mut out = Vec::with_capacity(((range.end - range.start) / step + 1) as usize);
+        let mut off = range.start;
+        while off < range.end {
+            let len = step.min(range.end - off);
+            out.push(Extent {
+                offset: off,
+                len: len as usize,
+            });
+            off += len;
+        }
+        Ok(out)
+    }
+
+    /// The segment pieces that make up `extent`, in file order. Bytes of the
+    /// extent not covered by any piece are zeros.
+    pub fn pieces(&self, extent: Extent) -> Vec<Piece> {
+        let start = extent.offset;
+        let end = start + extent.len as u64;
+        let first = self.segments.partition_point(|s| s.end() <= start);
+        let mut out = Vec::new();
+        for (i, s) in self.segments.iter().enumerate().skip(first) {
+            if s.offset >= end {
+                break;
+            }
+            let lo = s.offset.max(start);
+            let hi = s.end().min(end);
+            out.push(Piece {
+                segment: i,
+                seg_offset: lo - s.offset,
+                buf_offset: (lo - start) as usize,
+                len: (hi - lo) as usize,
+            });
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn bytes(offset: u64, b: &[u8]) -> Segment {
+        Segment {
+            offset,
+            source: Source::Bytes(b.to_vec()),
+            crc_id: None,
+        }
+    }
+
+    #[test]
+    fn rejects_overlap() {
+        let e = Layout::new(vec![bytes(0, &[1; 10]), bytes(5, &[2; 10])], 20, 4096).unwrap_err();
+        assert!(e.context.contains("overlaps"), "{e}");
+    }
+
+    #[test]
+    fn rejects_early_crc_slot() {
+        let segs = vec![
+            Segment { offset: 0, source: Source::Crc32(0), crc_id: None },
+            Segment { offset: 10, source: Source::Bytes(vec![1; 10]), crc_id: Some(0) },
+        ];
+        let e = Layout::new(segs, 20, 4096).unwrap_err();
+        assert!(e.context.contains("comes before"), "{e}");
+    }
+
+    #[test]
+    fn rejects_short_file_len_and_bad_block() {
+        assert!(Layout::new(vec![bytes(0, &[1; 10])], 5, 4096).is_err());
+        assert!(Layout::new(vec![], 5, 3000).is_err());
+    }
+
+    #[test]
+    fn empty_file() {
+        let l = Layout::new(vec![], 0, 4096).unwrap();
+        assert_eq!(l.padded_len(), 0);
+        assert!(l.extents(0..0, 1 << 20).unwrap().is_empty());
+        assert_eq!(l.split(3), vec![0..0, 0..0, 0..0]);
+    }
+
+    /// Random layouts: segment lengths and gaps, block and buffer sizes.
+    fn arb_layout() -> impl Strategy<Value = (Vec<(u64, usize)>, u64, usize, usize)> {
+        (
+            prop::collection::vec((0u64..9000, 1usize..20000), 0..40),
+            0u64..5000,
+            prop::sample::select(vec![512usize, 4096, 8192]),
+            1usize..40,
+        )
+            .prop_map(|(gl, trail, block, bufs)| {
+                let mut off = 0;
+                let mut segs = vec![];
+                for (gap, len) in gl {
+                    off += gap;
+                    segs.push((off, len));
+                    off += len as u64;
+                }
+                (segs, off + trail, block, bufs * block)
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn every_byte_exactly_once((segs, file_len, block, buf) in arb_layout(), parts in 1usize..7) {
+            let segments: Vec<Segment> = segs.iter().enumerate()
+                .map(|(i, &(o, l))| bytes(o, &vec![(i % 251 + 1) as u8; l]))
+                .collect();
+            let layout = Layout::new(segments, file_len, block).unwrap();
+            let padded = layout.padded_len();
+            prop_assert_eq!(padded % block as u64, 0);
+            prop_assert!(padded >= file_len && padded < file_len + block as u64);
+
+            let ranges = layout.split(parts);
+            prop_assert_eq!(ranges.len(), parts);
+            prop_assert_eq!(ranges[0].start, 0);
+            prop_assert_eq!(ranges[parts - 1].end, padded);
+            let sizes: Vec<u64> = ranges.iter().map(|r| r.end - r.start).collect();
+            prop_assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= block as u64);
+
+            let mut image = vec![0u8; padded as usize];
+            let mut written = vec![0u8; padded as usize];
+            for (k, r) in ranges.iter().enumerate() {
+                if k > 0 { prop_assert_eq!(ranges[k - 1].end, r.start); }
+                prop_assert_eq!(r.start % block as u64, 0);
+                for ext in layout.extents(r.clone(), buf).unwrap() {
+                    prop_assert_eq!(ext.offset % block as u64, 0);
+                    prop_assert_eq!(ext.len % block, 0);
+                    prop_assert!(ext.len <= buf && ext.len > 0);
+                    let mut last_end = 0usize;
+                    for p in layout.pieces(ext) {
+                        prop_assert!(p.buf_offset >= last_end);
+                        last_end = p.buf_offset + p.len;
+                        prop_assert!(last_end <= ext.len);
+                        let Source::Bytes(b) = &layout.segments()[p.segment].source else { unreachable!() };
+                        let at = ext.offset as usize + p.buf_offset;
+                        image[at..at + p.len].copy_from_slice(&b[p.seg_offset as usize..p.seg_offset as usize + p.len]);
+                    }
+                    for w in &mut written[ext.offset as usize..ext.offset as usize + ext.len] { *w += 1; }
+                }
+            }
+            prop_assert!(written.iter().all(|&w| w == 1));
+            let mut expect = vec![0u8; padded as usize];
+            for (i, &(o, l)) in segs.iter().enumerate() {
+                expect[o as usize..o as usize + l].fill((i % 251 + 1) as u8);
+            }
+            prop_assert_eq!(image, expect);
+        }
+    }
+}

@@ -1,0 +1,400 @@
+//! Write back ends: an io_uring ring, or a pool of threads doing `pwrite`.
+//!
+//! Both take [`Job`]s (one arena buffer to write at one offset) and hand the
+//! buffer back once every byte of it is on its way to the file, resubmitting
+//! short writes and turning a failed completion into an [`Error`] with its
+//! errno. Neither ever lets a buffer go back to the writer while the kernel
+//! may still read it: error paths call [`Sink::drain`] first.
+
+use crate::arena::Arena;
+use crate::error::{Error, Result};
+use io_uring::{opcode, types, IoUring};
+use std::os::fd::RawFd;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+/// One buffer's write.
+#[derive(Debug, Clone, Copy)]
+pub struct Job {
+    /// Arena buffer index (returned when the write is complete).
+    pub buf: usize,
+    pub ptr: *const u8,
+    pub len: usize,
+    pub offset: u64,
+}
+
+// SAFETY: a Job points into the arena, which outlives every sink use, and the
+// writer does not touch a buffer while its job is in flight.
+unsafe impl Send for Job {}
+
+/// A fault to inject for tests: the write that covers `offset` completes
+/// with `-errno` instead of its real result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    pub offset: u64,
+    pub errno: i32,
+}
+
+impl Fault {
+    fn hits(fault: Option<Fault>, job: &Job) -> Option<i32> {
+        fault
+            .filter(|f| f.offset >= job.offset && f.offset < job.offset + job.len as u64)
+            .map(|f| f.errno)
+    }
+}
+
+fn write_error(errno: i32, job: &Job) -> Error {
+    Error::os(
+        errno,
+        format!("write of {} bytes at offset {}", job.len, job.offset),
+        None,
+    )
+}
+
+pub trait Sink {
+    /// Start writing `job` to `fd`.
+    fn submit(&mut self, fd: RawFd, job: Job) -> Result<()>;
+    /// Move the buffers whose writes completed into `free`. With `wait`,
+    /// block until at least one completes (if any is in flight).
+    fn reap(&mut self, free: &mut Vec<usize>, wait: bool) -> Result<()>;
+    /// Writes in flight.
+    fn inflight(&self) -> usize;
+    /// Wait for every write in flight, discarding results. Used on error
+    /// paths so no buffer is reused while the kernel may still read it.
+    fn drain(&mut self);
+    fn set_fault(&mut self, fault: Option<Fault>);
+}
+
+/// io_uring back end, driven from the writer's thread: submission is a
+/// memory store plus one syscall, and the kernel does the I/O asynchronously,
+/// so a separate thread would add a hop without adding parallelism.
+pub struct UringSink {
+    ring: IoUring,
+    /// Registered arena (WriteFixed) or plain writes.
+    fixed: Option<(usize, usize)>,
+    jobs: Vec<Option<(RawFd, Job)>>,
+    inflight: usize,
+    fault: Option<Fault>,
+}
+
+impl UringSink {
+    /// A ring with `entries` submission slots. Fails with EPERM/ENOSYS when
+    /// io_uring is disabled or filtered, ENOMEM when locked memory is short.
+    pub fn new(entries: u32) -> std::io::Result<Self> {
+        let ring = IoUring::new(entries.max(1).next_power_of_two())?;
+        Ok(UringSink {
+            ring,
+            fixed: None,
+            jobs: Vec::new(),
+            inflight: 0,
+            fault: None,
+        })
+    }
+
+    /// Register the arena as one fixed buffer so writes skip the per-I/O
+    /// page pinning. Returns the error when the kernel refuses (ENOMEM from
+    /// RLIMIT_MEMLOCK, EPERM); plain writes are used then.
+    pub fn register(&mut self, arena: &Arena) -> std::io::Result<()> {
+        let iov = libc::iovec {
+            iov_base: arena.as_ptr().cast(),
+            iov_len: arena.len(),
+        };
+        // SAFETY: the iovec describes the arena's live mapping. The engine
+        // owns both the ring and the arena and drops the ring first (field
+        // order in `Engine`), so the registration never outlives the memory.
+        unsafe { self.ring.submitter().register_buffers(&[iov])? };
+        self.fixed = Some((arena.as_ptr() as usize, arena.len()));
+        Ok(())
+    }
+
+    pub fn registered(&self) -> bool {
+        self.fixed.is_some()
+    }
+
+    fn push(&mut self, fd: RawFd, job: Job) -> Result<()> {
+        let within_fixed = self.fixed.is_some_and(|(base, len)| {
+            let p = job.ptr as usize;
+            p >= base && p + job.len <= base + len
+        });
+        let len = u32::try_from(job.len).map_err(|_| Error::option("write larger than 4 GiB"))?;
+        let entry = if within_fixed {
+            opcode::WriteFixed::new(types::Fd(fd), job.ptr, len, 0)
+                .offset(job.offset)
+                .build()
+        } else {
+            opcode::Write::new(types::Fd(fd), job.ptr, len)
+                .offset(job.offset)
+                .build()
+        }
+        .user_data(job.buf as u64);
+        if self.jobs.len() <= job.buf {
+            self.jobs.resize(job.buf + 1, None);
+        }
+        self.jobs[job.buf] = Some((fd, job));
+        loop {
+            // SAFETY: the entry points at `job.len` bytes of the arena (or of
+            // memory the caller keeps alive), which stay untouched until its
+            // completion is reaped; `fd` stays open until the sink is drained.
+            let pushed = unsafe { self.ring.submission().push(&entry) };
+            if pushed.is_ok() {
+                break;
+            }
+            // Submission queue full: hand the queued entries to the kernel.
+            self.ring
+                .submit()
+                .map_err(|e| Error::from_io(&e, "io_uring submit", None))?;
+        }
+        self.ring
+            .submit()
+            .map_err(|e| Error::from_io(&e, "io_uring submit", None))?;
+        Ok(())
+    }
+
+    fn wait_one(&mut self) -> Result<()> {
+        loop {
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => return Ok(()),
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
+                    ) =>
+                {
+                    continue
+                }
+                Err(e) => return Err(Error::from_io(&e, "io_uring wait", None)),
+            }
+        }
+    }
+}
+
+impl Sink for UringSink {
+    fn submit(&mut self, fd: RawFd, job: Job) -> Result<()> {
+        self.push(fd, job)?;
+        self.inflight += 1;
+        Ok(())
+    }
+
+    fn reap(&mut self, free: &mut Vec<usize>, wait: bool) -> Result<()> {
+        if wait && self.inflight > 0 {
+            self.wait_one()?;
+        }
+        let done: Vec<(u64, i32)> = self
+            .ring
+            .completion()
+            .map(|c| (c.user_data(), c.result()))
+            .collect();
+        let mut first_err = None;
+        for (ud, res) in done {
+            let buf = ud as usize;
+            let Some((fd, job)) = self.jobs.get_mut(buf).and_then(Option::take) else {
+                continue;
+            };
+            let res = match Fault::hits(self.fault, &job) {
+                Some(errno) => -errno,
+                None => res,
+            };
+            if res < 0 || (res == 0 && job.len > 0) {
+                self.inflight -= 1;
+                let errno = if res < 0 { -res } else { libc::EIO };
+                first_err.get_or_insert(write_error(errno, &job));
+            } else if (res as usize) < job.len {
+                // Short write: resubmit the rest.
+                let n = res as usize;
+                let rest = Job {
+                    buf: job.buf,
+                    // SAFETY: n < job.len, so the pointer stays in the buffer.
+                    ptr: unsafe { job.ptr.add(n) },
+                    len: job.len - n,
+                    offset: job.offset + n as u64,
+                };
+                if let Err(e) = self.push(fd, rest) {
+                    self.inflight -= 1;
+                    first_err.get_or_insert(e);
+                }
+            } else {
+                self.inflight -= 1;
+                free.push(buf);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn inflight(&self) -> usize {
+        self.inflight
+    }
+
+    fn drain(&mut self) {
+        while self.inflight > 0 {
+            if self.wait_one().is_err() {
+                // Cannot wait on the ring: nothing safe is left but to stop
+                // using it; the engine discards the ring and the arena is
+                // only freed after the ring (which cancels its requests).
+                self.inflight = 0;
+                break;
+            }
+            let done: Vec<u64> = self.ring.completion().map(|c| c.user_data()).collect();
+            for ud in done {
+                if let Some(slot) = self.jobs.get_mut(ud as usize) {
+                    if slot.take().is_some() {
+                        self.inflight -= 1;
+                    }
+                }
+            }
+        }
+        self.jobs.iter_mut().for_each(|j| *j = None);
+    }
+
+    fn set_fault(&mut self, fault: Option<Fault>) {
+        self.fault = fault;
+    }
+}
+
+type Done = (usize, std::result::Result<(), Error>);
+
+/// Positional-write thread pool: the fallback when io_uring is unavailable
+/// (disabled by `kernel.io_uring_disabled`, filtered by seccomp, too old).
+pub struct PoolSink {
+    jobs: Option<Sender<(RawFd, Job, Option<Fault>)>>,
+    done: Receiver<Done>,
+    workers: Vec<JoinHandle<()>>,
+    inflight: usize,
+    fault: Option<Fault>,
+}
+
+impl PoolSink {
+    pub fn new(threads: usize) -> Self {
+        let (jtx, jrx) = channel::<(RawFd, Job, Option<Fault>)>();
+        let (dtx, drx) = channel::<Done>();
+        let jrx = Arc::new(Mutex::new(jrx));
+        let workers = (0..threads.max(1))
+            .map(|i| {
+                let jrx = Arc::clone(&jrx);
+                let dtx = dtx.clone();
+                std::thread::Builder::new()
+                    .name(format!("fastpersist-pwrite-{i}"))
+                    .spawn(move || loop {
+                        let next = jrx.lock().map(|rx| rx.recv());
+                        let Ok(Ok((fd, job, fault))) = next else { return };
+                        let res = match Fault::hits(fault, &job) {
+                            Some(errno) => Err(write_error(errno, &job)),
+                            None => pwrite_all(fd, &job),
+                        };
+                        if dtx.send((job.buf, res)).is_err() {
+                            return;
+                        }
+                    })
+                    .expect("spawn writer thread")
+            })
+            .collect();
+        PoolSink {
+            jobs: Some(jtx),
+            done: drx,
+            workers,
+            inflight: 0,
+            fault: None,
+        }
+    }
+
+    fn take(&mut self, d: Done, free: &mut Vec<usize>, err: &mut Option<Error>) {
+        self.inflight -= 1;
+        match d.1 {
+            Ok(()) => free.push(d.0),
+            Err(e) => {
+                err.get_or_insert(e);
+            }
+        }
+    }
+}
+
+fn pwrite_all(fd: RawFd, job: &Job) -> std::result::Result<(), Error> {
+    let mut done = 0usize;
+    while done < job.len {
+        // SAFETY: `job.ptr + done .. job.ptr + job.len` is inside the buffer
+        // the writer keeps untouched until this job is reported done.
+        let n = unsafe {
+            libc::pwrite(
+                fd,
+                job.ptr.add(done).cast(),
+                job.len - done,
+                (job.offset + done as u64) as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(write_error(e.raw_os_error().unwrap_or(libc::EIO), job));
+        }
+        if n == 0 {
+            return Err(write_error(libc::EIO, job));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+impl Sink for PoolSink {
+    fn submit(&mut self, fd: RawFd, job: Job) -> Result<()> {
+        let tx = self.jobs.as_ref().expect("pool is running");
+        tx.send((fd, job, self.fault))
+            .map_err(|_| Error::os(libc::EIO, "writer thread pool has stopped", None))?;
+        self.inflight += 1;
+        Ok(())
+    }
+
+    fn reap(&mut self, free: &mut Vec<usize>, wait: bool) -> Result<()> {
+        let mut err = None;
+        if wait && self.inflight > 0 {
+            match self.done.recv() {
+                Ok(d) => self.take(d, free, &mut err),
+                Err(_) => return Err(Error::os(libc::EIO, "writer thread pool has stopped", None)),
+            }
+        }
+        while let Ok(d) = self.done.try_recv() {
+            self.take(d, free, &mut err);
+        }
+        match err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn inflight(&self) -> usize {
+        self.inflight
+    }
+
+    fn drain(&mut self) {
+        while self.inflight > 0 {
+            if self.done.recv().is_err() {
+                break;
+            }
+            self.inflight -= 1;
+        }
+    }
+
+    fn set_fault(&mut self, fault: Option<Fault>) {
+        self.fault = fault;
+    }
+}
+
+impl Drop for PoolSink {
+    fn drop(&mut self) {
+        self.drain();
+        self.jobs = None;
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Drop for UringSink {
+    fn drop(&mut self) {
+        self.drain();
+    }
+}

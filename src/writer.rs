@@ -1,0 +1,333 @@
+//! The write engine: one save, from a [`Layout`] to a durable, committed file.
+//!
+//! ```text
+//!  caller memory ──gather+crc32──► arena buffer k ──WriteFixed/O_DIRECT──► temp file
+//!  (segments)      (this thread)   (aligned, locked)  (io_uring, async)       │
+//!                        ▲                                  │                 ▼
+//!                        └────── buffer k back when its ────┘   ftruncate, fsync, rename,
+//!                                completion is reaped                fsync(dir)
+//! ```
+//!
+//! The writer thread fills buffer k+1 while the device writes buffer k (and
+//! up to `queue_depth` more): the copy and the checksum overlap the I/O.
+
+use crate::align::{self, DioAlign};
+use crate::arena::Arena;
+use crate::commit::TempFile;
+use crate::error::{Error, Result};
+use crate::layout::{Extent, Layout, Segment, Source};
+use crate::sink::{Fault, Job, PoolSink, Sink, UringSink};
+use crc32fast::Hasher;
+use std::path::Path;
+use std::time::Instant;
+
+/// Tuning knobs. The defaults were chosen by measurement (see the README).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Bytes per write (one arena buffer); a multiple of the page size.
+    pub block_size: usize,
+    /// Total staging memory; `arena_bytes / block_size` buffers.
+    pub arena_bytes: usize,
+    /// Writes in flight at most.
+    pub queue_depth: usize,
+    /// Try O_DIRECT (falls back to buffered writes when refused).
+    pub direct: bool,
+    /// Try io_uring (falls back to a pwrite thread pool when unavailable).
+    pub io_uring: bool,
+    /// Register the arena with io_uring (WriteFixed).
+    pub register_buffers: bool,
+    /// mlock the arena.
+    pub lock_memory: bool,
+    /// Threads of the pwrite fallback pool.
+    pub pool_threads: usize,
+    /// fsync the file and the directory (off only for benchmarks of the
+    /// non-durable case; a checkpoint should always be durable).
+    pub durable: bool,
+    /// Test hook: the write covering this offset fails with this errno.
+    pub fault: Option<Fault>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            block_size: 4 << 20,
+            arena_bytes: 32 << 20,
+            queue_depth: 8,
+            direct: true,
+            io_uring: true,
+            register_buffers: true,
+            lock_memory: true,
+            pool_threads: 4,
+            durable: true,
+            fault: None,
+        }
+    }
+}
+
+impl Options {
+    fn validate(&self) -> Result<()> {
+        let page = crate::arena::page_size();
+        if self.block_size == 0 || self.block_size % page != 0 {
+            return Err(Error::option(format!(
+                "block_size {} must be a positive multiple of {page}",
+                self.block_size
+            )));
+        }
+        if self.block_size > (1 << 30) {
+            return Err(Error::option("block_size must be at most 1 GiB"));
+        }
+        if self.arena_bytes < self.block_size {
+            return Err(Error::option(format!(
+                "arena_bytes {} must hold at least one block of {}",
+                self.arena_bytes, self.block_size
+            )));
+        }
+        if self.queue_depth == 0 || self.queue_depth > 4096 {
+            return Err(Error::option("queue_depth must be in 1..=4096"));
+        }
+        Ok(())
+    }
+}
+
+/// What one save did.
+#[derive(Debug, Clone, Default)]
+pub struct WriteStats {
+    /// True length of the file.
+    pub bytes: u64,
+    pub seconds: f64,
+    pub direct: bool,
+    pub io_uring: bool,
+    pub registered: bool,
+    pub locked: bool,
+    /// O_DIRECT block size used.
+    pub block: usize,
+    /// Why O_DIRECT was not used, when it was asked for.
+    pub direct_note: Option<String>,
+    /// Why io_uring was not used, when it was asked for.
+    pub uring_note: Option<String>,
+    /// CRC32 of each checksum id.
+    pub crcs: Vec<u32>,
+}
+
+/// A reusable writer: the arena, the ring and the fallback pool live across
+/// saves, so a save allocates nothing proportional to the checkpoint.
+pub struct Engine {
+    // Field order matters: the ring (holding the arena's registration) and
+    // the pool (whose threads may hold jobs) are dropped before the arena.
+    uring: Option<UringSink>,
+    pool: Option<PoolSink>,
+    arena: Arena,
+    opts: Options,
+    uring_note: Option<String>,
+}
+
+impl Engine {
+    pub fn new(opts: Options) -> Result<Self> {
+        opts.validate()?;
+        let nbufs = opts.arena_bytes / opts.block_size;
+        let arena = Arena::new(opts.block_size, nbufs, opts.lock_memory)?;
+        let mut uring_note = None;
+        let uring = if opts.io_uring {
+            match UringSink::new(opts.queue_depth.min(nbufs) as u32) {
+                Ok(mut u) => {
+                    if opts.register_buffers {
+                        // Unregistered writes still work: only the per-I/O
+                        // page pinning is saved by registering.
+                        let _ = u.register(&arena);
+                    }
+                    Some(u)
+                }
+                Err(e) => {
+                    uring_note = Some(format!("io_uring is unavailable ({e})"));
+                    None
+                }
+            }
+        } else {
+            uring_note = Some("io_uring was turned off by the caller".into());
+            None
+        };
+        Ok(Engine {
+            uring,
+            pool: None,
+            arena,
+            opts,
+            uring_note,
+        })
+    }
+
+    pub fn options(&self) -> &Options {
+        &self.opts
+    }
+
+    pub fn arena(&self) -> &Arena {
+        &self.arena
+    }
+
+    pub fn uses_io_uring(&self) -> bool {
+        self.uring.is_some()
+    }
+
+    pub fn set_fault(&mut self, fault: Option<Fault>) {
+        self.opts.fault = fault;
+    }
+
+    /// Write the file described by `segments` (true length `file_len`) to
+    /// `path`, durably and atomically.
+    pub fn write_file(&mut self, path: &Path, segments: Vec<Segment>, file_len: u64) -> Result<WriteStats> {
+        let t0 = Instant::now();
+        let (dir, _) = crate::commit::split_target(path)?;
+        let dio = if self.opts.direct {
+            align::probe(&dir)
+        } else {
+            DioAlign::fallback()
+        };
+        if dio.block > self.opts.block_size {
+            return Err(Error::option(format!(
+                "the file system needs {}-byte O_DIRECT blocks, more than block_size {}",
+                dio.block, self.opts.block_size
+            )));
+        }
+        let layout = Layout::new(segments, file_len, dio.block)?;
+        let (mut tmp, mut direct_note) = TempFile::create(path, self.opts.direct)?;
+        if !self.opts.direct {
+            direct_note = Some("O_DIRECT was turned off by the caller".into());
+        }
+        tmp.preallocate(layout.padded_len())?;
+        if tmp.is_direct() && layout.padded_len() > 0 {
+            if let Some(why) = self.probe_direct(&tmp, dio.block)? {
+                tmp.clear_direct()?;
+                direct_note = Some(why);
+            }
+        }
+
+        let fault = self.opts.fault;
+        let sink: &mut dyn Sink = match self.uring.as_mut() {
+            Some(u) => u,
+            None => self
+                .pool
+                .get_or_insert_with(|| PoolSink::new(self.opts.pool_threads)),
+        };
+        sink.set_fault(fault);
+        let mut hashers = vec![Hasher::new(); layout.crc_ids() as usize];
+        let res = pump(&layout, &mut self.arena, sink, tmp.fd(), self.opts.queue_depth, &mut hashers);
+        if let Err(mut e) = res {
+            sink.drain();
+            e.path.get_or_insert_with(|| tmp.temp_path().to_path_buf());
+            return Err(e);
+        }
+        let direct = tmp.is_direct();
+        tmp.commit(layout.file_len(), self.opts.durable).map_err(|mut e| {
+            e.path.get_or_insert_with(|| path.to_path_buf());
+            e
+        })?;
+        Ok(WriteStats {
+            bytes: layout.file_len(),
+            seconds: t0.elapsed().as_secs_f64(),
+            direct,
+            io_uring: self.uring.is_some(),
+            registered: self.uring.as_ref().is_some_and(UringSink::registered),
+            locked: self.arena.locked(),
+            block: dio.block,
+            direct_note,
+            uring_note: self.uring_note.clone(),
+            crcs: hashers.into_iter().map(Hasher::finalize).collect(),
+        })
+    }
+
+    /// Write one zero block at offset 0 (which the real data overwrites) to
+    /// learn whether the file system takes O_DIRECT writes. Returns why not.
+    fn probe_direct(&mut self, tmp: &TempFile, block: usize) -> Result<Option<String>> {
+        let buf = &mut self.arena.buf_mut(0)[..block];
+        buf.fill(0);
+        // SAFETY: writing `block` bytes from the start of an arena buffer,
+        // which is page-aligned and at least `block` long, to our own fd.
+        let n = unsafe { libc::pwrite(tmp.fd(), buf.as_ptr().cast(), block, 0) };
+        if n == block as isize {
+            return Ok(None);
+        }
+        let e = std::io::Error::last_os_error();
+        if n < 0 && e.raw_os_error() == Some(libc::EINVAL) {
+            return Ok(Some("the file system refused an O_DIRECT write (EINVAL)".into()));
+        }
+        Err(Error::from_io(&e, "probe write failed", Some(tmp.temp_path())))
+    }
+}
+
+/// Gather every extent into arena buffers and hand them to the sink,
+/// keeping up to `qd` writes in flight.
+fn pump(
+    layout: &Layout,
+    arena: &mut Arena,
+    sink: &mut dyn Sink,
+    fd: i32,
+    qd: usize,
+    hashers: &mut [Hasher],
+) -> Result<()> {
+    let extents = layout.extents(0..layout.padded_len(), arena.buf_size())?;
+    let mut free: Vec<usize> = (0..arena.nbufs()).rev().collect();
+    for ext in extents {
+        while free.is_empty() || sink.inflight() >= qd {
+            sink.reap(&mut free, true)?;
+        }
+        let b = free.pop().expect("a free buffer");
+        gather(layout, ext, &mut arena.buf_mut(b)[..ext.len], hashers);
+        sink.submit(
+            fd,
+            Job {
+                buf: b,
+                ptr: arena.buf_ptr(b),
+                len: ext.len,
+                offset: ext.offset,
+            },
+        )?;
+        sink.reap(&mut free, false)?;
+    }
+    while sink.inflight() > 0 {
+        sink.reap(&mut free, true)?;
+    }
+    Ok(())
+}
+
+/// Checksum-then-copy in cache-sized steps, so the copy reads what the
+/// checksum just brought into cache.
+const STEP: usize = 256 << 10;
+
+/// Fill `buf` with the bytes of `ext`, feeding the checksums.
+pub fn gather(layout: &Layout, ext: Extent, buf: &mut [u8], hashers: &mut [Hasher]) {
+    debug_assert_eq!(buf.len(), ext.len);
+    let mut pos = 0;
+    for p in layout.pieces(ext) {
+        buf[pos..p.buf_offset].fill(0);
+        let seg = &layout.segments()[p.segment];
+        let dst = &mut buf[p.buf_offset..p.buf_offset + p.len];
+        let so = p.seg_offset as usize;
+        match &seg.source {
+            Source::Bytes(b) => {
+                let src = &b[so..so + p.len];
+                if let Some(id) = seg.crc_id {
+                    hashers[id as usize].update(src);
+                }
+                dst.copy_from_slice(src);
+            }
+            Source::Mem(m) => {
+                let src = m.slice(so, p.len);
+                match seg.crc_id {
+                    Some(id) => {
+                        let h = &mut hashers[id as usize];
+                        for (d, s) in dst.chunks_mut(STEP).zip(src.chunks(STEP)) {
+                            h.update(s);
+                            d.copy_from_slice(s);
+                        }
+                    }
+                    None => dst.copy_from_slice(src),
+                }
+            }
+            Source::Crc32(id) => {
+                let v = hashers[*id as usize].clone().finalize().to_le_bytes();
+                dst.copy_from_slice(&v[so..so + p.len]);
+            }
+        }
+        pos = p.buf_offset + p.len;
+    }
+    buf[pos..].fill(0);
+}

@@ -1,0 +1,148 @@
+//! End-to-end tests of the write engine on the real file system, on every
+//! back-end combination (io_uring / pwrite pool, O_DIRECT / buffered).
+
+use fastpersist::sink::Fault;
+use fastpersist::{Engine, MemRef, Options, Segment, Source};
+use std::path::Path;
+
+fn combos() -> Vec<Options> {
+    let mut v = vec![];
+    for io_uring in [true, false] {
+        for direct in [true, false] {
+            for register_buffers in [true, false] {
+                v.push(Options {
+                    io_uring,
+                    direct,
+                    register_buffers,
+                    block_size: 64 << 10,
+                    arena_bytes: 256 << 10,
+                    queue_depth: 3,
+                    ..Options::default()
+                });
+            }
+        }
+    }
+    v
+}
+
+/// A file made of a header, a big memory region with its CRC slot after it,
+/// an odd-sized memory region, and a trailer; returns (segments, expected bytes).
+fn sample(big: &[u8], odd: &[u8]) -> (Vec<Segment>, Vec<u8>, u64) {
+    let mut expect = vec![0u8; 0];
+    let mut segs = vec![];
+    let mut put = |off: u64, src: Source, crc: Option<u32>, bytes: &[u8]| {
+        segs.push(Segment { offset: off, source: src, crc_id: crc });
+        let end = off as usize + bytes.len();
+        if expect.len() < end {
+            expect.resize(end, 0);
+        }
+        expect[off as usize..end].copy_from_slice(bytes);
+    };
+    put(0, Source::Bytes(b"HEAD".to_vec()), None, b"HEAD");
+    // SAFETY: `big` and `odd` outlive every use of the segments in the tests.
+    let (bm, om) = unsafe { (MemRef::new(big.as_ptr(), big.len()), MemRef::new(odd.as_ptr(), odd.len())) };
+    put(4096, Source::Mem(bm), Some(0), big);
+    let after_big = 4096 + big.len() as u64;
+    put(after_big, Source::Crc32(0), None, &crc32fast::hash(big).to_le_bytes());
+    let odd_at = after_big + 4 + 13;
+    put(odd_at, Source::Mem(om), Some(1), odd);
+    let tail_at = odd_at + odd.len() as u64;
+    put(tail_at, Source::Crc32(1), None, &crc32fast::hash(odd).to_le_bytes());
+    put(tail_at + 4, Source::Crc32(0), None, &crc32fast::hash(big).to_le_bytes());
+    let file_len = tail_at + 8 + 3; // three trailing zeros
+    expect.resize(file_len as usize, 0);
+    (segs, expect, file_len)
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n).map(|i| (i * 131 + seed as usize) as u8).collect()
+}
+
+#[test]
+fn writes_exact_bytes_on_every_backend() {
+    let big = pattern(1_000_003, 7);
+    let odd = pattern(70_001, 9);
+    for opts in combos() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("out.bin");
+        std::fs::write(&target, vec![0xEEu8; 3_000_000]).unwrap(); // older, larger file
+        let (segs, expect, len) = sample(&big, &odd);
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        let st = eng.write_file(&target, segs, len).unwrap();
+        let got = std::fs::read(&target).unwrap();
+        assert_eq!(got.len(), expect.len(), "{opts:?}");
+        assert!(got == expect, "content differs for {opts:?}");
+        assert_eq!(st.bytes, len);
+        assert_eq!(st.io_uring, opts.io_uring);
+        assert_eq!(st.crcs, vec![crc32fast::hash(&big), crc32fast::hash(&odd)]);
+        if !opts.direct {
+            assert!(!st.direct);
+        }
+        // Reuse the engine for a second file.
+        let (segs, expect, len) = sample(&big, &odd);
+        eng.write_file(&d.path().join("again.bin"), segs, len).unwrap();
+        assert!(std::fs::read(d.path().join("again.bin")).unwrap() == expect);
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 2, "stray files");
+    }
+}
+
+#[test]
+fn empty_and_tiny_files() {
+    let d = tempfile::tempdir().unwrap();
+    let mut eng = Engine::new(Options::default()).unwrap();
+    eng.write_file(&d.path().join("empty"), vec![], 0).unwrap();
+    assert_eq!(std::fs::read(d.path().join("empty")).unwrap().len(), 0);
+    let segs = vec![Segment { offset: 1, source: Source::Bytes(vec![5]), crc_id: None }];
+    eng.write_file(&d.path().join("tiny"), segs, 2).unwrap();
+    assert_eq!(std::fs::read(d.path().join("tiny")).unwrap(), vec![0, 5]);
+}
+
+fn only(d: &Path) -> Vec<String> {
+    std::fs::read_dir(d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+#[test]
+fn injected_eio_keeps_old_file_and_leaves_no_temp() {
+    let big = pattern(900_000, 1);
+    let odd = pattern(10, 2);
+    for mut opts in combos() {
+        opts.fault = Some(Fault { offset: 300_000, errno: libc::EIO });
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("ckpt");
+        std::fs::write(&target, b"previous").unwrap();
+        let (segs, _, len) = sample(&big, &odd);
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        let e = eng.write_file(&target, segs, len).unwrap_err();
+        assert_eq!(e.errno, Some(libc::EIO), "{opts:?}");
+        assert!(e.to_string().contains("offset"), "{e}");
+        assert_eq!(std::fs::read(&target).unwrap(), b"previous");
+        assert_eq!(only(d.path()), vec!["ckpt"]);
+        // The engine is still usable after the failure.
+        eng.set_fault(None);
+        let (segs, expect, len) = sample(&big, &odd);
+        eng.write_file(&target, segs, len).unwrap();
+        assert!(std::fs::read(&target).unwrap() == expect);
+    }
+}
+
+#[test]
+fn missing_directory_is_enoent_with_path() {
+    let mut eng = Engine::new(Options::default()).unwrap();
+    let e = eng.write_file(Path::new("/nonexistent-dir/x.pt"), vec![], 10).unwrap_err();
+    assert_eq!(e.errno, Some(libc::ENOENT));
+    assert!(e.to_string().contains("/nonexistent-dir"), "{e}");
+}
+
+#[test]
+fn bad_options_are_rejected() {
+    for o in [
+        Options { block_size: 1000, ..Options::default() },
+        Options { arena_bytes: 4096, ..Options::default() },
+        Options { queue_depth: 0, ..Options::default() },
+    ] {
+        assert!(Engine::new(o).is_err());
+    }
+}
