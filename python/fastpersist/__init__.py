@@ -1,0 +1,23 @@
+"""fastpersist: write deep-learning checkpoints at the speed of the disk.
+
+>>> import fastpersist
+>>> stats = fastpersist.write_state_dict(model.state_dict(), "ckpt.pt")  # doctest: +SKIP
+>>> torch.load("ckpt.pt")                                                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from ._core import __version__
+from .errors import FallbackWarning, FastPersistError, SerializationError, WriteError
+from .writer import WriteStats, release_engines, write_state_dict
+
+__all__ = [
+    "__version__",
+    "write_state_dict",
+    "WriteStats",
+    "WriteError",
+    "SerializationError",
+    "FastPersistError",
+    "FallbackWarning",
+    "release_engines",
+]

@@ -1,0 +1,54 @@
+"""Type stubs for the Rust extension ``fastpersist._core``."""
+
+from os import PathLike
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+__version__: str
+TEMP_MARKER: str
+
+class WriteError(OSError):
+    """An I/O error while writing a checkpoint (errno, strerror, filename)."""
+
+class Engine:
+    def __init__(
+        self,
+        *,
+        block_size: int = ...,
+        arena_bytes: int = ...,
+        queue_depth: int = ...,
+        direct: bool = ...,
+        io_uring: bool = ...,
+        register_buffers: bool = ...,
+        lock_memory: bool = ...,
+        pool_threads: int = ...,
+        durable: bool = ...,
+    ) -> None: ...
+    @property
+    def arena_ptr(self) -> int: ...
+    @property
+    def arena_bytes(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def uses_io_uring(self) -> bool: ...
+    @property
+    def locked(self) -> bool: ...
+    def set_fault(self, offset: Optional[int] = None, errno: int = ...) -> None: ...
+    def write_file(
+        self,
+        path: Union[str, PathLike[str]],
+        blobs: List[Tuple[int, bytes]],
+        regions: List[Tuple[int, int, int, int]],
+        slots: List[Tuple[int, int]],
+        file_len: int,
+    ) -> Dict[str, Any]: ...
+
+def partition(
+    segments: List[Tuple[int, int]],
+    file_len: int,
+    block: int,
+    max_len: int,
+    parts: int = 1,
+) -> List[Tuple[Tuple[int, int], List[Tuple[int, int, List[Tuple[int, int, int, int]]]]]]: ...
+def dio_alignment(path: Union[str, PathLike[str]]) -> Tuple[int, int, int, bool]: ...
+def crc32(data: bytes) -> int: ...

@@ -1,0 +1,264 @@
+//! The thin PyO3 binding: converts Python values to core types, releases
+//! the GIL around all I/O, and maps core errors to Python exceptions.
+//! No logic lives here.
+
+use crate::align;
+use crate::error::{Error, ErrorKind};
+use crate::layout::{Layout, MemRef, Segment, Source};
+use crate::sink::Fault;
+use crate::writer::{Engine, Options, WriteStats};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+create_exception!(
+    _core,
+    WriteError,
+    PyOSError,
+    "An I/O error while writing a checkpoint; carries errno and filename."
+);
+
+fn to_py(e: Error) -> PyErr {
+    match e.kind {
+        ErrorKind::Os => {
+            let errno = e.errno.unwrap_or(libc::EIO);
+            let msg = format!("{} ({})", e.strerror(), e.context);
+            match e.path {
+                Some(p) => WriteError::new_err((errno, msg, p.display().to_string())),
+                None => WriteError::new_err((errno, msg)),
+            }
+        }
+        ErrorKind::InvalidLayout | ErrorKind::InvalidOption => PyValueError::new_err(e.to_string()),
+    }
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &WriteStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("bytes", s.bytes)?;
+    d.set_item("seconds", s.seconds)?;
+    d.set_item("direct", s.direct)?;
+    d.set_item("io_uring", s.io_uring)?;
+    d.set_item("registered", s.registered)?;
+    d.set_item("locked", s.locked)?;
+    d.set_item("block", s.block)?;
+    d.set_item("direct_note", s.direct_note.clone())?;
+    d.set_item("uring_note", s.uring_note.clone())?;
+    d.set_item("crcs", s.crcs.clone())?;
+    Ok(d)
+}
+
+/// A reusable writer: staging arena, io_uring ring, fallback pool.
+#[pyclass(module = "fastpersist._core", name = "Engine", frozen)]
+struct PyEngine {
+    inner: Mutex<Engine>,
+    arena_ptr: usize,
+    arena_bytes: usize,
+    block_size: usize,
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (*, block_size=4<<20, arena_bytes=32<<20, queue_depth=8, direct=true,
+        io_uring=true, register_buffers=true, lock_memory=true, pool_threads=4, durable=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        block_size: usize,
+        arena_bytes: usize,
+        queue_depth: usize,
+        direct: bool,
+        io_uring: bool,
+        register_buffers: bool,
+        lock_memory: bool,
+        pool_threads: usize,
+        durable: bool,
+    ) -> PyResult<Self> {
+        let opts = Options {
+            block_size,
+            arena_bytes,
+            queue_depth,
+            direct,
+            io_uring,
+            register_buffers,
+            lock_memory,
+            pool_threads,
+            durable,
+            fault: None,
+        };
+        let eng = Engine::new(opts).map_err(to_py)?;
+        Ok(PyEngine {
+            arena_ptr: eng.arena().as_ptr() as usize,
+            arena_bytes: eng.arena().len(),
+            block_size,
+            inner: Mutex::new(eng),
+        })
+    }
+
+    /// Address of the staging arena (for cudaHostRegister).
+    #[getter]
+    fn arena_ptr(&self) -> usize {
+        self.arena_ptr
+    }
+
+    #[getter]
+    fn arena_bytes(&self) -> usize {
+        self.arena_bytes
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    #[getter]
+    fn uses_io_uring(&self) -> bool {
+        self.inner.lock().map(|e| e.uses_io_uring()).unwrap_or(false)
+    }
+
+    #[getter]
+    fn locked(&self) -> bool {
+        self.inner.lock().map(|e| e.arena().locked()).unwrap_or(false)
+    }
+
+    /// Test hook: make the write that covers `offset` fail with `errno`.
+    #[pyo3(signature = (offset=None, errno=libc::EIO))]
+    fn set_fault(&self, offset: Option<u64>, errno: i32) {
+        if let Ok(mut e) = self.inner.lock() {
+            e.set_fault(offset.map(|offset| Fault { offset, errno }));
+        }
+    }
+
+    /// Write a file and commit it. `blobs`: (offset, bytes); `regions`:
+    /// (offset, address, length, checksum id or -1), memory the caller keeps
+    /// alive and valid for the whole call; `slots`: (offset, checksum id).
+    fn write_file<'py>(
+        &self,
+        py: Python<'py>,
+        path: PathBuf,
+        blobs: Vec<(u64, Bound<'py, PyBytes>)>,
+        regions: Vec<(u64, usize, usize, i64)>,
+        slots: Vec<(u64, u32)>,
+        file_len: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let segments = build_segments(blobs, regions, slots)?;
+        let stats = py.allow_threads(|| {
+            let mut eng = self
+                .inner
+                .lock()
+                .map_err(|_| Error::option("engine poisoned by an earlier panic"))?;
+            eng.write_file(&path, segments, file_len)
+        });
+        stats_dict(py, &stats.map_err(to_py)?)
+    }
+}
+
+fn build_segments(
+    blobs: Vec<(u64, Bound<'_, PyBytes>)>,
+    regions: Vec<(u64, usize, usize, i64)>,
+    slots: Vec<(u64, u32)>,
+) -> PyResult<Vec<Segment>> {
+    let mut segs = Vec::with_capacity(blobs.len() + regions.len() + slots.len());
+    for (offset, b) in blobs {
+        segs.push(Segment {
+            offset,
+            source: Source::Bytes(b.as_bytes().to_vec()),
+            crc_id: None,
+        });
+    }
+    for (offset, ptr, len, crc) in regions {
+        if ptr == 0 && len > 0 {
+            return Err(PyValueError::new_err(format!(
+                "memory region at file offset {offset} has a null address"
+            )));
+        }
+        let crc_id = u32::try_from(crc).ok();
+        // SAFETY: the Python caller (fastpersist.serialization) holds a
+        // reference to every tensor storage named here for the whole call,
+        // so the memory stays allocated and readable while we write.
+        let m = unsafe { MemRef::new(ptr as *const u8, len) };
+        segs.push(Segment {
+            offset,
+            source: Source::Mem(m),
+            crc_id,
+        });
+    }
+    for (offset, id) in slots {
+        segs.push(Segment {
+            offset,
+            source: Source::Crc32(id),
+            crc_id: None,
+        });
+    }
+    Ok(segs)
+}
+
+/// Partition a file of `(offset, length)` segments: returns, for each of
+/// `parts` parts, its byte range and its extents `(offset, length, pieces)`,
+/// pieces being `(segment index, offset in segment, offset in extent, length)`.
+/// Segment indices refer to the segments sorted by offset.
+#[pyfunction]
+#[pyo3(signature = (segments, file_len, block, max_len, parts=1))]
+#[allow(clippy::type_complexity)]
+fn partition(
+    segments: Vec<(u64, usize)>,
+    file_len: u64,
+    block: usize,
+    max_len: usize,
+    parts: usize,
+) -> PyResult<Vec<((u64, u64), Vec<(u64, usize, Vec<(usize, u64, usize, usize)>)>)>> {
+    let segs = segments
+        .into_iter()
+        .map(|(offset, len)| Segment {
+            offset,
+            source: Source::Bytes(vec![0; len]),
+            crc_id: None,
+        })
+        .collect();
+    let layout = Layout::new(segs, file_len, block).map_err(to_py)?;
+    let mut out = vec![];
+    for r in layout.split(parts) {
+        let exts = layout
+            .extents(r.clone(), max_len)
+            .map_err(to_py)?
+            .into_iter()
+            .map(|e| {
+                let pieces = layout
+                    .pieces(e)
+                    .into_iter()
+                    .map(|p| (p.segment, p.seg_offset, p.buf_offset, p.len))
+                    .collect();
+                (e.offset, e.len, pieces)
+            })
+            .collect();
+        out.push(((r.start, r.end), exts));
+    }
+    Ok(out)
+}
+
+/// `(mem_align, offset_align, block, from_statx)` for a directory.
+#[pyfunction]
+fn dio_alignment(path: PathBuf) -> (u32, u32, usize, bool) {
+    let a = align::probe(&path);
+    (a.mem_align, a.offset_align, a.block, a.from_statx)
+}
+
+/// CRC32 (same polynomial as zlib), SIMD-accelerated; releases the GIL.
+#[pyfunction]
+fn crc32(py: Python<'_>, data: &[u8]) -> u32 {
+    py.allow_threads(|| crc32fast::hash(data))
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyEngine>()?;
+    m.add("WriteError", m.py().get_type::<WriteError>())?;
+    m.add_function(wrap_pyfunction!(partition, m)?)?;
+    m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32, m)?)?;
+    m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
