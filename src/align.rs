@@ -38,24 +38,27 @@ impl DioAlign {
     }
 }
 
-/// Probe `path` (a directory or file) for its direct-I/O alignment.
+/// Probe `path` for its direct-I/O alignment. File systems report it for
+/// regular files (ext4 does not for directories): probe the file itself
+/// when it exists, e.g. the temporary file of a save ([`probe_fd`]).
 pub fn probe(path: &Path) -> DioAlign {
     let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
         return DioAlign::fallback();
     };
+    statx_dio(libc::AT_FDCWD, &c, 0)
+}
+
+/// Probe an open file for its direct-I/O alignment.
+pub fn probe_fd(fd: std::os::fd::RawFd) -> DioAlign {
+    statx_dio(fd, c"", libc::AT_EMPTY_PATH)
+}
+
+fn statx_dio(dirfd: i32, path: &std::ffi::CStr, flags: i32) -> DioAlign {
     // SAFETY: `statx` is plain old data; all-zero is a valid value.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a valid NUL-terminated string and `stx` a valid, writable
-    // statx buffer that lives across the call.
-    let rc = unsafe {
-        libc::statx(
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            0,
-            libc::STATX_DIOALIGN,
-            &mut stx,
-        )
-    };
+    // SAFETY: `path` is a valid NUL-terminated string and `stx` a valid,
+    // writable statx buffer that lives across the call.
+    let rc = unsafe { libc::statx(dirfd, path.as_ptr(), flags, libc::STATX_DIOALIGN, &mut stx) };
     if rc != 0 || stx.stx_mask & libc::STATX_DIOALIGN == 0 || stx.stx_dio_offset_align == 0 {
         return DioAlign::fallback();
     }
@@ -93,6 +96,15 @@ mod tests {
             assert_eq!(a.block % a.offset_align as usize, 0);
             assert_eq!(a.block % a.mem_align.max(1) as usize, 0);
         }
+    }
+
+    #[test]
+    fn probe_regular_file() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let by_path = probe(f.path());
+        use std::os::fd::AsRawFd;
+        assert_eq!(probe_fd(f.as_file().as_raw_fd()), by_path);
+        assert!(by_path.block >= MIN_BLOCK);
     }
 
     #[test]

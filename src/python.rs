@@ -87,6 +87,7 @@ impl PyEngine {
             pool_threads,
             durable,
             fault: None,
+            refuse_direct: false,
         };
         let eng = Engine::new(opts).map_err(to_py)?;
         Ok(PyEngine {
@@ -123,11 +124,12 @@ impl PyEngine {
         self.inner.lock().map(|e| e.arena().locked()).unwrap_or(false)
     }
 
-    /// Test hook: make the write that covers `offset` fail with `errno`.
-    #[pyo3(signature = (offset=None, errno=libc::EIO))]
-    fn set_fault(&self, offset: Option<u64>, errno: i32) {
+    /// Test hooks: make the write that covers `offset` fail with `errno`;
+    /// with `refuse_direct`, act as if the file system refused O_DIRECT.
+    #[pyo3(signature = (offset=None, errno=libc::EIO, refuse_direct=false))]
+    fn set_fault(&self, offset: Option<u64>, errno: i32, refuse_direct: bool) {
         if let Ok(mut e) = self.inner.lock() {
-            e.set_fault(offset.map(|offset| Fault { offset, errno }));
+            e.set_fault(offset.map(|offset| Fault { offset, errno }), refuse_direct);
         }
     }
 

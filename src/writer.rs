@@ -45,6 +45,8 @@ pub struct Options {
     pub durable: bool,
     /// Test hook: the write covering this offset fails with this errno.
     pub fault: Option<Fault>,
+    /// Test hook: behave as if the file system refused O_DIRECT writes.
+    pub refuse_direct: bool,
 }
 
 impl Default for Options {
@@ -60,6 +62,7 @@ impl Default for Options {
             pool_threads: 4,
             durable: true,
             fault: None,
+            refuse_direct: false,
         }
     }
 }
@@ -167,17 +170,20 @@ impl Engine {
         self.uring.is_some()
     }
 
-    pub fn set_fault(&mut self, fault: Option<Fault>) {
+    /// Test hooks: fail the write covering an offset; act as if O_DIRECT
+    /// were refused by the file system.
+    pub fn set_fault(&mut self, fault: Option<Fault>, refuse_direct: bool) {
         self.opts.fault = fault;
+        self.opts.refuse_direct = refuse_direct;
     }
 
     /// Write the file described by `segments` (true length `file_len`) to
     /// `path`, durably and atomically.
     pub fn write_file(&mut self, path: &Path, segments: Vec<Segment>, file_len: u64) -> Result<WriteStats> {
         let t0 = Instant::now();
-        let (dir, _) = crate::commit::split_target(path)?;
+        let (mut tmp, mut direct_note) = TempFile::create(path, self.opts.direct)?;
         let dio = if self.opts.direct {
-            align::probe(&dir)
+            align::probe_fd(tmp.fd())
         } else {
             DioAlign::fallback()
         };
@@ -188,7 +194,6 @@ impl Engine {
             )));
         }
         let layout = Layout::new(segments, file_len, dio.block)?;
-        let (mut tmp, mut direct_note) = TempFile::create(path, self.opts.direct)?;
         if !self.opts.direct {
             direct_note = Some("O_DIRECT was turned off by the caller".into());
         }
@@ -239,6 +244,9 @@ impl Engine {
     fn probe_direct(&mut self, tmp: &TempFile, block: usize) -> Result<Option<String>> {
         let buf = &mut self.arena.buf_mut(0)[..block];
         buf.fill(0);
+        if self.opts.refuse_direct {
+            return Ok(Some("the file system refused an O_DIRECT write (EINVAL, injected)".into()));
+        }
         // SAFETY: writing `block` bytes from the start of an arena buffer,
         // which is page-aligned and at least `block` long, to our own fd.
         let n = unsafe { libc::pwrite(tmp.fd(), buf.as_ptr().cast(), block, 0) };

@@ -121,11 +121,25 @@ fn injected_eio_keeps_old_file_and_leaves_no_temp() {
         assert_eq!(std::fs::read(&target).unwrap(), b"previous");
         assert_eq!(only(d.path()), vec!["ckpt"]);
         // The engine is still usable after the failure.
-        eng.set_fault(None);
+        eng.set_fault(None, false);
         let (segs, expect, len) = sample(&big, &odd);
         eng.write_file(&target, segs, len).unwrap();
         assert!(std::fs::read(&target).unwrap() == expect);
     }
+}
+
+#[test]
+fn refused_direct_falls_back_to_buffered() {
+    let big = pattern(500_000, 3);
+    let odd = pattern(99, 4);
+    let d = tempfile::tempdir().unwrap();
+    let mut eng = Engine::new(Options::default()).unwrap();
+    eng.set_fault(None, true);
+    let (segs, expect, len) = sample(&big, &odd);
+    let st = eng.write_file(&d.path().join("f"), segs, len).unwrap();
+    assert!(!st.direct);
+    assert!(st.direct_note.unwrap().contains("refused"));
+    assert!(std::fs::read(d.path().join("f")).unwrap() == expect);
 }
 
 #[test]

@@ -112,6 +112,13 @@ def _pickle(obj: Any) -> Tuple[bytes, Dict[str, Any]]:
     storage_dtypes: Dict[int, torch.dtype] = {}
 
     def persistent_id(o: Any) -> Any:
+        if isinstance(o, torch.Tensor) and o.device.type == "meta":
+            # torch.save would store only the shape; a checkpoint of a tensor
+            # that was never materialized is almost surely a bug.
+            raise SerializationError(
+                "a tensor on the meta device has no data to save; "
+                "materialize it (e.g. module.to_empty(device='cpu')) first"
+            )
         if isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o):
             if isinstance(o, torch.storage.TypedStorage):
                 storage = o._untyped_storage

@@ -1,0 +1,58 @@
+"""Shared helpers for the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def bits(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor's values (bitwise equality, NaNs included)."""
+    t = t.detach()
+    if t.is_sparse:
+        return bits(t.coalesce().indices()) + bits(t.coalesce().values())
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Structural, bit-for-bit equality of two saved objects."""
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, path
+        assert a.shape == b.shape, path
+        assert a.stride() == b.stride() or a.numel() <= 1, f"{path}: strides {a.stride()} {b.stride()}"
+        assert a.layout == b.layout, path
+        assert bits(a) == bits(b), f"{path}: values differ"
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def all_dtypes() -> list:
+    names = [
+        "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "bool",
+        "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    ]
+    return [getattr(torch, n) for n in names if hasattr(torch, n)]
+
+
+def make(shape, dtype, seed: int = 0) -> torch.Tensor:
+    """Random values of any dtype, made from random bytes."""
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for s in shape:
+        n *= s
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)

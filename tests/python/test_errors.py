@@ -1,0 +1,204 @@
+"""Bad input and faults: a clear exception, and never a file or a lost one."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import fastpersist
+from conftest import is_root
+from helpers import bits, make
+
+
+def listing(d):
+    return sorted(os.listdir(d))
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(fastpersist.WriteError) as ei:
+        fastpersist.write_state_dict({"a": 1}, tmp_path / "nope" / "x.pt")
+    assert ei.value.errno == errno.ENOENT
+    assert "nope" in str(ei.value)
+    assert isinstance(ei.value, OSError)
+
+
+def test_target_is_a_directory(tmp_path):
+    (tmp_path / "d").mkdir()
+    with pytest.raises(fastpersist.WriteError) as ei:
+        fastpersist.write_state_dict({"a": 1}, tmp_path / "d")
+    assert ei.value.errno == errno.EISDIR
+
+
+def test_not_a_path(tmp_path):
+    import io
+
+    with pytest.raises(TypeError, match="file path"):
+        fastpersist.write_state_dict({"a": 1}, io.BytesIO())
+    with pytest.raises(TypeError):
+        fastpersist.write_state_dict({"a": 1}, 42)
+
+
+def test_unpicklable_object_leaves_nothing(tmp_path):
+    (tmp_path / "x.pt").write_bytes(b"previous")
+    with pytest.raises(fastpersist.SerializationError, match="cannot serialize"):
+        fastpersist.write_state_dict({"f": lambda: 1, "t": make((3,), torch.float32)}, tmp_path / "x.pt")
+    assert listing(tmp_path) == ["x.pt"]
+    assert (tmp_path / "x.pt").read_bytes() == b"previous"
+
+
+def test_meta_tensor_is_named(tmp_path):
+    sd = {"ok": torch.zeros(2), "layers": [{"w": torch.empty(3, device="meta")}]}
+    with pytest.raises(fastpersist.SerializationError, match=r"\['layers'\]\[0\]\['w'\].*meta"):
+        fastpersist.write_state_dict(sd, tmp_path / "m.pt")
+    assert listing(tmp_path) == []
+
+
+def test_mixed_dtype_views_of_one_storage(tmp_path):
+    a = torch.zeros(8)
+    with pytest.raises(fastpersist.SerializationError, match="different types"):
+        fastpersist.write_state_dict({"a": a, "b": a.view(torch.int32)}, tmp_path / "m.pt")
+    assert listing(tmp_path) == []
+
+
+def test_bad_options(tmp_path):
+    with pytest.raises(ValueError, match="block_size"):
+        fastpersist.write_state_dict({}, tmp_path / "o.pt", block_size=1000)
+    with pytest.raises(ValueError, match="arena_bytes"):
+        fastpersist.write_state_dict({}, tmp_path / "o.pt", arena_bytes=4096, block_size=8192)
+    with pytest.raises(ValueError, match="queue_depth"):
+        fastpersist.write_state_dict({}, tmp_path / "o.pt", queue_depth=0)
+    assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("uring", [True, False])
+@pytest.mark.parametrize("direct", [True, False])
+def test_injected_eio_surfaces_and_keeps_previous(tmp_path, engine_fault, uring, direct):
+    p = tmp_path / "ckpt.pt"
+    fastpersist.write_state_dict({"v": 1}, p)
+    before = p.read_bytes()
+    engine_fault(5 << 20, errno.EIO, direct=direct, io_uring=uring)
+    with pytest.raises(fastpersist.WriteError) as ei:
+        fastpersist.write_state_dict({"t": make((4 << 20,), torch.float32)}, p, direct=direct, io_uring=uring)
+    assert ei.value.errno == errno.EIO
+    assert "offset" in str(ei.value) and ei.value.filename
+    assert p.read_bytes() == before
+    assert listing(tmp_path) == ["ckpt.pt"]
+
+
+def test_refused_o_direct_falls_back_with_one_warning(tmp_path, engine_fault):
+    engine_fault(None, refuse_direct=True)
+    sd = {"t": make((300_000,), torch.float32)}
+    fastpersist.writer._warned.clear()
+    with pytest.warns(fastpersist.FallbackWarning, match="O_DIRECT"):
+        st = fastpersist.write_state_dict(sd, tmp_path / "a.pt")
+    assert not st.direct
+    assert bits(torch.load(tmp_path / "a.pt")["t"]) == bits(sd["t"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fastpersist.write_state_dict(sd, tmp_path / "b.pt")  # no second warning
+
+
+@pytest.mark.parametrize("env,field", [("FASTPERSIST_DIRECT", "direct"), ("FASTPERSIST_IO_URING", "io_uring")])
+def test_env_forces_fallbacks(tmp_path, monkeypatch, env, field):
+    monkeypatch.setenv(env, "0")
+    sd = {"t": make((100_000,), torch.bfloat16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastpersist.FallbackWarning)
+        st = fastpersist.write_state_dict(sd, tmp_path / "e.pt")
+    assert getattr(st, field) is False
+    assert bits(torch.load(tmp_path / "e.pt")["t"]) == bits(sd["t"])
+
+
+def _small_fs(tmp_path, size="2m"):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small file system: {r.stderr.decode().strip()}")
+    return mnt
+
+
+@pytest.mark.skipif(not is_root(), reason="needs root to mount a small file system")
+@pytest.mark.parametrize("uring", [True, False])
+def test_disk_full_enospc(tmp_path, uring):
+    mnt = _small_fs(tmp_path)
+    try:
+        p = mnt / "ckpt.pt"
+        fastpersist.write_state_dict({"small": make((1000,), torch.float32)}, p, io_uring=uring)
+        before = p.read_bytes()
+        with pytest.raises(fastpersist.WriteError) as ei:
+            fastpersist.write_state_dict({"big": make((1 << 20,), torch.float32)}, p, io_uring=uring)
+        assert ei.value.errno == errno.ENOSPC
+        assert p.read_bytes() == before
+        assert listing(mnt) == ["ckpt.pt"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.skipif(not is_root(), reason="needs root for an immutable directory")
+def test_no_permission(tmp_path):
+    d = tmp_path / "locked"
+    d.mkdir()
+    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i unsupported here")
+    try:
+        with pytest.raises(fastpersist.WriteError) as ei:
+            fastpersist.write_state_dict({"a": 1}, d / "x.pt")
+        assert ei.value.errno in (errno.EPERM, errno.EACCES)
+        assert "locked" in str(ei.value)
+    finally:
+        subprocess.run(["chattr", "-i", str(d)], check=False)
+    assert listing(d) == []
+
+
+def test_no_permission_as_user(tmp_path):
+    if is_root():
+        pytest.skip("root ignores directory permissions (covered by the immutable-directory test)")
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    try:
+        with pytest.raises(fastpersist.WriteError) as ei:
+            fastpersist.write_state_dict({"a": 1}, d / "x.pt")
+        assert ei.value.errno == errno.EACCES
+    finally:
+        d.chmod(0o700)
+
+
+IO_URING_SYSCTL = "/proc/sys/kernel/io_uring_disabled"
+
+
+@pytest.mark.skipif(not (is_root() and os.access(IO_URING_SYSCTL, os.W_OK)), reason="needs root and the io_uring sysctl")
+def test_io_uring_disabled_by_kernel(tmp_path):
+    """With kernel.io_uring_disabled=2, io_uring_setup fails (EPERM): the
+    engine falls back to the pwrite pool, warns, and writes a good file."""
+    old = open(IO_URING_SYSCTL).read().strip()
+    code = textwrap.dedent(f"""
+        import warnings, torch, fastpersist
+        sd = {{"t": torch.arange(100000, dtype=torch.float32)}}
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            st = fastpersist.write_state_dict(sd, {str(tmp_path / 'u.pt')!r})
+        assert not st.io_uring, st
+        assert any("io_uring is unavailable" in str(x.message) for x in w), [str(x.message) for x in w]
+        assert torch.equal(torch.load({str(tmp_path / 'u.pt')!r})["t"], sd["t"])
+        print("ok")
+    """)
+    try:
+        try:
+            with open(IO_URING_SYSCTL, "w") as f:
+                f.write("2")
+        except OSError as e:
+            pytest.skip(f"cannot set {IO_URING_SYSCTL}: {e}")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    finally:
+        with open(IO_URING_SYSCTL, "w") as f:
+            f.write(old)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr

@@ -1,0 +1,172 @@
+"""write_state_dict: files torch.load reads, bit for bit, for every input."""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+
+import pytest
+import torch
+
+import fastpersist
+from helpers import all_dtypes, assert_same, bits, make
+
+
+def roundtrip(obj, path, **kw):
+    st = fastpersist.write_state_dict(obj, path, **kw)
+    assert st.bytes == os.path.getsize(path)
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None
+    full = torch.load(path, weights_only=False)
+    mapped = torch.load(path, mmap=True, weights_only=True)
+    assert_same(obj, full)
+    assert_same(obj, mapped)
+    return st, full
+
+
+def torch_save_bytes(obj) -> dict:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    with zipfile.ZipFile(buf) as z:
+        return {i.filename.split("/", 1)[1]: z.read(i) for i in z.infolist()}
+
+
+@pytest.mark.parametrize("dtype", all_dtypes(), ids=str)
+def test_every_dtype(tmp_path, dtype):
+    sd = {"t": make((37, 5), dtype), "scalar": make((), dtype), "empty": make((0, 3), dtype)}
+    roundtrip(sd, tmp_path / "x.pt")
+
+
+def test_views_sharing_and_layouts(tmp_path):
+    base = make((64, 33), torch.float32, 1)
+    sd = {
+        "base": base,
+        "row_view": base[5:9],  # storage offset
+        "col_view": base[:, 3],  # non-contiguous
+        "transposed": base.t(),
+        "expanded": make((1, 4), torch.int64).expand(3, 4),
+        "channels_last": make((2, 3, 4, 5), torch.bfloat16).to(memory_format=torch.channels_last),
+        "nested": {"list": [1, 2.5, "s", None, (3, make((3,), torch.int8))], "b": b"bytes"},
+    }
+    _, loaded = roundtrip(sd, tmp_path / "v.pt")
+    # Sharing survives: the views live in the loaded base's storage.
+    p = loaded["base"].untyped_storage().data_ptr()
+    for k in ("row_view", "col_view", "transposed"):
+        assert loaded[k].untyped_storage().data_ptr() == p, k
+    loaded["base"][5, 0] = 12345.0
+    assert loaded["row_view"][0, 0] == 12345.0
+
+
+def test_same_records_as_torch_save(tmp_path):
+    """Same record names, pickle and storage bytes as torch.save."""
+    sd = {"w": make((16, 16), torch.float16), "b": make((7,), torch.float32), "n": 3}
+    fastpersist.write_state_dict(sd, tmp_path / "a.pt")
+    with zipfile.ZipFile(tmp_path / "a.pt") as z:
+        ours = {i.filename.split("/", 1)[1]: z.read(i) for i in z.infolist()}
+        offs = {i.filename.split("/", 1)[1]: i.header_offset for i in z.infolist()}
+        raw = open(tmp_path / "a.pt", "rb").read()
+    theirs = torch_save_bytes(sd)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        if name not in (".storage_alignment", ".data/serialization_id"):
+            assert ours[name] == theirs[name], name
+    assert ours[".storage_alignment"] == b"4096"
+    # Storage records start at 4096-byte aligned offsets.
+    for name in ours:
+        if name.startswith("data/"):
+            off = offs[name]
+            name_len, extra_len = int.from_bytes(raw[off + 26:off + 28], "little"), int.from_bytes(raw[off + 28:off + 30], "little")
+            assert (off + 30 + name_len + extra_len) % 4096 == 0, name
+
+
+def test_bare_storage_loads_like_torch_save(tmp_path):
+    st = make((10,), torch.uint8).untyped_storage()
+    fastpersist.write_state_dict({"s": st}, tmp_path / "a.pt")
+    torch.save({"s": st}, tmp_path / "b.pt")
+    ours, theirs = torch.load(tmp_path / "a.pt")["s"], torch.load(tmp_path / "b.pt")["s"]
+    assert type(ours) is type(theirs)
+    assert bytes(ours.untyped_storage() if hasattr(ours, "untyped_storage") else ours) == bytes(st)
+
+
+def test_optimizer_state_dict(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}
+    roundtrip(state, tmp_path / "train.pt")
+
+
+def test_sparse_tensors(tmp_path):
+    i = torch.tensor([[0, 1, 1], [2, 0, 2]])
+    coo = torch.sparse_coo_tensor(i, torch.tensor([3.0, 4.0, 5.0]), (2, 3))
+    csr = torch.eye(4).to_sparse_csr()
+    fastpersist.write_state_dict({"coo": coo, "csr": csr}, tmp_path / "s.pt")
+    got = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert torch.equal(got["coo"].to_dense(), coo.to_dense())
+    assert torch.equal(got["csr"].to_dense(), csr.to_dense())
+
+
+def test_overwrite_larger_file_leaves_no_stale_bytes(tmp_path):
+    p = tmp_path / "c.pt"
+    fastpersist.write_state_dict({"big": make((1 << 20,), torch.float32)}, p)
+    big = os.path.getsize(p)
+    st = fastpersist.write_state_dict({"small": make((3,), torch.float32)}, p)
+    assert os.path.getsize(p) == st.bytes < big
+    assert list(torch.load(p)) == ["small"]
+    assert os.listdir(tmp_path) == ["c.pt"]
+
+
+def test_storage_over_4gib_uses_zip64(tmp_path):
+    """A 4 GiB + 8 KiB storage: zip64 sizes and offsets."""
+    n = (4 << 30) + 8192
+    try:
+        big = torch.empty(n, dtype=torch.uint8)
+    except RuntimeError:
+        pytest.skip("not enough memory")
+    big[:4096] = 7
+    big[-4096:] = 9
+    small = make((1000,), torch.float32)
+    p = tmp_path / "huge.pt"
+    st = fastpersist.write_state_dict({"big": big, "after": small}, p)
+    assert st.bytes > n
+    with zipfile.ZipFile(p) as z:
+        info = {i.filename.split("/", 1)[1]: i for i in z.infolist()}
+        assert info["data/0"].file_size == n
+        assert info["data/1"].header_offset > 0xFFFFFFFF
+        with z.open(info["data/1"]) as f:  # CRC checked when read to the end
+            assert f.read() == bits(small)
+    got = torch.load(p, mmap=True, weights_only=True)
+    assert bits(got["after"]) == bits(small)
+    assert got["big"][0] == 7 and got["big"][-1] == 9
+    del got, big
+
+
+def test_stats(tmp_path):
+    st = fastpersist.write_state_dict({"x": make((1000,), torch.float64)}, str(tmp_path / "s.pt"))
+    assert st.storage_bytes == 8000
+    assert st.bytes > 8000 and st.seconds > 0 and st.gbps > 0
+    assert st.io_uring and st.direct
+    assert set(st.crc32) == {"0"}
+    import zlib
+    assert st.crc32["0"] == zlib.crc32(bits(make((1000,), torch.float64)))
+
+
+def test_pathlike_and_relative_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fastpersist.write_state_dict({"a": 1}, "rel.pt")
+    assert torch.load("rel.pt") == {"a": 1}
+    fastpersist.write_state_dict({"a": 2}, tmp_path / "p.pt")
+    assert torch.load(tmp_path / "p.pt") == {"a": 2}
+
+
+def test_concurrent_saves_from_threads(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    sds = [{"i": i, "t": make((4096 + i,), torch.float32, i)} for i in range(8)]
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda i: fastpersist.write_state_dict(sds[i], tmp_path / f"{i}.pt"), range(8)))
+    for i in range(8):
+        assert_same(sds[i], torch.load(tmp_path / f"{i}.pt"))
