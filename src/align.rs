@@ -109,7 +109,10 @@ mod tests {
 
     #[test]
     fn probe_missing_path_falls_back() {
-        assert_eq!(probe(Path::new("/nonexistent/fastpersist")), DioAlign::fallback());
+        assert_eq!(
+            probe(Path::new("/nonexistent/fastpersist")),
+            DioAlign::fallback()
+        );
     }
 
     #[test]

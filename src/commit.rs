@@ -52,10 +52,18 @@ impl TempFile {
         let meta = std::fs::metadata(&dir)
             .map_err(|e| Error::from_io(&e, "target directory is not usable", Some(&dir)))?;
         if !meta.is_dir() {
-            return Err(Error::os(libc::ENOTDIR, "target's parent is not a directory", Some(&dir)));
+            return Err(Error::os(
+                libc::ENOTDIR,
+                "target's parent is not a directory",
+                Some(&dir),
+            ));
         }
         if std::fs::metadata(target).is_ok_and(|m| m.is_dir()) {
-            return Err(Error::os(libc::EISDIR, "target is a directory", Some(target)));
+            return Err(Error::os(
+                libc::EISDIR,
+                "target is a directory",
+                Some(target),
+            ));
         }
         let tmp = dir.join(format!(
             ".{}.{}.{}{}",
@@ -72,15 +80,23 @@ impl TempFile {
             unsafe { libc::open(c.as_ptr(), flags, 0o644 as libc::c_uint) }
         };
         let mut note = None;
-        let mut fd = if direct { open(base | libc::O_DIRECT) } else { open(base) };
+        let mut fd = if direct {
+            open(base | libc::O_DIRECT)
+        } else {
+            open(base)
+        };
         let mut is_direct = direct;
-        if fd < 0 && direct && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+        if fd < 0 && direct && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL)
+        {
             note = Some("the file system refused O_DIRECT at open (EINVAL)".to_string());
             is_direct = false;
             fd = open(base);
         }
         if fd < 0 {
-            return Err(Error::last_os("cannot create the temporary file", Some(&tmp)));
+            return Err(Error::last_os(
+                "cannot create the temporary file",
+                Some(&tmp),
+            ));
         }
         Ok((
             TempFile {
@@ -151,7 +167,10 @@ impl TempFile {
         let fd = self.fd();
         // SAFETY: ftruncate on our own open fd.
         if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
-            return Err(Error::last_os("cannot truncate to the true length", Some(&self.tmp)));
+            return Err(Error::last_os(
+                "cannot truncate to the true length",
+                Some(&self.tmp),
+            ));
         }
         // SAFETY: fsync on our own open fd.
         if durable && unsafe { libc::fsync(fd) } != 0 {
@@ -162,7 +181,10 @@ impl TempFile {
         let to = cstr(&self.target)?;
         // SAFETY: both are valid NUL-terminated paths.
         if unsafe { libc::rename(from.as_ptr(), to.as_ptr()) } != 0 {
-            return Err(Error::last_os("cannot rename onto the target", Some(&self.target)));
+            return Err(Error::last_os(
+                "cannot rename onto the target",
+                Some(&self.target),
+            ));
         }
         // The rename happened: from now on the temporary name is gone.
         self.tmp = PathBuf::new();
@@ -186,9 +208,17 @@ impl Drop for TempFile {
 pub fn fsync_dir(dir: &Path) -> Result<()> {
     let c = cstr(dir)?;
     // SAFETY: valid path; the fd is closed below.
-    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
     if fd < 0 {
-        return Err(Error::last_os("cannot open the directory to fsync it", Some(dir)));
+        return Err(Error::last_os(
+            "cannot open the directory to fsync it",
+            Some(dir),
+        ));
     }
     // SAFETY: fd was just opened and is owned here.
     let owned = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -242,7 +272,9 @@ mod tests {
     #[test]
     fn missing_dir_and_directory_target() {
         let d = tempfile::tempdir().unwrap();
-        let e = TempFile::create(&d.path().join("nope/ckpt.pt"), false).err().unwrap();
+        let e = TempFile::create(&d.path().join("nope/ckpt.pt"), false)
+            .err()
+            .unwrap();
         assert_eq!(e.errno, Some(libc::ENOENT));
         let e = TempFile::create(d.path(), false).err().unwrap();
         assert_eq!(e.errno, Some(libc::EISDIR));

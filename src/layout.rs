@@ -142,7 +142,9 @@ impl Layout {
     /// `block` is the O_DIRECT block size (a power of two).
     pub fn new(mut segments: Vec<Segment>, file_len: u64, block: usize) -> Result<Self> {
         if !block.is_power_of_two() {
-            return Err(Error::option(format!("block size {block} is not a power of two")));
+            return Err(Error::option(format!(
+                "block size {block} is not a power of two"
+            )));
         }
         segments.retain(|s| !s.source.is_empty());
         segments.sort_by_key(|s| s.offset);
@@ -154,7 +156,9 @@ impl Layout {
             if let Source::Crc32(id) = s.source {
                 crc_ids = crc_ids.max(id + 1);
                 if s.crc_id.is_some() {
-                    return Err(Error::layout("a checksum slot cannot itself be checksummed"));
+                    return Err(Error::layout(
+                        "a checksum slot cannot itself be checksummed",
+                    ));
                 }
             }
         }
@@ -304,8 +308,16 @@ mod tests {
     #[test]
     fn rejects_early_crc_slot() {
         let segs = vec![
-            Segment { offset: 0, source: Source::Crc32(0), crc_id: None },
-            Segment { offset: 10, source: Source::Bytes(vec![1; 10]), crc_id: Some(0) },
+            Segment {
+                offset: 0,
+                source: Source::Crc32(0),
+                crc_id: None,
+            },
+            Segment {
+                offset: 10,
+                source: Source::Bytes(vec![1; 10]),
+                crc_id: Some(0),
+            },
         ];
         let e = Layout::new(segs, 20, 4096).unwrap_err();
         assert!(e.context.contains("comes before"), "{e}");

@@ -116,12 +116,18 @@ impl PyEngine {
 
     #[getter]
     fn uses_io_uring(&self) -> bool {
-        self.inner.lock().map(|e| e.uses_io_uring()).unwrap_or(false)
+        self.inner
+            .lock()
+            .map(|e| e.uses_io_uring())
+            .unwrap_or(false)
     }
 
     #[getter]
     fn locked(&self) -> bool {
-        self.inner.lock().map(|e| e.arena().locked()).unwrap_or(false)
+        self.inner
+            .lock()
+            .map(|e| e.arena().locked())
+            .unwrap_or(false)
     }
 
     /// Test hooks: make the write that covers `offset` fail with `errno`;
@@ -210,7 +216,12 @@ fn partition(
     block: usize,
     max_len: usize,
     parts: usize,
-) -> PyResult<Vec<((u64, u64), Vec<(u64, usize, Vec<(usize, u64, usize, usize)>)>)>> {
+) -> PyResult<
+    Vec<(
+        (u64, u64),
+        Vec<(u64, usize, Vec<(usize, u64, usize, usize)>)>,
+    )>,
+> {
     let segs = segments
         .into_iter()
         .map(|(offset, len)| Segment {

@@ -279,7 +279,9 @@ impl PoolSink {
                     .name(format!("fastpersist-pwrite-{i}"))
                     .spawn(move || loop {
                         let next = jrx.lock().map(|rx| rx.recv());
-                        let Ok(Ok((fd, job, fault))) = next else { return };
+                        let Ok(Ok((fd, job, fault))) = next else {
+                            return;
+                        };
                         let res = match Fault::hits(fault, &job) {
                             Some(errno) => Err(write_error(errno, &job)),
                             None => pwrite_all(fd, &job),

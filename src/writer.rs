@@ -179,7 +179,12 @@ impl Engine {
 
     /// Write the file described by `segments` (true length `file_len`) to
     /// `path`, durably and atomically.
-    pub fn write_file(&mut self, path: &Path, segments: Vec<Segment>, file_len: u64) -> Result<WriteStats> {
+    pub fn write_file(
+        &mut self,
+        path: &Path,
+        segments: Vec<Segment>,
+        file_len: u64,
+    ) -> Result<WriteStats> {
         let t0 = Instant::now();
         let (mut tmp, mut direct_note) = TempFile::create(path, self.opts.direct)?;
         let dio = if self.opts.direct {
@@ -214,17 +219,25 @@ impl Engine {
         };
         sink.set_fault(fault);
         let mut hashers = vec![Hasher::new(); layout.crc_ids() as usize];
-        let res = pump(&layout, &mut self.arena, sink, tmp.fd(), self.opts.queue_depth, &mut hashers);
+        let res = pump(
+            &layout,
+            &mut self.arena,
+            sink,
+            tmp.fd(),
+            self.opts.queue_depth,
+            &mut hashers,
+        );
         if let Err(mut e) = res {
             sink.drain();
             e.path.get_or_insert_with(|| tmp.temp_path().to_path_buf());
             return Err(e);
         }
         let direct = tmp.is_direct();
-        tmp.commit(layout.file_len(), self.opts.durable).map_err(|mut e| {
-            e.path.get_or_insert_with(|| path.to_path_buf());
-            e
-        })?;
+        tmp.commit(layout.file_len(), self.opts.durable)
+            .map_err(|mut e| {
+                e.path.get_or_insert_with(|| path.to_path_buf());
+                e
+            })?;
         Ok(WriteStats {
             bytes: layout.file_len(),
             seconds: t0.elapsed().as_secs_f64(),
@@ -245,7 +258,9 @@ impl Engine {
         let buf = &mut self.arena.buf_mut(0)[..block];
         buf.fill(0);
         if self.opts.refuse_direct {
-            return Ok(Some("the file system refused an O_DIRECT write (EINVAL, injected)".into()));
+            return Ok(Some(
+                "the file system refused an O_DIRECT write (EINVAL, injected)".into(),
+            ));
         }
         // SAFETY: writing `block` bytes from the start of an arena buffer,
         // which is page-aligned and at least `block` long, to our own fd.
@@ -255,9 +270,15 @@ impl Engine {
         }
         let e = std::io::Error::last_os_error();
         if n < 0 && e.raw_os_error() == Some(libc::EINVAL) {
-            return Ok(Some("the file system refused an O_DIRECT write (EINVAL)".into()));
+            return Ok(Some(
+                "the file system refused an O_DIRECT write (EINVAL)".into(),
+            ));
         }
-        Err(Error::from_io(&e, "probe write failed", Some(tmp.temp_path())))
+        Err(Error::from_io(
+            &e,
+            "probe write failed",
+            Some(tmp.temp_path()),
+        ))
     }
 }
 

@@ -31,7 +31,11 @@ fn sample(big: &[u8], odd: &[u8]) -> (Vec<Segment>, Vec<u8>, u64) {
     let mut expect = vec![0u8; 0];
     let mut segs = vec![];
     let mut put = |off: u64, src: Source, crc: Option<u32>, bytes: &[u8]| {
-        segs.push(Segment { offset: off, source: src, crc_id: crc });
+        segs.push(Segment {
+            offset: off,
+            source: src,
+            crc_id: crc,
+        });
         let end = off as usize + bytes.len();
         if expect.len() < end {
             expect.resize(end, 0);
@@ -40,15 +44,35 @@ fn sample(big: &[u8], odd: &[u8]) -> (Vec<Segment>, Vec<u8>, u64) {
     };
     put(0, Source::Bytes(b"HEAD".to_vec()), None, b"HEAD");
     // SAFETY: `big` and `odd` outlive every use of the segments in the tests.
-    let (bm, om) = unsafe { (MemRef::new(big.as_ptr(), big.len()), MemRef::new(odd.as_ptr(), odd.len())) };
+    let (bm, om) = unsafe {
+        (
+            MemRef::new(big.as_ptr(), big.len()),
+            MemRef::new(odd.as_ptr(), odd.len()),
+        )
+    };
     put(4096, Source::Mem(bm), Some(0), big);
     let after_big = 4096 + big.len() as u64;
-    put(after_big, Source::Crc32(0), None, &crc32fast::hash(big).to_le_bytes());
+    put(
+        after_big,
+        Source::Crc32(0),
+        None,
+        &crc32fast::hash(big).to_le_bytes(),
+    );
     let odd_at = after_big + 4 + 13;
     put(odd_at, Source::Mem(om), Some(1), odd);
     let tail_at = odd_at + odd.len() as u64;
-    put(tail_at, Source::Crc32(1), None, &crc32fast::hash(odd).to_le_bytes());
-    put(tail_at + 4, Source::Crc32(0), None, &crc32fast::hash(big).to_le_bytes());
+    put(
+        tail_at,
+        Source::Crc32(1),
+        None,
+        &crc32fast::hash(odd).to_le_bytes(),
+    );
+    put(
+        tail_at + 4,
+        Source::Crc32(0),
+        None,
+        &crc32fast::hash(big).to_le_bytes(),
+    );
     let file_len = tail_at + 8 + 3; // three trailing zeros
     expect.resize(file_len as usize, 0);
     (segs, expect, file_len)
@@ -80,9 +104,14 @@ fn writes_exact_bytes_on_every_backend() {
         }
         // Reuse the engine for a second file.
         let (segs, expect, len) = sample(&big, &odd);
-        eng.write_file(&d.path().join("again.bin"), segs, len).unwrap();
+        eng.write_file(&d.path().join("again.bin"), segs, len)
+            .unwrap();
         assert!(std::fs::read(d.path().join("again.bin")).unwrap() == expect);
-        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 2, "stray files");
+        assert_eq!(
+            std::fs::read_dir(d.path()).unwrap().count(),
+            2,
+            "stray files"
+        );
     }
 }
 
@@ -92,7 +121,11 @@ fn empty_and_tiny_files() {
     let mut eng = Engine::new(Options::default()).unwrap();
     eng.write_file(&d.path().join("empty"), vec![], 0).unwrap();
     assert_eq!(std::fs::read(d.path().join("empty")).unwrap().len(), 0);
-    let segs = vec![Segment { offset: 1, source: Source::Bytes(vec![5]), crc_id: None }];
+    let segs = vec![Segment {
+        offset: 1,
+        source: Source::Bytes(vec![5]),
+        crc_id: None,
+    }];
     eng.write_file(&d.path().join("tiny"), segs, 2).unwrap();
     assert_eq!(std::fs::read(d.path().join("tiny")).unwrap(), vec![0, 5]);
 }
@@ -109,7 +142,10 @@ fn injected_eio_keeps_old_file_and_leaves_no_temp() {
     let big = pattern(900_000, 1);
     let odd = pattern(10, 2);
     for mut opts in combos() {
-        opts.fault = Some(Fault { offset: 300_000, errno: libc::EIO });
+        opts.fault = Some(Fault {
+            offset: 300_000,
+            errno: libc::EIO,
+        });
         let d = tempfile::tempdir().unwrap();
         let target = d.path().join("ckpt");
         std::fs::write(&target, b"previous").unwrap();
@@ -145,7 +181,9 @@ fn refused_direct_falls_back_to_buffered() {
 #[test]
 fn missing_directory_is_enoent_with_path() {
     let mut eng = Engine::new(Options::default()).unwrap();
-    let e = eng.write_file(Path::new("/nonexistent-dir/x.pt"), vec![], 10).unwrap_err();
+    let e = eng
+        .write_file(Path::new("/nonexistent-dir/x.pt"), vec![], 10)
+        .unwrap_err();
     assert_eq!(e.errno, Some(libc::ENOENT));
     assert!(e.to_string().contains("/nonexistent-dir"), "{e}");
 }
@@ -153,9 +191,18 @@ fn missing_directory_is_enoent_with_path() {
 #[test]
 fn bad_options_are_rejected() {
     for o in [
-        Options { block_size: 1000, ..Options::default() },
-        Options { arena_bytes: 4096, ..Options::default() },
-        Options { queue_depth: 0, ..Options::default() },
+        Options {
+            block_size: 1000,
+            ..Options::default()
+        },
+        Options {
+            arena_bytes: 4096,
+            ..Options::default()
+        },
+        Options {
+            queue_depth: 0,
+            ..Options::default()
+        },
     ] {
         assert!(Engine::new(o).is_err());
     }

@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Write benchmark: fastpersist against the device limit and the peers.
+
+In one run, alternating rounds (the order rotates each round), medians of
+``--rounds`` runs, every writer durable (data fsynced):
+
+* the device limit: fio, O_DIRECT, io_uring, 4 MiB blocks, queue depth 16,
+  on the same directory;
+* fastpersist.write_state_dict;
+* torch.save + fsync;
+* safetensors save_file + fsync;
+* torch DCP FileSystemWriter (2 threads, sync_files);
+* DeepSpeed FastFileWriter, where deepspeed and its aio op are installed.
+
+Two workloads: a GPT-like state dict (``--size``, default 2 GiB) and
+``--small-count`` small tensors (4 KiB to 1 MiB, about ``--small-size`` in all).
+Then the peak resident memory each writer adds, in a fresh process.
+
+    python benches/write_bench.py [--size 2GiB] [--rounds 5] [--dir DIR] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    MiB, clear, fio_limit, fsync_path, fsync_tree, gpt_state_dict, median, nbytes,
+    parse_size, peak_rss_delta, small_tensors_state_dict, timed,
+)
+
+Writer = Callable[[Dict[str, torch.Tensor], str], None]
+
+
+def w_fastpersist(sd, path):
+    import fastpersist
+
+    fastpersist.write_state_dict(sd, path)
+
+
+def w_torch_save(sd, path):
+    with open(path, "wb") as f:
+        torch.save(sd, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def w_safetensors(sd, path):
+    from safetensors.torch import save_file
+
+    save_file(sd, path)
+    fsync_path(path)
+
+
+def w_dcp(sd, path):
+    import torch.distributed.checkpoint as dcp
+
+    os.makedirs(path, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, thread_count=2, sync_files=True))
+    fsync_tree(path)
+
+
+def _deepspeed_writer() -> Optional[Writer]:
+    """DeepSpeed's FastFileWriter through torch.save (the zip path), if it builds."""
+    try:
+        from deepspeed.io import FastFileWriter, FastFileWriterConfig  # type: ignore
+        from deepspeed.ops.op_builder import AsyncIOBuilder  # type: ignore
+
+        if not AsyncIOBuilder().is_compatible():
+            return None
+        aio = AsyncIOBuilder().load(verbose=False)
+        handle = aio.aio_handle(8 * MiB, 8, False, True, 1)
+        pinned = torch.empty(64 * MiB, dtype=torch.uint8).pin_memory() if torch.cuda.is_available() \
+            else torch.empty(64 * MiB, dtype=torch.uint8)
+    except Exception:  # noqa: BLE001 - any failure means "not available here"
+        return None
+
+    def write(sd, path):
+        cfg = FastFileWriterConfig(dnvme_handle=handle, pinned_tensor=pinned, double_buffer=True,
+                                   num_parallel_writers=1, writer_rank=0)
+        with FastFileWriter(file_path=path, config=cfg) as f:
+            torch.save(sd, f)
+        fsync_path(path)
+
+    return write
+
+
+WRITERS: Dict[str, Writer] = {
+    "fastpersist": w_fastpersist,
+    "torch.save": w_torch_save,
+    "safetensors": w_safetensors,
+    "torch DCP": w_dcp,
+}
+
+
+def run_workload(name: str, sd, directory: str, rounds: int, writers: Dict[str, Writer]) -> dict:
+    size = nbytes(sd)
+    print(f"\n== {name}: {len(sd)} tensors, {size / 2**30:.2f} GiB, {rounds} rounds ==", flush=True)
+    times: Dict[str, List[float]] = {k: [] for k in writers}
+    limit: List[float] = []
+    names = list(writers)
+    for r in range(rounds):
+        bw = fio_limit(directory, size)
+        if bw is not None:
+            limit.append(bw)
+        order = names[r % len(names):] + names[: r % len(names)]
+        for w in order:
+            path = os.path.join(directory, f"bench-{w.replace(' ', '_')}.out")
+            clear(path)
+            os.sync()
+            try:
+                times[w].append(timed(lambda: writers[w](sd, path)))
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"  {w}: failed: {type(e).__name__}: {e}", flush=True)
+            clear(path)
+        line = "  ".join(f"{w}={size / times[w][-1] / 1e9:.2f}" for w in names if times[w])
+        print(f"  round {r + 1}: fio={limit[-1] if limit else float('nan'):.2f}  {line} GB/s", flush=True)
+    lim = median(limit)
+    res = {"workload": name, "bytes": size, "tensors": len(sd), "limit_gbps": lim, "writers": {}}
+    print(f"  {'writer':<14} {'GB/s':>7} {'share of limit':>15}")
+    print(f"  {'fio (limit)':<14} {lim:>7.2f} {1.0:>15.2f}")
+    for w in names:
+        if not times[w]:
+            continue
+        gbps = size / median(times[w]) / 1e9
+        res["writers"][w] = {"gbps": gbps, "share": gbps / lim if lim == lim else None,
+                             "seconds": times[w]}
+        print(f"  {w:<14} {gbps:>7.2f} {gbps / lim:>15.2f}")
+    return res
+
+
+def child_memory(writer: str, size: int, directory: str) -> None:
+    """In a fresh process: build the state dict, then measure the peak
+    resident memory the write adds."""
+    sd = gpt_state_dict(size)
+    w = WRITERS[writer] if writer in WRITERS else _deepspeed_writer()
+    path = os.path.join(directory, "mem.out")
+    delta = peak_rss_delta(lambda: w(sd, path))
+    clear(path)
+    print(json.dumps({"writer": writer, "peak_rss_delta": delta}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="2GiB", help="GPT-like state dict size (default 2GiB)")
+    ap.add_argument("--small-count", type=int, default=10_000, help="small tensors (0: skip)")
+    ap.add_argument("--small-size", default="1GiB", help="total size of the small tensors")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="directory on the disk to test (default: a temp dir in the cwd)")
+    ap.add_argument("--only", default=None, help="comma-separated writers to run")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    size = parse_size(args.size)
+
+    base = args.dir or os.getcwd()
+    if args.child_memory:
+        child_memory(args.child_memory, size, base)
+        return
+
+    writers = dict(WRITERS)
+    ds = _deepspeed_writer()
+    if ds is not None:
+        writers["DeepSpeed FFW"] = ds
+    else:
+        print("DeepSpeed FastFileWriter: not installed or its aio op does not build here; skipped")
+    if args.only:
+        keep = [w.strip() for w in args.only.split(",")]
+        writers = {k: v for k, v in writers.items() if k in keep}
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="fastpersist-bench-", dir=base) as d:
+        import fastpersist
+
+        print(f"fastpersist {fastpersist.__version__}, torch {torch.__version__}, dir {d}")
+        sd = gpt_state_dict(size)
+        results.append(run_workload("GPT-like", sd, d, args.rounds, writers))
+        del sd
+        if args.small_count:
+            sd = small_tensors_state_dict(args.small_count, parse_size(args.small_size))
+            results.append(run_workload("small tensors", sd, d, args.rounds, writers))
+            del sd
+
+        print("\n== peak resident memory added by one write (GPT-like, fresh process) ==")
+        mem = {}
+        for w in [w for w in ("fastpersist", "torch.save", "safetensors") if w in writers]:
+            out = subprocess.run([sys.executable, __file__, "--child-memory", w, "--size", args.size,
+                                  "--dir", d], capture_output=True, text=True)
+            if out.returncode != 0:
+                print(f"  {w}: failed: {out.stderr.strip().splitlines()[-1:]}")
+                continue
+            delta = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_delta"]
+            mem[w] = delta
+            print(f"  {w:<14} {delta / MiB:>8.1f} MiB")
+        results.append({"workload": "memory", "peak_rss_delta": mem})
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
