@@ -203,6 +203,11 @@ impl Layout {
         })
     }
 
+    /// Give the segments back (sorted by offset).
+    pub fn into_segments(self) -> Vec<Segment> {
+        self.segments
+    }
+
     pub fn segments(&self) -> &[Segment] {
         &self.segments
     }

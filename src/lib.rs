@@ -19,4 +19,4 @@ mod python;
 
 pub use error::{Error, ErrorKind, Result};
 pub use layout::{Extent, Layout, MemRef, Piece, Segment, Source};
-pub use writer::{Engine, Options, WriteStats};
+pub use writer::{Engine, Options, Session, WriteStats};

@@ -6,7 +6,7 @@ use crate::align;
 use crate::error::{Error, ErrorKind};
 use crate::layout::{Layout, MemRef, Segment, Source};
 use crate::sink::Fault;
-use crate::writer::{Engine, Options, WriteStats};
+use crate::writer::{Engine, Options, Session, WriteStats};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -47,6 +47,9 @@ fn stats_dict<'py>(py: Python<'py>, s: &WriteStats) -> PyResult<Bound<'py, PyDic
     d.set_item("direct_note", s.direct_note.clone())?;
     d.set_item("uring_note", s.uring_note.clone())?;
     d.set_item("crcs", s.crcs.clone())?;
+    d.set_item("open_seconds", s.open_seconds)?;
+    d.set_item("io_seconds", s.io_seconds)?;
+    d.set_item("commit_seconds", s.commit_seconds)?;
     Ok(d)
 }
 
@@ -63,7 +66,8 @@ struct PyEngine {
 impl PyEngine {
     #[new]
     #[pyo3(signature = (*, block_size=4<<20, arena_bytes=32<<20, queue_depth=8, direct=true,
-        io_uring=true, register_buffers=true, lock_memory=true, pool_threads=4, durable=true))]
+        io_uring=true, register_buffers=true, lock_memory=true, pool_threads=4, durable=true,
+        flush_every=256<<20))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         block_size: usize,
@@ -75,6 +79,7 @@ impl PyEngine {
         lock_memory: bool,
         pool_threads: usize,
         durable: bool,
+        flush_every: u64,
     ) -> PyResult<Self> {
         let opts = Options {
             block_size,
@@ -86,6 +91,7 @@ impl PyEngine {
             lock_memory,
             pool_threads,
             durable,
+            flush_every,
             fault: None,
             refuse_direct: false,
         };
@@ -152,14 +158,108 @@ impl PyEngine {
         file_len: u64,
     ) -> PyResult<Bound<'py, PyDict>> {
         let segments = build_segments(blobs, regions, slots)?;
+        let stats = py.allow_threads(|| self.engine()?.write_file(&path, segments, file_len));
+        stats_dict(py, &stats.map_err(to_py)?)
+    }
+
+    /// Start a streamed write of `path` (see `WriteSession`).
+    #[pyo3(signature = (path, size_hint=0))]
+    fn begin(
+        slf: &Bound<'_, Self>,
+        path: PathBuf,
+        size_hint: u64,
+    ) -> PyResult<PySession> {
+        let this = slf.get();
+        let session = slf
+            .py()
+            .allow_threads(|| this.engine()?.begin(&path, size_hint))
+            .map_err(to_py)?;
+        Ok(PySession {
+            engine: slf.clone().unbind(),
+            session: Mutex::new(Some(session)),
+        })
+    }
+}
+
+impl PyEngine {
+    fn engine(&self) -> Result<std::sync::MutexGuard<'_, Engine>, Error> {
+        self.inner
+            .lock()
+            .map_err(|_| Error::option("engine poisoned by an earlier panic"))
+    }
+}
+
+/// A file being written in order: `write` the parts as they become known
+/// (each call writes the whole blocks it can), then `finish` to commit.
+/// Dropping or `abort`ing an unfinished session removes the file.
+#[pyclass(module = "fastpersist._core", name = "WriteSession", frozen)]
+struct PySession {
+    engine: Py<PyEngine>,
+    session: Mutex<Option<Session>>,
+}
+
+#[pymethods]
+impl PySession {
+    /// Add segments (at or after everything given so far) and write them.
+    fn write<'py>(
+        &self,
+        py: Python<'py>,
+        blobs: Vec<(u64, Bound<'py, PyBytes>)>,
+        regions: Vec<(u64, usize, usize, i64)>,
+        slots: Vec<(u64, u32)>,
+    ) -> PyResult<()> {
+        let segments = build_segments(blobs, regions, slots)?;
+        let engine = self.engine.get();
+        py.allow_threads(|| {
+            let mut guard = self.session.lock().map_err(|_| Error::option("session poisoned"))?;
+            let session = guard
+                .as_mut()
+                .ok_or_else(|| Error::option("this write session is already finished"))?;
+            engine.engine()?.write(session, segments)
+        })
+        .map_err(to_py)
+    }
+
+    /// Add the last segments, write the rest and commit the file.
+    fn finish<'py>(
+        &self,
+        py: Python<'py>,
+        blobs: Vec<(u64, Bound<'py, PyBytes>)>,
+        regions: Vec<(u64, usize, usize, i64)>,
+        slots: Vec<(u64, u32)>,
+        file_len: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let segments = build_segments(blobs, regions, slots)?;
+        let engine = self.engine.get();
         let stats = py.allow_threads(|| {
-            let mut eng = self
-                .inner
+            let session = self
+                .session
                 .lock()
-                .map_err(|_| Error::option("engine poisoned by an earlier panic"))?;
-            eng.write_file(&path, segments, file_len)
+                .map_err(|_| Error::option("session poisoned"))?
+                .take()
+                .ok_or_else(|| Error::option("this write session is already finished"))?;
+            engine.engine()?.finish(session, segments, file_len)
         });
         stats_dict(py, &stats.map_err(to_py)?)
+    }
+
+    /// Give up: remove the temporary file. Idempotent.
+    fn abort(&self, py: Python<'_>) {
+        py.allow_threads(|| {
+            if let Ok(mut g) = self.session.lock() {
+                drop(g.take());
+            }
+        });
+    }
+
+    /// O_DIRECT block size of the file being written.
+    #[getter]
+    fn block(&self) -> usize {
+        self.session
+            .lock()
+            .ok()
+            .and_then(|g| g.as_ref().map(Session::block))
+            .unwrap_or(0)
     }
 }
 
@@ -267,6 +367,7 @@ fn crc32(py: Python<'_>, data: &[u8]) -> u32 {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
+    m.add_class::<PySession>()?;
     m.add("WriteError", m.py().get_type::<WriteError>())?;
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;

@@ -58,12 +58,25 @@ pub trait Sink {
     /// Move the buffers whose writes completed into `free`. With `wait`,
     /// block until at least one completes (if any is in flight).
     fn reap(&mut self, free: &mut Vec<usize>, wait: bool) -> Result<()>;
+    /// Start an fdatasync of `fd` that runs alongside the writes, so the
+    /// device drains its cache during the save rather than all at the end.
+    /// Its failure is reported by a later `reap`.
+    fn submit_datasync(&mut self, fd: RawFd) -> Result<()>;
     /// Writes in flight.
     fn inflight(&self) -> usize;
     /// Wait for every write in flight, discarding results. Used on error
     /// paths so no buffer is reused while the kernel may still read it.
     fn drain(&mut self);
     fn set_fault(&mut self, fault: Option<Fault>);
+    /// Requests (writes and datasyncs) in flight.
+    fn pending(&self) -> usize;
+    /// Wait for every request in flight, reporting the first error.
+    fn drain_checked(&mut self, free: &mut Vec<usize>) -> Result<()> {
+        while self.pending() > 0 {
+            self.reap(free, true)?;
+        }
+        Ok(())
+    }
 }
 
 /// io_uring back end, driven from the writer's thread: submission is a
@@ -75,8 +88,12 @@ pub struct UringSink {
     fixed: Option<(usize, usize)>,
     jobs: Vec<Option<(RawFd, Job)>>,
     inflight: usize,
+    syncs: usize,
     fault: Option<Fault>,
 }
+
+/// user_data of datasync requests (write requests carry their buffer index).
+const SYNC_TAG: u64 = u64::MAX;
 
 impl UringSink {
     /// A ring with `entries` submission slots. Fails with EPERM/ENOSYS when
@@ -88,6 +105,7 @@ impl UringSink {
             fixed: None,
             jobs: Vec::new(),
             inflight: 0,
+            syncs: 0,
             fault: None,
         })
     }
@@ -132,11 +150,15 @@ impl UringSink {
             self.jobs.resize(job.buf + 1, None);
         }
         self.jobs[job.buf] = Some((fd, job));
+        self.push_entry(&entry)
+    }
+
+    fn push_entry(&mut self, entry: &io_uring::squeue::Entry) -> Result<()> {
         loop {
             // SAFETY: the entry points at `job.len` bytes of the arena (or of
             // memory the caller keeps alive), which stay untouched until its
             // completion is reaped; `fd` stays open until the sink is drained.
-            let pushed = unsafe { self.ring.submission().push(&entry) };
+            let pushed = unsafe { self.ring.submission().push(entry) };
             if pushed.is_ok() {
                 break;
             }
@@ -176,8 +198,18 @@ impl Sink for UringSink {
         Ok(())
     }
 
+    fn submit_datasync(&mut self, fd: RawFd) -> Result<()> {
+        let entry = opcode::Fsync::new(types::Fd(fd))
+            .flags(types::FsyncFlags::DATASYNC)
+            .build()
+            .user_data(SYNC_TAG);
+        self.push_entry(&entry)?;
+        self.syncs += 1;
+        Ok(())
+    }
+
     fn reap(&mut self, free: &mut Vec<usize>, wait: bool) -> Result<()> {
-        if wait && self.inflight > 0 {
+        if wait && self.inflight + self.syncs > 0 {
             self.wait_one()?;
         }
         let done: Vec<(u64, i32)> = self
@@ -187,6 +219,13 @@ impl Sink for UringSink {
             .collect();
         let mut first_err = None;
         for (ud, res) in done {
+            if ud == SYNC_TAG {
+                self.syncs -= 1;
+                if res < 0 {
+                    first_err.get_or_insert(Error::os(-res, "fdatasync during the write", None));
+                }
+                continue;
+            }
             let buf = ud as usize;
             let Some((fd, job)) = self.jobs.get_mut(buf).and_then(Option::take) else {
                 continue;
@@ -229,17 +268,20 @@ impl Sink for UringSink {
     }
 
     fn drain(&mut self) {
-        while self.inflight > 0 {
+        while self.inflight + self.syncs > 0 {
             if self.wait_one().is_err() {
                 // Cannot wait on the ring: nothing safe is left but to stop
                 // using it; the engine discards the ring and the arena is
                 // only freed after the ring (which cancels its requests).
                 self.inflight = 0;
+                self.syncs = 0;
                 break;
             }
             let done: Vec<u64> = self.ring.completion().map(|c| c.user_data()).collect();
             for ud in done {
-                if let Some(slot) = self.jobs.get_mut(ud as usize) {
+                if ud == SYNC_TAG {
+                    self.syncs -= 1;
+                } else if let Some(slot) = self.jobs.get_mut(ud as usize) {
                     if slot.take().is_some() {
                         self.inflight -= 1;
                     }
@@ -252,6 +294,10 @@ impl Sink for UringSink {
     fn set_fault(&mut self, fault: Option<Fault>) {
         self.fault = fault;
     }
+
+    fn pending(&self) -> usize {
+        self.inflight + self.syncs
+    }
 }
 
 type Done = (usize, std::result::Result<(), Error>);
@@ -263,6 +309,7 @@ pub struct PoolSink {
     done: Receiver<Done>,
     workers: Vec<JoinHandle<()>>,
     inflight: usize,
+    syncs: usize,
     fault: Option<Fault>,
 }
 
@@ -282,9 +329,13 @@ impl PoolSink {
                         let Ok(Ok((fd, job, fault))) = next else {
                             return;
                         };
-                        let res = match Fault::hits(fault, &job) {
-                            Some(errno) => Err(write_error(errno, &job)),
-                            None => pwrite_all(fd, &job),
+                        let res = if job.buf == SYNC_BUF {
+                            datasync(fd)
+                        } else {
+                            match Fault::hits(fault, &job) {
+                                Some(errno) => Err(write_error(errno, &job)),
+                                None => pwrite_all(fd, &job),
+                            }
                         };
                         if dtx.send((job.buf, res)).is_err() {
                             return;
@@ -298,19 +349,36 @@ impl PoolSink {
             done: drx,
             workers,
             inflight: 0,
+            syncs: 0,
             fault: None,
         }
     }
 
     fn take(&mut self, d: Done, free: &mut Vec<usize>, err: &mut Option<Error>) {
-        self.inflight -= 1;
+        if d.0 == SYNC_BUF {
+            self.syncs -= 1;
+        } else {
+            self.inflight -= 1;
+        }
         match d.1 {
-            Ok(()) => free.push(d.0),
+            Ok(()) if d.0 != SYNC_BUF => free.push(d.0),
+            Ok(()) => {}
             Err(e) => {
                 err.get_or_insert(e);
             }
         }
     }
+}
+
+/// Buffer index of a pool job that is an fdatasync, not a write.
+const SYNC_BUF: usize = usize::MAX;
+
+fn datasync(fd: RawFd) -> std::result::Result<(), Error> {
+    // SAFETY: fdatasync on an fd the writer keeps open until the pool drains.
+    if unsafe { libc::fdatasync(fd) } != 0 {
+        return Err(Error::last_os("fdatasync during the write", None));
+    }
+    Ok(())
 }
 
 fn pwrite_all(fd: RawFd, job: &Job) -> std::result::Result<(), Error> {
@@ -350,9 +418,23 @@ impl Sink for PoolSink {
         Ok(())
     }
 
+    fn submit_datasync(&mut self, fd: RawFd) -> Result<()> {
+        let job = Job {
+            buf: SYNC_BUF,
+            ptr: std::ptr::null(),
+            len: 0,
+            offset: 0,
+        };
+        let tx = self.jobs.as_ref().expect("pool is running");
+        tx.send((fd, job, None))
+            .map_err(|_| Error::os(libc::EIO, "writer thread pool has stopped", None))?;
+        self.syncs += 1;
+        Ok(())
+    }
+
     fn reap(&mut self, free: &mut Vec<usize>, wait: bool) -> Result<()> {
         let mut err = None;
-        if wait && self.inflight > 0 {
+        if wait && self.inflight + self.syncs > 0 {
             match self.done.recv() {
                 Ok(d) => self.take(d, free, &mut err),
                 Err(_) => return Err(Error::os(libc::EIO, "writer thread pool has stopped", None)),
@@ -372,16 +454,21 @@ impl Sink for PoolSink {
     }
 
     fn drain(&mut self) {
-        while self.inflight > 0 {
-            if self.done.recv().is_err() {
-                break;
+        while self.inflight + self.syncs > 0 {
+            match self.done.recv() {
+                Ok((SYNC_BUF, _)) => self.syncs -= 1,
+                Ok(_) => self.inflight -= 1,
+                Err(_) => break,
             }
-            self.inflight -= 1;
         }
     }
 
     fn set_fault(&mut self, fault: Option<Fault>) {
         self.fault = fault;
+    }
+
+    fn pending(&self) -> usize {
+        self.inflight + self.syncs
     }
 }
 

@@ -40,6 +40,10 @@ pub struct Options {
     pub lock_memory: bool,
     /// Threads of the pwrite fallback pool.
     pub pool_threads: usize,
+    /// Start an fdatasync after every this many bytes (0: only at the end),
+    /// so the device flushes its cache while the save goes on and the final
+    /// fsync has little left to do.
+    pub flush_every: u64,
     /// fsync the file and the directory (off only for benchmarks of the
     /// non-durable case; a checkpoint should always be durable).
     pub durable: bool,
@@ -60,6 +64,7 @@ impl Default for Options {
             register_buffers: true,
             lock_memory: true,
             pool_threads: 4,
+            flush_every: 256 << 20,
             durable: true,
             fault: None,
             refuse_direct: false,
@@ -110,6 +115,61 @@ pub struct WriteStats {
     pub uring_note: Option<String>,
     /// CRC32 of each checksum id.
     pub crcs: Vec<u32>,
+    /// Time spent creating, reserving and probing the temporary file.
+    pub open_seconds: f64,
+    /// Time spent gathering and writing the data.
+    pub io_seconds: f64,
+    /// Time spent truncating, fsyncing, renaming and fsyncing the directory.
+    pub commit_seconds: f64,
+}
+
+/// One file being written: see [`Engine::begin`].
+pub struct Session {
+    tmp: TempFile,
+    target: std::path::PathBuf,
+    block: usize,
+    /// Segments not yet wholly written, sorted by offset.
+    segments: Vec<Segment>,
+    /// End of the last segment given so far.
+    frontier: u64,
+    /// Bytes `[0, written)` are written (a multiple of the block).
+    written: u64,
+    hashers: Vec<Hasher>,
+    direct_note: Option<String>,
+    t0: Instant,
+    open_seconds: f64,
+    io_seconds: f64,
+    failed: bool,
+}
+
+impl Session {
+    fn append(&mut self, mut segments: Vec<Segment>) -> Result<()> {
+        segments.retain(|s| !s.source.is_empty());
+        segments.sort_by_key(|s| s.offset);
+        if let Some(first) = segments.first() {
+            if first.offset < self.frontier {
+                return Err(Error::layout(format!(
+                    "segment at offset {} comes before the end of what was already given ({})",
+                    first.offset, self.frontier
+                )));
+            }
+        }
+        if let Some(last) = segments.last() {
+            self.frontier = self.frontier.max(last.end());
+        }
+        self.segments.extend(segments);
+        Ok(())
+    }
+
+    /// The O_DIRECT block size of this file.
+    pub fn block(&self) -> usize {
+        self.block
+    }
+
+    /// Bytes written so far.
+    pub fn written(&self) -> u64 {
+        self.written
+    }
 }
 
 /// A reusable writer: the arena, the ring and the fallback pool live across
@@ -185,6 +245,16 @@ impl Engine {
         segments: Vec<Segment>,
         file_len: u64,
     ) -> Result<WriteStats> {
+        let session = self.begin(path, file_len)?;
+        self.finish(session, segments, file_len)
+    }
+
+    /// Start writing `path`: create the temporary file, learn its O_DIRECT
+    /// alignment, probe O_DIRECT, reserve `size_hint` bytes. The file is
+    /// then written in order by [`Engine::write`] calls (which may go on
+    /// while the caller still works out the rest of the file) and committed
+    /// by [`Engine::finish`]. Dropping the session removes the file.
+    pub fn begin(&mut self, path: &Path, size_hint: u64) -> Result<Session> {
         let t0 = Instant::now();
         let (mut tmp, mut direct_note) = TempFile::create(path, self.opts.direct)?;
         let dio = if self.opts.direct {
@@ -198,19 +268,113 @@ impl Engine {
                 dio.block, self.opts.block_size
             )));
         }
-        let layout = Layout::new(segments, file_len, dio.block)?;
         if !self.opts.direct {
             direct_note = Some("O_DIRECT was turned off by the caller".into());
         }
-        tmp.preallocate(layout.padded_len())?;
-        if tmp.is_direct() && layout.padded_len() > 0 {
+        tmp.preallocate(align::align_up(size_hint, dio.block as u64))?;
+        if tmp.is_direct() {
             if let Some(why) = self.probe_direct(&tmp, dio.block)? {
                 tmp.clear_direct()?;
                 direct_note = Some(why);
             }
         }
+        Ok(Session {
+            tmp,
+            target: path.to_path_buf(),
+            block: dio.block,
+            segments: Vec::new(),
+            frontier: 0,
+            written: 0,
+            hashers: Vec::new(),
+            direct_note,
+            t0,
+            open_seconds: t0.elapsed().as_secs_f64(),
+            io_seconds: 0.0,
+            failed: false,
+        })
+    }
 
+    /// Add `segments` (all at or after the end of those given so far) and
+    /// write every whole block that is now fully known.
+    pub fn write(&mut self, session: &mut Session, segments: Vec<Segment>) -> Result<()> {
+        session.append(segments)?;
+        let upto = align::align_down(session.frontier, session.block as u64);
+        self.run(session, upto, session.frontier)
+    }
+
+    /// Add the last `segments`, write the rest of the file (true length
+    /// `file_len`), then truncate, fsync, rename and fsync the directory.
+    pub fn finish(
+        &mut self,
+        mut session: Session,
+        segments: Vec<Segment>,
+        file_len: u64,
+    ) -> Result<WriteStats> {
+        session.append(segments)?;
+        if file_len < session.frontier {
+            return Err(Error::layout(format!(
+                "file length {file_len} is shorter than the last segment's end {}",
+                session.frontier
+            )));
+        }
+        let padded = align::align_up(file_len, session.block as u64);
+        session.tmp.preallocate(padded)?;
+        self.run(&mut session, padded, file_len)?;
+        let t_commit = Instant::now();
+        let direct = session.tmp.is_direct();
+        let Session {
+            tmp,
+            target,
+            block,
+            hashers,
+            direct_note,
+            t0,
+            open_seconds,
+            io_seconds,
+            ..
+        } = session;
+        tmp.commit(file_len, self.opts.durable).map_err(|mut e| {
+            e.path.get_or_insert(target);
+            e
+        })?;
+        Ok(WriteStats {
+            bytes: file_len,
+            seconds: t0.elapsed().as_secs_f64(),
+            open_seconds,
+            io_seconds,
+            commit_seconds: t_commit.elapsed().as_secs_f64(),
+            direct,
+            io_uring: self.uring.is_some(),
+            registered: self.uring.as_ref().is_some_and(UringSink::registered),
+            locked: self.arena.locked(),
+            block,
+            direct_note,
+            uring_note: self.uring_note.clone(),
+            crcs: hashers.into_iter().map(Hasher::finalize).collect(),
+        })
+    }
+
+    /// Write the blocks `[session.written, upto)` of a file whose bytes are
+    /// known up to `known` (the rest of the last block is zeros).
+    fn run(&mut self, session: &mut Session, upto: u64, known: u64) -> Result<()> {
+        if session.failed {
+            return Err(Error::option("this write session already failed"));
+        }
+        if upto <= session.written {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let layout = Layout::new(std::mem::take(&mut session.segments), known, session.block)?;
+        let ids = layout.crc_ids() as usize;
+        if session.hashers.len() < ids {
+            session.hashers.resize(ids, Hasher::new());
+        }
         let fault = self.opts.fault;
+        let flush_every = if self.opts.durable {
+            self.opts.flush_every
+        } else {
+            0
+        };
         let sink: &mut dyn Sink = match self.uring.as_mut() {
             Some(u) => u,
             None => self
@@ -218,38 +382,29 @@ impl Engine {
                 .get_or_insert_with(|| PoolSink::new(self.opts.pool_threads)),
         };
         sink.set_fault(fault);
-        let mut hashers = vec![Hasher::new(); layout.crc_ids() as usize];
         let res = pump(
             &layout,
+            session.written..upto,
             &mut self.arena,
             sink,
-            tmp.fd(),
-            self.opts.queue_depth,
-            &mut hashers,
+            session.tmp.fd(),
+            (self.opts.queue_depth, flush_every),
+            &mut session.hashers,
         );
+        session.segments = layout.into_segments();
+        session.io_seconds += t.elapsed().as_secs_f64();
         if let Err(mut e) = res {
             sink.drain();
-            e.path.get_or_insert_with(|| tmp.temp_path().to_path_buf());
+            session.failed = true;
+            e.path
+                .get_or_insert_with(|| session.tmp.temp_path().to_path_buf());
             return Err(e);
         }
-        let direct = tmp.is_direct();
-        tmp.commit(layout.file_len(), self.opts.durable)
-            .map_err(|mut e| {
-                e.path.get_or_insert_with(|| path.to_path_buf());
-                e
-            })?;
-        Ok(WriteStats {
-            bytes: layout.file_len(),
-            seconds: t0.elapsed().as_secs_f64(),
-            direct,
-            io_uring: self.uring.is_some(),
-            registered: self.uring.as_ref().is_some_and(UringSink::registered),
-            locked: self.arena.locked(),
-            block: dio.block,
-            direct_note,
-            uring_note: self.uring_note.clone(),
-            crcs: hashers.into_iter().map(Hasher::finalize).collect(),
-        })
+        session.written = upto;
+        // Segments wholly written are no longer needed (their checksums live
+        // in the hashers): drop them so a long streamed file stays small.
+        session.segments.retain(|s| s.end() > upto);
+        Ok(())
     }
 
     /// Write one zero block at offset 0 (which the real data overwrites) to
@@ -286,15 +441,22 @@ impl Engine {
 /// keeping up to `qd` writes in flight.
 fn pump(
     layout: &Layout,
+    range: std::ops::Range<u64>,
     arena: &mut Arena,
     sink: &mut dyn Sink,
     fd: i32,
-    qd: usize,
+    (qd, flush_every): (usize, u64),
     hashers: &mut [Hasher],
 ) -> Result<()> {
-    let extents = layout.extents(0..layout.padded_len(), arena.buf_size())?;
+    let extents = layout.extents(range, arena.buf_size())?;
     let mut free: Vec<usize> = (0..arena.nbufs()).rev().collect();
+    let mut unflushed = 0u64;
     for ext in extents {
+        if flush_every > 0 && unflushed >= flush_every {
+            sink.submit_datasync(fd)?;
+            unflushed = 0;
+        }
+        unflushed += ext.len as u64;
         while free.is_empty() || sink.inflight() >= qd {
             sink.reap(&mut free, true)?;
         }
@@ -311,10 +473,7 @@ fn pump(
         )?;
         sink.reap(&mut free, false)?;
     }
-    while sink.inflight() > 0 {
-        sink.reap(&mut free, true)?;
-    }
-    Ok(())
+    sink.drain_checked(&mut free)
 }
 
 /// Checksum-then-copy in cache-sized steps, so the copy reads what the

@@ -207,3 +207,41 @@ fn bad_options_are_rejected() {
         assert!(Engine::new(o).is_err());
     }
 }
+
+#[test]
+fn streamed_session_equals_one_shot() {
+    let big = pattern(2_000_000, 5);
+    let odd = pattern(33_333, 6);
+    for opts in combos() {
+        let d = tempfile::tempdir().unwrap();
+        let (segs, expect, len) = sample(&big, &odd);
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        let mut s = eng.begin(&d.path().join("s.bin"), 1 << 20).unwrap();
+        let mut segs = segs;
+        segs.sort_by_key(|s| s.offset);
+        let tail = segs.split_off(3);
+        let head = segs.split_off(1);
+        eng.write(&mut s, segs).unwrap();
+        eng.write(&mut s, head).unwrap();
+        assert!(s.written() > 0 && s.written() % s.block() as u64 == 0);
+        // Going back before what was given is refused.
+        let back = vec![Segment { offset: 0, source: Source::Bytes(vec![1]), crc_id: None }];
+        assert!(eng.write(&mut s, back).is_err());
+        let st = eng.finish(s, tail, len).unwrap();
+        assert_eq!(st.crcs, vec![crc32fast::hash(&big), crc32fast::hash(&odd)]);
+        assert!(std::fs::read(d.path().join("s.bin")).unwrap() == expect, "{opts:?}");
+    }
+}
+
+#[test]
+fn dropped_session_leaves_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let mut eng = Engine::new(Options::default()).unwrap();
+    let big = pattern(1_000_000, 1);
+    // SAFETY: `big` outlives the session.
+    let m = unsafe { MemRef::new(big.as_ptr(), big.len()) };
+    let mut s = eng.begin(&d.path().join("x"), 0).unwrap();
+    eng.write(&mut s, vec![Segment { offset: 0, source: Source::Mem(m), crc_id: None }]).unwrap();
+    drop(s);
+    assert!(only(d.path()).is_empty());
+}

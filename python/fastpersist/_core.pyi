@@ -22,6 +22,7 @@ class Engine:
         lock_memory: bool = ...,
         pool_threads: int = ...,
         durable: bool = ...,
+        flush_every: int = ...,
     ) -> None: ...
     @property
     def arena_ptr(self) -> int: ...
@@ -42,6 +43,27 @@ class Engine:
         slots: List[Tuple[int, int]],
         file_len: int,
     ) -> Dict[str, Any]: ...
+    def begin(self, path: Union[str, PathLike[str]], size_hint: int = 0) -> "WriteSession": ...
+
+class WriteSession:
+    """A file written in order; see Engine.begin."""
+
+    @property
+    def block(self) -> int: ...
+    def write(
+        self,
+        blobs: List[Tuple[int, bytes]],
+        regions: List[Tuple[int, int, int, int]],
+        slots: List[Tuple[int, int]],
+    ) -> None: ...
+    def finish(
+        self,
+        blobs: List[Tuple[int, bytes]],
+        regions: List[Tuple[int, int, int, int]],
+        slots: List[Tuple[int, int]],
+        file_len: int,
+    ) -> Dict[str, Any]: ...
+    def abort(self) -> None: ...
 
 def partition(
     segments: List[Tuple[int, int]],

@@ -22,6 +22,7 @@ import io
 import pickle
 import struct
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -30,7 +31,7 @@ import torch
 from . import _core
 from .errors import SerializationError
 
-__all__ = ["Plan", "plan_torch_save", "STORAGE_ALIGNMENT", "ARCHIVE_NAME"]
+__all__ = ["Batch", "Plan", "TorchZipLayout", "plan_torch_save", "find_storages", "STORAGE_ALIGNMENT", "ARCHIVE_NAME"]
 
 #: Alignment of every ``data/<key>`` record (page size; O_DIRECT block).
 STORAGE_ALIGNMENT = 4096
@@ -52,24 +53,36 @@ _LOCATOR64 = struct.Struct("<IIQI")  # 20 bytes
 
 
 @dataclass
-class Plan:
-    """A file described for :meth:`fastpersist._core.Engine.write_file`."""
+class Batch:
+    """Consecutive pieces of a file, as one engine call takes them:
+    ``blobs`` (offset, bytes), ``regions`` (offset, address, length,
+    checksum id) and ``slots`` (offset, checksum id)."""
 
     blobs: List[Tuple[int, bytes]] = field(default_factory=list)
     regions: List[Tuple[int, int, int, int]] = field(default_factory=list)
     slots: List[Tuple[int, int]] = field(default_factory=list)
+    #: End of the last piece.
+    end: int = 0
+
+    def extend(self, other: "Batch") -> None:
+        self.blobs += other.blobs
+        self.regions += other.regions
+        self.slots += other.slots
+        self.end = max(self.end, other.end)
+
+
+@dataclass
+class Plan(Batch):
+    """A whole file, for :meth:`fastpersist._core.Engine.write_file`."""
+
     file_len: int = 0
-    #: Storages (and copies of non-CPU storages) the regions point into: kept
-    #: alive until the write is over.
+    #: Storages the regions point into: kept alive until the write is over.
     keepalive: List[Any] = field(default_factory=list)
     #: Record names in file order, with (data offset, length).
     records: List[Tuple[str, int, int]] = field(default_factory=list)
     #: Storage keys in checksum-id order.
     storage_keys: List[str] = field(default_factory=list)
-
-    @property
-    def storage_bytes(self) -> int:
-        return sum(r[2] for r in self.regions)
+    storage_bytes: int = 0
 
 
 def _describe(obj: Any) -> str:
@@ -104,14 +117,69 @@ def _is_meta(o: Any) -> bool:
     return isinstance(o, torch.Tensor) and o.device.type == "meta"
 
 
-def _pickle(obj: Any) -> Tuple[bytes, Dict[str, Any]]:
-    """Pickle ``obj`` exactly as ``torch.serialization._save`` does, returning
-    the pickle and the storages it refers to, by key."""
-    storages: Dict[str, Any] = {}
-    id_map: Dict[int, str] = {}
-    storage_dtypes: Dict[int, torch.dtype] = {}
+class _StorageRef:
+    """What the fast tensor reducer puts where torch puts a TypedStorage."""
 
-    def persistent_id(o: Any) -> Any:
+    __slots__ = ("storage", "dtype")
+
+    def __init__(self, storage: Any, dtype: torch.dtype) -> None:
+        self.storage = storage
+        self.dtype = dtype
+
+
+_storage_type_cache: Dict[torch.dtype, Any] = {}
+
+
+def _storage_type(dtype: torch.dtype) -> Any:
+    t = _storage_type_cache.get(dtype)
+    if t is None:
+        typed = torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)
+        t = _storage_type_cache[dtype] = getattr(torch, typed._pickle_storage_type())
+    return t
+
+
+def _v3_dtypes() -> frozenset:
+    new = getattr(torch.storage, "_new_dtypes", None)
+    return frozenset(new()) if new is not None else frozenset()
+
+
+_V3_DTYPES = _v3_dtypes()
+_get_metadata = getattr(torch._utils, "get_tensor_metadata", None)
+# Types persistent_id can dismiss at once (it is called for every object).
+_PLAIN = frozenset({str, int, float, bool, type(None), tuple, list, dict, bytes,
+                    torch.Tensor, torch.Size, torch.dtype, torch.device})
+
+
+class _Pickler(pickle.Pickler):
+    """torch.save's pickler (same persistent ids, same bytes), with a fast
+    reducer for plain dense tensors: torch's generic ``__reduce_ex__`` costs
+    tens of microseconds a tensor, which dominates checkpoints made of
+    thousands of small tensors."""
+
+    def __init__(self, file: Any, known: Optional[Dict[int, Tuple[str, Any]]] = None) -> None:
+        super().__init__(file, protocol=PICKLE_PROTOCOL)
+        self.storages: Dict[str, Any] = {}
+        #: storage ``_cdata`` -> key; seeded with the storages found up front.
+        self._keys: Dict[int, str] = {c: k for c, (k, _) in (known or {}).items()}
+        self._dtypes: Dict[int, torch.dtype] = {}
+
+    def reducer_override(self, o: Any) -> Any:  # noqa: D102
+        if (
+            type(o) is torch.Tensor
+            and o.layout is torch.strided
+            and o.device.type == "cpu"
+            and o.dtype not in _V3_DTYPES
+            and not o.is_quantized
+            and not o.__dict__
+        ):
+            # Exactly what Tensor._reduce_ex_internal returns for this case.
+            args: tuple = (_StorageRef(o.untyped_storage(), o.dtype), o.storage_offset(),
+                           tuple(o.size()), o.stride(), o.requires_grad, OrderedDict())
+            if _get_metadata is not None:
+                meta = _get_metadata(o)
+                if meta:
+                    args = args + (meta,)
+            return (torch._utils._rebuild_tensor_v2, args)
         if isinstance(o, torch.Tensor) and o.device.type == "meta":
             # torch.save would store only the shape; a checkpoint of a tensor
             # that was never materialized is almost surely a bug.
@@ -119,43 +187,61 @@ def _pickle(obj: Any) -> Tuple[bytes, Dict[str, Any]]:
                 "a tensor on the meta device has no data to save; "
                 "materialize it (e.g. module.to_empty(device='cpu')) first"
             )
-        if isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o):
-            if isinstance(o, torch.storage.TypedStorage):
-                storage = o._untyped_storage
-                storage_dtype = o.dtype
-                storage_type = getattr(torch, o._pickle_storage_type())
-                storage_numel = o._size()
-            else:
-                storage = o
-                storage_dtype = torch.uint8
-                storage_type = torch.serialization.normalize_storage_type(type(o))
-                storage_numel = storage.nbytes()
-            if storage.device.type == "meta":
-                raise SerializationError(
-                    "a tensor on the meta device has no data to save; "
-                    "materialize it (e.g. .to_empty(device='cpu')) first"
-                )
-            if storage.data_ptr() != 0:
-                prev = storage_dtypes.setdefault(storage.data_ptr(), storage_dtype)
-                if prev != storage_dtype:
-                    raise SerializationError(
-                        "cannot save multiple tensors or storages that view the same data "
-                        f"as different types ({prev} and {storage_dtype})"
-                    )
-            key = id_map.setdefault(storage._cdata, str(len(id_map)))
-            fake = getattr(o, "_fake_device", None)
-            location = str(fake) if fake is not None else torch.serialization.location_tag(storage)
-            storages[key] = storage
-            return ("storage", storage_type, key, location, storage_numel)
+        return NotImplemented
+
+    def persistent_id(self, o: Any) -> Any:  # noqa: D102
+        t = type(o)
+        if t is _StorageRef:
+            storage, dtype = o.storage, o.dtype
+            return self._storage_id(o, storage, dtype, _storage_type(dtype),
+                                    storage.nbytes() // _element_size(dtype))
+        if t in _PLAIN:
+            return None
+        if isinstance(o, torch.storage.TypedStorage):
+            return self._storage_id(o, o._untyped_storage, o.dtype,
+                                    getattr(torch, o._pickle_storage_type()), o._size())
+        if torch.is_storage(o):
+            return self._storage_id(o, o, torch.uint8,
+                                    torch.serialization.normalize_storage_type(type(o)), o.nbytes())
         return None
 
-    class _Pickler(pickle.Pickler):
-        def persistent_id(self, o: Any) -> Any:  # noqa: D102
-            return persistent_id(o)
+    def _storage_id(self, o: Any, storage: Any, dtype: torch.dtype, storage_type: Any, numel: int) -> tuple:
+        """Mirror of the storage branch of torch.serialization._save's persistent_id."""
+        if storage.device.type == "meta":
+            raise SerializationError("a storage on the meta device has no data to save")
+        ptr = storage.data_ptr()
+        if ptr != 0:
+            prev = self._dtypes.setdefault(ptr, dtype)
+            if prev != dtype:
+                raise SerializationError(
+                    "cannot save multiple tensors or storages that view the same data "
+                    f"as different types ({prev} and {dtype})"
+                )
+        key = self._keys.setdefault(storage._cdata, str(len(self._keys)))
+        fake = getattr(o, "_fake_device", None)
+        location = str(fake) if fake is not None else torch.serialization.location_tag(storage)
+        self.storages[key] = storage
+        return ("storage", storage_type, key, location, numel)
 
+
+_elem_sizes: Dict[torch.dtype, int] = {}
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    n = _elem_sizes.get(dtype)
+    if n is None:
+        n = _elem_sizes[dtype] = torch.empty((), dtype=dtype).element_size()
+    return n
+
+
+def _pickle(obj: Any, known: Optional[Dict[int, Tuple[str, Any]]] = None) -> Tuple[bytes, Dict[str, Any]]:
+    """Pickle ``obj`` exactly as ``torch.serialization._save`` does, returning
+    the pickle and the storages it refers to, by key. ``known`` storages
+    (``_cdata`` -> (key, storage)) keep their keys."""
     buf = io.BytesIO()
+    pickler = _Pickler(buf, known)
     try:
-        _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(obj)
+        pickler.dump(obj)
     except SerializationError as e:
         where = find_path(obj, _is_meta)
         if where is not None:
@@ -165,7 +251,7 @@ def _pickle(obj: Any) -> Tuple[bytes, Dict[str, Any]]:
         raise SerializationError(
             f"cannot serialize {_describe(obj)}: {type(e).__name__}: {e}"
         ) from e
-    return buf.getvalue(), storages
+    return buf.getvalue(), pickler.storages
 
 
 def _local_extra(header_off: int, size: int, align: int, name_len: int) -> bytes:
@@ -184,20 +270,109 @@ def _local_extra(header_off: int, size: int, align: int, name_len: int) -> bytes
     return z64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" padding field
 
 
-class _ZipBuilder:
-    """Lays out records one after another and the central directory after."""
+def find_storages(obj: Any) -> Dict[int, Tuple[str, Any]]:
+    """The storages of the dense tensors inside plain containers (dict,
+    list, tuple), keyed as torch.save will key them: by first encounter in
+    pickling order. Found before pickling, so their bytes can be on their
+    way to disk while the pickle is made. Storages inside other objects are
+    found by the pickler later."""
+    found: Dict[int, Tuple[str, Any]] = {}
+    stack: List[Any] = [obj]
+    seen: set = set()
+    while stack:
+        o = stack.pop()
+        t = type(o)
+        if t is dict or t is OrderedDict or t is list or t is tuple:
+            if id(o) in seen:
+                continue
+            seen.add(id(o))
+            if t is list or t is tuple:
+                stack.extend(reversed(o))
+            else:
+                for k, v in reversed(list(o.items())):
+                    stack.append(v)
+                    stack.append(k)
+        elif isinstance(o, torch.Tensor) and o.layout is torch.strided and o.device.type != "meta":
+            st = o.untyped_storage()
+            if st._cdata not in found:
+                found[st._cdata] = (str(len(found)), st)
+    return found
 
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
+
+class TorchZipLayout:
+    """Lays out a torch.save file in two steps: :meth:`head` (the storages
+    found before pickling, at the start of the file) and :meth:`tail` (the
+    pickle, storages found only by the pickler, the small records and the
+    central directory). Between the two, the head can be written."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
         self.cursor = 0
+        self.file_len = 0
         # (name, header offset, size, crc value or None, crc id or None)
         self.entries: List[Tuple[bytes, int, int, Optional[int], Optional[int]]] = []
+        self.records: List[Tuple[str, int, int]] = []
+        self.keepalive: List[Any] = []
+        self.storage_keys: List[str] = []
+        self.storage_bytes = 0
+        self._batch = Batch()
+        self._known = find_storages(obj)
+
+    def head(self) -> Batch:
+        """Records of the storages found up front."""
+        for key, storage in self._known.values():
+            self._add_storage(key, storage)
+        return self._take()
+
+    def tail(self) -> Batch:
+        """Pickle the object, then lay out everything else. Raises
+        :class:`SerializationError` when the object cannot be saved."""
+        data_pkl, storages = _pickle(self.obj, self._known)
+        for key, storage in storages.items():
+            if key not in self._known_keys():
+                self._add_storage(key, storage)
+        self._add("data.pkl", len(data_pkl), SMALL_ALIGNMENT, data=data_pkl)
+        self._add(".format_version", 1, SMALL_ALIGNMENT, data=b"1")
+        align_b = str(STORAGE_ALIGNMENT).encode()
+        self._add(".storage_alignment", len(align_b), SMALL_ALIGNMENT, data=align_b)
+        order = sys.byteorder.encode()
+        self._add("byteorder", len(order), SMALL_ALIGNMENT, data=order)
+        self._add("version", 2, SMALL_ALIGNMENT, data=b"3\n")
+        # torch's writer stores a 40-digit id; ours is derived from the content
+        # so the same state writes the same bytes (ranks writing parts agree).
+        sid = f"{_core.crc32(data_pkl):020d}{len(self.storage_keys) * 1000003 + self.storage_bytes:020d}"
+        self._add(".data/serialization_id", len(sid), SMALL_ALIGNMENT, data=sid.encode())
+        self._central_directory()
+        self.file_len = self.cursor
+        return self._take()
+
+    def _known_keys(self) -> set:
+        if not hasattr(self, "_known_key_set"):
+            self._known_key_set = {k for k, _ in self._known.values()}
+        return self._known_key_set
+
+    def _take(self) -> Batch:
+        b, self._batch = self._batch, Batch()
+        b.end = self.cursor
+        return b
+
+    def _add_storage(self, key: str, storage: Any) -> None:
+        if storage.device.type != "cpu":
+            # Until the CUDA staging path handles it, copy to host memory
+            # (what torch.save does); the pickle keeps the original location.
+            storage = storage.cpu()
+        crc_id = len(self.storage_keys)
+        self.keepalive.append(storage)
+        self.storage_keys.append(key)
+        n = storage.nbytes()
+        self.storage_bytes += n
+        self._add(f"data/{key}", n, STORAGE_ALIGNMENT, region=(storage.data_ptr(), crc_id))
 
     def _blob(self, data: bytes) -> None:
-        self.plan.blobs.append((self.cursor, data))
+        self._batch.blobs.append((self.cursor, data))
         self.cursor += len(data)
 
-    def add(
+    def _add(
         self,
         name: str,
         size: int,
@@ -224,9 +399,9 @@ class _ZipBuilder:
             assert region is not None
             ptr, crc_id = region
             if size:
-                self.plan.regions.append((data_off, ptr, size, crc_id))
+                self._batch.regions.append((data_off, ptr, size, crc_id))
             self.cursor += size
-        self.plan.records.append((name, data_off, size))
+        self.records.append((name, data_off, size))
         # Data descriptor: signature, CRC, compressed and uncompressed sizes
         # (64-bit when the record or its offset needs zip64, as miniz does).
         wide = size >= _U32 or header_off >= _U32
@@ -240,10 +415,10 @@ class _ZipBuilder:
         if crc_id is None:
             self._blob(struct.pack("<I", value or 0))
         else:
-            self.plan.slots.append((self.cursor, crc_id))
+            self._batch.slots.append((self.cursor, crc_id))
             self.cursor += 4
 
-    def finish(self) -> None:
+    def _central_directory(self) -> None:
         cd_start = self.cursor
         for name_b, header_off, size, crc, crc_id in self.entries:
             fields = b""
@@ -269,33 +444,17 @@ class _ZipBuilder:
             self._blob(_LOCATOR64.pack(0x07064B50, 0, eocd64_off, 1))
         self._blob(_EOCD.pack(0x06054B50, 0, 0, min(n, _U16), min(n, _U16),
                               min(cd_size, _U32), min(cd_start, _U32), 0))
-        self.plan.file_len = self.cursor
 
 
 def plan_torch_save(obj: Any) -> Plan:
-    """Describe the ``torch.save`` file of ``obj`` (see the module doc)."""
-    data_pkl, storages = _pickle(obj)
+    """Describe the whole ``torch.save`` file of ``obj`` at once."""
+    z = TorchZipLayout(obj)
     plan = Plan()
-    z = _ZipBuilder(plan)
-    z.add("data.pkl", len(data_pkl), SMALL_ALIGNMENT, data=data_pkl)
-    z.add(".format_version", 1, SMALL_ALIGNMENT, data=b"1")
-    align_b = str(STORAGE_ALIGNMENT).encode()
-    z.add(".storage_alignment", len(align_b), SMALL_ALIGNMENT, data=align_b)
-    order = sys.byteorder.encode()
-    z.add("byteorder", len(order), SMALL_ALIGNMENT, data=order)
-    for crc_id, (key, storage) in enumerate(storages.items()):
-        if storage.device.type != "cpu":
-            # Until the CUDA staging path handles it, copy to host memory
-            # (what torch.save does); the pickle keeps the original location.
-            storage = storage.cpu()
-        plan.keepalive.append(storage)
-        plan.storage_keys.append(key)
-        z.add(f"data/{key}", storage.nbytes(), STORAGE_ALIGNMENT,
-              region=(storage.data_ptr(), crc_id))
-    z.add("version", 2, SMALL_ALIGNMENT, data=b"3\n")
-    # torch's writer stores a 40-digit id; ours is derived from the content so
-    # the same state writes the same bytes (ranks writing parts must agree).
-    sid = f"{_core.crc32(data_pkl):020d}{len(storages) * 1000003 + plan.storage_bytes:020d}"[:40]
-    z.add(".data/serialization_id", len(sid), SMALL_ALIGNMENT, data=sid.encode())
-    z.finish()
+    plan.extend(z.head())
+    plan.extend(z.tail())
+    plan.file_len = z.file_len
+    plan.keepalive = z.keepalive
+    plan.records = z.records
+    plan.storage_keys = z.storage_keys
+    plan.storage_bytes = z.storage_bytes
     return plan

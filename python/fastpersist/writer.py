@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from . import _core
 from .errors import FallbackWarning
-from .serialization import plan_torch_save
+from .serialization import TorchZipLayout
 
 __all__ = ["WriteStats", "write_state_dict", "get_engine", "EngineOptions"]
 
@@ -55,8 +56,13 @@ class WriteStats:
     storage_bytes: int
     #: CRC32 of each storage record, by storage key.
     crc32: Dict[str, int] = field(default_factory=dict, repr=False)
-    #: Seconds spent pickling and laying out, inside ``seconds``.
+    #: Seconds spent pickling and laying out the rest of the file (while the
+    #: storages found up front were being written), inside ``seconds``.
     plan_seconds: float = 0.0
+    #: Seconds spent gathering and writing the data, inside ``seconds``.
+    io_seconds: float = 0.0
+    #: Seconds spent on truncate, fsync, rename and directory fsync.
+    commit_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -160,27 +166,65 @@ def _check_path(path: Any) -> str:
     return p
 
 
-def write_plan(plan: Any, path: str, opts: EngineOptions, plan_seconds: float,
-               storage_keys: Optional[List[str]] = None) -> WriteStats:
-    lock, eng = get_engine(opts)
-    with lock:
-        raw = eng.write_file(path, plan.blobs, plan.regions, plan.slots, plan.file_len)
-    _warn_once(raw["direct_note"], opts.direct)
-    _warn_once(raw["uring_note"], opts.io_uring)
-    keys = storage_keys if storage_keys is not None else []
+def _stats(raw: Dict[str, Any], path: str, storage_bytes: int, keys: List[str],
+           plan_seconds: float, seconds: float) -> WriteStats:
     return WriteStats(
         path=path,
         bytes=raw["bytes"],
-        seconds=raw["seconds"] + plan_seconds,
+        seconds=seconds,
         direct=raw["direct"],
         io_uring=raw["io_uring"],
         registered_buffers=raw["registered"],
         locked_memory=raw["locked"],
         block=raw["block"],
-        storage_bytes=plan.storage_bytes,
+        storage_bytes=storage_bytes,
         crc32=dict(zip(keys, raw["crcs"])),
         plan_seconds=plan_seconds,
+        io_seconds=raw["io_seconds"],
+        commit_seconds=raw["commit_seconds"],
     )
+
+
+def _write_torch_zip(obj: Any, path: str, opts: EngineOptions) -> WriteStats:
+    """The storages found up front are written by a second thread (the
+    engine releases the GIL) while this one pickles; the rest follows."""
+    t0 = time.perf_counter()
+    layout = TorchZipLayout(obj)
+    head = layout.head()
+    lock, eng = get_engine(opts)
+    with lock:
+        session = eng.begin(path, head.end)
+        try:
+            failure: List[BaseException] = []
+            writer = None
+            if head.regions or head.blobs:
+                def write_head() -> None:
+                    try:
+                        session.write(head.blobs, head.regions, head.slots)
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        failure.append(e)
+
+                writer = threading.Thread(target=write_head, name="fastpersist-head", daemon=True)
+                writer.start()
+            try:
+                tp = time.perf_counter()
+                tail = layout.tail()
+                plan_seconds = time.perf_counter() - tp
+            finally:
+                if writer is not None:
+                    writer.join()
+            if failure:
+                raise failure[0]
+            raw = session.finish(tail.blobs, tail.regions, tail.slots, layout.file_len)
+        except BaseException:
+            session.abort()
+            raise
+        finally:
+            del layout.keepalive[:]
+    _warn_once(raw["direct_note"], opts.direct)
+    _warn_once(raw["uring_note"], opts.io_uring)
+    return _stats(raw, path, layout.storage_bytes, layout.storage_keys, plan_seconds,
+                  time.perf_counter() - t0)
 
 
 def write_state_dict(
@@ -214,11 +258,6 @@ def write_state_dict(
     ``errno`` and ``filename``) for I/O failures, ``ValueError`` for bad
     options, ``TypeError`` when ``path`` is not a path.
     """
-    import time
-
     p = _check_path(path)
     opts = EngineOptions.resolve(block_size, arena_bytes, queue_depth, direct, io_uring, durable)
-    t0 = time.perf_counter()
-    plan = plan_torch_save(obj)
-    plan_seconds = time.perf_counter() - t0
-    return write_plan(plan, p, opts, plan_seconds, plan.storage_keys)
+    return _write_torch_zip(obj, p, opts)

@@ -59,9 +59,24 @@ def test_views_sharing_and_layouts(tmp_path):
     assert loaded["row_view"][0, 0] == 12345.0
 
 
+def _pickle_zoo():
+    base = make((8, 6), torch.float32, 3)
+    lin = torch.nn.Linear(3, 2)
+    conj = torch.randn(3, dtype=torch.complex64).conj()
+    return {
+        "w": make((16, 16), torch.float16), "b": make((7,), torch.float32), "n": 3,
+        "views": [base, base[2:], base[:, 1], base.t()],
+        "grad": torch.ones(3, requires_grad=True), "param": lin.weight, "module_sd": lin.state_dict(),
+        "dtypes": {str(d): make((3,), d) for d in all_dtypes()},
+        "conj": conj, "neg": torch.randn(3, dtype=torch.complex64).conj().imag,
+        "scalar": make((), torch.int64), "empty": torch.empty(0, 4), "size": torch.Size([2, 3]),
+        "dtype": torch.bfloat16, "nested": {"a": [1, (2.5, "x")], "b": None},
+    }
+
+
 def test_same_records_as_torch_save(tmp_path):
     """Same record names, pickle and storage bytes as torch.save."""
-    sd = {"w": make((16, 16), torch.float16), "b": make((7,), torch.float32), "n": 3}
+    sd = _pickle_zoo()
     fastpersist.write_state_dict(sd, tmp_path / "a.pt")
     with zipfile.ZipFile(tmp_path / "a.pt") as z:
         ours = {i.filename.split("/", 1)[1]: z.read(i) for i in z.infolist()}
