@@ -100,18 +100,21 @@ def fio_limit(directory: str, size: int, rw: str = "write") -> Optional[float]:
     if fio is None:
         return None
     size = max(size // (4 * MiB), 1) * 4 * MiB
-    with tempfile.TemporaryDirectory(dir=directory) as d:
-        cmd = [fio, "--name=limit", f"--directory={d}", f"--rw={rw}", "--bs=4M", "--iodepth=16",
-               "--ioengine=io_uring", "--direct=1", f"--size={size}", "--end_fsync=1",
-               "--output-format=json"]
+    # The same directory the writers use (not a subdirectory: ext4 places
+    # new directories in other block groups, i.e. elsewhere on the disk).
+    path = os.path.join(directory, "fio-limit.dat")
+    base = [fio, "--name=limit", f"--filename={path}", "--bs=4M", "--iodepth=16",
+            "--ioengine=io_uring", "--direct=1", f"--size={size}", "--output-format=json"]
+    try:
         if rw == "read":
             # lay the file out first; the read itself is O_DIRECT (cold)
-            subprocess.run(cmd[:3] + ["--rw=write", "--bs=4M", "--direct=1", f"--size={size}",
-                                      "--ioengine=io_uring", "--iodepth=16"],
-                           check=True, stdout=subprocess.DEVNULL)
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        job = json.loads(out[out.index("{"):])["jobs"][0]
-        return job[rw]["bw_bytes"] / 1e9
+            subprocess.run(base + ["--rw=write", "--end_fsync=1"], check=True, stdout=subprocess.DEVNULL)
+        out = subprocess.run(base + [f"--rw={rw}", "--end_fsync=1"], check=True,
+                             capture_output=True, text=True).stdout
+    finally:
+        clear(path)
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return job[rw]["bw_bytes"] / 1e9
 
 
 def timed(fn: Callable[[], None]) -> float:

@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from typing import Callable, Dict, List, Optional
 
@@ -104,21 +105,35 @@ WRITERS: Dict[str, Writer] = {
 }
 
 
-def run_workload(name: str, sd, directory: str, rounds: int, writers: Dict[str, Writer]) -> dict:
+FIO = "fio (limit)"
+
+
+def settle(seconds: float) -> None:
+    """Let the previous writer's write-back and discards finish, so they do
+    not land on the next measurement."""
+    os.sync()
+    time.sleep(seconds)
+
+
+def run_workload(name: str, sd, directory: str, rounds: int, writers: Dict[str, Writer],
+                 settle_s: float) -> dict:
     size = nbytes(sd)
     print(f"\n== {name}: {len(sd)} tensors, {size / 2**30:.2f} GiB, {rounds} rounds ==", flush=True)
     times: Dict[str, List[float]] = {k: [] for k in writers}
     limit: List[float] = []
     names = list(writers)
+    slots = [FIO] + names
     for r in range(rounds):
-        bw = fio_limit(directory, size)
-        if bw is not None:
-            limit.append(bw)
-        order = names[r % len(names):] + names[: r % len(names)]
+        # The fio run takes its turn in the rotation like every writer.
+        order = slots[r % len(slots):] + slots[: r % len(slots)]
         for w in order:
+            settle(settle_s)
+            if w == FIO:
+                bw = fio_limit(directory, size)
+                if bw is not None:
+                    limit.append(bw)
+                continue
             path = os.path.join(directory, f"bench-{w.replace(' ', '_')}.out")
-            clear(path)
-            os.sync()
             try:
                 times[w].append(timed(lambda: writers[w](sd, path)))
             except Exception as e:  # noqa: BLE001 - report and go on
@@ -159,6 +174,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None, help="directory on the disk to test (default: a temp dir in the cwd)")
     ap.add_argument("--only", default=None, help="comma-separated writers to run")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds of idle (after sync) before each measurement")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -185,11 +201,11 @@ def main() -> None:
 
         print(f"fastpersist {fastpersist.__version__}, torch {torch.__version__}, dir {d}")
         sd = gpt_state_dict(size)
-        results.append(run_workload("GPT-like", sd, d, args.rounds, writers))
+        results.append(run_workload("GPT-like", sd, d, args.rounds, writers, args.settle))
         del sd
         if args.small_count:
             sd = small_tensors_state_dict(args.small_count, parse_size(args.small_size))
-            results.append(run_workload("small tensors", sd, d, args.rounds, writers))
+            results.append(run_workload("small tensors", sd, d, args.rounds, writers, args.settle))
             del sd
 
         print("\n== peak resident memory added by one write (GPT-like, fresh process) ==")

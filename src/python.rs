@@ -65,7 +65,7 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (*, block_size=4<<20, arena_bytes=32<<20, queue_depth=8, direct=true,
+    #[pyo3(signature = (*, block_size=1<<20, arena_bytes=32<<20, queue_depth=32, direct=true,
         io_uring=true, register_buffers=true, lock_memory=true, pool_threads=4, durable=true,
         flush_every=256<<20))]
     #[allow(clippy::too_many_arguments)]

@@ -56,9 +56,9 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Options {
-            block_size: 4 << 20,
+            block_size: 1 << 20,
             arena_bytes: 32 << 20,
-            queue_depth: 8,
+            queue_depth: 32,
             direct: true,
             io_uring: true,
             register_buffers: true,

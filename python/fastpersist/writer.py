@@ -7,8 +7,8 @@ variables set the defaults (a parameter wins over them):
 ``FASTPERSIST_DIRECT=0``       never use O_DIRECT (buffered writes)
 ``FASTPERSIST_IO_URING=0``     never use io_uring (pwrite thread pool)
 ``FASTPERSIST_ARENA_BYTES``    staging memory, bytes (default 32 MiB)
-``FASTPERSIST_BLOCK_SIZE``     bytes per write (default 4 MiB)
-``FASTPERSIST_QUEUE_DEPTH``    writes in flight (default 8)
+``FASTPERSIST_BLOCK_SIZE``     bytes per write (default 1 MiB)
+``FASTPERSIST_QUEUE_DEPTH``    writes in flight (default 32)
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ __all__ = ["WriteStats", "write_state_dict", "get_engine", "EngineOptions"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-DEFAULT_BLOCK_SIZE = 4 << 20
+DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_ARENA_BYTES = 32 << 20
-DEFAULT_QUEUE_DEPTH = 8
+DEFAULT_QUEUE_DEPTH = 32
 
 
 @dataclass(frozen=True)
