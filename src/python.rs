@@ -164,11 +164,7 @@ impl PyEngine {
 
     /// Start a streamed write of `path` (see `WriteSession`).
     #[pyo3(signature = (path, size_hint=0))]
-    fn begin(
-        slf: &Bound<'_, Self>,
-        path: PathBuf,
-        size_hint: u64,
-    ) -> PyResult<PySession> {
+    fn begin(slf: &Bound<'_, Self>, path: PathBuf, size_hint: u64) -> PyResult<PySession> {
         let this = slf.get();
         let session = slf
             .py()
@@ -211,7 +207,10 @@ impl PySession {
         let segments = build_segments(blobs, regions, slots)?;
         let engine = self.engine.get();
         py.allow_threads(|| {
-            let mut guard = self.session.lock().map_err(|_| Error::option("session poisoned"))?;
+            let mut guard = self
+                .session
+                .lock()
+                .map_err(|_| Error::option("session poisoned"))?;
             let session = guard
                 .as_mut()
                 .ok_or_else(|| Error::option("this write session is already finished"))?;

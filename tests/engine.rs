@@ -225,11 +225,18 @@ fn streamed_session_equals_one_shot() {
         eng.write(&mut s, head).unwrap();
         assert!(s.written() > 0 && s.written() % s.block() as u64 == 0);
         // Going back before what was given is refused.
-        let back = vec![Segment { offset: 0, source: Source::Bytes(vec![1]), crc_id: None }];
+        let back = vec![Segment {
+            offset: 0,
+            source: Source::Bytes(vec![1]),
+            crc_id: None,
+        }];
         assert!(eng.write(&mut s, back).is_err());
         let st = eng.finish(s, tail, len).unwrap();
         assert_eq!(st.crcs, vec![crc32fast::hash(&big), crc32fast::hash(&odd)]);
-        assert!(std::fs::read(d.path().join("s.bin")).unwrap() == expect, "{opts:?}");
+        assert!(
+            std::fs::read(d.path().join("s.bin")).unwrap() == expect,
+            "{opts:?}"
+        );
     }
 }
 
@@ -241,7 +248,15 @@ fn dropped_session_leaves_nothing() {
     // SAFETY: `big` outlives the session.
     let m = unsafe { MemRef::new(big.as_ptr(), big.len()) };
     let mut s = eng.begin(&d.path().join("x"), 0).unwrap();
-    eng.write(&mut s, vec![Segment { offset: 0, source: Source::Mem(m), crc_id: None }]).unwrap();
+    eng.write(
+        &mut s,
+        vec![Segment {
+            offset: 0,
+            source: Source::Mem(m),
+            crc_id: None,
+        }],
+    )
+    .unwrap();
     drop(s);
     assert!(only(d.path()).is_empty());
 }
