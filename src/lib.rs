@@ -11,6 +11,7 @@ pub mod arena;
 pub mod commit;
 pub mod error;
 pub mod layout;
+pub mod reader;
 pub mod sink;
 pub mod writer;
 
@@ -19,4 +20,5 @@ mod python;
 
 pub use error::{Error, ErrorKind, Result};
 pub use layout::{Extent, Layout, MemRef, Piece, Segment, Source};
+pub use reader::{MutMemRef, ReadReq, ReadStats};
 pub use writer::{Engine, Options, Session, WriteStats};

@@ -1,4 +1,4 @@
-//! Write back ends: an io_uring ring, or a pool of threads doing `pwrite`.
+//! I/O back ends: an io_uring ring, or a pool of threads doing `pwrite`/`pread`.
 //!
 //! Both take [`Job`]s (one arena buffer to write at one offset) and hand the
 //! buffer back once every byte of it is on its way to the file, resubmitting
@@ -14,14 +14,18 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-/// One buffer's write.
+/// One buffer's write (or read, with `read`).
 #[derive(Debug, Clone, Copy)]
 pub struct Job {
-    /// Arena buffer index (returned when the write is complete).
+    /// Arena buffer index (returned when the I/O is complete).
     pub buf: usize,
+    /// The buffer: read from for writes, written to for reads.
     pub ptr: *const u8,
     pub len: usize,
     pub offset: u64,
+    /// A read: a short read means end of file, and the rest of the buffer
+    /// is zero-filled.
+    pub read: bool,
 }
 
 // SAFETY: a Job points into the arena, which outlives every sink use, and the
@@ -45,11 +49,21 @@ impl Fault {
 }
 
 fn write_error(errno: i32, job: &Job) -> Error {
+    let what = if job.read { "read" } else { "write" };
     Error::os(
         errno,
-        format!("write of {} bytes at offset {}", job.len, job.offset),
+        format!("{what} of {} bytes at offset {}", job.len, job.offset),
         None,
     )
+}
+
+/// Zero the part of a read buffer past end of file.
+fn zero_tail(job: &Job, got: usize) {
+    if got < job.len {
+        // SAFETY: `job.ptr..job.ptr+job.len` is a buffer handed to this read,
+        // owned by the I/O until the job completes, which is now.
+        unsafe { std::ptr::write_bytes(job.ptr.cast_mut().add(got), 0, job.len - got) };
+    }
 }
 
 pub trait Sink {
@@ -136,14 +150,20 @@ impl UringSink {
             p >= base && p + job.len <= base + len
         });
         let len = u32::try_from(job.len).map_err(|_| Error::option("write larger than 4 GiB"))?;
-        let entry = if within_fixed {
-            opcode::WriteFixed::new(types::Fd(fd), job.ptr, len, 0)
+        let fd_t = types::Fd(fd);
+        let entry = match (job.read, within_fixed) {
+            (false, true) => opcode::WriteFixed::new(fd_t, job.ptr, len, 0)
                 .offset(job.offset)
-                .build()
-        } else {
-            opcode::Write::new(types::Fd(fd), job.ptr, len)
+                .build(),
+            (false, false) => opcode::Write::new(fd_t, job.ptr, len)
                 .offset(job.offset)
-                .build()
+                .build(),
+            (true, true) => opcode::ReadFixed::new(fd_t, job.ptr.cast_mut(), len, 0)
+                .offset(job.offset)
+                .build(),
+            (true, false) => opcode::Read::new(fd_t, job.ptr.cast_mut(), len)
+                .offset(job.offset)
+                .build(),
         }
         .user_data(job.buf as u64);
         if self.jobs.len() <= job.buf {
@@ -234,7 +254,12 @@ impl Sink for UringSink {
                 Some(errno) => -errno,
                 None => res,
             };
-            if res < 0 || (res == 0 && job.len > 0) {
+            if job.read && res >= 0 {
+                // Reads are short only at end of file.
+                zero_tail(&job, res as usize);
+                self.inflight -= 1;
+                free.push(buf);
+            } else if res < 0 || (res == 0 && job.len > 0) {
                 self.inflight -= 1;
                 let errno = if res < 0 { -res } else { libc::EIO };
                 first_err.get_or_insert(write_error(errno, &job));
@@ -247,6 +272,7 @@ impl Sink for UringSink {
                     ptr: unsafe { job.ptr.add(n) },
                     len: job.len - n,
                     offset: job.offset + n as u64,
+                    read: false,
                 };
                 if let Err(e) = self.push(fd, rest) {
                     self.inflight -= 1;
@@ -334,6 +360,7 @@ impl PoolSink {
                         } else {
                             match Fault::hits(fault, &job) {
                                 Some(errno) => Err(write_error(errno, &job)),
+                                None if job.read => pread_all(fd, &job),
                                 None => pwrite_all(fd, &job),
                             }
                         };
@@ -409,6 +436,35 @@ fn pwrite_all(fd: RawFd, job: &Job) -> std::result::Result<(), Error> {
     Ok(())
 }
 
+fn pread_all(fd: RawFd, job: &Job) -> std::result::Result<(), Error> {
+    let mut done = 0usize;
+    while done < job.len {
+        // SAFETY: `job.ptr + done .. job.ptr + job.len` is inside the buffer
+        // given to this read, which nobody touches until it is reported done.
+        let n = unsafe {
+            libc::pread(
+                fd,
+                job.ptr.cast_mut().add(done).cast(),
+                job.len - done,
+                (job.offset + done as u64) as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(write_error(e.raw_os_error().unwrap_or(libc::EIO), job));
+        }
+        if n == 0 {
+            break;
+        }
+        done += n as usize;
+    }
+    zero_tail(job, done);
+    Ok(())
+}
+
 impl Sink for PoolSink {
     fn submit(&mut self, fd: RawFd, job: Job) -> Result<()> {
         let tx = self.jobs.as_ref().expect("pool is running");
@@ -424,6 +480,7 @@ impl Sink for PoolSink {
             ptr: std::ptr::null(),
             len: 0,
             offset: 0,
+            read: false,
         };
         let tx = self.jobs.as_ref().expect("pool is running");
         tx.send((fd, job, None))

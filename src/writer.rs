@@ -177,11 +177,11 @@ impl Session {
 pub struct Engine {
     // Field order matters: the ring (holding the arena's registration) and
     // the pool (whose threads may hold jobs) are dropped before the arena.
-    uring: Option<UringSink>,
-    pool: Option<PoolSink>,
-    arena: Arena,
-    opts: Options,
-    uring_note: Option<String>,
+    pub(crate) uring: Option<UringSink>,
+    pub(crate) pool: Option<PoolSink>,
+    pub(crate) arena: Arena,
+    pub(crate) opts: Options,
+    pub(crate) uring_note: Option<String>,
 }
 
 impl Engine {
@@ -369,26 +369,20 @@ impl Engine {
         if session.hashers.len() < ids {
             session.hashers.resize(ids, Hasher::new());
         }
-        let fault = self.opts.fault;
         let flush_every = if self.opts.durable {
             self.opts.flush_every
         } else {
             0
         };
-        let sink: &mut dyn Sink = match self.uring.as_mut() {
-            Some(u) => u,
-            None => self
-                .pool
-                .get_or_insert_with(|| PoolSink::new(self.opts.pool_threads)),
-        };
-        sink.set_fault(fault);
+        let qd = self.opts.queue_depth;
+        let (sink, arena) = self.parts();
         let res = pump(
             &layout,
             session.written..upto,
-            &mut self.arena,
+            arena,
             sink,
             session.tmp.fd(),
-            (self.opts.queue_depth, flush_every),
+            (qd, flush_every),
             &mut session.hashers,
         );
         session.segments = layout.into_segments();
@@ -405,6 +399,20 @@ impl Engine {
         // in the hashers): drop them so a long streamed file stays small.
         session.segments.retain(|s| s.end() > upto);
         Ok(())
+    }
+
+    /// The I/O back end (io_uring, else the pwrite pool, made on first use)
+    /// with its fault hook set, and the arena.
+    pub(crate) fn parts(&mut self) -> (&mut dyn Sink, &mut Arena) {
+        let fault = self.opts.fault;
+        let sink: &mut dyn Sink = match self.uring.as_mut() {
+            Some(u) => u,
+            None => self
+                .pool
+                .get_or_insert_with(|| PoolSink::new(self.opts.pool_threads)),
+        };
+        sink.set_fault(fault);
+        (sink, &mut self.arena)
     }
 
     /// Write one zero block at offset 0 (which the real data overwrites) to
@@ -469,6 +477,7 @@ fn pump(
                 ptr: arena.buf_ptr(b),
                 len: ext.len,
                 offset: ext.offset,
+                read: false,
             },
         )?;
         sink.reap(&mut free, false)?;

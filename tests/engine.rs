@@ -260,3 +260,85 @@ fn dropped_session_leaves_nothing() {
     drop(s);
     assert!(only(d.path()).is_empty());
 }
+
+#[test]
+fn reads_records_back_on_every_backend() {
+    use fastpersist::{MutMemRef, ReadReq};
+    let big = pattern(3_000_001, 8);
+    let odd = pattern(12_345, 9);
+    for opts in combos() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("r.bin");
+        let (segs, expect, len) = sample(&big, &odd);
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        eng.write_file(&p, segs, len).unwrap();
+        // Three records: the big one, the odd one, and the last 7 bytes.
+        let ranges = [
+            (4096u64, big.len()),
+            (4096 + big.len() as u64 + 17, odd.len()),
+            (len - 7, 7),
+        ];
+        let mut bufs: Vec<Vec<u8>> = ranges.iter().map(|&(_, n)| vec![0xAB; n]).collect();
+        let reqs = ranges
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(&(offset, _), b)| ReadReq {
+                offset,
+                // SAFETY: each buffer is exclusively ours until read_into returns.
+                dst: unsafe { MutMemRef::new(b.as_mut_ptr(), b.len()) },
+            })
+            .collect();
+        let st = eng.read_into(&p, reqs).unwrap();
+        for (&(off, n), b) in ranges.iter().zip(&bufs) {
+            assert!(b[..] == expect[off as usize..off as usize + n], "{opts:?}");
+        }
+        assert_eq!(st.crcs[0], crc32fast::hash(&big));
+        assert_eq!(st.crcs[1], crc32fast::hash(&odd));
+        assert_eq!(st.file_len, len);
+    }
+}
+
+#[test]
+fn read_past_end_and_overlap_are_refused() {
+    use fastpersist::{MutMemRef, ReadReq};
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("r.bin");
+    std::fs::write(&p, vec![1u8; 10_000]).unwrap();
+    let mut eng = Engine::new(Options::default()).unwrap();
+    let mut a = vec![0u8; 100];
+    let mut b = vec![0u8; 100];
+    // SAFETY: buffers outlive the calls.
+    let (ra, rb) = unsafe {
+        (
+            MutMemRef::new(a.as_mut_ptr(), 100),
+            MutMemRef::new(b.as_mut_ptr(), 100),
+        )
+    };
+    let e = eng
+        .read_into(
+            &p,
+            vec![ReadReq {
+                offset: 9_950,
+                dst: ra,
+            }],
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("past the end"), "{e}");
+    let e = eng
+        .read_into(
+            &p,
+            vec![
+                ReadReq { offset: 0, dst: ra },
+                ReadReq {
+                    offset: 50,
+                    dst: rb,
+                },
+            ],
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("overlap"), "{e}");
+    let e = eng
+        .read_into(&d.path().join("missing"), vec![])
+        .unwrap_err();
+    assert_eq!(e.errno, Some(libc::ENOENT));
+}

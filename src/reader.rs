@@ -1,0 +1,272 @@
+//! The read path: many records of one file into caller memory, with
+//! O_DIRECT reads into the aligned arena (several in flight), then a copy
+//! into each destination with its CRC32 computed on the way.
+//!
+//! Reads are issued in file order and consumed in file order (a completed
+//! buffer waits for the ones before it), so each record's checksum is fed
+//! its bytes in order whatever order the device completes them in.
+
+use crate::align::{self, align_down, align_up};
+use crate::error::{Error, Result};
+use crate::sink::Job;
+use crate::writer::Engine;
+use crc32fast::Hasher;
+use std::collections::VecDeque;
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::time::Instant;
+
+/// Caller memory to read into.
+#[derive(Debug, Clone, Copy)]
+pub struct MutMemRef {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a (pointer, length) pair; `MutMemRef::new`'s contract makes the
+// creator guarantee exclusive, valid memory for the duration of the read.
+unsafe impl Send for MutMemRef {}
+
+impl MutMemRef {
+    /// # Safety
+    /// `ptr` must be valid for writes of `len` bytes, and nothing else may
+    /// read or write that memory, until the read that uses it returns.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Self {
+        MutMemRef { ptr, len }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// One record to read: `dst.len()` bytes at `offset`.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadReq {
+    pub offset: u64,
+    pub dst: MutMemRef,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ReadStats {
+    pub bytes: u64,
+    pub seconds: f64,
+    pub file_len: u64,
+    pub direct: bool,
+    pub io_uring: bool,
+    /// CRC32 of each request, in the order given.
+    pub crcs: Vec<u32>,
+}
+
+/// Gaps smaller than this between records are read through rather than
+/// skipped (one larger read beats two small ones).
+const MERGE_GAP: u64 = 256 << 10;
+
+impl Engine {
+    /// Read every request from `path`. Requests must not overlap and must lie
+    /// inside the file.
+    pub fn read_into(&mut self, path: &Path, reqs: Vec<ReadReq>) -> Result<ReadStats> {
+        let t0 = Instant::now();
+        let c = CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| Error::os(libc::EINVAL, "path contains a NUL byte", Some(path)))?;
+        let base = libc::O_RDONLY | libc::O_CLOEXEC;
+        let open = |flags: i32| {
+            // SAFETY: `c` is a valid NUL-terminated path.
+            unsafe { libc::open(c.as_ptr(), flags) }
+        };
+        let mut direct = self.opts.direct;
+        let mut fd = if direct {
+            open(base | libc::O_DIRECT)
+        } else {
+            open(base)
+        };
+        if fd < 0 && direct && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL)
+        {
+            direct = false;
+            fd = open(base);
+        }
+        if fd < 0 {
+            return Err(Error::last_os("cannot open the checkpoint", Some(path)));
+        }
+        // SAFETY: fd was just opened and is owned by nobody else.
+        let file = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: `stat` is plain old data; fstat fills it.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat on our open fd into a valid buffer.
+        if unsafe { libc::fstat(file.as_raw_fd(), &mut st) } != 0 {
+            return Err(Error::last_os("cannot stat the checkpoint", Some(path)));
+        }
+        let file_len = st.st_size as u64;
+        let block = if direct {
+            align::probe_fd(file.as_raw_fd()).block
+        } else {
+            align::MIN_BLOCK
+        } as u64;
+
+        let mut order: Vec<usize> = (0..reqs.len()).collect();
+        order.sort_by_key(|&i| reqs[i].offset);
+        let mut prev_end = 0u64;
+        for &i in &order {
+            let r = &reqs[i];
+            let end = r.offset.checked_add(r.dst.len as u64);
+            if end.is_none_or(|e| e > file_len) {
+                return Err(Error::layout(format!(
+                    "a record at offset {} of {} bytes extends past the end of the file ({file_len} bytes)",
+                    r.offset, r.dst.len
+                )));
+            }
+            if r.dst.len > 0 && r.offset < prev_end {
+                return Err(Error::layout(format!(
+                    "records overlap at offset {}",
+                    r.offset
+                )));
+            }
+            prev_end = prev_end.max(r.offset + r.dst.len as u64);
+        }
+
+        // Block-aligned ranges to read, merged across small gaps, then cut
+        // into buffer-sized extents.
+        let buf_size = self.arena.buf_size() as u64;
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        for &i in &order {
+            let r = &reqs[i];
+            if r.dst.len == 0 {
+                continue;
+            }
+            let lo = align_down(r.offset, block);
+            let hi = align_up(r.offset + r.dst.len as u64, block);
+            match ranges.last_mut() {
+                Some(last) if lo <= last.1 + MERGE_GAP => last.1 = last.1.max(hi),
+                _ => ranges.push((lo, hi)),
+            }
+        }
+        let mut extents: VecDeque<(u64, usize)> = VecDeque::new();
+        for (lo, hi) in ranges {
+            let mut off = lo;
+            while off < hi {
+                let len = buf_size.min(hi - off);
+                extents.push_back((off, len as usize));
+                off += len;
+            }
+        }
+
+        let mut hashers = vec![Hasher::new(); reqs.len()];
+        let qd = self.opts.queue_depth;
+        let io_uring = self.uring.is_some();
+        let fd = file.as_raw_fd();
+        let (sink, arena) = self.parts();
+        let mut free: Vec<usize> = (0..arena.nbufs()).rev().collect();
+        // In flight, in file order: (offset, len, buffer).
+        let mut window: VecDeque<(u64, usize, usize)> = VecDeque::new();
+        let mut done = vec![false; arena.nbufs()];
+        let mut next_req = 0usize; // index into `order` of the first request not yet finished
+        let mut freed = Vec::new();
+        let res: Result<()> = (|| {
+            loop {
+                while !free.is_empty() && sink.inflight() < qd {
+                    let Some((off, len)) = extents.pop_front() else {
+                        break;
+                    };
+                    let b = free.pop().expect("a free buffer");
+                    done[b] = false;
+                    sink.submit(
+                        fd,
+                        Job {
+                            buf: b,
+                            ptr: arena.buf_ptr(b),
+                            len,
+                            offset: off,
+                            read: true,
+                        },
+                    )?;
+                    window.push_back((off, len, b));
+                }
+                let Some(&(off, len, b)) = window.front() else {
+                    break;
+                };
+                while !done[b] {
+                    freed.clear();
+                    sink.reap(&mut freed, true)?;
+                    for &f in &freed {
+                        done[f] = true;
+                    }
+                }
+                window.pop_front();
+                scatter(
+                    &reqs,
+                    &order,
+                    &mut next_req,
+                    off,
+                    &arena.buf(b)[..len],
+                    &mut hashers,
+                );
+                free.push(b);
+            }
+            Ok(())
+        })();
+        if let Err(mut e) = res {
+            sink.drain();
+            e.path.get_or_insert_with(|| path.to_path_buf());
+            return Err(e);
+        }
+        Ok(ReadStats {
+            bytes: reqs.iter().map(|r| r.dst.len as u64).sum(),
+            seconds: t0.elapsed().as_secs_f64(),
+            file_len,
+            direct,
+            io_uring,
+            crcs: hashers.into_iter().map(Hasher::finalize).collect(),
+        })
+    }
+}
+
+/// Copy the part of `data` (file bytes at `off`) that each request needs.
+fn scatter(
+    reqs: &[ReadReq],
+    order: &[usize],
+    next: &mut usize,
+    off: u64,
+    data: &[u8],
+    hashers: &mut [Hasher],
+) {
+    let end = off + data.len() as u64;
+    let mut k = *next;
+    while k < order.len() {
+        let i = order[k];
+        let r = &reqs[i];
+        let r_end = r.offset + r.dst.len as u64;
+        if r.offset >= end {
+            break;
+        }
+        let lo = r.offset.max(off);
+        let hi = r_end.min(end);
+        if lo < hi {
+            let src = &data[(lo - off) as usize..(hi - off) as usize];
+            hashers[i].update(src);
+            // SAFETY: `lo - r.offset + src.len() <= r.dst.len`; the caller
+            // guaranteed exclusive write access to the destination.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr(),
+                    r.dst.ptr.add((lo - r.offset) as usize),
+                    src.len(),
+                )
+            };
+        }
+        if r_end <= end {
+            // Finished: later buffers never touch it again.
+            if k == *next {
+                *next += 1;
+            }
+            k += 1;
+        } else {
+            break;
+        }
+    }
+}
