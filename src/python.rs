@@ -5,6 +5,7 @@
 use crate::align;
 use crate::error::{Error, ErrorKind};
 use crate::layout::{Layout, MemRef, Segment, Source};
+use crate::reader::{MutMemRef, ReadReq, ReadStats};
 use crate::sink::Fault;
 use crate::writer::{Engine, Options, Session, WriteStats};
 use pyo3::create_exception;
@@ -50,6 +51,17 @@ fn stats_dict<'py>(py: Python<'py>, s: &WriteStats) -> PyResult<Bound<'py, PyDic
     d.set_item("open_seconds", s.open_seconds)?;
     d.set_item("io_seconds", s.io_seconds)?;
     d.set_item("commit_seconds", s.commit_seconds)?;
+    Ok(d)
+}
+
+fn read_stats_dict<'py>(py: Python<'py>, s: &ReadStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("bytes", s.bytes)?;
+    d.set_item("seconds", s.seconds)?;
+    d.set_item("file_len", s.file_len)?;
+    d.set_item("direct", s.direct)?;
+    d.set_item("io_uring", s.io_uring)?;
+    d.set_item("crcs", s.crcs.clone())?;
     Ok(d)
 }
 
@@ -160,6 +172,33 @@ impl PyEngine {
         let segments = build_segments(blobs, regions, slots)?;
         let stats = py.allow_threads(|| self.engine()?.write_file(&path, segments, file_len));
         stats_dict(py, &stats.map_err(to_py)?)
+    }
+
+    /// Read records of `path` into caller memory: `reqs` is a list of
+    /// (file offset, address, length); the caller keeps each destination
+    /// alive and untouched for the whole call. Returns the bytes read, the
+    /// file length and each record's CRC32.
+    fn read_into<'py>(
+        &self,
+        py: Python<'py>,
+        path: PathBuf,
+        reqs: Vec<(u64, usize, usize)>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let mut rs = Vec::with_capacity(reqs.len());
+        for (offset, ptr, len) in reqs {
+            if ptr == 0 && len > 0 {
+                return Err(PyValueError::new_err(format!(
+                    "destination for offset {offset} has a null address"
+                )));
+            }
+            // SAFETY: the Python caller (fastpersist.reader) allocated each
+            // destination for this read, holds it for the whole call and
+            // does not touch it until the call returns.
+            let dst = unsafe { MutMemRef::new(ptr as *mut u8, len) };
+            rs.push(ReadReq { offset, dst });
+        }
+        let st = py.allow_threads(|| self.engine()?.read_into(&path, rs));
+        read_stats_dict(py, &st.map_err(to_py)?)
     }
 
     /// Start a streamed write of `path` (see `WriteSession`).

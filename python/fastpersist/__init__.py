@@ -8,13 +8,24 @@
 from __future__ import annotations
 
 from ._core import __version__
-from .errors import FallbackWarning, FastPersistError, SerializationError, WriteError
+from .errors import (
+    CorruptCheckpointError,
+    FallbackWarning,
+    FastPersistError,
+    SerializationError,
+    WriteError,
+)
+from .reader import ReadStats, detect_format, read_state_dict
 from .writer import WriteStats, release_engines, write_state_dict
 
 __all__ = [
     "__version__",
     "write_state_dict",
+    "read_state_dict",
+    "detect_format",
     "WriteStats",
+    "ReadStats",
+    "CorruptCheckpointError",
     "WriteError",
     "SerializationError",
     "FastPersistError",

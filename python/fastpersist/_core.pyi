@@ -43,6 +43,9 @@ class Engine:
         slots: List[Tuple[int, int]],
         file_len: int,
     ) -> Dict[str, Any]: ...
+    def read_into(
+        self, path: Union[str, PathLike[str]], reqs: List[Tuple[int, int, int]]
+    ) -> Dict[str, Any]: ...
     def begin(self, path: Union[str, PathLike[str]], size_hint: int = 0) -> "WriteSession": ...
 
 class WriteSession:

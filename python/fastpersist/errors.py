@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from ._core import WriteError
 
-__all__ = ["FastPersistError", "SerializationError", "WriteError", "FallbackWarning"]
+__all__ = [
+    "FastPersistError",
+    "SerializationError",
+    "CorruptCheckpointError",
+    "WriteError",
+    "FallbackWarning",
+]
 
 
 class FastPersistError(Exception):
@@ -15,6 +21,12 @@ class SerializationError(FastPersistError, TypeError):
     """The object cannot be written in the requested format (an object that
     cannot be pickled, a tensor on the meta device, ...). Raised before any
     file is created."""
+
+
+class CorruptCheckpointError(FastPersistError, ValueError):
+    """The file is not a readable checkpoint: truncated, a bad header, a
+    record outside the file, a CRC32 that does not match. The message names
+    the record. Never raised for a file that reads correctly."""
 
 
 class FallbackWarning(RuntimeWarning):

@@ -19,6 +19,7 @@ central directory hold *slots* that the engine fills while it writes.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import struct
 import sys
@@ -458,3 +459,129 @@ def plan_torch_save(obj: Any) -> Plan:
     plan.storage_keys = z.storage_keys
     plan.storage_bytes = z.storage_bytes
     return plan
+
+
+# ---------------------------------------------------------------------------
+# Reading: the central directory of a torch zip checkpoint.
+
+
+@dataclass(frozen=True)
+class ZipRecord:
+    """One stored record of a zip file."""
+
+    name: str
+    header_offset: int
+    data_offset: int
+    size: int
+    crc32: int
+
+
+_EOCD_SIG = b"PK\x05\x06"
+_EOCD64_LOC_SIG = b"PK\x06\x07"
+
+
+def _corrupt(msg: str) -> Exception:
+    from .errors import CorruptCheckpointError
+
+    return CorruptCheckpointError(msg)
+
+
+def read_zip_directory(fd: int, file_len: int, path: str = "") -> List[ZipRecord]:
+    """Parse the central directory (zip64 included) and every local header.
+    Every offset and length is checked against the file; anything odd raises
+    :class:`~fastpersist.CorruptCheckpointError` naming what is wrong."""
+    where = f"{path}: " if path else ""
+    tail_len = min(file_len, _EOCD.size + 0xFFFF)
+    tail = os.pread(fd, tail_len, file_len - tail_len)
+    if len(tail) != tail_len:
+        raise _corrupt(f"{where}short read of the end of the file")
+    pos = tail.rfind(_EOCD_SIG)
+    if pos < 0 or pos + _EOCD.size > len(tail):
+        raise _corrupt(f"{where}no zip end-of-central-directory record (truncated or not a checkpoint)")
+    eocd_off = file_len - tail_len + pos
+    _, _, _, _, n, cd_size, cd_off, _ = _EOCD.unpack_from(tail, pos)
+    if n == _U16 or cd_size == _U32 or cd_off == _U32:
+        loc_at = eocd_off - _LOCATOR64.size
+        if loc_at < 0:
+            raise _corrupt(f"{where}zip64 locator missing")
+        loc = os.pread(fd, _LOCATOR64.size, loc_at)
+        if len(loc) != _LOCATOR64.size or loc[:4] != _EOCD64_LOC_SIG:
+            raise _corrupt(f"{where}zip64 locator missing")
+        _, _, e64_off, _ = _LOCATOR64.unpack(loc)
+        if e64_off + _EOCD64.size > loc_at:
+            raise _corrupt(f"{where}zip64 end record points outside the file")
+        e64 = os.pread(fd, _EOCD64.size, e64_off)
+        if len(e64) != _EOCD64.size or e64[:4] != b"PK\x06\x06":
+            raise _corrupt(f"{where}bad zip64 end record")
+        (_, _, _, _, _, _, _, n, cd_size, cd_off) = _EOCD64.unpack(e64)
+    if cd_off + cd_size > eocd_off or n * _CENTRAL.size > cd_size:
+        raise _corrupt(f"{where}central directory ({n} entries, {cd_size} bytes at {cd_off}) "
+                       f"does not fit in the file")
+    cd = os.pread(fd, cd_size, cd_off)
+    if len(cd) != cd_size:
+        raise _corrupt(f"{where}short read of the central directory")
+    entries = []
+    p = 0
+    for i in range(n):
+        if p + _CENTRAL.size > cd_size:
+            raise _corrupt(f"{where}central directory entry {i} is truncated")
+        (sig, _, _, flags, method, _, _, crc, csize, usize, nlen, xlen, clen,
+         _, _, _, hoff) = _CENTRAL.unpack_from(cd, p)
+        if sig != 0x02014B50:
+            raise _corrupt(f"{where}central directory entry {i} has a bad signature")
+        end = p + _CENTRAL.size + nlen + xlen + clen
+        if end > cd_size:
+            raise _corrupt(f"{where}central directory entry {i} is truncated")
+        raw_name = cd[p + _CENTRAL.size:p + _CENTRAL.size + nlen]
+        try:
+            name = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
+        except UnicodeDecodeError:
+            raise _corrupt(f"{where}central directory entry {i} has an undecodable name") from None
+        extra = cd[p + _CENTRAL.size + nlen:p + _CENTRAL.size + nlen + xlen]
+        if usize == _U32 or csize == _U32 or hoff == _U32:
+            usize, csize, hoff = _zip64_fields(extra, usize, csize, hoff, name, where)
+        if method != 0 or csize != usize:
+            raise _corrupt(f"{where}record {name!r} is compressed (method {method}); "
+                           f"checkpoints store records uncompressed")
+        entries.append((name, hoff, usize, crc))
+        p = end
+    records = []
+    for name, hoff, size, crc in entries:
+        if hoff + _LOCAL.size > file_len:
+            raise _corrupt(f"{where}record {name!r}: local header at {hoff} is outside the file")
+        lh = os.pread(fd, _LOCAL.size, hoff)
+        sig, *_rest = _LOCAL.unpack(lh)
+        if sig != 0x04034B50:
+            raise _corrupt(f"{where}record {name!r}: bad local header signature at {hoff}")
+        nlen, xlen = _rest[-2], _rest[-1]
+        data_off = hoff + _LOCAL.size + nlen + xlen
+        if data_off + size > file_len:
+            raise _corrupt(f"{where}record {name!r}: {size} bytes at {data_off} extend past the end "
+                           f"of the file ({file_len} bytes)")
+        local_name = os.pread(fd, nlen, hoff + _LOCAL.size)
+        if local_name != name.encode("utf-8") and local_name.decode("cp437", "replace") != name:
+            raise _corrupt(f"{where}record {name!r}: local header names {local_name!r}")
+        records.append(ZipRecord(name, hoff, data_off, size, crc))
+    return records
+
+
+def _zip64_fields(extra: bytes, usize: int, csize: int, hoff: int, name: str, where: str) -> Tuple[int, int, int]:
+    p = 0
+    while p + 4 <= len(extra):
+        tag, ln = struct.unpack_from("<HH", extra, p)
+        body = extra[p + 4:p + 4 + ln]
+        if tag == 0x0001:
+            vals = [struct.unpack_from("<Q", body, 8 * k)[0] for k in range(len(body) // 8)]
+            k = 0
+            try:
+                if usize == _U32:
+                    usize, k = vals[k], k + 1
+                if csize == _U32:
+                    csize, k = vals[k], k + 1
+                if hoff == _U32:
+                    hoff, k = vals[k], k + 1
+            except IndexError:
+                break
+            return usize, csize, hoff
+        p += 4 + ln
+    raise _corrupt(f"{where}record {name!r}: zip64 sizes missing")

@@ -227,10 +227,31 @@ def _write_torch_zip(obj: Any, path: str, opts: EngineOptions) -> WriteStats:
                   time.perf_counter() - t0)
 
 
+def _write_safetensors(obj: Any, path: str, opts: EngineOptions,
+                       metadata: Optional[Dict[str, str]]) -> WriteStats:
+    from .safetensors_format import plan_safetensors
+
+    t0 = time.perf_counter()
+    plan = plan_safetensors(obj, metadata)
+    plan_seconds = time.perf_counter() - t0
+    lock, eng = get_engine(opts)
+    with lock:
+        raw = eng.write_file(path, plan.blobs, plan.regions, plan.slots, plan.file_len)
+    _warn_once(raw["direct_note"], opts.direct)
+    _warn_once(raw["uring_note"], opts.io_uring)
+    return _stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds,
+                  time.perf_counter() - t0)
+
+
+FORMATS = ("torch", "safetensors")
+
+
 def write_state_dict(
     obj: Any,
     path: PathLike,
     *,
+    format: str = "torch",
+    metadata: Optional[Dict[str, str]] = None,
     block_size: Optional[int] = None,
     arena_bytes: Optional[int] = None,
     queue_depth: Optional[int] = None,
@@ -242,6 +263,9 @@ def write_state_dict(
 
     ``obj`` is anything ``torch.save`` accepts. The file is a torch zip
     checkpoint that ``torch.load`` (and ``torch.load(mmap=True)``) reads.
+    With ``format="safetensors"``, ``obj`` is a flat ``{name: tensor}`` dict
+    (plus optional string ``metadata``) and the file is one that
+    ``safetensors.torch.load_file`` and ``safe_open`` read.
     The write is atomic and durable: data goes to a temporary file in the
     same directory, which is fsynced and renamed over ``path`` (then the
     directory is fsynced). On any error no file appears and an existing
@@ -259,5 +283,11 @@ def write_state_dict(
     options, ``TypeError`` when ``path`` is not a path.
     """
     p = _check_path(path)
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
     opts = EngineOptions.resolve(block_size, arena_bytes, queue_depth, direct, io_uring, durable)
+    if format == "safetensors":
+        return _write_safetensors(obj, p, opts, metadata)
+    if metadata is not None:
+        raise ValueError("metadata is only stored by format='safetensors'")
     return _write_torch_zip(obj, p, opts)
