@@ -33,8 +33,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
+from fastpersist.bench import (
     MiB, clear, fio_limit, fsync_path, fsync_tree, gpt_state_dict, median, nbytes,
     parse_size, peak_rss_delta, small_tensors_state_dict, timed,
 )

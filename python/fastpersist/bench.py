@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: workloads, the fio limit, timing."""
+"""Benchmark building blocks: workloads, the fio limits, cache dropping,
+timing, memory, progress. Used by ``benches/`` and ``fastpersist bench``."""
 
 from __future__ import annotations
 
@@ -115,6 +116,47 @@ def fio_limit(directory: str, size: int, rw: str = "write") -> Optional[float]:
         clear(path)
     job = json.loads(out[out.index("{"):])["jobs"][0]
     return job[rw]["bw_bytes"] / 1e9
+
+
+def drop_cache(path: str) -> None:
+    """Evict a file (or every file under a directory) from the page cache,
+    so the next read comes from the device."""
+    paths = [path]
+    if os.path.isdir(path):
+        paths = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class Progress:
+    """A one-line progress bar on stderr (only when it is a terminal, or
+    when ``force``)."""
+
+    def __init__(self, total: int, label: str = "", force: bool = False) -> None:
+        import sys
+
+        self.total = max(total, 1)
+        self.done = 0
+        self.label = label
+        self.enabled = force or sys.stderr.isatty()
+        self.stream = sys.stderr
+
+    def step(self, what: str = "") -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 30
+        filled = int(width * self.done / self.total)
+        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
+                          f"{self.done}/{self.total} {what:<24}")
+        if self.done >= self.total:
+            self.stream.write("\n")
+        self.stream.flush()
 
 
 def timed(fn: Callable[[], None]) -> float:

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Read benchmark: cold reads of a checkpoint, fastpersist against the device
+read limit and the peers.
+
+Every reader's file is evicted from the page cache first (fsync, then
+posix_fadvise DONTNEED). In one run, alternating rounds (the order rotates),
+medians of ``--rounds``:
+
+* the read limit: fio, O_DIRECT, io_uring, 4 MiB blocks, queue depth 16, a
+  file of the same size in the same directory;
+* fastpersist.read_state_dict of its own file (CRC32 verified) and of a
+  safetensors file;
+* torch.load; torch.load(mmap=True) touching every byte (each tensor cloned);
+* safetensors load_file, touching every byte (it may map the file lazily).
+
+    python benches/read_bench.py [--size 2GiB] [--rounds 5] [--dir DIR] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+import fastpersist
+from fastpersist.bench import (
+    drop_cache, fio_limit, gpt_state_dict, median, nbytes, parse_size, timed,
+)
+
+
+def touch_all(obj) -> None:
+    for v in obj.values():
+        v.clone()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="2GiB")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--settle", type=float, default=1.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    size_req = parse_size(args.size)
+    with tempfile.TemporaryDirectory(prefix="fastpersist-rbench-", dir=args.dir or os.getcwd()) as d:
+        sd = gpt_state_dict(size_req)
+        size = nbytes(sd)
+        fp_file = os.path.join(d, "fp.pt")
+        st_file = os.path.join(d, "st.safetensors")
+        fastpersist.write_state_dict(sd, fp_file)
+        from safetensors.torch import load_file, save_file
+
+        save_file(sd, st_file)
+        del sd
+        readers: Dict[str, Callable[[], object]] = {
+            "fastpersist": lambda: fastpersist.read_state_dict(fp_file),
+            "fastpersist (safetensors file)": lambda: fastpersist.read_state_dict(st_file),
+            "torch.load": lambda: torch.load(fp_file, weights_only=True),
+            "torch.load(mmap) + touch": lambda: touch_all(torch.load(fp_file, mmap=True, weights_only=True)),
+            # load_file may map the file lazily: touch every byte, like mmap.
+            "safetensors load_file + touch": lambda: touch_all(load_file(st_file)),
+        }
+        files = {"safetensors load_file + touch": st_file, "fastpersist (safetensors file)": st_file}
+        print(f"fastpersist {fastpersist.__version__}, torch {torch.__version__}, "
+              f"{size / 2**30:.2f} GiB GPT-like, cold reads, {args.rounds} rounds")
+        slots = ["fio (limit)"] + list(readers)
+        times: Dict[str, List[float]] = {k: [] for k in readers}
+        limit: List[float] = []
+        for r in range(args.rounds):
+            order = slots[r % len(slots):] + slots[: r % len(slots)]
+            for name in order:
+                os.sync()
+                time.sleep(args.settle)
+                if name == "fio (limit)":
+                    bw = fio_limit(d, size, rw="read")
+                    if bw is not None:
+                        limit.append(bw)
+                    continue
+                drop_cache(files.get(name, fp_file))
+                times[name].append(timed(lambda: readers[name]()))
+            print(f"  round {r + 1}: " + "  ".join(
+                f"{k}={size / v[-1] / 1e9:.2f}" for k, v in times.items() if v) +
+                f"  fio={limit[-1] if limit else float('nan'):.2f} GB/s", flush=True)
+        lim = median(limit)
+        print(f"  {'reader':<32} {'GB/s':>7} {'share of limit':>15}")
+        print(f"  {'fio (limit)':<32} {lim:>7.2f} {1.0:>15.2f}")
+        res = {"bytes": size, "limit_gbps": lim, "readers": {}}
+        for k, v in times.items():
+            g = size / median(v) / 1e9
+            res["readers"][k] = {"gbps": g, "share": g / lim, "seconds": v}
+            print(f"  {k:<32} {g:>7.2f} {g / lim:>15.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""read_state_dict: equal to torch.load, for our files, torch.save's and safetensors."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastpersist
+from helpers import all_dtypes, assert_same, bits, make
+
+
+def sample_state():
+    base = make((300, 70), torch.float32, 1)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return {
+        "base": base, "view": base[10:20], "col": base[:, 3],
+        "dtypes": {str(d): make((5, 3), d) for d in all_dtypes()},
+        "scalar": make((), torch.float64), "empty": torch.empty(0, 2),
+        "model": model.state_dict(), "optim": opt.state_dict(), "step": 7, "name": "run",
+    }
+
+
+@pytest.mark.parametrize("writer", ["fastpersist", "torch.save"])
+@pytest.mark.parametrize("backend", [{}, {"direct": False}, {"io_uring": False}])
+def test_reads_like_torch_load(tmp_path, writer, backend):
+    sd = sample_state()
+    p = tmp_path / "c.pt"
+    if writer == "fastpersist":
+        fastpersist.write_state_dict(sd, p)
+    else:
+        torch.save(sd, p)
+    stats = []
+    got = fastpersist.read_state_dict(p, stats=stats, **backend)
+    assert_same(torch.load(p, weights_only=True), got)
+    assert_same(sd, got)
+    assert got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+    assert stats[0].format == "torch" and stats[0].verified and stats[0].bytes > 0
+
+
+def test_weights_only_refuses_arbitrary_objects(tmp_path):
+    p = tmp_path / "obj.pt"
+    fastpersist.write_state_dict({"when": __import__("datetime").date(2024, 1, 2)}, p)
+    with pytest.raises(pickle.UnpicklingError, match="weights_only=False"):
+        fastpersist.read_state_dict(p)
+    assert fastpersist.read_state_dict(p, weights_only=False)["when"].year == 2024
+
+
+def test_map_location_cpu_forms(tmp_path):
+    p = tmp_path / "m.pt"
+    sd = {"t": make((10,), torch.float32)}
+    fastpersist.write_state_dict(sd, p)
+    for loc in ["cpu", torch.device("cpu"), {"cpu": "cpu"}, lambda s, loc: s]:
+        assert bits(fastpersist.read_state_dict(p, map_location=loc)["t"]) == bits(sd["t"])
+
+
+def test_safetensors_round_trip(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    base = make((64, 32), torch.float32, 2)
+    tensors = {
+        "w": make((128, 33), torch.bfloat16), "b": make((7,), torch.float32),
+        "i": make((3, 3), torch.int64), "m": make((5,), torch.bool), "e": torch.empty(0, 4),
+        "nc": base.t(), "view": base[3:5],  # non-contiguous and a shared storage
+    }
+    p = tmp_path / "m.safetensors"
+    st = fastpersist.write_state_dict(tensors, p, format="safetensors", metadata={"step": "3"})
+    assert st.bytes == os.path.getsize(p)
+    ref = load_file(p)
+    ours = fastpersist.read_state_dict(p)
+    assert set(ref) == set(ours) == set(tensors)
+    for k, t in tensors.items():
+        assert bits(ref[k]) == bits(t) and ref[k].shape == t.shape
+        assert bits(ours[k]) == bits(t) and ours[k].dtype == t.dtype
+    with safe_open(p, "pt") as f:
+        assert f.metadata() == {"step": "3"}
+    # Data starts on a 4096-byte boundary.
+    (n,) = struct.unpack("<Q", open(p, "rb").read(8))
+    assert (8 + n) % 4096 == 0
+    # A file written by safetensors itself.
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in tensors.items() if k != "view"}, tmp_path / "ref.safetensors")
+    got = fastpersist.read_state_dict(tmp_path / "ref.safetensors")
+    assert bits(got["w"]) == bits(tensors["w"])
+
+
+def test_safetensors_bad_input(tmp_path):
+    with pytest.raises(fastpersist.SerializationError, match="only tensors"):
+        fastpersist.write_state_dict({"a": 1}, tmp_path / "x.safetensors", format="safetensors")
+    with pytest.raises(fastpersist.SerializationError, match="flat dict"):
+        fastpersist.write_state_dict([torch.zeros(1)], tmp_path / "x.safetensors", format="safetensors")
+    with pytest.raises(ValueError, match="format"):
+        fastpersist.write_state_dict({}, tmp_path / "x", format="npz")
+    assert os.listdir(tmp_path) == []
+
+
+# --- corrupt files -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("good")
+    sd = {"a": make((3000,), torch.float32, 5), "b": [make((17, 3), torch.int16, 6), "x"], "c": 4}
+    p = d / "good.pt"
+    fastpersist.write_state_dict(sd, p)
+    return sd, p.read_bytes()
+
+
+def _write(tmp_path, data: bytes, name="bad.pt"):
+    p = tmp_path / name
+    p.write_bytes(data)
+    return p
+
+
+def test_truncated_file(tmp_path, good_file):
+    _, data = good_file
+    for cut in (len(data) - 1, len(data) // 2, 100, 10):
+        with pytest.raises(fastpersist.CorruptCheckpointError):
+            fastpersist.read_state_dict(_write(tmp_path, data[:cut]))
+
+
+def test_flipped_data_byte_names_the_record(tmp_path, good_file):
+    _, data = good_file
+    import zipfile
+
+    with zipfile.ZipFile(_write(tmp_path, data, "ok.pt")) as z:
+        info = z.getinfo("archive/data/0")
+    off = info.header_offset + 30 + len(info.filename) + len(info.extra) + 10
+    # header_offset + local header: recompute from the local header itself
+    raw = bytearray(data)
+    nlen, xlen = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    off = info.header_offset + 30 + nlen + xlen + 10
+    raw[off] ^= 0xFF
+    with pytest.raises(fastpersist.CorruptCheckpointError, match=r"archive/data/0.*CRC32"):
+        fastpersist.read_state_dict(_write(tmp_path, bytes(raw)))
+    # Without verification the (wrong) data is returned: that is what verify is for.
+    fastpersist.read_state_dict(_write(tmp_path, bytes(raw)), verify=False)
+
+
+def test_record_pointing_outside_the_file(tmp_path, good_file):
+    _, data = good_file
+    raw = bytearray(data)
+    cd = raw.rfind(b"PK\x01\x02")  # last central directory entry
+    struct.pack_into("<I", raw, cd + 42, len(raw) + 10)  # its local header offset
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="outside the file"):
+        fastpersist.read_state_dict(_write(tmp_path, bytes(raw)))
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="neither"):
+        fastpersist.read_state_dict(_write(tmp_path, b"hello world, not a checkpoint"))
+    with pytest.raises(FileNotFoundError):
+        fastpersist.read_state_dict(tmp_path / "missing.pt")
+
+
+@given(st.data())
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_fuzz_mutated_files_never_return_wrong_data(tmp_path, good_file, data):
+    """Random byte flips, truncations and insertions: the reader either
+    raises a clear error or returns exactly the saved object."""
+    sd, raw = good_file
+    buf = bytearray(raw)
+    kind = data.draw(st.sampled_from(["flip", "flip", "truncate", "zero-run"]))
+    if kind == "flip":
+        for _ in range(data.draw(st.integers(1, 4))):
+            i = data.draw(st.integers(0, len(buf) - 1))
+            buf[i] ^= data.draw(st.integers(1, 255))
+    elif kind == "truncate":
+        del buf[data.draw(st.integers(0, len(buf) - 1)):]
+    else:
+        i = data.draw(st.integers(0, len(buf) - 1))
+        n = data.draw(st.integers(1, 64))
+        buf[i:i + n] = bytes(len(buf[i:i + n]))
+    p = _write(tmp_path, bytes(buf), "fuzz.pt")
+    try:
+        got = fastpersist.read_state_dict(p)
+    except (fastpersist.CorruptCheckpointError, pickle.UnpicklingError):
+        return
+    assert_same(sd, got)
