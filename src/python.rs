@@ -201,6 +201,25 @@ impl PyEngine {
         read_stats_dict(py, &st.map_err(to_py)?)
     }
 
+    /// CRC32 of each `(offset, length)` range of `path`, read with the
+    /// engine but not kept (for verifying files of any size in bounded memory).
+    fn crc_ranges(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        ranges: Vec<(u64, usize)>,
+    ) -> PyResult<Vec<u32>> {
+        let rs = ranges
+            .into_iter()
+            .map(|(offset, len)| ReadReq {
+                offset,
+                dst: MutMemRef::discard(len),
+            })
+            .collect();
+        let st = py.allow_threads(|| self.engine()?.read_into(&path, rs));
+        Ok(st.map_err(to_py)?.crcs)
+    }
+
     /// Start a streamed write of `path` (see `WriteSession`).
     #[pyo3(signature = (path, size_hint=0))]
     fn begin(slf: &Bound<'_, Self>, path: PathBuf, size_hint: u64) -> PyResult<PySession> {

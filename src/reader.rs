@@ -37,6 +37,14 @@ impl MutMemRef {
         MutMemRef { ptr, len }
     }
 
+    /// `len` bytes to checksum but not keep (verification).
+    pub fn discard(len: usize) -> Self {
+        MutMemRef {
+            ptr: std::ptr::null_mut(),
+            len,
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -249,15 +257,17 @@ fn scatter(
         if lo < hi {
             let src = &data[(lo - off) as usize..(hi - off) as usize];
             hashers[i].update(src);
-            // SAFETY: `lo - r.offset + src.len() <= r.dst.len`; the caller
-            // guaranteed exclusive write access to the destination.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    src.as_ptr(),
-                    r.dst.ptr.add((lo - r.offset) as usize),
-                    src.len(),
-                )
-            };
+            if !r.dst.ptr.is_null() {
+                // SAFETY: `lo - r.offset + src.len() <= r.dst.len`; the caller
+                // guaranteed exclusive write access to the destination.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src.as_ptr(),
+                        r.dst.ptr.add((lo - r.offset) as usize),
+                        src.len(),
+                    )
+                };
+            }
         }
         if r_end <= end {
             // Finished: later buffers never touch it again.

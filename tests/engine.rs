@@ -342,3 +342,23 @@ fn read_past_end_and_overlap_are_refused() {
         .unwrap_err();
     assert_eq!(e.errno, Some(libc::ENOENT));
 }
+
+#[test]
+fn discard_reads_only_checksum() {
+    use fastpersist::{MutMemRef, ReadReq};
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("r.bin");
+    let data = pattern(5_000_000, 3);
+    std::fs::write(&p, &data).unwrap();
+    let mut eng = Engine::new(Options::default()).unwrap();
+    let st = eng
+        .read_into(
+            &p,
+            vec![ReadReq {
+                offset: 7,
+                dst: MutMemRef::discard(4_000_000),
+            }],
+        )
+        .unwrap();
+    assert_eq!(st.crcs, vec![crc32fast::hash(&data[7..4_000_007])]);
+}

@@ -186,3 +186,20 @@ def test_fuzz_mutated_files_never_return_wrong_data(tmp_path, good_file, data):
     except (fastpersist.CorruptCheckpointError, pickle.UnpicklingError):
         return
     assert_same(sd, got)
+
+
+def test_corrupt_safetensors(tmp_path):
+    p = tmp_path / "m.safetensors"
+    fastpersist.write_state_dict({"a": make((100,), torch.float32)}, p, format="safetensors")
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    cases = {
+        "truncated data": raw[:-10],
+        "header not json": raw[:8] + b"{" + b"x" * (n - 1) + raw[8 + n:],
+        "offsets": raw.replace(b'"data_offsets":[0,400]', b'"data_offsets":[0,404]'),
+    }
+    for what, data in cases.items():
+        q = tmp_path / f"{what}.safetensors"
+        q.write_bytes(data)
+        with pytest.raises(fastpersist.CorruptCheckpointError):
+            fastpersist.read_state_dict(q)

@@ -1,0 +1,194 @@
+"""The ``fastpersist`` command line.
+
+    fastpersist inspect PATH [--json]     records or tensors: names, dtypes, shapes, bytes, alignment
+    fastpersist verify PATH...            every CRC32 and the structure; exit 0 only when all is well
+    fastpersist bench [--size] [--dir]    write and read benchmarks against fio and torch
+
+Exit status: 0 success, 1 a checkpoint is corrupt, 2 bad usage or a file that
+cannot be opened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import List, Optional
+
+EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .reader import inspect_file
+
+    fmt, recs = inspect_file(args.path)
+    if args.json:
+        json.dump({"format": fmt, "records": [r.__dict__ for r in recs]}, sys.stdout, indent=1)
+        print()
+        return EXIT_OK
+    total = sum(r.bytes for r in recs)
+    print(f"{args.path}: {fmt} checkpoint, {len(recs)} {'records' if fmt == 'torch' else 'tensors'}, "
+          f"{_human(total)} of data, {_human(os.path.getsize(args.path))} on disk")
+    if fmt == "torch":
+        print(f"{'record':<40} {'offset':>12} {'bytes':>12} {'align':>6} {'crc32':>9}")
+        for r in recs:
+            print(f"{r.name:<40} {r.offset:>12} {r.bytes:>12} {r.alignment:>6} {r.crc32:08x}")
+        tensors = _torch_tensors(args.path)
+        if tensors:
+            print(f"\n{'tensor':<40} {'dtype':<16} {'shape':<20} {'bytes':>12}")
+            for key, dtype, shape, nbytes in tensors:
+                print(f"{key:<40} {dtype:<16} {str(shape):<20} {nbytes:>12}")
+    else:
+        print(f"{'tensor':<40} {'dtype':<16} {'shape':<20} {'bytes':>12} {'align':>6}")
+        for r in recs:
+            print(f"{r.name:<40} {r.dtype or '':<16} {str(list(r.shape or ())):<20} {r.bytes:>12} {r.alignment:>6}")
+    return EXIT_OK
+
+
+def _torch_tensors(path: str) -> list:
+    """Key paths, dtypes and shapes of the tensors of a torch checkpoint,
+    from a lazy (mmap) load; [] when it cannot be loaded weights-only."""
+    import torch
+
+    try:
+        obj = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception:  # noqa: BLE001 - inspect still shows the records
+        return []
+    out = []
+    stack = [("", obj)]
+    while stack:
+        key, o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append((key or "<root>", str(o.dtype).replace("torch.", ""), list(o.shape),
+                        o.numel() * o.element_size()))
+        elif isinstance(o, dict):
+            stack.extend((f"{key}.{k}" if key else str(k), v) for k, v in reversed(list(o.items())))
+        elif isinstance(o, (list, tuple)):
+            stack.extend((f"{key}[{i}]", v) for i, v in reversed(list(enumerate(o))))
+    return out
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .errors import CorruptCheckpointError
+    from .reader import verify_file
+
+    status = EXIT_OK
+    for path in args.paths:
+        try:
+            fmt, n = verify_file(path)
+        except CorruptCheckpointError as e:
+            print(f"CORRUPT {e}")
+            status = max(status, EXIT_CORRUPT)
+            continue
+        except OSError as e:
+            print(f"ERROR   {path}: {e.strerror or e}")
+            status = EXIT_USAGE
+            continue
+        note = "" if fmt == "torch" else " (safetensors has no checksums: structure and readability only)"
+        print(f"OK      {path}: {fmt}, {n} records verified{note}")
+    return status
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    import fastpersist
+    from . import bench
+
+    size = bench.parse_size(args.size)
+    base = args.dir or os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="fastpersist-cli-bench-", dir=base) as d:
+        sd = bench.gpt_state_dict(size)
+        nbytes = bench.nbytes(sd)
+        path = os.path.join(d, "ckpt.pt")
+        ref = os.path.join(d, "torch.pt")
+        steps = ["fio write", "fastpersist write", "torch.save",
+                 "fio read", "fastpersist read", "torch.load"]
+        prog = bench.Progress(args.rounds * len(steps), "bench", force=args.progress)
+        times = {s: [] for s in steps}
+
+        def save_torch() -> None:
+            with open(ref, "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        for _ in range(args.rounds):
+            for s in steps:
+                os.sync()
+                if s == "fio write" or s == "fio read":
+                    bw = bench.fio_limit(d, nbytes, "write" if s == "fio write" else "read")
+                    times[s].append(nbytes / (bw * 1e9) if bw else float("nan"))
+                elif s == "fastpersist write":
+                    bench.clear(path)
+                    times[s].append(bench.timed(lambda: fastpersist.write_state_dict(sd, path)))
+                elif s == "torch.save":
+                    bench.clear(ref)
+                    times[s].append(bench.timed(save_torch))
+                elif s == "fastpersist read":
+                    bench.drop_cache(path)
+                    times[s].append(bench.timed(lambda: fastpersist.read_state_dict(path)))
+                else:
+                    bench.drop_cache(ref)
+                    times[s].append(bench.timed(lambda: torch.load(ref, weights_only=True)))
+                prog.step(s)
+        print(f"{_human(nbytes)} GPT-like state dict in {d}, medians of {args.rounds}")
+        for kind in ("write", "read"):
+            lim_t = bench.median(times[f"fio {kind}"])
+            lim = nbytes / lim_t / 1e9 if lim_t == lim_t else float("nan")
+            print(f"  {kind}: fio limit {lim:.2f} GB/s")
+            for s in steps:
+                if s.startswith("fio") or (kind == "write") != (s in ("fastpersist write", "torch.save")):
+                    continue
+                g = nbytes / bench.median(times[s]) / 1e9
+                print(f"    {s:<20} {g:6.2f} GB/s  {g / lim:5.2f} of the limit")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fastpersist", description="Fast, durable checkpoints.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("inspect", help="show the records or tensors of a checkpoint")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("verify", help="check every CRC32 and the structure")
+    p.add_argument("paths", nargs="+", metavar="PATH")
+    p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("bench", help="write and read benchmarks (fio limits, torch)")
+    p.add_argument("--size", default="1GiB", help="state dict size (default 1GiB)")
+    p.add_argument("--dir", default=None, help="directory on the disk to test (default: cwd)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--progress", action="store_true", help="show progress even when not on a terminal")
+    p.set_defaults(fn=cmd_bench)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import CorruptCheckpointError
+
+    try:
+        return int(args.fn(args))
+    except CorruptCheckpointError as e:
+        print(f"fastpersist: corrupt checkpoint: {e}", file=sys.stderr)
+        return EXIT_CORRUPT
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        print(f"fastpersist: {e.filename or ''}: {e.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

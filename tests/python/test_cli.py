@@ -1,0 +1,81 @@
+"""The fastpersist command line: output and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastpersist
+from helpers import make
+
+EXE = os.path.join(os.path.dirname(sys.executable), "fastpersist")
+
+
+def run(*args, cwd=None):
+    return subprocess.run([EXE, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    p = tmp_path / "c.pt"
+    fastpersist.write_state_dict({"layer": {"w": make((64, 8), torch.bfloat16)}, "n": 1}, p)
+    return p
+
+
+def test_inspect(ckpt):
+    r = run("inspect", ckpt)
+    assert r.returncode == 0, r.stderr
+    assert "archive/data/0" in r.stdout and "layer.w" in r.stdout and "bfloat16" in r.stdout
+    j = json.loads(run("inspect", ckpt, "--json").stdout)
+    assert j["format"] == "torch"
+    rec = {x["name"]: x for x in j["records"]}["archive/data/0"]
+    assert rec["bytes"] == 64 * 8 * 2 and rec["alignment"] == 4096
+
+
+def test_verify_ok_corrupt_missing(ckpt, tmp_path):
+    assert run("verify", ckpt).returncode == 0
+    raw = bytearray(ckpt.read_bytes())
+    raw[4096 + 5] ^= 1  # inside data/0
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(bytes(raw))
+    r = run("verify", ckpt, bad)
+    assert r.returncode == 1
+    assert "CORRUPT" in r.stdout and "archive/data/0" in r.stdout and "OK" in r.stdout
+    r = run("verify", tmp_path / "missing.pt")
+    assert r.returncode == 2 and "No such file" in r.stdout
+    trunc = tmp_path / "trunc.pt"
+    trunc.write_bytes(bytes(raw[:1000]))
+    assert run("verify", trunc).returncode == 1
+    assert run("inspect", trunc).returncode == 1
+
+
+def test_verify_and_inspect_safetensors(tmp_path):
+    p = tmp_path / "m.safetensors"
+    fastpersist.write_state_dict({"a": make((3, 4), torch.float16)}, p, format="safetensors")
+    r = run("verify", p)
+    assert r.returncode == 0 and "no checksums" in r.stdout
+    r = run("inspect", p)
+    assert r.returncode == 0 and "float16" in r.stdout and "[3, 4]" in r.stdout
+    raw = bytearray(p.read_bytes())
+    struct.pack_into("<Q", raw, 0, len(raw) * 2)  # header length past the end
+    p.write_bytes(bytes(raw))
+    assert run("verify", p).returncode == 1
+
+
+def test_usage_errors():
+    assert run().returncode == 2
+    assert run("frobnicate").returncode == 2
+
+
+def test_bench_runs(tmp_path):
+    r = run("bench", "--size", "8MiB", "--rounds", "1", "--dir", tmp_path, "--progress")
+    assert r.returncode == 0, r.stderr
+    assert "fastpersist write" in r.stdout and "fastpersist read" in r.stdout
+    assert "bench [" in r.stderr  # the progress bar
+    assert os.listdir(tmp_path) == []
