@@ -277,7 +277,10 @@ impl PySession {
         .map_err(to_py)
     }
 
-    /// Add the last segments, write the rest and commit the file.
+    /// Add the last segments, write the rest and commit the file. When
+    /// given, `on_gathered()` is called (with the GIL) as soon as no caller
+    /// memory will be read any more, before the writes complete.
+    #[pyo3(signature = (blobs, regions, slots, file_len, on_gathered=None))]
     fn finish<'py>(
         &self,
         py: Python<'py>,
@@ -285,9 +288,11 @@ impl PySession {
         regions: Vec<(u64, usize, usize, i64)>,
         slots: Vec<(u64, u32)>,
         file_len: u64,
+        on_gathered: Option<PyObject>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let segments = build_segments(blobs, regions, slots)?;
         let engine = self.engine.get();
+        let mut callback_err: Option<PyErr> = None;
         let stats = py.allow_threads(|| {
             let session = self
                 .session
@@ -295,8 +300,22 @@ impl PySession {
                 .map_err(|_| Error::option("session poisoned"))?
                 .take()
                 .ok_or_else(|| Error::option("this write session is already finished"))?;
-            engine.engine()?.finish(session, segments, file_len)
+            let mut notify = || {
+                if let Some(cb) = &on_gathered {
+                    Python::with_gil(|py| {
+                        if let Err(e) = cb.call0(py) {
+                            callback_err.get_or_insert(e);
+                        }
+                    });
+                }
+            };
+            engine
+                .engine()?
+                .finish_with(session, segments, file_len, &mut notify)
         });
+        if let Some(e) = callback_err {
+            return Err(e);
+        }
         stats_dict(py, &stats.map_err(to_py)?)
     }
 

@@ -299,16 +299,29 @@ impl Engine {
     pub fn write(&mut self, session: &mut Session, segments: Vec<Segment>) -> Result<()> {
         session.append(segments)?;
         let upto = align::align_down(session.frontier, session.block as u64);
-        self.run(session, upto, session.frontier)
+        self.run(session, upto, session.frontier, &mut || {})
     }
 
     /// Add the last `segments`, write the rest of the file (true length
     /// `file_len`), then truncate, fsync, rename and fsync the directory.
     pub fn finish(
         &mut self,
+        session: Session,
+        segments: Vec<Segment>,
+        file_len: u64,
+    ) -> Result<WriteStats> {
+        self.finish_with(session, segments, file_len, &mut || {})
+    }
+
+    /// [`Engine::finish`], calling `on_gathered` as soon as every byte of
+    /// the file has been copied into the arena (caller memory is no longer
+    /// read from then on), before waiting for the writes and the commit.
+    pub fn finish_with(
+        &mut self,
         mut session: Session,
         segments: Vec<Segment>,
         file_len: u64,
+        on_gathered: &mut dyn FnMut(),
     ) -> Result<WriteStats> {
         session.append(segments)?;
         if file_len < session.frontier {
@@ -319,7 +332,7 @@ impl Engine {
         }
         let padded = align::align_up(file_len, session.block as u64);
         session.tmp.preallocate(padded)?;
-        self.run(&mut session, padded, file_len)?;
+        self.run(&mut session, padded, file_len, on_gathered)?;
         let t_commit = Instant::now();
         let direct = session.tmp.is_direct();
         let Session {
@@ -356,11 +369,18 @@ impl Engine {
 
     /// Write the blocks `[session.written, upto)` of a file whose bytes are
     /// known up to `known` (the rest of the last block is zeros).
-    fn run(&mut self, session: &mut Session, upto: u64, known: u64) -> Result<()> {
+    fn run(
+        &mut self,
+        session: &mut Session,
+        upto: u64,
+        known: u64,
+        on_gathered: &mut dyn FnMut(),
+    ) -> Result<()> {
         if session.failed {
             return Err(Error::option("this write session already failed"));
         }
         if upto <= session.written {
+            on_gathered();
             return Ok(());
         }
         let t = Instant::now();
@@ -384,6 +404,7 @@ impl Engine {
             session.tmp.fd(),
             (qd, flush_every),
             &mut session.hashers,
+            on_gathered,
         );
         session.segments = layout.into_segments();
         session.io_seconds += t.elapsed().as_secs_f64();
@@ -447,6 +468,7 @@ impl Engine {
 
 /// Gather every extent into arena buffers and hand them to the sink,
 /// keeping up to `qd` writes in flight.
+#[allow(clippy::too_many_arguments)] // one private call site; a struct would only rename them
 fn pump(
     layout: &Layout,
     range: std::ops::Range<u64>,
@@ -455,6 +477,7 @@ fn pump(
     fd: i32,
     (qd, flush_every): (usize, u64),
     hashers: &mut [Hasher],
+    on_gathered: &mut dyn FnMut(),
 ) -> Result<()> {
     let extents = layout.extents(range, arena.buf_size())?;
     let mut free: Vec<usize> = (0..arena.nbufs()).rev().collect();
@@ -482,6 +505,7 @@ fn pump(
         )?;
         sink.reap(&mut free, false)?;
     }
+    on_gathered();
     sink.drain_checked(&mut free)
 }
 

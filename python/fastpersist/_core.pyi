@@ -1,7 +1,7 @@
 """Type stubs for the Rust extension ``fastpersist._core``."""
 
 from os import PathLike
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 __version__: str
 TEMP_MARKER: str
@@ -66,6 +66,7 @@ class WriteSession:
         regions: List[Tuple[int, int, int, int]],
         slots: List[Tuple[int, int]],
         file_len: int,
+        on_gathered: Optional[Callable[[], None]] = None,
     ) -> Dict[str, Any]: ...
     def abort(self) -> None: ...
 
