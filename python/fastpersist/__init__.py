@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from ._core import __version__
+from .async_save import CheckpointFuture, SnapshotPool, save_async, wait_all
 from .errors import (
     CorruptCheckpointError,
     FallbackWarning,
@@ -22,6 +23,10 @@ __all__ = [
     "__version__",
     "write_state_dict",
     "read_state_dict",
+    "save_async",
+    "wait_all",
+    "CheckpointFuture",
+    "SnapshotPool",
     "detect_format",
     "WriteStats",
     "ReadStats",

@@ -185,9 +185,11 @@ def _stats(raw: Dict[str, Any], path: str, storage_bytes: int, keys: List[str],
     )
 
 
-def _write_torch_zip(obj: Any, path: str, opts: EngineOptions) -> WriteStats:
+def _write_torch_zip(obj: Any, path: str, opts: EngineOptions,
+                     on_gathered: Optional[Any] = None) -> WriteStats:
     """The storages found up front are written by a second thread (the
-    engine releases the GIL) while this one pickles; the rest follows."""
+    engine releases the GIL) while this one pickles; the rest follows.
+    ``on_gathered()`` is called once no tensor memory will be read again."""
     t0 = time.perf_counter()
     layout = TorchZipLayout(obj)
     head = layout.head()
@@ -215,7 +217,7 @@ def _write_torch_zip(obj: Any, path: str, opts: EngineOptions) -> WriteStats:
                     writer.join()
             if failure:
                 raise failure[0]
-            raw = session.finish(tail.blobs, tail.regions, tail.slots, layout.file_len)
+            raw = session.finish(tail.blobs, tail.regions, tail.slots, layout.file_len, on_gathered)
         except BaseException:
             session.abort()
             raise
@@ -227,13 +229,10 @@ def _write_torch_zip(obj: Any, path: str, opts: EngineOptions) -> WriteStats:
                   time.perf_counter() - t0)
 
 
-def _write_safetensors(obj: Any, path: str, opts: EngineOptions,
-                       metadata: Optional[Dict[str, str]]) -> WriteStats:
-    from .safetensors_format import plan_safetensors
-
-    t0 = time.perf_counter()
-    plan = plan_safetensors(obj, metadata)
-    plan_seconds = time.perf_counter() - t0
+def write_plan(plan: Any, path: str, opts: EngineOptions, plan_seconds: float = 0.0,
+               t0: Optional[float] = None) -> WriteStats:
+    """Write a whole :class:`~fastpersist.serialization.Plan` and commit it."""
+    t0 = time.perf_counter() if t0 is None else t0
     lock, eng = get_engine(opts)
     with lock:
         raw = eng.write_file(path, plan.blobs, plan.regions, plan.slots, plan.file_len)
@@ -241,6 +240,15 @@ def _write_safetensors(obj: Any, path: str, opts: EngineOptions,
     _warn_once(raw["uring_note"], opts.io_uring)
     return _stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds,
                   time.perf_counter() - t0)
+
+
+def _write_safetensors(obj: Any, path: str, opts: EngineOptions,
+                       metadata: Optional[Dict[str, str]]) -> WriteStats:
+    from .safetensors_format import plan_safetensors
+
+    t0 = time.perf_counter()
+    plan = plan_safetensors(obj, metadata)
+    return write_plan(plan, path, opts, time.perf_counter() - t0, t0)
 
 
 FORMATS = ("torch", "safetensors")

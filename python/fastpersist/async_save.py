@@ -1,0 +1,274 @@
+"""Asynchronous and pipelined saves that overlap training.
+
+``save_async(obj, path, mode=...)`` returns a :class:`CheckpointFuture` at
+once; the save runs on background threads (the Rust engine releases the GIL
+for all I/O).
+
+* ``mode="snapshot"`` (CheckFreq's two phases, DeepFreeze): every tensor is
+  copied into host staging memory from a reusable :class:`SnapshotPool`,
+  then persisted. ``wait_snapshot()`` returns once the copy is complete;
+  after it the caller may change the tensors.
+* ``mode="pipelined"`` (FastPersist): no full copy; the write streams the
+  live tensors through the engine's bounded arena. ``wait_snapshot()``
+  returns once every byte has left the tensors: fence there before
+  ``optimizer.step()``, and the write overlaps the next forward and backward.
+
+In both modes ``obj`` (its tensors and its containers) must not be changed
+until ``wait_snapshot()`` returns. Saves run in call order. The next
+``save_async`` waits for the previous save's snapshot phase, and at most
+``max_pending`` saves (default 2) are between their call and their commit,
+so staging memory is bounded by ``max_pending`` snapshots (snapshot mode) or
+the engine's arena (pipelined mode). At interpreter exit, saves in flight are
+waited for; a failure among them is logged as an error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, List, Optional
+
+import torch
+
+from .serialization import plan_torch_save
+from .writer import EngineOptions, PathLike, WriteStats, _check_path, _write_torch_zip, write_plan
+
+__all__ = ["save_async", "CheckpointFuture", "SnapshotPool", "AsyncSaver", "wait_all", "MODES"]
+
+log = logging.getLogger("fastpersist")
+MODES = ("pipelined", "snapshot")
+
+
+class CheckpointFuture(concurrent.futures.Future):
+    """A ``concurrent.futures.Future`` whose result is the :class:`WriteStats`
+    of a durable, committed checkpoint, plus the snapshot phase."""
+
+    def __init__(self, path: str, mode: str) -> None:
+        super().__init__()
+        self.path = path
+        self.mode = mode
+        self.submitted_at = time.perf_counter()
+        #: Seconds from the call until the snapshot phase ended.
+        self.snapshot_seconds: Optional[float] = None
+        self._snapshot = threading.Event()
+        self._snapshot_error: Optional[BaseException] = None
+
+    def wait_snapshot(self, timeout: Optional[float] = None) -> None:
+        """Block until the tensors may be changed again (snapshot copied, or
+        every byte streamed out). Raises the save's error if it failed
+        before that point; ``TimeoutError`` after ``timeout`` seconds."""
+        if not self._snapshot.wait(timeout):
+            raise TimeoutError(f"snapshot of {self.path} not finished after {timeout} s")
+        if self._snapshot_error is not None:
+            raise self._snapshot_error
+
+    def snapshot_done(self) -> bool:
+        return self._snapshot.is_set()
+
+    def _mark_snapshot(self) -> None:
+        if not self._snapshot.is_set():
+            self.snapshot_seconds = time.perf_counter() - self.submitted_at
+            self._snapshot.set()
+
+    def _fail(self, e: BaseException) -> None:
+        if not self._snapshot.is_set():
+            self._snapshot_error = e
+            self._snapshot.set()
+        self.set_exception(e)
+
+
+class SnapshotPool:
+    """Reusable host staging buffers for snapshot saves (pinned when CUDA
+    tensors are saved and CUDA is available). Buffers are kept for reuse
+    until :meth:`release` is called."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: List[torch.Tensor] = []
+        self._used: List[torch.Tensor] = []
+
+    def acquire(self, nbytes: int, pin: bool = False) -> torch.Tensor:
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= nbytes and (b.is_pinned() or not pin)]
+            if fits:
+                buf = min(fits, key=lambda b: b.numel())
+                self._free.remove(buf)
+            else:
+                if self._free:  # too small: replace rather than grow the pool
+                    self._free.remove(max(self._free, key=lambda b: b.numel()))
+                size = max(1 << 20, -(-nbytes // (1 << 20)) * (1 << 20))
+                buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            self._used.append(buf)
+            return buf
+
+    def put_back(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._used.remove(buf)
+            self._free.append(buf)
+
+    def release(self) -> None:
+        """Free every buffer not in use by a save in flight."""
+        with self._lock:
+            self._free.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory the pool holds (in use and free)."""
+        with self._lock:
+            return sum(b.numel() for b in self._free + self._used)
+
+
+def _as_bytes(storage: Any) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class AsyncSaver:
+    """Runs asynchronous saves: a snapshot thread and a writer thread."""
+
+    def __init__(self, max_pending: int = 2) -> None:
+        if max_pending < 1:
+            raise ValueError("max_pending must be at least 1")
+        self.pool = SnapshotPool()
+        self._snap = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-snapshot")
+        self._write = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-write")
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self._lock = threading.Lock()
+        self._last: Optional[CheckpointFuture] = None
+        self._inflight: List[CheckpointFuture] = []
+
+    def save(self, obj: Any, path: PathLike, *, mode: str = "pipelined", **options: Any) -> CheckpointFuture:
+        p = _check_path(path)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        opts = EngineOptions.resolve(**options)
+        with self._lock:
+            prev = self._last
+        if prev is not None:
+            prev._snapshot.wait()  # its errors surface from its own future
+        self._slots.acquire()
+        fut = CheckpointFuture(p, mode)
+        fut.add_done_callback(self._finished)
+        with self._lock:
+            self._last = fut
+            self._inflight.append(fut)
+        try:
+            if mode == "snapshot":
+                self._snap.submit(self._snapshot_then_write, obj, p, opts, fut)
+            else:
+                self._write.submit(self._pipelined, obj, p, opts, fut)
+        except BaseException as e:  # executor shut down (interpreter exit)
+            fut._fail(e)
+        return fut
+
+    def _finished(self, fut: CheckpointFuture) -> None:
+        with self._lock:
+            if fut in self._inflight:
+                self._inflight.remove(fut)
+        self._slots.release()
+
+    def _pipelined(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            stats = _write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot)
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            fut._fail(e)
+            return
+        fut._mark_snapshot()
+        fut.set_result(stats)
+
+    def _snapshot_then_write(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        buf = None
+        try:
+            t0 = time.perf_counter()
+            plan = plan_torch_save(obj)
+            pin = torch.cuda.is_available() and any(s.device.type == "cuda" for s in plan.keepalive)
+            buf = self.pool.acquire(plan.storage_bytes, pin=pin)
+            # Copy every storage into the pool and point the plan there.
+            base = buf.data_ptr()
+            off = 0
+            moved = {}
+            for storage in plan.keepalive:
+                n = storage.nbytes()
+                if n:
+                    buf[off:off + n].copy_(_as_bytes(storage))
+                moved[storage.data_ptr()] = (base + off, n)
+                off += n
+            plan.regions = [(fo, moved[ptr][0] if ptr in moved else ptr, ln, cid)
+                            for fo, ptr, ln, cid in plan.regions]
+            plan.keepalive = [buf]
+            plan_seconds = time.perf_counter() - t0
+            del obj
+            fut._mark_snapshot()
+        except BaseException as e:  # noqa: BLE001
+            if buf is not None:
+                self.pool.put_back(buf)
+            fut._fail(e)
+            return
+
+        def write() -> None:
+            try:
+                stats = write_plan(plan, path, opts, plan_seconds, t0)
+            except BaseException as e:  # noqa: BLE001
+                fut._fail(e)
+            else:
+                fut.set_result(stats)
+            finally:
+                self.pool.put_back(buf)
+
+        try:
+            self._write.submit(write)
+        except BaseException as e:  # noqa: BLE001
+            self.pool.put_back(buf)
+            fut._fail(e)
+
+    def pending(self) -> List[CheckpointFuture]:
+        with self._lock:
+            return list(self._inflight)
+
+    def wait_all(self, timeout: Optional[float] = None) -> List[CheckpointFuture]:
+        """Wait for every save in flight; returns those that failed."""
+        pending = self.pending()
+        concurrent.futures.wait(pending, timeout=timeout)
+        return [f for f in pending if f.done() and f.exception() is not None]
+
+
+_default: Optional[AsyncSaver] = None
+_default_lock = threading.Lock()
+
+
+def default_saver() -> AsyncSaver:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = AsyncSaver()
+        return _default
+
+
+def save_async(obj: Any, path: PathLike, *, mode: str = "pipelined", **options: Any) -> CheckpointFuture:
+    """Save ``obj`` to ``path`` in the background (see the module doc).
+    ``options`` are those of :func:`~fastpersist.write_state_dict`."""
+    return default_saver().save(obj, path, mode=mode, **options)
+
+
+def wait_all(timeout: Optional[float] = None) -> List[CheckpointFuture]:
+    """Wait for every asynchronous save in flight; returns the failed ones."""
+    return default_saver().wait_all(timeout) if _default is not None else []
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    if _default is None:
+        return
+    pending = _default.pending()
+    if not pending:
+        return
+    log.warning("fastpersist: waiting for %d checkpoint save(s) in flight before exit", len(pending))
+    for f in _default.wait_all():
+        log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, f.exception())

@@ -1,0 +1,118 @@
+"""save_async: both modes, fencing, ordering, failures, memory, exit."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist.async_save import AsyncSaver
+from helpers import bits, make
+
+MODES = ["pipelined", "snapshot"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_changes_after_wait_snapshot_never_reach_the_file(tmp_path, mode):
+    big = make((8 << 20,), torch.float32, 1)  # 32 MiB: the write is still going when we mutate
+    expect = big.clone()
+    f = fastpersist.save_async({"big": big, "step": 3}, tmp_path / "a.pt", mode=mode)
+    f.wait_snapshot()
+    assert f.snapshot_done()
+    big.fill_(0.5)
+    st = f.result(timeout=120)
+    assert f.done() and f.exception() is None
+    assert st.bytes == os.path.getsize(tmp_path / "a.pt")
+    got = torch.load(tmp_path / "a.pt")
+    assert got["step"] == 3 and bits(got["big"]) == bits(expect)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_saves_each_hold_their_own_values(tmp_path, mode):
+    w = torch.zeros(300_000)
+    futs = []
+    for i in range(8):
+        f = fastpersist.save_async({"w": w, "i": i}, tmp_path / f"{i}.pt", mode=mode)
+        f.wait_snapshot()
+        w.add_(1)  # the "optimizer step"
+        futs.append(f)
+    for i, f in enumerate(futs):
+        f.result(timeout=120)
+        got = torch.load(tmp_path / f"{i}.pt")
+        assert got["i"] == i and torch.all(got["w"] == i)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_io_error_surfaces_from_result_and_no_file(tmp_path, engine_fault, mode):
+    engine_fault(1 << 20, errno.EIO)
+    f = fastpersist.save_async({"t": make((1 << 20,), torch.float32)}, tmp_path / "x.pt", mode=mode)
+    with pytest.raises(fastpersist.WriteError) as ei:
+        f.result(timeout=120)
+    assert ei.value.errno == errno.EIO
+    assert isinstance(f.exception(), fastpersist.WriteError)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_unpicklable_fails_at_snapshot(tmp_path, mode):
+    f = fastpersist.save_async({"f": lambda: 0}, tmp_path / "x.pt", mode=mode)
+    with pytest.raises(fastpersist.SerializationError):
+        f.wait_snapshot(timeout=60)
+    with pytest.raises(fastpersist.SerializationError):
+        f.result(timeout=60)
+    assert os.listdir(tmp_path) == []
+
+
+def test_future_protocol(tmp_path):
+    seen = []
+    f = fastpersist.save_async({"a": torch.ones(3)}, tmp_path / "f.pt")
+    f.add_done_callback(lambda fut: seen.append(fut.result().path))
+    st = f.result(timeout=60)
+    assert isinstance(st, fastpersist.WriteStats) and f.done() and not f.cancelled()
+    assert seen == [str(tmp_path / "f.pt")]
+    assert f.snapshot_seconds is not None and f.snapshot_seconds >= 0
+
+
+def test_next_save_waits_for_previous_snapshot_and_pool_is_reused(tmp_path):
+    saver = AsyncSaver(max_pending=1)
+    t = make((1 << 20,), torch.float32)
+    f1 = saver.save({"t": t}, tmp_path / "1.pt", mode="snapshot")
+    f2 = saver.save({"t": t}, tmp_path / "2.pt", mode="snapshot")
+    assert f1.snapshot_done()  # save 2 could only start after it
+    f2.result(timeout=60)
+    size = saver.pool.nbytes
+    assert size >= 4 << 20
+    for i in range(5):
+        saver.save({"t": t}, tmp_path / f"r{i}.pt", mode="snapshot").result(timeout=60)
+    assert saver.pool.nbytes == size  # reused, not grown
+    saver.pool.release()
+    assert saver.pool.nbytes == 0
+    assert saver.wait_all() == []
+
+
+def test_bad_mode_and_path(tmp_path):
+    with pytest.raises(ValueError, match="mode"):
+        fastpersist.save_async({}, tmp_path / "x.pt", mode="eventually")
+    with pytest.raises(TypeError):
+        fastpersist.save_async({}, None)
+
+
+def test_interpreter_exit_waits_for_saves(tmp_path):
+    target = tmp_path / "exit.pt"
+    code = textwrap.dedent(f"""
+        import torch, fastpersist
+        t = torch.arange(4 << 20, dtype=torch.float32)
+        f = fastpersist.save_async({{"t": t}}, {str(target)!r}, mode="snapshot")
+        f.wait_snapshot()
+        # exit at once, with the write in flight
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = torch.load(target)
+    assert torch.equal(got["t"], torch.arange(4 << 20, dtype=torch.float32))
