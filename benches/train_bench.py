@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Training-loop benchmark: the cost of checkpointing every iteration.
+
+A small GPT (torch.nn: embeddings, pre-norm transformer blocks, tied head),
+AdamW, trained on the CPU on generated tokens. Model and optimizer state are
+checkpointed every iteration by each method in turn, in one run:
+
+* none (the baseline)
+* torch.save every iteration (synchronous, fsynced)
+* torch DCP async_save (where it works without a process group)
+* fastpersist.save_async, mode="snapshot" and mode="pipelined", fenced with
+  ``wait_snapshot()`` before ``optimizer.step()``
+
+Methods alternate in blocks of ``--iters`` iterations over ``--rounds``
+rounds; we report the median iteration time, its overhead over the
+baseline, the p90, and the checkpoint size.
+
+    python benches/train_bench.py [--layers 4] [--dim 384] [--iters 20] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+import fastpersist
+
+warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, ctx: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(ctx, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+        self.register_buffer("mask", torch.triu(torch.full((ctx, ctx), float("-inf")), 1))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t))
+        for b in self.blocks:
+            x = b(x, self.mask[:t, :t])
+        return self.head(self.ln(x))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=20, help="iterations per method per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    data = torch.randint(0, args.vocab, (64, args.batch, args.ctx + 1))
+
+    def state(step: int) -> dict:
+        return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+
+    with tempfile.TemporaryDirectory(prefix="fastpersist-train-", dir=args.dir or os.getcwd()) as d:
+        pending: Dict[str, Optional[object]] = {"fut": None}
+
+        def ckpt_none(step: int) -> None:
+            pass
+
+        def ckpt_torch(step: int) -> None:
+            with open(os.path.join(d, "torch.pt"), "wb") as f:
+                torch.save(state(step), f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        def ckpt_dcp(step: int) -> None:
+            import torch.distributed.checkpoint as dcp
+
+            prev = pending["fut"]
+            if prev is not None:
+                prev.result()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                pending["fut"] = dcp.async_save(
+                    state(step), storage_writer=dcp.FileSystemWriter(os.path.join(d, f"dcp{step % 2}"),
+                                                                     sync_files=True))
+
+        def fp(mode: str) -> Callable[[int], None]:
+            def ckpt(step: int) -> None:
+                pending["fut"] = fastpersist.save_async(state(step), os.path.join(d, f"fp-{mode}.pt"), mode=mode)
+            return ckpt
+
+        methods: Dict[str, Callable[[int], None]] = {
+            "none": ckpt_none,
+            "torch.save": ckpt_torch,
+            "torch DCP async_save": ckpt_dcp,
+            "fastpersist snapshot": fp("snapshot"),
+            "fastpersist pipelined": fp("pipelined"),
+        }
+        times: Dict[str, List[float]] = {k: [] for k in methods}
+        step = 0
+        broken = set()
+        for r in range(args.rounds):
+            for name, ckpt in methods.items():
+                if name in broken:
+                    continue
+                for i in range(args.iters):
+                    batch = data[step % len(data)]
+                    t0 = time.perf_counter()
+                    logits = model(batch[:, :-1])
+                    loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    fut = pending["fut"]
+                    if isinstance(fut, fastpersist.CheckpointFuture):
+                        fut.wait_snapshot()  # the fence before the optimizer step
+                    opt.step()
+                    try:
+                        ckpt(step)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{name}: failed ({type(e).__name__}: {e}); skipped")
+                        broken.add(name)
+                        break
+                    if i > 0:  # the first iteration of a block warms up
+                        times[name].append(time.perf_counter() - t0)
+                    step += 1
+                fut = pending["fut"]
+                if fut is not None:
+                    fut.result()
+                    pending["fut"] = None
+        size = os.path.getsize(os.path.join(d, "fp-pipelined.pt")) if os.path.exists(os.path.join(d, "fp-pipelined.pt")) else 0
+        base = statistics.median(times["none"])
+        nparams = sum(p.numel() for p in model.parameters())
+        print(f"GPT: {args.layers} layers, dim {args.dim}, {nparams / 1e6:.1f} M parameters, "
+              f"checkpoint {size / 2**20:.0f} MiB (model + AdamW), batch {args.batch}x{args.ctx}, "
+              f"{torch.get_num_threads()} threads")
+        print(f"{'method':<24} {'median ms':>10} {'p90 ms':>8} {'overhead':>9}")
+        res = {"params": nparams, "checkpoint_bytes": size, "methods": {}}
+        for name, ts in times.items():
+            if not ts:
+                continue
+            med = statistics.median(ts)
+            p90 = sorted(ts)[int(0.9 * (len(ts) - 1))]
+            res["methods"][name] = {"median_s": med, "p90_s": p90, "overhead": med / base - 1, "iters": ts}
+            print(f"{name:<24} {med * 1e3:>10.1f} {p90 * 1e3:>8.1f} {100 * (med / base - 1):>8.1f}%")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
