@@ -171,7 +171,7 @@ def main() -> None:
             if not ts:
                 continue
             med = statistics.median(ts)
-            p90 = sorted(ts)[int(0.9 * (len(ts) - 1))]
+            p90 = sorted(ts)[max(0, -(-9 * len(ts) // 10) - 1)]  # nearest rank
             res["methods"][name] = {"median_s": med, "p90_s": p90, "overhead": med / base - 1, "iters": ts}
             print(f"{name:<24} {med * 1e3:>10.1f} {p90 * 1e3:>8.1f} {100 * (med / base - 1):>8.1f}%")
         if args.json:

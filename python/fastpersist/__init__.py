@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 from ._core import __version__
+from .checkpoint_manager import CheckpointInfo, Checkpointer
+from .resume import ResumableSampler, capture_rng_state, restore_rng_state
 from .async_save import CheckpointFuture, SnapshotPool, save_async, wait_all
 from .errors import (
     CorruptCheckpointError,
@@ -24,6 +26,11 @@ __all__ = [
     "write_state_dict",
     "read_state_dict",
     "save_async",
+    "Checkpointer",
+    "CheckpointInfo",
+    "ResumableSampler",
+    "capture_rng_state",
+    "restore_rng_state",
     "wait_all",
     "CheckpointFuture",
     "SnapshotPool",

@@ -2,6 +2,7 @@
 
     fastpersist inspect PATH [--json]     records or tensors: names, dtypes, shapes, bytes, alignment
     fastpersist verify PATH...            every CRC32 and the structure; exit 0 only when all is well
+    fastpersist ls DIR [--verify]         checkpoints of a Checkpointer directory: step, size, tier, status
     fastpersist bench [--size] [--dir]    write and read benchmarks against fio and torch
 
 Exit status: 0 success, 1 a checkpoint is corrupt, 2 bad usage or a file that
@@ -99,6 +100,51 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_ls(args: argparse.Namespace) -> int:
+    from .checkpoint_manager import LOG_NAME, list_checkpoints
+    from .errors import CorruptCheckpointError
+    from .reader import verify_file
+
+    if not os.path.isdir(args.dir):
+        print(f"fastpersist: {args.dir}: not a directory", file=sys.stderr)
+        return EXIT_USAGE
+    events = {}
+    log_path = os.path.join(args.dir, LOG_NAME)
+    if os.path.exists(log_path):
+        with open(log_path) as f:
+            for line in f:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if ev.get("event") == "commit":
+                    events[ev["step"]] = ev
+    rows = list_checkpoints(args.dir, args.stage_dir)
+    temps = [n for n in os.listdir(args.dir) if n.endswith(".fptmp")]
+    print(f"{'step':>12} {'size':>10} {'tier':<13} {'status':<10} {'stall ms':>9} {'write s':>8} {'GB/s':>6}")
+    status_rc = EXIT_OK
+    for step, copies in rows:
+        tiers = "+".join(c.tier for c in copies)
+        status = "committed"
+        if args.verify:
+            try:
+                verify_file(copies[0].path)
+                status = "verified"
+            except CorruptCheckpointError:
+                status = "CORRUPT"
+                status_rc = EXIT_CORRUPT
+        ev = events.get(step, {})
+        stall = f"{ev['stall_s'] * 1e3:.1f}" if "stall_s" in ev else "-"
+        write = f"{ev['write_s']:.3f}" if "write_s" in ev else "-"
+        gbps = f"{ev['gbps']:.2f}" if "gbps" in ev else "-"
+        print(f"{step:>12} {_human(copies[0].bytes):>10} {tiers:<13} {status:<10} {stall:>9} {write:>8} {gbps:>6}")
+    for t in temps:
+        print(f"{'-':>12} {'-':>10} {'local':<13} {'temporary (an unfinished save)'}")
+    if not rows:
+        print("(no checkpoints)")
+    return status_rc
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -165,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every CRC32 and the structure")
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("ls", help="list the checkpoints of a Checkpointer directory")
+    p.add_argument("dir")
+    p.add_argument("--stage-dir", default=None, help="the shared tier, if staging is used")
+    p.add_argument("--verify", action="store_true", help="check every checkpoint's CRC32s")
+    p.set_defaults(fn=cmd_ls)
     p = sub.add_parser("bench", help="write and read benchmarks (fio limits, torch)")
     p.add_argument("--size", default="1GiB", help="state dict size (default 1GiB)")
     p.add_argument("--dir", default=None, help="directory on the disk to test (default: cwd)")

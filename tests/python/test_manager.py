@@ -1,0 +1,229 @@
+"""The checkpoint manager: retention, tiers, crash safety, tuning, resume."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastpersist
+from fastpersist.checkpoint_manager import FrequencyTuner, ckpt_name
+
+
+def state(i: int) -> dict:
+    return {"w": torch.full((1000,), float(i)), "i": i}
+
+
+def steps_in(d) -> list:
+    return sorted(int(n[5:-3]) for n in os.listdir(d) if n.startswith("ckpt-") and n.endswith(".pt"))
+
+
+def test_fixed_interval_and_retention(tmp_path):
+    with fastpersist.Checkpointer(tmp_path, every=1, keep_last=2, keep_every=5) as ck:
+        for s in range(1, 13):
+            ck.fence()
+            ck.step(s, state(s))
+    assert steps_in(tmp_path) == [5, 10, 11, 12]
+    step, st_ = fastpersist.Checkpointer(tmp_path).load_latest()
+    assert step == 12 and st_["i"] == 12 and torch.all(st_["w"] == 12)
+    with fastpersist.Checkpointer(tmp_path / "b", every=3, keep_last=10) as ck:
+        for s in range(1, 10):
+            ck.step(s, state(s))
+    assert steps_in(tmp_path / "b") == [3, 6, 9]
+
+
+def test_latest_skips_damaged_and_cleans_temp_files(tmp_path):
+    with fastpersist.Checkpointer(tmp_path, every=1, keep_last=5) as ck:
+        for s in range(1, 4):
+            ck.step(s, state(s))
+    newest = tmp_path / ckpt_name(3)
+    raw = bytearray(newest.read_bytes())
+    raw[4096 + 100] ^= 0xFF
+    newest.write_bytes(bytes(raw))
+    leftover = tmp_path / f".{ckpt_name(4)}.999999999.0.fptmp"
+    leftover.write_bytes(b"partial")
+    ck = fastpersist.Checkpointer(tmp_path)
+    assert not leftover.exists()
+    assert ck.latest().step == 2
+    step, st_ = ck.load_latest()
+    assert step == 2 and st_["i"] == 2
+
+
+def test_staging_to_shared_tier(tmp_path):
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    with fastpersist.Checkpointer(local, every=1, keep_last=2, stage_dir=shared) as ck:
+        for s in range(1, 6):
+            ck.step(s, state(s))
+    assert steps_in(local) == [4, 5] and steps_in(shared) == [4, 5]
+    ck = fastpersist.Checkpointer(local, stage_dir=shared)
+    assert ck.latest().tier == "local"
+    os.unlink(local / ckpt_name(5))
+    info = ck.latest()
+    assert info.step == 5 and info.tier == "shared"
+    assert ck.load_latest()[0] == 5
+    lines = (local / "checkpoints.jsonl").read_text().splitlines()
+    assert any('"staged"' in line for line in lines) and any('"commit"' in line for line in lines)
+
+
+def test_tuner_with_a_fake_clock():
+    t = FrequencyTuner("auto", max_overhead=0.035, profile_steps=3)
+    for _ in range(3):
+        assert not t.should_checkpoint()
+        t.record_iteration(1.0, affected=False)
+    assert t.should_checkpoint()  # the profiling checkpoint
+    t.record_checkpoint(cost=0.35, write_seconds=2.0)
+    assert t.interval == 10  # 0.35 / (0.035 * 1.0)
+    t.record_checkpoint(cost=1.05, write_seconds=2.0)  # drift: EMA cost 0.7
+    assert t.interval == 20
+    t.record_checkpoint(cost=0.01, write_seconds=30.0)  # cheap but slow to write
+    assert t.interval >= 16  # EMA write time 16 s: the next save must not queue
+    fixed = FrequencyTuner(4)
+    assert [fixed.should_checkpoint() for _ in range(8)] == [False, False, False, True] * 2
+    with pytest.raises(ValueError):
+        FrequencyTuner(0)
+
+
+def test_auto_interval_in_a_loop_with_fake_clock(tmp_path):
+    now = [0.0]
+    ck = fastpersist.Checkpointer(tmp_path, every="auto", max_overhead=0.05, clock=lambda: now[0])
+    saved = []
+    for s in range(60):
+        now[0] += 1.0  # one second an iteration...
+        if ck._inflight is not None:
+            now[0] += 0.2  # ...plus 0.2 s while a save is in flight
+        f = ck.step(s, state(s))
+        if f is not None:
+            saved.append(s)
+            f.result()  # done in real time; the manager notices at the next step
+    ck.close()
+    gaps = [b - a for a, b in zip(saved, saved[1:])]
+    assert saved and ck.tuner.interval >= 4 and gaps[-1] == ck.tuner.interval
+
+
+def test_sampler_exactly_once_across_resume():
+    full = fastpersist.ResumableSampler(50, seed=3)
+    it = iter(full)
+    first = [next(it) for _ in range(17)]
+    saved = full.state_dict()
+    resumed = fastpersist.ResumableSampler(50, seed=3)
+    resumed.load_state_dict(saved)
+    rest = list(resumed)
+    assert sorted(first + rest) == list(range(50))
+    assert resumed.epoch == 1 and resumed.position == 0
+    assert list(resumed) != first + rest  # a new permutation for the next epoch
+    with pytest.raises(ValueError):
+        fastpersist.ResumableSampler(49, seed=3).load_state_dict(saved)
+
+
+def test_rng_state_round_trip(tmp_path):
+    import numpy as np
+
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    saved = fastpersist.capture_rng_state()
+    fastpersist.write_state_dict(saved, tmp_path / "rng.pt")
+    a = (random.random(), float(np.random.rand()), torch.rand(2))
+    fastpersist.restore_rng_state(fastpersist.read_state_dict(tmp_path / "rng.pt"))  # weights_only
+    b = (random.random(), float(np.random.rand()), torch.rand(2))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_ls_command(tmp_path):
+    with fastpersist.Checkpointer(tmp_path, every=1) as ck:
+        for s in range(1, 3):
+            ck.step(s, state(s))
+    exe = os.path.join(os.path.dirname(sys.executable), "fastpersist")
+    r = subprocess.run([exe, "ls", str(tmp_path), "--verify"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "verified" in r.stdout and " 2 " in r.stdout
+
+
+KILL_CHILD = textwrap.dedent("""
+    import sys, torch, fastpersist
+    d = sys.argv[1]
+    ck = fastpersist.Checkpointer(d, every=1, keep_last=2, mode=sys.argv[2])
+    w = torch.zeros(2_000_000)
+    s = int(sys.argv[3])
+    while True:
+        s += 1
+        ck.fence()
+        w.fill_(float(s))  # the "optimizer step"
+        ck.step(s, {"w": w, "s": s})
+        print(s, flush=True)
+""")
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_sigkill_at_random_points_never_breaks_latest(tmp_path, trial):
+    rng = random.Random(trial)
+    d = tmp_path / "ck"
+    start = 0
+    for attempt in range(2):  # kill, restart, kill again
+        mode = rng.choice(["pipelined", "snapshot"])
+        p = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(d), mode, str(start)],
+                             stdout=subprocess.PIPE, text=True)
+        time.sleep(rng.uniform(1.0, 2.5))
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        got = fastpersist.Checkpointer(d).load_latest()
+        if got is None:
+            continue
+        step, st_ = got
+        assert st_["s"] == step and torch.all(st_["w"] == float(step)), (step, st_["w"][:3])
+        start = step + 1000
+
+
+@st.composite
+def scenarios(draw):
+    return draw(st.lists(st.sampled_from(["save", "save", "save", "crash", "restart", "corrupt"]),
+                         min_size=1, max_size=14)), draw(st.integers(1, 3)), draw(st.sampled_from([None, 2, 3]))
+
+
+@given(scenarios())
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_retention_and_tiers_property(tmp_path_factory, scenario):
+    ops, keep_last, keep_every = scenario
+    base = tmp_path_factory.mktemp("prop")
+    local, shared = base / "l", base / "s"
+    ck = fastpersist.Checkpointer(local, every=1, keep_last=keep_last, keep_every=keep_every, stage_dir=shared)
+    step = 0
+    good = set()
+    for op in ops:
+        if op == "save":
+            step += 1
+            ck.save(step, state(step))
+            ck.wait()
+            good.add(step)
+        elif op == "crash":  # a save that died half-way: only its temporary file is left
+            (local / f".{ckpt_name(step + 1)}.999999999.7.fptmp").write_bytes(b"torn")
+        elif op == "corrupt" and steps_in(local):
+            victim = local / ckpt_name(max(steps_in(local)))
+            raw = bytearray(victim.read_bytes())
+            raw[-30] ^= 0xFF  # the central directory
+            victim.write_bytes(bytes(raw))
+        else:  # restart
+            ck.close()
+            ck = fastpersist.Checkpointer(local, every=1, keep_last=keep_last, keep_every=keep_every,
+                                          stage_dir=shared)
+            assert not any(n.endswith(".fptmp") for n in os.listdir(local))
+    ck.close()
+    loc = steps_in(local)
+    if good:
+        newest = max(good)
+        assert newest in loc and newest in steps_in(shared)  # never deleted, and staged
+        expect_local = set(sorted(good)[-keep_last:]) | {s for s in good if keep_every and s % keep_every == 0}
+        assert set(loc) == expect_local
+        got = ck.load_latest()
+        assert got is not None and got[1]["i"] == got[0]
+        # latest is the newest copy that verifies (the local one may be corrupted)
+        assert got[0] == newest
