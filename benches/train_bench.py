@@ -10,6 +10,8 @@ checkpointed every iteration by each method in turn, in one run:
 * torch DCP async_save (where it works without a process group)
 * fastpersist.save_async, mode="snapshot" and mode="pipelined", fenced with
   ``wait_snapshot()`` before ``optimizer.step()``
+* fastpersist.Checkpointer(every="auto", max_overhead=0.035), which picks the
+  interval itself (then: the interval chosen and the recovery time)
 
 Methods alternate in blocks of ``--iters`` iterations over ``--rounds``
 rounds; we report the median iteration time, its overhead over the
@@ -121,12 +123,19 @@ def main() -> None:
                 pending["fut"] = fastpersist.save_async(state(step), os.path.join(d, f"fp-{mode}.pt"), mode=mode)
             return ckpt
 
+        manager = fastpersist.Checkpointer(os.path.join(d, "managed"), every="auto",
+                                           max_overhead=0.035, keep_last=2)
+
+        def ckpt_manager(step: int) -> None:
+            manager.step(step, state(step))
+
         methods: Dict[str, Callable[[int], None]] = {
             "none": ckpt_none,
             "torch.save": ckpt_torch,
             "torch DCP async_save": ckpt_dcp,
             "fastpersist snapshot": fp("snapshot"),
             "fastpersist pipelined": fp("pipelined"),
+            "fastpersist Checkpointer(auto)": ckpt_manager,
         }
         times: Dict[str, List[float]] = {k: [] for k in methods}
         step = 0
@@ -135,6 +144,7 @@ def main() -> None:
             for name, ckpt in methods.items():
                 if name in broken:
                     continue
+                manager.pause()  # other methods ran since its last block
                 for i in range(args.iters):
                     batch = data[step % len(data)]
                     t0 = time.perf_counter()
@@ -145,6 +155,8 @@ def main() -> None:
                     fut = pending["fut"]
                     if isinstance(fut, fastpersist.CheckpointFuture):
                         fut.wait_snapshot()  # the fence before the optimizer step
+                    if ckpt is ckpt_manager:
+                        manager.fence()
                     opt.step()
                     try:
                         ckpt(step)
@@ -159,13 +171,17 @@ def main() -> None:
                 if fut is not None:
                     fut.result()
                     pending["fut"] = None
+        manager.close()
+        t0 = time.perf_counter()
+        restored = fastpersist.Checkpointer(os.path.join(d, "managed")).load_latest()
+        recovery = time.perf_counter() - t0
         size = os.path.getsize(os.path.join(d, "fp-pipelined.pt")) if os.path.exists(os.path.join(d, "fp-pipelined.pt")) else 0
         base = statistics.median(times["none"])
         nparams = sum(p.numel() for p in model.parameters())
         print(f"GPT: {args.layers} layers, dim {args.dim}, {nparams / 1e6:.1f} M parameters, "
               f"checkpoint {size / 2**20:.0f} MiB (model + AdamW), batch {args.batch}x{args.ctx}, "
               f"{torch.get_num_threads()} threads")
-        print(f"{'method':<24} {'median ms':>10} {'p90 ms':>8} {'overhead':>9}")
+        print(f"{'method':<32} {'median ms':>10} {'p90 ms':>8} {'overhead':>9}")
         res = {"params": nparams, "checkpoint_bytes": size, "methods": {}}
         for name, ts in times.items():
             if not ts:
@@ -173,7 +189,12 @@ def main() -> None:
             med = statistics.median(ts)
             p90 = sorted(ts)[max(0, -(-9 * len(ts) // 10) - 1)]  # nearest rank
             res["methods"][name] = {"median_s": med, "p90_s": p90, "overhead": med / base - 1, "iters": ts}
-            print(f"{name:<24} {med * 1e3:>10.1f} {p90 * 1e3:>8.1f} {100 * (med / base - 1):>8.1f}%")
+            print(f"{name:<32} {med * 1e3:>10.1f} {p90 * 1e3:>8.1f} {100 * (med / base - 1):>8.1f}%")
+        print(f"Checkpointer(auto): interval chosen {manager.tuner.interval} iterations "
+              f"(clean iteration {1e3 * (manager.tuner.clean_time or 0):.0f} ms, checkpoint cost "
+              f"{1e3 * (manager.tuner.cost or 0):.0f} ms, write {manager.tuner.write_time or 0:.2f} s); "
+              f"recovery (load_latest of step {restored[0] if restored else None}) {recovery:.2f} s")
+        res["manager"] = {"interval": manager.tuner.interval, "recovery_s": recovery}
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=2)

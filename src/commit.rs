@@ -204,6 +204,61 @@ impl Drop for TempFile {
     }
 }
 
+/// A file someone else created, opened for writing parts of it.
+pub struct ExistingFile {
+    fd: OwnedFd,
+    path: PathBuf,
+    /// Opened with O_DIRECT.
+    pub direct: bool,
+}
+
+impl ExistingFile {
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        // SAFETY: fsync on our own open fd.
+        if unsafe { libc::fsync(self.fd()) } != 0 {
+            return Err(Error::last_os("fsync failed", Some(&self.path)));
+        }
+        Ok(())
+    }
+}
+
+/// Open an existing file for writing (with O_DIRECT when asked and
+/// accepted), neither creating nor truncating it.
+pub fn open_existing(path: &Path, direct: bool) -> Result<ExistingFile> {
+    let c = cstr(path)?;
+    let base = libc::O_WRONLY | libc::O_CLOEXEC;
+    let open = |flags: i32| {
+        // SAFETY: `c` is a valid NUL-terminated path.
+        unsafe { libc::open(c.as_ptr(), flags) }
+    };
+    let mut is_direct = direct;
+    let mut fd = if direct {
+        open(base | libc::O_DIRECT)
+    } else {
+        open(base)
+    };
+    if fd < 0 && direct && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+        is_direct = false;
+        fd = open(base);
+    }
+    if fd < 0 {
+        return Err(Error::last_os(
+            "cannot open the file to write a part of it",
+            Some(path),
+        ));
+    }
+    Ok(ExistingFile {
+        // SAFETY: fd was just opened and is owned by nobody else.
+        fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        path: path.to_path_buf(),
+        direct: is_direct,
+    })
+}
+
 /// fsync a directory so a rename in it is durable.
 pub fn fsync_dir(dir: &Path) -> Result<()> {
     let c = cstr(dir)?;

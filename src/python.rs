@@ -220,6 +220,28 @@ impl PyEngine {
         Ok(st.map_err(to_py)?.crcs)
     }
 
+    /// Write part `index` of `parts` of a file into the existing file `path`
+    /// (see `Engine::write_part` in the core); checksum slots must already be
+    /// filled in as bytes.
+    #[allow(clippy::too_many_arguments)]
+    fn write_part<'py>(
+        &self,
+        py: Python<'py>,
+        path: PathBuf,
+        blobs: Vec<(u64, Bound<'py, PyBytes>)>,
+        regions: Vec<(u64, usize, usize, i64)>,
+        file_len: u64,
+        index: usize,
+        parts: usize,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let segments = build_segments(blobs, regions, Vec::new())?;
+        let st = py.allow_threads(|| {
+            self.engine()?
+                .write_part(&path, segments, file_len, (index, parts))
+        });
+        stats_dict(py, &st.map_err(to_py)?)
+    }
+
     /// Start a streamed write of `path` (see `WriteSession`).
     #[pyo3(signature = (path, size_hint=0))]
     fn begin(slf: &Bound<'_, Self>, path: PathBuf, size_hint: u64) -> PyResult<PySession> {
@@ -434,6 +456,35 @@ fn dio_alignment(path: PathBuf) -> (u32, u32, usize, bool) {
     (a.mem_align, a.offset_align, a.block, a.from_statx)
 }
 
+/// CRC32 of each `(address, length)` range of memory (inside tensor
+/// storages the caller keeps alive); releases the GIL.
+#[pyfunction]
+fn crc32_ranges(py: Python<'_>, ranges: Vec<(usize, usize)>) -> PyResult<Vec<u32>> {
+    if ranges.iter().any(|&(p, n)| p == 0 && n > 0) {
+        return Err(PyValueError::new_err("null address"));
+    }
+    let refs: Vec<MemRef> = ranges
+        .into_iter()
+        // SAFETY: the Python caller (fastpersist.distributed) passes ranges
+        // inside tensor storages it holds for the whole call.
+        .map(|(p, n)| unsafe { MemRef::new(p as *const u8, n) })
+        .collect();
+    Ok(py.allow_threads(|| {
+        refs.iter()
+            .map(|m| crc32fast::hash(m.slice(0, m.len())))
+            .collect()
+    }))
+}
+
+/// CRC32 of the concatenation A+B from crc(A), crc(B) and len(B).
+#[pyfunction]
+fn crc32_combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
+    let mut a = crc32fast::Hasher::new_with_initial_len(crc_a, 0);
+    let b = crc32fast::Hasher::new_with_initial_len(crc_b, len_b);
+    a.combine(&b);
+    a.finalize()
+}
+
 /// CRC32 (same polynomial as zlib), SIMD-accelerated; releases the GIL.
 #[pyfunction]
 fn crc32(py: Python<'_>, data: &[u8]) -> u32 {
@@ -448,6 +499,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
     m.add_function(wrap_pyfunction!(crc32, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32_combine, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

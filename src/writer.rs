@@ -436,6 +436,84 @@ impl Engine {
         (sink, &mut self.arena)
     }
 
+    /// Write part `index` of `parts` of the file described by `segments`
+    /// (true length `file_len`) into the existing file `path`, then fsync it.
+    /// Every writer of the file must give the same segments: parts are the
+    /// balanced block-aligned ranges of [`Layout::split`]. Checksum slots are
+    /// not allowed (a part cannot know the checksums of bytes other parts
+    /// write): the caller fills them in as bytes. Creating the file, and the
+    /// final truncate, rename and directory fsync, are the caller's.
+    pub fn write_part(
+        &mut self,
+        path: &Path,
+        segments: Vec<Segment>,
+        file_len: u64,
+        (index, parts): (usize, usize),
+    ) -> Result<WriteStats> {
+        let t0 = Instant::now();
+        if parts == 0 || index >= parts {
+            return Err(Error::option(format!(
+                "part {index} of {parts} does not exist"
+            )));
+        }
+        if segments
+            .iter()
+            .any(|s| matches!(s.source, Source::Crc32(_)))
+        {
+            return Err(Error::layout("a part write cannot fill checksum slots"));
+        }
+        let file = crate::commit::open_existing(path, self.opts.direct)?;
+        let dio = if file.direct {
+            align::probe_fd(file.fd())
+        } else {
+            DioAlign::fallback()
+        };
+        let layout = Layout::new(segments, file_len, dio.block)?;
+        let range = layout.split(parts)[index].clone();
+        let qd = self.opts.queue_depth;
+        let (sink, arena) = self.parts();
+        let mut hashers = vec![Hasher::new(); layout.crc_ids() as usize];
+        let t_io = Instant::now();
+        let res = pump(
+            &layout,
+            range.clone(),
+            arena,
+            sink,
+            file.fd(),
+            (qd, 0),
+            &mut hashers,
+            &mut || {},
+        );
+        if let Err(mut e) = res {
+            sink.drain();
+            e.path.get_or_insert_with(|| path.to_path_buf());
+            return Err(e);
+        }
+        let io_seconds = t_io.elapsed().as_secs_f64();
+        let t_c = Instant::now();
+        if self.opts.durable {
+            file.sync()?;
+        }
+        Ok(WriteStats {
+            bytes: range
+                .end
+                .min(file_len)
+                .saturating_sub(range.start.min(file_len)),
+            seconds: t0.elapsed().as_secs_f64(),
+            open_seconds: 0.0,
+            io_seconds,
+            commit_seconds: t_c.elapsed().as_secs_f64(),
+            direct: file.direct,
+            io_uring: self.uring.is_some(),
+            registered: self.uring.as_ref().is_some_and(UringSink::registered),
+            locked: self.arena.locked(),
+            block: dio.block,
+            direct_note: None,
+            uring_note: self.uring_note.clone(),
+            crcs: Vec::new(),
+        })
+    }
+
     /// Write one zero block at offset 0 (which the real data overwrites) to
     /// learn whether the file system takes O_DIRECT writes. Returns why not.
     fn probe_direct(&mut self, tmp: &TempFile, block: usize) -> Result<Option<String>> {

@@ -11,6 +11,7 @@ from ._core import __version__
 from .checkpoint_manager import CheckpointInfo, Checkpointer
 from .resume import ResumableSampler, capture_rng_state, restore_rng_state
 from .async_save import CheckpointFuture, SnapshotPool, save_async, wait_all
+from .distributed import DistributedCheckpointError
 from .errors import (
     CorruptCheckpointError,
     FallbackWarning,
@@ -38,6 +39,7 @@ __all__ = [
     "WriteStats",
     "ReadStats",
     "CorruptCheckpointError",
+    "DistributedCheckpointError",
     "WriteError",
     "SerializationError",
     "FastPersistError",

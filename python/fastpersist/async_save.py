@@ -54,6 +54,8 @@ class CheckpointFuture(concurrent.futures.Future):
         self.submitted_at = time.perf_counter()
         #: Seconds from the call until the snapshot phase ended.
         self.snapshot_seconds: Optional[float] = None
+        #: Seconds from the call until the save finished (committed or failed).
+        self.total_seconds: Optional[float] = None
         self._snapshot = threading.Event()
         self._snapshot_error: Optional[BaseException] = None
 
@@ -78,7 +80,13 @@ class CheckpointFuture(concurrent.futures.Future):
         if not self._snapshot.is_set():
             self._snapshot_error = e
             self._snapshot.set()
+        self.total_seconds = time.perf_counter() - self.submitted_at
         self.set_exception(e)
+
+    def _succeed(self, stats: WriteStats) -> None:
+        self._mark_snapshot()
+        self.total_seconds = time.perf_counter() - self.submitted_at
+        self.set_result(stats)
 
 
 class SnapshotPool:
@@ -144,7 +152,13 @@ class AsyncSaver:
         p = _check_path(path)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        group = options.pop("group", None)
+        sharded = options.pop("sharded", False)
         opts = EngineOptions.resolve(**options)
+        if group is not None:
+            from .distributed import checkpoint_group
+
+            checkpoint_group(group)  # collective: made here, on every rank's calling thread
         with self._lock:
             prev = self._last
         if prev is not None:
@@ -156,7 +170,9 @@ class AsyncSaver:
             self._last = fut
             self._inflight.append(fut)
         try:
-            if mode == "snapshot":
+            if group is not None:
+                self._write.submit(self._distributed, obj, p, opts, fut, group, sharded)
+            elif mode == "snapshot":
                 self._snap.submit(self._snapshot_then_write, obj, p, opts, fut)
             else:
                 self._write.submit(self._pipelined, obj, p, opts, fut)
@@ -178,8 +194,22 @@ class AsyncSaver:
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             fut._fail(e)
             return
-        fut._mark_snapshot()
-        fut.set_result(stats)
+        fut._succeed(stats)
+
+    def _distributed(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture,
+                     group: Any, sharded: bool) -> None:
+        # With a group the snapshot phase ends with the write (the ranks'
+        # parts are written from the live tensors, then committed together).
+        from .writer import _write_distributed
+
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            stats = _write_distributed(obj, path, opts, group, sharded, "torch")
+        except BaseException as e:  # noqa: BLE001
+            fut._fail(e)
+            return
+        fut._succeed(stats)
 
     def _snapshot_then_write(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -218,7 +248,7 @@ class AsyncSaver:
             except BaseException as e:  # noqa: BLE001
                 fut._fail(e)
             else:
-                fut.set_result(stats)
+                fut._succeed(stats)
             finally:
                 self.pool.put_back(buf)
 

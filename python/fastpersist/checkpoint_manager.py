@@ -246,6 +246,11 @@ class Checkpointer:
         self._last_step_at = self.clock()
         return fut
 
+    def pause(self) -> None:
+        """Call after a break in training (evaluation, a stall in data
+        loading) so the break is not measured as an iteration."""
+        self._last_step_at = None
+
     def fence(self) -> None:
         """Wait until the checkpoint in flight has left the tensors; call it
         before ``optimizer.step()`` (pipelined mode)."""
@@ -286,7 +291,8 @@ class Checkpointer:
         st = fl.future.result()
         stall = fl.stall + waited
         if tune:  # not when drained by wait()/close(): no iteration ran beside it
-            self.tuner.record_checkpoint(max(fl.extra, stall), self.clock() - fl.issued_at)
+            write_s = fl.future.total_seconds if fl.future.total_seconds is not None else st.seconds
+            self.tuner.record_checkpoint(max(fl.extra, stall), write_s)
         log.info("fastpersist: checkpoint step %d: %d bytes, stall %.1f ms, write %.3f s (%.2f GB/s), interval %d",
                  fl.step, st.bytes, stall * 1e3, st.seconds, st.gbps, self.tuner.interval)
         self._log_event({"event": "commit", "step": fl.step, "path": st.path, "bytes": st.bytes,

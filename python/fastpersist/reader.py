@@ -86,6 +86,7 @@ def read_state_dict(
     direct: Optional[bool] = None,
     io_uring: Optional[bool] = None,
     stats: Optional[List[ReadStats]] = None,
+    group: Any = None,
 ) -> Any:
     """Load a checkpoint written by fastpersist or by ``torch.save`` (zip
     format), or a safetensors file (detected from its first bytes).
@@ -97,8 +98,16 @@ def read_state_dict(
     naming the record, on any mismatch or structural damage: wrong data is
     never returned. ``map_location`` is torch's (a device, a string, a dict
     or a callable). ``stats``, if a list, receives a :class:`ReadStats`.
+    A sharded checkpoint directory (``write_state_dict(..., sharded=True)``)
+    gives this rank's shard with ``group``, else the list of every shard.
     """
     p = _check_path(path)
+    from .distributed import is_sharded_dir, read_sharded
+
+    if is_sharded_dir(p):
+        return read_sharded(p, group, lambda shard: read_state_dict(
+            shard, map_location=map_location, weights_only=weights_only, verify=verify,
+            direct=direct, io_uring=io_uring, stats=stats))
     t0 = time.perf_counter()
     opts = EngineOptions.resolve(direct=direct, io_uring=io_uring)
     fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)

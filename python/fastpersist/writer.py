@@ -254,12 +254,28 @@ def _write_safetensors(obj: Any, path: str, opts: EngineOptions,
 FORMATS = ("torch", "safetensors")
 
 
+def _write_distributed(obj: Any, path: str, opts: EngineOptions, group: Any, sharded: bool,
+                       format: str) -> WriteStats:
+    from . import distributed
+
+    if group is None:
+        raise ValueError("sharded=True needs group= (the ranks that each hold a shard)")
+    if format != "torch":
+        raise ValueError("distributed saves write torch checkpoints (format='torch')")
+    if sharded:
+        return distributed.write_sharded(obj, path, group, opts,
+                                         write=lambda o, p: _write_torch_zip(o, p, opts))
+    return distributed.write_replicated(obj, path, group, opts)
+
+
 def write_state_dict(
     obj: Any,
     path: PathLike,
     *,
     format: str = "torch",
     metadata: Optional[Dict[str, str]] = None,
+    group: Any = None,
+    sharded: bool = False,
     block_size: Optional[int] = None,
     arena_bytes: Optional[int] = None,
     queue_depth: Optional[int] = None,
@@ -294,6 +310,8 @@ def write_state_dict(
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
     opts = EngineOptions.resolve(block_size, arena_bytes, queue_depth, direct, io_uring, durable)
+    if group is not None or sharded:
+        return _write_distributed(obj, p, opts, group, sharded, format)
     if format == "safetensors":
         return _write_safetensors(obj, p, opts, metadata)
     if metadata is not None:

@@ -1,0 +1,70 @@
+"""One rank of a distributed test (run by test_distributed.py as a process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+
+def state(seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(300_000, generator=g)
+    return {"w": torch.randn(1000, 999, generator=g), "b": torch.randn(4097, generator=g).to(torch.bfloat16),
+            "base": base, "view": base[10:5000], "n": seed,
+            "many": [torch.randn(int(n), generator=g) for n in torch.randint(1, 5000, (50,), generator=g)]}
+
+
+def main() -> None:
+    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    import torch.distributed as dist
+
+    import fastpersist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    result = {"rank": rank, "ok": True}
+    try:
+        if scenario == "replicated":
+            st = fastpersist.write_state_dict(state(0), os.path.join(out, "ckpt.pt"), group=dist.group.WORLD)
+            result["bytes"] = st.bytes
+        elif scenario == "async":
+            f = fastpersist.save_async(state(0), os.path.join(out, "ckpt.pt"), group=dist.group.WORLD)
+            f.wait_snapshot()
+            result["bytes"] = f.result(timeout=120).bytes
+        elif scenario == "sharded":
+            d = os.path.join(out, "sharded")
+            for round_ in range(2):  # a second save replaces the first
+                fastpersist.write_state_dict(state(100 * round_ + rank), d, group=dist.group.WORLD, sharded=True)
+            mine = fastpersist.read_state_dict(d, group=dist.group.WORLD)
+            result["n"] = mine["n"]
+        elif scenario == "fail":
+            # rank 1's part fails with EIO half-way; nothing may be committed
+            from fastpersist.writer import EngineOptions, get_engine
+
+            from fastpersist.serialization import plan_torch_save
+
+            if rank == 1:  # an offset inside rank 1's part (the second quarter of the file)
+                at = plan_torch_save(state(0)).file_len * 3 // (2 * world)
+                get_engine(EngineOptions.resolve())[1].set_fault(at, 5)
+            fastpersist.write_state_dict(state(0), os.path.join(out, "ckpt.pt"), group=dist.group.WORLD)
+        elif scenario == "fail-sharded":
+            obj = state(rank) if rank != world - 1 else {"f": lambda: 0}
+            fastpersist.write_state_dict(obj, os.path.join(out, "sharded"), group=dist.group.WORLD, sharded=True)
+        elif scenario == "mismatch":
+            fastpersist.write_state_dict(state(rank), os.path.join(out, "ckpt.pt"), group=dist.group.WORLD)
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result = {"rank": rank, "ok": False, "type": type(e).__name__, "error": str(e)}
+    with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()  # no rank tears down while another still talks to it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

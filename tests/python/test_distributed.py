@@ -1,0 +1,101 @@
+"""Parallel writes across ranks: 2 and 4 local processes over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastpersist
+from dist_worker import state
+from helpers import assert_same
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(scenario: str, world: int, out) -> list:
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(r), str(world), port, str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    return [json.load(open(out / f"result-{r}.json")) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_file_is_byte_identical(tmp_path, world):
+    res = run_ranks("replicated", world, tmp_path)
+    assert all(r["ok"] for r in res), res
+    single = tmp_path / "single.pt"
+    fastpersist.write_state_dict(state(0), single)
+    assert (tmp_path / "ckpt.pt").read_bytes() == single.read_bytes()
+    assert_same(state(0), torch.load(tmp_path / "ckpt.pt"))
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".fptmp")]
+
+
+def test_async_with_group(tmp_path):
+    res = run_ranks("async", 2, tmp_path)
+    assert all(r["ok"] for r in res), res
+    assert_same(state(0), fastpersist.read_state_dict(tmp_path / "ckpt.pt"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_round_trip(tmp_path, world):
+    res = run_ranks("sharded", world, tmp_path)
+    assert all(r["ok"] for r in res), res
+    assert [r["n"] for r in res] == [100 + r for r in range(world)]
+    shards = fastpersist.read_state_dict(tmp_path / "sharded")
+    assert len(shards) == world
+    for r, sh in enumerate(shards):
+        assert_same(state(100 + r), sh)
+    # the first save's shards are gone; only the index and this save's shards remain
+    names = sorted(os.listdir(tmp_path / "sharded"))
+    assert "index.json" in names and len(names) == world + 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_rank_failing_commits_nothing(tmp_path, world):
+    (tmp_path / "ckpt.pt").write_bytes(b"previous")
+    res = run_ranks("fail", world, tmp_path)
+    assert not any(r["ok"] for r in res), res
+    assert all(r["type"] == "DistributedCheckpointError" for r in res), res
+    assert all("rank 1" in r["error"] for r in res), res
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"previous"
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith("result-")) == ["ckpt.pt"]
+
+
+def test_sharded_failure_keeps_previous(tmp_path):
+    res = run_ranks("sharded", 2, tmp_path)
+    assert all(r["ok"] for r in res)
+    before = sorted(os.listdir(tmp_path / "sharded"))
+    for r in range(2):
+        os.unlink(tmp_path / f"result-{r}.json")
+    res = run_ranks("fail-sharded", 2, tmp_path)
+    assert not any(r["ok"] for r in res) and all("rank 1" in r["error"] for r in res), res
+    assert sorted(os.listdir(tmp_path / "sharded")) == before
+    assert [s["n"] for s in fastpersist.read_state_dict(tmp_path / "sharded")] == [100, 101]
+
+
+def test_different_objects_are_refused(tmp_path):
+    res = run_ranks("mismatch", 2, tmp_path)
+    assert not any(r["ok"] for r in res)
+    assert all("different objects" in r["error"] for r in res), res
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_sharded_needs_a_group(tmp_path):
+    with pytest.raises(ValueError, match="group"):
+        fastpersist.write_state_dict({}, tmp_path / "d", sharded=True)
