@@ -318,6 +318,7 @@ class TorchZipLayout:
         self.storage_bytes = 0
         self._batch = Batch()
         self._known = find_storages(obj)
+        self._known_keys = {k for k, _ in self._known.values()}
 
     def head(self) -> Batch:
         """Records of the storages found up front."""
@@ -330,7 +331,7 @@ class TorchZipLayout:
         :class:`SerializationError` when the object cannot be saved."""
         data_pkl, storages = _pickle(self.obj, self._known)
         for key, storage in storages.items():
-            if key not in self._known_keys():
+            if key not in self._known_keys:
                 self._add_storage(key, storage)
         self._add("data.pkl", len(data_pkl), SMALL_ALIGNMENT, data=data_pkl)
         self._add(".format_version", 1, SMALL_ALIGNMENT, data=b"1")
@@ -346,11 +347,6 @@ class TorchZipLayout:
         self._central_directory()
         self.file_len = self.cursor
         return self._take()
-
-    def _known_keys(self) -> set:
-        if not hasattr(self, "_known_key_set"):
-            self._known_key_set = {k for k, _ in self._known.values()}
-        return self._known_key_set
 
     def _take(self) -> Batch:
         b, self._batch = self._batch, Batch()
