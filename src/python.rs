@@ -65,6 +65,36 @@ fn read_stats_dict<'py>(py: Python<'py>, s: &ReadStats) -> PyResult<Bound<'py, P
     Ok(d)
 }
 
+/// Page-aligned, locked host memory for CUDA staging: the Python layer
+/// registers it with `cudaHostRegister` (and unregisters it before it is
+/// freed); the engine's own arena is never shared with the device copies.
+#[pyclass(module = "fastpersist._core", name = "HostBuffer", frozen)]
+struct PyHostBuffer {
+    arena: crate::arena::Arena,
+}
+
+#[pymethods]
+impl PyHostBuffer {
+    #[new]
+    fn new(nbytes: usize) -> PyResult<Self> {
+        let page = crate::arena::page_size();
+        let n = nbytes.max(page).div_ceil(page) * page;
+        Ok(PyHostBuffer {
+            arena: crate::arena::Arena::new(n, 1, true).map_err(to_py)?,
+        })
+    }
+
+    #[getter]
+    fn ptr(&self) -> usize {
+        self.arena.as_ptr() as usize
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.arena.len()
+    }
+}
+
 /// A reusable writer: staging arena, io_uring ring, fallback pool.
 #[pyclass(module = "fastpersist._core", name = "Engine", frozen)]
 struct PyEngine {
@@ -495,6 +525,7 @@ fn crc32(py: Python<'_>, data: &[u8]) -> u32 {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<PySession>()?;
+    m.add_class::<PyHostBuffer>()?;
     m.add("WriteError", m.py().get_type::<WriteError>())?;
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;

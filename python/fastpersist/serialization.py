@@ -62,6 +62,8 @@ class Batch:
     blobs: List[Tuple[int, bytes]] = field(default_factory=list)
     regions: List[Tuple[int, int, int, int]] = field(default_factory=list)
     slots: List[Tuple[int, int]] = field(default_factory=list)
+    #: Storages to stage from a device: (offset, storage, length, checksum id).
+    device: List[Tuple[int, Any, int, int]] = field(default_factory=list)
     #: End of the last piece.
     end: int = 0
 
@@ -69,7 +71,22 @@ class Batch:
         self.blobs += other.blobs
         self.regions += other.regions
         self.slots += other.slots
+        self.device += other.device
         self.end = max(self.end, other.end)
+
+    def split_at(self, offset: int) -> Tuple["Batch", "Batch"]:
+        """The pieces before ``offset`` and the rest (device storages stay
+        with the second part)."""
+        lo, hi = Batch(), Batch()
+        for o, b in self.blobs:
+            (lo if o < offset else hi).blobs.append((o, b))
+        for r in self.regions:
+            (lo if r[0] < offset else hi).regions.append(r)
+        for sl in self.slots:
+            (lo if sl[0] < offset else hi).slots.append(sl)
+        hi.device = list(self.device)
+        hi.end = self.end
+        return lo, hi
 
 
 @dataclass
@@ -306,8 +323,11 @@ class TorchZipLayout:
     pickle, storages found only by the pickler, the small records and the
     central directory). Between the two, the head can be written."""
 
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: Any, stage: Optional[Any] = None) -> None:
+        """``stage(storage)`` says which storages are copied from a device
+        through the staging path (default: CUDA storages)."""
         self.obj = obj
+        self.stage = stage if stage is not None else (lambda st: st.device.type == "cuda")
         self.cursor = 0
         self.file_len = 0
         # (name, header offset, size, crc value or None, crc id or None)
@@ -354,16 +374,18 @@ class TorchZipLayout:
         return b
 
     def _add_storage(self, key: str, storage: Any) -> None:
-        if storage.device.type != "cpu":
-            # Until the CUDA staging path handles it, copy to host memory
-            # (what torch.save does); the pickle keeps the original location.
+        staged = self.stage(storage)
+        if not staged and storage.device.type != "cpu":
+            # Other devices: copy to host memory (what torch.save does); the
+            # pickle keeps the original location.
             storage = storage.cpu()
         crc_id = len(self.storage_keys)
         self.keepalive.append(storage)
         self.storage_keys.append(key)
         n = storage.nbytes()
         self.storage_bytes += n
-        self._add(f"data/{key}", n, STORAGE_ALIGNMENT, region=(storage.data_ptr(), crc_id))
+        self._add(f"data/{key}", n, STORAGE_ALIGNMENT, region=(storage.data_ptr(), crc_id),
+                  device=storage if staged else None)
 
     def _blob(self, data: bytes) -> None:
         self._batch.blobs.append((self.cursor, data))
@@ -376,9 +398,11 @@ class TorchZipLayout:
         align: int,
         data: Optional[bytes] = None,
         region: Optional[Tuple[int, int]] = None,
+        device: Optional[Any] = None,
     ) -> None:
         """A record holding ``data`` (small, bytes) or ``region`` (address,
-        checksum id), ``size`` bytes either way."""
+        checksum id), ``size`` bytes either way; with ``device``, the region
+        is that storage, to be staged from its device."""
         name_b = f"{ARCHIVE_NAME}/{name}".encode()
         header_off = self.cursor
         extra = _local_extra(header_off, size, align, len(name_b))
@@ -395,7 +419,9 @@ class TorchZipLayout:
         else:
             assert region is not None
             ptr, crc_id = region
-            if size:
+            if size and device is not None:
+                self._batch.device.append((data_off, device, size, crc_id))
+            elif size:
                 self._batch.regions.append((data_off, ptr, size, crc_id))
             self.cursor += size
         self.records.append((name, data_off, size))
@@ -444,8 +470,9 @@ class TorchZipLayout:
 
 
 def plan_torch_save(obj: Any) -> Plan:
-    """Describe the whole ``torch.save`` file of ``obj`` at once."""
-    z = TorchZipLayout(obj)
+    """Describe the whole ``torch.save`` file of ``obj`` at once (every
+    storage in host memory: device storages are copied to the host)."""
+    z = TorchZipLayout(obj, stage=lambda st: False)
     plan = Plan()
     plan.extend(z.head())
     plan.extend(z.tail())

@@ -185,24 +185,75 @@ def _stats(raw: Dict[str, Any], path: str, storage_bytes: int, keys: List[str],
     )
 
 
+def _send(session: Any, batch: Any, ctx: Any, file_len: Optional[int] = None,
+          on_gathered: Optional[Any] = None) -> Any:
+    """Hand a batch to the session in file order, streaming its device
+    storages through the staging slots; with ``file_len``, finish the file."""
+    from .cuda_staging import stream_device_region
+
+    rest = batch
+    for region in sorted(batch.device, key=lambda r: r[0]):
+        before, rest = rest.split_at(region[0])
+        if before.blobs or before.regions or before.slots:
+            session.write(before.blobs, before.regions, before.slots)
+        stream_device_region(lambda regs: session.write([], regs, []), region, ctx.staging,
+                             ctx.copier(region[1].device))
+        _, rest = rest.split_at(region[0] + region[2])
+        rest.device = []
+    if file_len is None:
+        session.write(rest.blobs, rest.regions, rest.slots)
+        return None
+    return session.finish(rest.blobs, rest.regions, rest.slots, file_len, on_gathered)
+
+
+def _stage_chunk() -> int:
+    """Bytes per device-to-host copy (``FASTPERSIST_STAGE_CHUNK``, default
+    16 MiB, a multiple of 4096); three chunks of staging memory are used."""
+    from .cuda_staging import DEFAULT_CHUNK
+
+    n = _env_int("FASTPERSIST_STAGE_CHUNK", DEFAULT_CHUNK)
+    if n <= 0 or n % 4096:
+        raise ValueError(f"FASTPERSIST_STAGE_CHUNK={n} must be a positive multiple of 4096")
+    return n
+
+
+def _staging_setup(obj: Any) -> Tuple[Any, Any]:
+    """The staging predicate and a lazily made device context. The test
+    hook ``FASTPERSIST_TEST_STAGE_CPU=1`` stages CPU storages through the
+    same path (with a thread standing in for the copy engine)."""
+    test_cpu = _env_flag("FASTPERSIST_TEST_STAGE_CPU", False)
+    if test_cpu:
+        return (lambda st: st.nbytes() > 0), "cpu"
+    return None, "cuda"
+
+
 def _write_torch_zip(obj: Any, path: str, opts: EngineOptions,
                      on_gathered: Optional[Any] = None) -> WriteStats:
     """The storages found up front are written by a second thread (the
     engine releases the GIL) while this one pickles; the rest follows.
+    Storages on a CUDA device are staged chunk by chunk (cuda_staging).
     ``on_gathered()`` is called once no tensor memory will be read again."""
     t0 = time.perf_counter()
-    layout = TorchZipLayout(obj)
+    stage, kind = _staging_setup(obj)
+    layout = TorchZipLayout(obj, stage=stage)
     head = layout.head()
+    ctx = None
+    if head.device:
+        from .cuda_staging import DeviceContext
+
+        # Made here, at the call: the copy streams wait on the caller's streams now.
+        ctx = DeviceContext(sorted({r[1].device for r in head.device}, key=str), test_on_cpu=kind == "cpu",
+                            chunk=_stage_chunk())
     lock, eng = get_engine(opts)
     with lock:
         session = eng.begin(path, head.end)
         try:
             failure: List[BaseException] = []
             writer = None
-            if head.regions or head.blobs:
+            if head.regions or head.blobs or head.device:
                 def write_head() -> None:
                     try:
-                        session.write(head.blobs, head.regions, head.slots)
+                        _send(session, head, ctx)
                     except BaseException as e:  # noqa: BLE001 - handed to the caller
                         failure.append(e)
 
@@ -217,12 +268,18 @@ def _write_torch_zip(obj: Any, path: str, opts: EngineOptions,
                     writer.join()
             if failure:
                 raise failure[0]
-            raw = session.finish(tail.blobs, tail.regions, tail.slots, layout.file_len, on_gathered)
+            if tail.device and ctx is None:
+                from .cuda_staging import DeviceContext
+
+                ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=_stage_chunk())
+            raw = _send(session, tail, ctx, layout.file_len, on_gathered)
         except BaseException:
             session.abort()
             raise
         finally:
             del layout.keepalive[:]
+            if ctx is not None:
+                ctx.close()
     _warn_once(raw["direct_note"], opts.direct)
     _warn_once(raw["uring_note"], opts.io_uring)
     return _stats(raw, path, layout.storage_bytes, layout.storage_keys, plan_seconds,
