@@ -71,26 +71,49 @@ def w_dcp(sd, path):
     fsync_tree(path)
 
 
+def _byte_views(x):
+    """DeepSpeed's utils op cast_to_byte_tensor: zero-copy uint8 views."""
+    one = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+    return [one(t) for t in x] if isinstance(x, (list, tuple)) else one(x)
+
+
 def _deepspeed_writer() -> Optional[Writer]:
-    """DeepSpeed's FastFileWriter through torch.save (the zip path), if it builds."""
+    """DeepSpeed's FastFileWriter through torch.save (its default zip path),
+    if deepspeed is installed and its async_io op builds (needs libaio-dev
+    and ninja; the first build takes minutes). The CPU accelerator lacks the
+    small "utils" op, whose only use here is cast_to_byte_tensor: we supply
+    that (zero-copy uint8 views)."""
     try:
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        import deepspeed.io.fast_file_writer as ffw  # type: ignore
         from deepspeed.io import FastFileWriter, FastFileWriterConfig  # type: ignore
         from deepspeed.ops.op_builder import AsyncIOBuilder  # type: ignore
 
-        if not AsyncIOBuilder().is_compatible():
+        if not AsyncIOBuilder().is_compatible(verbose=False):
             return None
         aio = AsyncIOBuilder().load(verbose=False)
         handle = aio.aio_handle(8 * MiB, 8, False, True, 1)
-        pinned = torch.empty(64 * MiB, dtype=torch.uint8).pin_memory() if torch.cuda.is_available() \
-            else torch.empty(64 * MiB, dtype=torch.uint8)
-    except Exception:  # noqa: BLE001 - any failure means "not available here"
+        pinned = handle.new_cpu_locked_tensor(64 * MiB, torch.empty(0, dtype=torch.uint8))
+
+        class _Utils:
+            def load(self):
+                return self
+
+            cast_to_byte_tensor = staticmethod(_byte_views)
+
+        ffw.UtilsBuilder = _Utils
+    except Exception as e:  # noqa: BLE001 - any failure means "not available here"
+        print(f"DeepSpeed FastFileWriter unavailable: {type(e).__name__}: {e}")
         return None
 
     def write(sd, path):
         cfg = FastFileWriterConfig(dnvme_handle=handle, pinned_tensor=pinned, double_buffer=True,
                                    num_parallel_writers=1, writer_rank=0)
-        with FastFileWriter(file_path=path, config=cfg) as f:
+        f = FastFileWriter(file_path=path, config=cfg)
+        try:
             torch.save(sd, f)
+        finally:
+            f.close()
         fsync_path(path)
 
     return write
@@ -189,7 +212,8 @@ def main() -> None:
     if ds is not None:
         writers["DeepSpeed FFW"] = ds
     else:
-        print("DeepSpeed FastFileWriter: not installed or its aio op does not build here; skipped")
+        print("DeepSpeed FastFileWriter: not installed or its aio op does not build here; skipped "
+              "(pip install deepspeed ninja, apt-get install libaio-dev)")
     if args.only:
         keep = [w.strip() for w in args.only.split(",")]
         writers = {k: v for k, v in writers.items() if k in keep}

@@ -217,7 +217,7 @@ def _stage_chunk() -> int:
     return n
 
 
-def _staging_setup(obj: Any) -> Tuple[Any, Any]:
+def _staging_setup() -> Tuple[Any, str]:
     """The staging predicate and a lazily made device context. The test
     hook ``FASTPERSIST_TEST_STAGE_CPU=1`` stages CPU storages through the
     same path (with a thread standing in for the copy engine)."""
@@ -234,7 +234,7 @@ def _write_torch_zip(obj: Any, path: str, opts: EngineOptions,
     Storages on a CUDA device are staged chunk by chunk (cuda_staging).
     ``on_gathered()`` is called once no tensor memory will be read again."""
     t0 = time.perf_counter()
-    stage, kind = _staging_setup(obj)
+    stage, kind = _staging_setup()
     layout = TorchZipLayout(obj, stage=stage)
     head = layout.head()
     ctx = None
