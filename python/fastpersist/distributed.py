@@ -30,6 +30,8 @@ import struct
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
+
 from . import _core
 from .errors import CorruptCheckpointError, FastPersistError
 from .serialization import plan_torch_save
@@ -103,8 +105,13 @@ def write_replicated(obj: Any, path: str, group: Any, opts: EngineOptions) -> Wr
     err: Optional[str] = None
     sig = None
     try:
-        plan = plan_torch_save(obj)
-        sig = (plan.file_len, len(plan.regions), plan.storage_bytes,
+        from .writer import _staging_setup
+
+        stage, _ = _staging_setup()
+        # Device storages stay on their device: each rank copies only the
+        # bytes of its own part to the host.
+        plan = plan_torch_save(obj, stage=stage or (lambda st: st.device.type == "cuda"))
+        sig = (plan.file_len, len(plan.regions), len(plan.device), plan.storage_bytes,
                _core.crc32(b"".join(b for _, b in plan.blobs)))
         if rank == 0:
             d, name = os.path.split(os.path.abspath(path))
@@ -133,7 +140,14 @@ def write_replicated(obj: Any, path: str, group: Any, opts: EngineOptions) -> Wr
         lo, hi = _ranges(plan.file_len, block, world)[rank]
         mine: List[Tuple[int, int, int, int]] = []  # (crc id, start, len, crc)
         ranges = []
-        for fo, ptr, ln, cid in plan.regions:
+        regions = list(plan.regions)
+        for fo, storage, ln, cid in plan.device:
+            a, b = max(fo, lo), min(fo + ln, hi)
+            if a < b:
+                host = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)[a - fo:b - fo].cpu()
+                plan.keepalive.append(host)
+                regions.append((a, host.data_ptr(), b - a, cid))
+        for fo, ptr, ln, cid in regions:
             a, b = max(fo, lo), min(fo + ln, hi)
             if a < b:
                 ranges.append((ptr + (a - fo), b - a))
@@ -151,7 +165,7 @@ def write_replicated(obj: Any, path: str, group: Any, opts: EngineOptions) -> Wr
         try:
             lock, eng = get_engine(opts)
             with lock:
-                raw = eng.write_part(tmp, blobs, plan.regions, plan.file_len, rank, world)
+                raw = eng.write_part(tmp, blobs, regions, plan.file_len, rank, world)
         except BaseException as e:  # noqa: BLE001
             err = _err(e)
         statuses = _gather(err, g)

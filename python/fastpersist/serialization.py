@@ -469,10 +469,12 @@ class TorchZipLayout:
                               min(cd_size, _U32), min(cd_start, _U32), 0))
 
 
-def plan_torch_save(obj: Any) -> Plan:
-    """Describe the whole ``torch.save`` file of ``obj`` at once (every
-    storage in host memory: device storages are copied to the host)."""
-    z = TorchZipLayout(obj, stage=lambda st: False)
+def plan_torch_save(obj: Any, stage: Optional[Any] = None) -> Plan:
+    """Describe the whole ``torch.save`` file of ``obj`` at once. Without
+    ``stage`` every storage is in host memory (device storages are copied to
+    the host); with it, the storages it selects are left on their device, in
+    ``plan.device``."""
+    z = TorchZipLayout(obj, stage=stage or (lambda st: False))
     plan = Plan()
     plan.extend(z.head())
     plan.extend(z.tail())
