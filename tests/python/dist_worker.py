@@ -62,8 +62,12 @@ def main() -> None:
         result = {"rank": rank, "ok": False, "type": type(e).__name__, "error": str(e)}
     with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()  # no rank tears down while another still talks to it
-    dist.destroy_process_group()
+    dist.barrier()  # no rank leaves while another still talks to it
+    # Skip torch/gloo's C++ teardown: with several ranks it can race a peer's
+    # closing sockets and abort ("terminate called without an active
+    # exception") after all the work is done and reported.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
