@@ -7,7 +7,7 @@
 //! file matching [`TEMP_MARKER`], which the checkpoint manager sweeps.
 
 use crate::error::{Error, Result};
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -21,6 +21,42 @@ static COUNTER: AtomicU64 = AtomicU64::new(0);
 fn cstr(p: &Path) -> Result<CString> {
     CString::new(p.as_os_str().as_bytes())
         .map_err(|_| Error::os(libc::EINVAL, "path contains a NUL byte", Some(p)))
+}
+
+/// Open `c` with `flags` (and `mode` when creating), adding O_DIRECT when
+/// `direct` and retrying without it when the file system refuses it with
+/// EINVAL. Returns the fd and whether O_DIRECT is on, or the errno.
+pub fn open_direct(
+    c: &CStr,
+    flags: i32,
+    mode: libc::c_uint,
+    direct: bool,
+) -> std::result::Result<(OwnedFd, bool), i32> {
+    let open = |flags: i32| {
+        // SAFETY: `c` is a valid NUL-terminated path; open has no other
+        // memory preconditions.
+        unsafe { libc::open(c.as_ptr(), flags, mode) }
+    };
+    let errno = || {
+        std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)
+    };
+    let mut is_direct = direct;
+    let mut fd = if direct {
+        open(flags | libc::O_DIRECT)
+    } else {
+        open(flags)
+    };
+    if fd < 0 && direct && errno() == libc::EINVAL {
+        is_direct = false;
+        fd = open(flags);
+    }
+    if fd < 0 {
+        return Err(errno());
+    }
+    // SAFETY: fd was just returned by open and is owned by nobody else.
+    Ok((unsafe { OwnedFd::from_raw_fd(fd) }, is_direct))
 }
 
 /// Split a target path into (directory, file name).
@@ -73,35 +109,14 @@ impl TempFile {
             TEMP_MARKER
         ));
         let c = cstr(&tmp)?;
-        let base = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
-        let open = |flags: i32| {
-            // SAFETY: `c` is a valid NUL-terminated path; open has no other
-            // memory preconditions.
-            unsafe { libc::open(c.as_ptr(), flags, 0o644 as libc::c_uint) }
-        };
-        let mut note = None;
-        let mut fd = if direct {
-            open(base | libc::O_DIRECT)
-        } else {
-            open(base)
-        };
-        let mut is_direct = direct;
-        if fd < 0 && direct && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL)
-        {
-            note = Some("the file system refused O_DIRECT at open (EINVAL)".to_string());
-            is_direct = false;
-            fd = open(base);
-        }
-        if fd < 0 {
-            return Err(Error::last_os(
-                "cannot create the temporary file",
-                Some(&tmp),
-            ));
-        }
+        let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
+        let (fd, is_direct) = open_direct(&c, flags, 0o644, direct)
+            .map_err(|errno| Error::os(errno, "cannot create the temporary file", Some(&tmp)))?;
+        let note = (direct && !is_direct)
+            .then(|| "the file system refused O_DIRECT at open (EINVAL)".to_string());
         Ok((
             TempFile {
-                // SAFETY: `fd` was just returned by open and is owned by nobody else.
-                fd: Some(unsafe { OwnedFd::from_raw_fd(fd) }),
+                fd: Some(fd),
                 dir,
                 tmp,
                 target: target.to_path_buf(),
@@ -230,32 +245,18 @@ impl ExistingFile {
 /// accepted), neither creating nor truncating it.
 pub fn open_existing(path: &Path, direct: bool) -> Result<ExistingFile> {
     let c = cstr(path)?;
-    let base = libc::O_WRONLY | libc::O_CLOEXEC;
-    let open = |flags: i32| {
-        // SAFETY: `c` is a valid NUL-terminated path.
-        unsafe { libc::open(c.as_ptr(), flags) }
-    };
-    let mut is_direct = direct;
-    let mut fd = if direct {
-        open(base | libc::O_DIRECT)
-    } else {
-        open(base)
-    };
-    if fd < 0 && direct && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
-        is_direct = false;
-        fd = open(base);
-    }
-    if fd < 0 {
-        return Err(Error::last_os(
-            "cannot open the file to write a part of it",
-            Some(path),
-        ));
-    }
+    let (fd, direct) =
+        open_direct(&c, libc::O_WRONLY | libc::O_CLOEXEC, 0, direct).map_err(|errno| {
+            Error::os(
+                errno,
+                "cannot open the file to write a part of it",
+                Some(path),
+            )
+        })?;
     Ok(ExistingFile {
-        // SAFETY: fd was just opened and is owned by nobody else.
-        fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        fd,
         path: path.to_path_buf(),
-        direct: is_direct,
+        direct,
     })
 }
 

@@ -13,7 +13,7 @@ use crate::writer::Engine;
 use crc32fast::Hasher;
 use std::collections::VecDeque;
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::Instant;
@@ -83,27 +83,9 @@ impl Engine {
         let t0 = Instant::now();
         let c = CString::new(path.as_os_str().as_bytes())
             .map_err(|_| Error::os(libc::EINVAL, "path contains a NUL byte", Some(path)))?;
-        let base = libc::O_RDONLY | libc::O_CLOEXEC;
-        let open = |flags: i32| {
-            // SAFETY: `c` is a valid NUL-terminated path.
-            unsafe { libc::open(c.as_ptr(), flags) }
-        };
-        let mut direct = self.opts.direct;
-        let mut fd = if direct {
-            open(base | libc::O_DIRECT)
-        } else {
-            open(base)
-        };
-        if fd < 0 && direct && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL)
-        {
-            direct = false;
-            fd = open(base);
-        }
-        if fd < 0 {
-            return Err(Error::last_os("cannot open the checkpoint", Some(path)));
-        }
-        // SAFETY: fd was just opened and is owned by nobody else.
-        let file = unsafe { OwnedFd::from_raw_fd(fd) };
+        let (file, direct) =
+            crate::commit::open_direct(&c, libc::O_RDONLY | libc::O_CLOEXEC, 0, self.opts.direct)
+                .map_err(|errno| Error::os(errno, "cannot open the checkpoint", Some(path)))?;
         // SAFETY: `stat` is plain old data; fstat fills it.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: fstat on our open fd into a valid buffer.
