@@ -10,7 +10,6 @@ import re
 import shutil
 import statistics
 import subprocess
-import tempfile
 import time
 from typing import Callable, Dict, List, Optional
 
