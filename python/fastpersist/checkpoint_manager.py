@@ -119,17 +119,27 @@ def clean_temp_files(directory: str) -> List[str]:
 class FrequencyTuner:
     """Picks the checkpoint interval (in iterations).
 
-    With a fixed ``every``, that is the interval. With ``"auto"`` it learns
-    the clean iteration time ``T`` (iterations with no checkpoint in flight)
-    and the cost ``C`` of one checkpoint (the extra time of the iterations
-    during which it was in flight: the stall and the interference), then uses
-    the smallest interval ``k`` with ``C / (k T) <= max_overhead`` that also
-    lets each save finish before the next (``k T >= write time``). It
-    re-tunes after every checkpoint, so drift in either moves the interval.
+    With a fixed ``every``, that is the interval. With ``"auto"`` (CheckFreq's
+    profiling and adaptive rate tuning):
+
+    1. *Profile*: after ``profile_steps`` quiet iterations (for the effects
+       of the last save to die out), the median of the next ``profile_steps``
+       is the clean iteration time (the baseline).
+    2. *Model*: each checkpoint's cost ``C`` is the extra time of the
+       iterations it was in flight for; the interval is the smallest ``k``
+       with ``C / (k T) <= max_overhead`` that also lets each save finish
+       before the next (``k T >= write time``).
+    3. *Feedback*: the model misses costs that outlast the save (CPU and
+       cache contention around it), so the overhead actually achieved, the
+       mean iteration time between two checkpoints over the baseline, scales
+       the interval up when it exceeds ``max_overhead`` (and back down,
+       gently, when it is well under).
+    4. *Re-profile* every ``reprofile_every`` checkpoints, so the baseline
+       follows drift in the iteration time itself.
     """
 
     def __init__(self, every: Union[str, int] = "auto", max_overhead: float = 0.035,
-                 profile_steps: int = 3, max_interval: int = 100_000) -> None:
+                 profile_steps: int = 3, max_interval: int = 100_000, reprofile_every: int = 25) -> None:
         if every != "auto" and not (isinstance(every, int) and every >= 1):
             raise ValueError(f"every must be 'auto' or a positive int, not {every!r}")
         if not 0 < max_overhead < 1:
@@ -139,41 +149,91 @@ class FrequencyTuner:
         self.max_overhead = max_overhead
         self.profile_steps = profile_steps
         self.max_interval = max_interval
+        self.reprofile_every = reprofile_every
+        #: EMA of iterations with no checkpoint in flight (for the model).
         self.clean_time: Optional[float] = None
+        #: Clean iteration time from the profiling windows (for the feedback).
+        self.baseline: Optional[float] = None
         self.cost: Optional[float] = None
         self.write_time: Optional[float] = None
-        self._clean_seen = 0
+        #: Overhead achieved between the last two checkpoints (EMA).
+        self.observed_overhead: Optional[float] = None
+        self._scale = 1.0
+        self._model_interval = 1
         self._since_last = 0
-        self._started = False
+        self._profiling = self.auto
+        self._profiled = 0
+        self._checkpoints = 0
+        self._window_sum = 0.0
+        self._window_n = 0
+        self._samples: List[float] = []
 
     def record_iteration(self, seconds: float, affected: bool) -> None:
-        if not affected:
-            self._clean_seen += 1
-            a = 0.3
-            self.clean_time = seconds if self.clean_time is None else (1 - a) * self.clean_time + a * seconds
+        self._window_sum += seconds
+        self._window_n += 1
+        if affected:
+            return
+        a = 0.3
+        self.clean_time = seconds if self.clean_time is None else (1 - a) * self.clean_time + a * seconds
+        if self._profiling:
+            # The first profile_steps quiet iterations let the effects of the
+            # last save die out; the next profile_steps are the baseline.
+            self._profiled += 1
+            if self._profiled > self.profile_steps:
+                self._samples.append(seconds)
 
     def record_checkpoint(self, cost: float, write_seconds: float) -> None:
         a = 0.5
         self.cost = cost if self.cost is None else (1 - a) * self.cost + a * cost
         self.write_time = write_seconds if self.write_time is None else (1 - a) * self.write_time + a * write_seconds
-        if self.auto and self.clean_time:
-            t = self.clean_time
-            k_overhead = math.ceil(max(self.cost, 0.0) / (self.max_overhead * t) - 1e-9)
-            k_write = math.ceil(self.write_time / t - 1e-9)
-            self.interval = int(min(self.max_interval, max(1, k_overhead, k_write)))
+        self._retune()
+
+    def _retune(self) -> None:
+        if not self.auto or not self.clean_time or self.cost is None:
+            return
+        t = self.clean_time
+        k_overhead = math.ceil(max(self.cost, 0.0) / (self.max_overhead * t) - 1e-9)
+        k_write = math.ceil((self.write_time or 0.0) / t - 1e-9)
+        self._model_interval = max(1, k_overhead)
+        k = max(math.ceil(self._model_interval * self._scale - 1e-9), k_write, 1)
+        self.interval = int(min(self.max_interval, k))
+
+    def _feedback(self) -> None:
+        """Called when a checkpoint is issued: judge the window since the last."""
+        if self._window_n and self.baseline:
+            achieved = (self._window_sum / self._window_n) / self.baseline - 1.0
+            a = 0.5
+            self.observed_overhead = achieved if self.observed_overhead is None else \
+                (1 - a) * self.observed_overhead + a * achieved
+            o = self.observed_overhead
+            if o > self.max_overhead:
+                self._scale = min(self._scale * min(o / self.max_overhead, 4.0), float(self.max_interval))
+            elif o < 0.5 * self.max_overhead:
+                self._scale = max(1.0, self._scale * 0.8)
+            self._retune()
+        self._window_sum, self._window_n = 0.0, 0
 
     def should_checkpoint(self) -> bool:
         """Call once per iteration."""
         self._since_last += 1
-        if self.auto and not self._started:
-            # Profile clean iterations first, then take one checkpoint to measure it.
-            if self._clean_seen < self.profile_steps:
+        if self._profiling:
+            if self._profiled < 2 * self.profile_steps:
                 return False
-            self._started = True
+            # Profiled: checkpoint now (this also measures one checkpoint).
+            self.baseline = sorted(self._samples)[len(self._samples) // 2]
+            self._samples = []
+            self._profiling = False
+            self._window_sum, self._window_n = 0.0, 0
             self._since_last = 0
+            self._checkpoints += 1
             return True
         if self._since_last >= self.interval:
             self._since_last = 0
+            if self.auto:
+                self._feedback()
+                self._checkpoints += 1
+                if self.reprofile_every and self._checkpoints % self.reprofile_every == 0:
+                    self._profiling, self._profiled = True, 0
             return True
         return False
 

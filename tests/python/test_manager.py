@@ -76,10 +76,11 @@ def test_staging_to_shared_tier(tmp_path):
 
 def test_tuner_with_a_fake_clock():
     t = FrequencyTuner("auto", max_overhead=0.035, profile_steps=3)
-    for _ in range(3):
+    for _ in range(6):  # 3 to settle, 3 measured
         assert not t.should_checkpoint()
         t.record_iteration(1.0, affected=False)
     assert t.should_checkpoint()  # the profiling checkpoint
+    assert t.baseline == 1.0
     t.record_checkpoint(cost=0.35, write_seconds=2.0)
     assert t.interval == 10  # 0.35 / (0.035 * 1.0)
     t.record_checkpoint(cost=1.05, write_seconds=2.0)  # drift: EMA cost 0.7
@@ -107,6 +108,32 @@ def test_auto_interval_in_a_loop_with_fake_clock(tmp_path):
     ck.close()
     gaps = [b - a for a, b in zip(saved, saved[1:])]
     assert saved and ck.tuner.interval >= 4 and gaps[-1] == ck.tuner.interval
+
+
+def test_feedback_catches_costs_the_model_misses(tmp_path):
+    """Each save slows the iteration it overlaps by 0.2 s and the next three
+    by 0.1 s each (contention the in-flight cost model does not see). The
+    feedback must raise the interval until the achieved overhead is within
+    the bound."""
+    now = [0.0]
+    ck = fastpersist.Checkpointer(tmp_path, every="auto", max_overhead=0.035, clock=lambda: now[0],
+                                  keep_last=1)
+    since = 100
+    durations = []
+    for s in range(2000):
+        since += 1
+        extra = 0.2 if since == 1 else (0.1 if since <= 4 else 0.0)
+        now[0] += 1.0 + extra
+        durations.append(1.0 + extra)
+        f = ck.step(s, {"i": s})
+        if f is not None:
+            since = 0
+            f.result()
+    ck.close()
+    tail = durations[-600:]
+    achieved = sum(tail) / len(tail) - 1.0
+    assert ck.tuner.interval >= 13, ck.tuner.interval  # the model alone says 6
+    assert achieved <= 0.035 * 1.15, achieved
 
 
 def test_sampler_exactly_once_across_resume():
