@@ -11,6 +11,7 @@ from ._core import __version__
 from .checkpoint_manager import CheckpointInfo, Checkpointer
 from .resume import ResumableSampler, capture_rng_state, restore_rng_state
 from .async_save import CheckpointFuture, SnapshotPool, save_async, wait_all
+from .cuda_staging import release_staging
 from .distributed import DistributedCheckpointError
 from .errors import (
     CorruptCheckpointError,
@@ -45,4 +46,5 @@ __all__ = [
     "FastPersistError",
     "FallbackWarning",
     "release_engines",
+    "release_staging",
 ]

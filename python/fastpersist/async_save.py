@@ -34,6 +34,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from .cuda_staging import ReadyEvents, cuda_devices, record_ready
 from .serialization import plan_torch_save
 from .writer import EngineOptions, PathLike, WriteStats, _check_path, _write_torch_zip, write_plan
 
@@ -134,6 +135,37 @@ def _as_bytes(storage: Any) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+class _CopyStreams:
+    """Snapshot copies: host storages with a plain copy; device storages
+    with non-blocking copies on a stream of their own per device, ordered
+    after the caller's stream at the call (``ready``), never on the
+    background thread's default stream (which would queue behind, and hold
+    up, the caller's next kernels)."""
+
+    def __init__(self, ready: ReadyEvents) -> None:
+        self.ready = ready
+        self.streams: dict = {}
+
+    def copy(self, dst: torch.Tensor, storage: Any) -> None:
+        if storage.device.type != "cuda":
+            dst.copy_(_as_bytes(storage))
+            return
+        key = str(storage.device)
+        stream = self.streams.get(key)
+        if stream is None:
+            stream = self.streams[key] = torch.cuda.Stream(device=storage.device)
+            ev = self.ready.get(key)
+            if ev is None:  # a storage found only by the pickler
+                ev = record_ready([storage.device])[key]
+            stream.wait_event(ev)
+        with torch.cuda.stream(stream):
+            dst.copy_(_as_bytes(storage), non_blocking=dst.is_pinned())
+
+    def synchronize(self) -> None:
+        for stream in self.streams.values():
+            stream.synchronize()
+
+
 class AsyncSaver:
     """Runs asynchronous saves: a snapshot thread and a writer thread."""
 
@@ -164,6 +196,13 @@ class AsyncSaver:
         if prev is not None:
             prev._snapshot.wait()  # its errors surface from its own future
         self._slots.acquire()
+        # On the caller's thread, now: device copies made later in the
+        # background are ordered after the work queued on its streams so far.
+        try:
+            ready = record_ready(cuda_devices(obj))
+        except BaseException:
+            self._slots.release()
+            raise
         fut = CheckpointFuture(p, mode)
         fut.add_done_callback(self._finished)
         with self._lock:
@@ -173,9 +212,9 @@ class AsyncSaver:
             if group is not None:
                 self._write.submit(self._distributed, obj, p, opts, fut, group, sharded)
             elif mode == "snapshot":
-                self._snap.submit(self._snapshot_then_write, obj, p, opts, fut)
+                self._snap.submit(self._snapshot_then_write, obj, p, opts, fut, ready)
             else:
-                self._write.submit(self._pipelined, obj, p, opts, fut)
+                self._write.submit(self._pipelined, obj, p, opts, fut, ready)
         except BaseException as e:  # executor shut down (interpreter exit)
             fut._fail(e)
         return fut
@@ -186,11 +225,12 @@ class AsyncSaver:
                 self._inflight.remove(fut)
         self._slots.release()
 
-    def _pipelined(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture) -> None:
+    def _pipelined(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture,
+                   ready: ReadyEvents) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         try:
-            stats = _write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot)
+            stats = _write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot, ready=ready)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             fut._fail(e)
             return
@@ -211,27 +251,34 @@ class AsyncSaver:
             return
         fut._succeed(stats)
 
-    def _snapshot_then_write(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture) -> None:
+    def _snapshot_then_write(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture,
+                             ready: ReadyEvents) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         buf = None
         try:
             t0 = time.perf_counter()
-            plan = plan_torch_save(obj)
-            pin = torch.cuda.is_available() and any(s.device.type == "cuda" for s in plan.keepalive)
+            # Device storages stay where they are in the plan (plan.device):
+            # they are copied once, straight into the (pinned) pool.
+            plan = plan_torch_save(obj, stage=lambda st: st.device.type == "cuda")
+            pin = bool(plan.device) and torch.cuda.is_available()
             buf = self.pool.acquire(plan.storage_bytes, pin=pin)
             # Copy every storage into the pool and point the plan there.
             base = buf.data_ptr()
             off = 0
             moved = {}
+            streams = _CopyStreams(ready)
             for storage in plan.keepalive:
                 n = storage.nbytes()
                 if n:
-                    buf[off:off + n].copy_(_as_bytes(storage))
+                    streams.copy(buf[off:off + n], storage)
                 moved[storage.data_ptr()] = (base + off, n)
                 off += n
-            plan.regions = [(fo, moved[ptr][0] if ptr in moved else ptr, ln, cid)
-                            for fo, ptr, ln, cid in plan.regions]
+            streams.synchronize()
+            plan.regions = sorted([(fo, moved[ptr][0] if ptr in moved else ptr, ln, cid)
+                                   for fo, ptr, ln, cid in plan.regions]
+                                  + [(fo, moved[st.data_ptr()][0], ln, cid) for fo, st, ln, cid in plan.device])
+            plan.device = []
             plan.keepalive = [buf]
             plan_seconds = time.perf_counter() - t0
             del obj

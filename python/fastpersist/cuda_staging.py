@@ -1,16 +1,25 @@
-"""Device-to-host staging: tensor storages that live on a GPU are copied, in
-chunks, on a dedicated CUDA stream with non-blocking copies into page-locked
-host memory (a Rust mapping registered with ``cudaHostRegister``), and each
-chunk is handed to the write session as soon as its copy's event has fired.
+"""Device staging: tensor storages that live on a GPU are copied, in chunks,
+on a dedicated CUDA stream with non-blocking copies through page-locked host
+memory (a Rust mapping registered with ``cudaHostRegister``).
 
-While chunk k is being written to disk (the session call releases the GIL),
-chunk k+1 is already being copied; three staging slots are enough for that
-(the session may hold on to the unaligned end of chunk k until the next call
-has consumed it). Staging memory is ``3 * chunk`` bytes, whatever the model.
+Writing (device to host): each chunk is handed to the write session as soon
+as its copy's event has fired. While chunk k is being written to disk (the
+session call releases the GIL), chunk k+1 is already being copied; three
+staging slots are enough for that (the session may hold on to the unaligned
+end of chunk k until the next call has consumed it).
+
+Reading (host to device): the engine reads a slot's worth of records into a
+slot (O_DIRECT, CRC32 on the way), then a non-blocking host-to-device copy
+empties it while the next slot is being read.
+
+Staging memory is ``3 * chunk`` bytes, whatever the model. It is made once
+per process (registering memory with CUDA is slow) and reused by every save
+and load; :func:`release_staging` frees it.
 
 The copy stream first waits on an event recorded on the caller's current
-stream at the time of the save, so the file holds the tensor values as of
-the call, and the caller's stream is never blocked by the write.
+stream at the time of the call (:func:`record_ready`, on the caller's own
+thread, also for saves that run in the background), so the file holds the
+tensor values as of the call, and the caller's stream is never blocked.
 
 Nothing here runs, or initialises CUDA, unless a storage is on a CUDA device.
 The copier is an interface so the pipeline's bookkeeping can be tested
@@ -20,17 +29,22 @@ without a GPU (``ThreadCopier``).
 from __future__ import annotations
 
 import ctypes
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _core
 
-__all__ = ["Staging", "CudaCopier", "ThreadCopier", "DEFAULT_CHUNK", "SLOTS", "stream_device_region"]
+__all__ = ["Staging", "CudaCopier", "ThreadCopier", "DEFAULT_CHUNK", "SLOTS", "stream_device_region",
+           "read_to_device", "record_ready", "cuda_devices", "release_staging", "DeviceContext"]
 
 DEFAULT_CHUNK = 16 << 20
 SLOTS = 3
+
+#: Events recorded on the caller's current stream of each device, by device.
+ReadyEvents = Dict[str, Any]
 
 
 def _bytes_view(storage: Any) -> torch.Tensor:
@@ -53,6 +67,10 @@ class Staging:
             if int(rc) != 0:
                 raise RuntimeError(f"cudaHostRegister of {n} bytes failed (error {int(rc)})")
             self._registered = True
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buf is None else self._buf.nbytes
 
     def slot(self, i: int) -> Tuple[torch.Tensor, int]:
         """Slot ``i``: a uint8 tensor view and its address."""
@@ -81,26 +99,113 @@ class Staging:
             pass
 
 
-class CudaCopier:
-    """Non-blocking device-to-host copies on a stream of their own."""
+# One idle staging buffer per (chunk, registered), kept for the next call.
+_idle: Dict[Tuple[int, bool], List[Staging]] = {}
+_idle_lock = threading.Lock()
 
-    def __init__(self, device: torch.device) -> None:
+
+def acquire_staging(chunk: int, register_cuda: bool) -> Staging:
+    """A staging buffer for one call: a kept one when idle, else a new one."""
+    with _idle_lock:
+        free = _idle.get((chunk, register_cuda))
+        if free:
+            return free.pop()
+    return Staging(chunk, register_cuda)
+
+
+def return_staging(st: Staging) -> None:
+    """Keep ``st`` for the next call (one idle buffer per kind; extra ones,
+    left by concurrent calls, are freed)."""
+    key = (st.chunk, st._registered)
+    with _idle_lock:
+        free = _idle.setdefault(key, [])
+        if not free:
+            free.append(st)
+            return
+    st.close()
+
+
+def release_staging() -> int:
+    """Free the idle staging buffers (unregistering them from CUDA); returns
+    the bytes freed. Buffers in use by a call in flight are freed when it
+    ends."""
+    with _idle_lock:
+        bufs = [b for free in _idle.values() for b in free]
+        _idle.clear()
+    n = sum(b.nbytes for b in bufs)
+    for b in bufs:
+        b.close()
+    return n
+
+
+def staging_bytes() -> int:
+    """Host memory held by idle staging buffers."""
+    with _idle_lock:
+        return sum(b.nbytes for free in _idle.values() for b in free)
+
+
+def cuda_devices(obj: Any) -> List[torch.device]:
+    """The CUDA devices of the tensors in ``obj``'s plain containers. Free
+    (no walk, no CUDA call) when CUDA was never initialised: then no tensor
+    can be on a GPU."""
+    if not torch.cuda.is_initialized():
+        return []
+    from .serialization import find_storages
+
+    return sorted({st.device for _, st in find_storages(obj).values() if st.device.type == "cuda"}, key=str)
+
+
+def record_ready(devices: Iterable[torch.device]) -> ReadyEvents:
+    """On the calling thread: an event on each device's current stream, so
+    copies made later, from any thread, see the values as of now."""
+    out: ReadyEvents = {}
+    for d in devices:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(d))
+        out[str(d)] = ev
+    return out
+
+
+class CudaCopier:
+    """Non-blocking copies between a device and staging memory on a stream
+    of their own, ordered after the caller's stream (``ready``, recorded
+    at the call; recorded now when not given)."""
+
+    def __init__(self, device: torch.device, ready: Optional[Any] = None) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        # Order after everything the caller has queued so far.
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
+        if ready is None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
         self.stream.wait_event(ready)
 
     def copy(self, dst: torch.Tensor, storage: Any, start: int, end: int) -> Any:
+        """Device to host: ``storage[start:end]`` into ``dst``."""
         with torch.cuda.stream(self.stream):
             dst[: end - start].copy_(_bytes_view(storage)[start:end], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.stream)
         return ev
 
+    def copy_in(self, storage: Any, start: int, src: torch.Tensor) -> Any:
+        """Host to device: ``src`` into ``storage[start:start + len(src)]``."""
+        with torch.cuda.stream(self.stream):
+            _bytes_view(storage)[start:start + src.numel()].copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
     def wait(self, handle: Any) -> None:
         handle.synchronize()
+
+    def hand_over(self) -> None:
+        """After host-to-device copies: the caller's current stream waits
+        for them, and the copy stream's work is complete (the storages were
+        allocated on the caller's stream, so their memory is the caller's)."""
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        torch.cuda.current_stream(self.device).wait_event(ev)
+        self.stream.synchronize()
 
 
 class ThreadCopier:
@@ -113,8 +218,18 @@ class ThreadCopier:
         src = _bytes_view(storage)[start:end]
         return self._pool.submit(lambda: dst[: end - start].copy_(src))
 
+    def copy_in(self, storage: Any, start: int, src: torch.Tensor) -> Future:
+        dst = _bytes_view(storage)[start:start + src.numel()]
+        return self._pool.submit(lambda: dst.copy_(src))
+
     def wait(self, handle: Future) -> None:
         handle.result()
+
+    def hand_over(self) -> None:
+        self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 def stream_device_region(write: Any, region: Tuple[int, Any, int, int], staging: Staging, copier: Any) -> None:
@@ -136,14 +251,79 @@ def stream_device_region(write: Any, region: Tuple[int, Any, int, int], staging:
         write([(file_off + a, staging.slot(k)[1], b - a, crc_id)])
 
 
+#: A record read to a device: (file offset, device storage, bytes).
+DeviceRead = Tuple[int, Any, int]
+
+
+def pack_pieces(records: Sequence[Tuple[int, int]], chunk: int) -> List[List[Tuple[int, int, int, int]]]:
+    """Cut records (file offset, bytes) into slot loads: each load is a list
+    of pieces (record index, start within the record, length, offset in the
+    slot) whose lengths add up to at most ``chunk``. Records are cut only
+    where they cross a load's end, so small records share a load."""
+    loads: List[List[Tuple[int, int, int, int]]] = []
+    cur: List[Tuple[int, int, int, int]] = []
+    used = 0
+    for i, (_, n) in enumerate(records):
+        a = 0
+        while a < n:
+            take = min(n - a, chunk - used)
+            cur.append((i, a, take, used))
+            used += take
+            a += take
+            if used == chunk:
+                loads.append(cur)
+                cur, used = [], 0
+    if cur:
+        loads.append(cur)
+    return loads
+
+
+def read_to_device(read: Callable[[List[Tuple[int, int, int]]], List[int]], items: Sequence[DeviceRead],
+                   staging: Staging, copier_for: Callable[[torch.device], Any]) -> List[int]:
+    """Fill device storages from the file through the staging slots.
+    ``read(reqs)`` is the engine's read of (file offset, address, bytes)
+    requests, returning each request's CRC32. Returns each record's CRC32.
+
+    Slot k is read while the copies out of slots k-1 and k-2 run; before a
+    slot is read again, the copy that last emptied it is waited for."""
+    crcs = [0] * len(items)
+    in_flight: Dict[int, List[Tuple[Any, Any]]] = {}  # slot -> its copies (copier, handle)
+    copiers: Dict[int, Any] = {}
+    try:
+        for load in pack_pieces([(off, n) for off, _, n in items], staging.chunk):
+            k = staging.take()
+            for c, h in in_flight.pop(k % SLOTS, []):
+                c.wait(h)
+            view, base = staging.slot(k)
+            got = read([(items[i][0] + a, base + so, n) for i, a, n, so in load])
+            copies = in_flight[k % SLOTS] = []
+            for (i, a, n, so), crc in zip(load, got):
+                crcs[i] = crc if a == 0 else _core.crc32_combine(crcs[i], crc, n)
+                storage = items[i][1]
+                c = copier_for(storage.device)
+                copiers[id(c)] = c
+                copies.append((c, c.copy_in(storage, a, view[so:so + n])))
+    finally:
+        # Even on a read error: no copy may still be reading a slot that the
+        # next call will reuse.
+        for copies in in_flight.values():
+            for c, h in copies:
+                c.wait(h)
+    for c in copiers.values():
+        c.hand_over()
+    return crcs
+
+
 class DeviceContext:
-    """Staging memory and one copier per device, made at the save call."""
+    """Staging memory and one copier per device, for one call. Copy streams
+    wait on ``ready`` (events recorded at the call) where given."""
 
     def __init__(self, devices: List[torch.device], test_on_cpu: bool = False,
-                 chunk: int = DEFAULT_CHUNK) -> None:
+                 chunk: int = DEFAULT_CHUNK, ready: Optional[ReadyEvents] = None) -> None:
         self.test_on_cpu = test_on_cpu
-        self.staging = Staging(chunk, register_cuda=not test_on_cpu)
-        self.copiers: dict = {}
+        self.ready = ready or {}
+        self.staging = acquire_staging(chunk, register_cuda=not test_on_cpu)
+        self.copiers: Dict[str, Any] = {}
         for d in devices:
             self.copier(d)
 
@@ -151,8 +331,15 @@ class DeviceContext:
         key = str(device)
         c = self.copiers.get(key)
         if c is None:
-            c = self.copiers[key] = ThreadCopier() if self.test_on_cpu else CudaCopier(device)
+            c = self.copiers[key] = (ThreadCopier() if self.test_on_cpu
+                                     else CudaCopier(device, self.ready.get(key)))
         return c
 
     def close(self) -> None:
-        self.staging.close()
+        for c in self.copiers.values():
+            if isinstance(c, ThreadCopier):
+                c.close()
+        self.copiers.clear()
+        st, self.staging = self.staging, None
+        if st is not None:
+            return_staging(st)

@@ -24,7 +24,7 @@ import torch
 from .errors import CorruptCheckpointError
 from .safetensors_format import is_safetensors, parse_header
 from .serialization import ZipRecord, read_zip_directory
-from .writer import EngineOptions, PathLike, _check_path, get_engine
+from .writer import EngineOptions, PathLike, _check_path, _staging_setup, get_engine
 
 __all__ = ["read_state_dict", "ReadStats", "detect_format"]
 
@@ -155,34 +155,165 @@ def _read_torch(fd: int, size: int, path: str, map_location: MapLocation, weight
         raise CorruptCheckpointError(f"{path}: written on a {order!r}-endian machine; "
                                      f"use torch.load, which byte-swaps")
 
-    # Read every data record into a fresh storage, all in one engine call.
-    storages: Dict[str, Any] = {}
-    reqs: List[Tuple[int, int, int]] = []
-    recs: List[ZipRecord] = []
+    # Every data record goes into a fresh storage on the device it will end
+    # up on: host records all in one engine call; device records through
+    # the registered staging slots with host-to-device copies (pipelined).
     data_prefix = prefix + "data/"
-    for r in records:
-        if r.name.startswith(data_prefix):
-            st = torch.UntypedStorage(r.size)
-            storages[r.name[len(data_prefix):]] = st
-            reqs.append((r.data_offset, st.data_ptr(), r.size))
-            recs.append(r)
+    data_recs = [r for r in records if r.name.startswith(data_prefix)]
+    targets = _targets(pkl, map_location, path, [r.name[len(data_prefix):] for r in data_recs])
+    storages: Dict[str, Any] = {}
+    placed: set = set()
+    host: List[Tuple[ZipRecord, Any]] = []
+    staged: List[Tuple[ZipRecord, Any]] = []
+    for r in data_recs:
+        key = r.name[len(data_prefix):]
+        dev = targets.get(key)
+        st = torch.UntypedStorage(r.size, device=dev) if dev is not None else torch.UntypedStorage(r.size)
+        storages[key] = st
+        if dev is not None:
+            if dev.type == "cuda":
+                placed.add(key)
+            staged.append((r, st))
+        else:
+            host.append((r, st))
     try:
-        crcs = _read_records(path, reqs, opts)
+        crcs = _read_records(path, [(r.data_offset, st.data_ptr(), r.size) for r, st in host], opts)
+        if staged:
+            crcs += _read_staged(path, [(r.data_offset, st, r.size) for r, st in staged], opts)
     except ValueError as e:  # the engine's own bounds checks
         raise CorruptCheckpointError(f"{path}: {e}") from None
     if verify:
-        for r, crc in zip(recs, crcs):
+        for (r, _), crc in zip(host + staged, crcs):
             if crc != r.crc32:
                 raise CorruptCheckpointError(
                     f"{path}: record {r.name!r} fails its CRC32 check "
                     f"(recorded {r.crc32:08x}, data has {crc:08x})"
                 )
-    nbytes = sum(r.size for r in recs) + len(pkl)
-    return _unpickle(pkl, storages, path, map_location, weights_only), nbytes, len(records)
+    nbytes = sum(r.size for r in data_recs) + len(pkl)
+    return _unpickle(pkl, storages, path, map_location, weights_only, placed), nbytes, len(records)
+
+
+def _read_staged(path: str, items: List[Tuple[int, Any, int]], opts: EngineOptions) -> List[int]:
+    """Read records into device storages through the staging slots."""
+    from .cuda_staging import DeviceContext, read_to_device
+    from .writer import _stage_chunk
+
+    _, kind = _staging_setup()
+    ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=_stage_chunk())
+    try:
+        lock, eng = get_engine(opts)
+        with lock:
+            return read_to_device(lambda reqs: list(eng.read_into(path, reqs)["crcs"]), items,
+                                  ctx.staging, ctx.copier)
+    finally:
+        ctx.close()
+
+
+class _Anything:
+    """Stands for every class and function while a pickle is scanned."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Anything":
+        return _Anything()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+class _LocationScan(pickle.Unpickler):
+    """Replays a pickle's opcodes with every global replaced by a stand-in,
+    so nothing is constructed or imported, and notes each storage's
+    location (torch writes one persistent id per storage)."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self.locations: Dict[str, str] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _Anything
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+            self.locations[str(pid[2])] = str(pid[3])
+        return _Anything()
+
+
+def _device_for(map_location: MapLocation, location: str) -> Optional[torch.device]:
+    """Where torch's restore would put a storage saved at ``location``, when
+    that is a CUDA device this read can place it on directly (else None:
+    read to host memory, then torch's restore moves it)."""
+    if map_location is None:
+        where = location
+    elif isinstance(map_location, (str, torch.device)):
+        where = str(map_location)
+    elif isinstance(map_location, dict):
+        where = map_location.get(location, location)
+    else:
+        return None
+    if not isinstance(where, str) or not where.startswith("cuda"):
+        return None
+    try:
+        dev = torch.device(where)
+    except (RuntimeError, ValueError):
+        return None
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None  # torch's restore raises its own error
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        return None
+    return torch.device("cuda", index)
+
+
+def _targets(pkl: bytes, map_location: MapLocation, path: str, keys: List[str]) -> Dict[str, torch.device]:
+    """The storages (by key) to read straight to a CUDA device, and where."""
+    _, kind = _staging_setup()
+    if kind == "cpu":  # test hook: every storage through the staging path
+        return {k: torch.device("cpu") for k in keys}
+    if callable(map_location) or not keys:
+        return {}
+    if isinstance(map_location, (str, torch.device)):
+        dev = _device_for(map_location, "cpu")
+        return {k: dev for k in keys} if dev is not None else {}
+    if b"cuda" not in pkl and not (isinstance(map_location, dict)
+                                    and any("cuda" in str(v) for v in map_location.values())):
+        return {}
+    scan = _LocationScan(pkl)
+    try:
+        scan.load()
+    except Exception:  # noqa: BLE001 - the real unpickling reports damage
+        return {}
+    out: Dict[str, torch.device] = {}
+    for k, loc in scan.locations.items():
+        dev = _device_for(map_location, loc)
+        if dev is not None:
+            out[k] = dev
+    return out
+
+
+class _RestoreError(Exception):
+    """Carries an error raised by ``map_location`` through the unpickler."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _unpickle(pkl: bytes, storages: Dict[str, Any], path: str, map_location: MapLocation,
-              weights_only: bool) -> Any:
+              weights_only: bool, placed: Optional[set] = None) -> Any:
+    """Replay the pickle with ``storages``; those in ``placed`` are already
+    where ``map_location`` sends them (torch's restore is skipped)."""
+    placed = placed or set()
     restore = _restore_location(map_location)
     typed: Dict[str, Any] = {}
 
@@ -201,7 +332,12 @@ def _unpickle(pkl: bytes, storages: Dict[str, Any], path: str, map_location: Map
         if need > st.nbytes():
             raise CorruptCheckpointError(f"{path}: storage {key!r} holds {st.nbytes()} bytes, "
                                          f"the pickle needs {need}")
-        ts = torch.storage.TypedStorage(wrap_storage=restore(st, location), dtype=dtype, _internal=True)
+        if key not in placed:
+            try:
+                st = restore(st, location)
+            except Exception as e:  # noqa: BLE001 - the user's map_location, not the file
+                raise _RestoreError(e) from e
+        ts = torch.storage.TypedStorage(wrap_storage=st, dtype=dtype, _internal=True)
         if ts._data_ptr() != 0:
             typed[key] = ts
         return ts
@@ -221,6 +357,8 @@ def _unpickle(pkl: bytes, storages: Dict[str, Any], path: str, map_location: Map
         obj = unpickler.load()
     except CorruptCheckpointError:
         raise
+    except _RestoreError as e:  # e.g. map_location="cuda" without a GPU: torch's own error
+        raise e.error from None
     except pickle.UnpicklingError as e:
         hint = " (pass weights_only=False if you trust this file)" if weights_only else ""
         raise pickle.UnpicklingError(f"{path}: {e}{hint}") from None
@@ -245,19 +383,27 @@ def _read_safetensors(fd: int, size: int, path: str, map_location: MapLocation,
     data_start, entries, _meta = parse_header(raw, size, path)
     out: Dict[str, torch.Tensor] = {}
     reqs: List[Tuple[int, int, int]] = []
+    staged: List[Tuple[int, Any, int]] = []
+    _, kind = _staging_setup()
+    dev = torch.device("cpu") if kind == "cpu" else _device_for(map_location, "cpu")
     for name, dtype, shape, begin, end in entries:
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=dev)
         out[name] = t
         if end > begin:
-            reqs.append((data_start + begin, t.data_ptr(), end - begin))
+            if dev is not None:
+                staged.append((data_start + begin, t.untyped_storage(), end - begin))
+            else:
+                reqs.append((data_start + begin, t.data_ptr(), end - begin))
     try:
         _read_records(path, reqs, opts)
+        if staged:
+            _read_staged(path, staged, opts)
     except ValueError as e:
         raise CorruptCheckpointError(f"{path}: {e}") from None
-    if map_location is not None:
+    if map_location is not None and (dev is None or dev.type != "cuda"):
         restore = _restore_location(map_location)
         out = {k: _relocate(t, restore) for k, t in out.items()}
-    return out, sum(r[2] for r in reqs), len(entries)
+    return out, sum(r[2] for r in reqs) + sum(r[2] for r in staged), len(entries)
 
 
 def _relocate(t: torch.Tensor, restore: Callable[[Any, str], Any]) -> torch.Tensor:

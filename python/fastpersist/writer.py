@@ -228,10 +228,12 @@ def _staging_setup() -> Tuple[Any, str]:
 
 
 def _write_torch_zip(obj: Any, path: str, opts: EngineOptions,
-                     on_gathered: Optional[Any] = None) -> WriteStats:
+                     on_gathered: Optional[Any] = None, ready: Optional[Dict[str, Any]] = None) -> WriteStats:
     """The storages found up front are written by a second thread (the
     engine releases the GIL) while this one pickles; the rest follows.
-    Storages on a CUDA device are staged chunk by chunk (cuda_staging).
+    Storages on a CUDA device are staged chunk by chunk (cuda_staging); the
+    copies wait on ``ready`` (events recorded on the caller's streams at the
+    call, by device) or, without it, on the current streams now.
     ``on_gathered()`` is called once no tensor memory will be read again."""
     t0 = time.perf_counter()
     stage, kind = _staging_setup()
@@ -243,7 +245,7 @@ def _write_torch_zip(obj: Any, path: str, opts: EngineOptions,
 
         # Made here, at the call: the copy streams wait on the caller's streams now.
         ctx = DeviceContext(sorted({r[1].device for r in head.device}, key=str), test_on_cpu=kind == "cpu",
-                            chunk=_stage_chunk())
+                            chunk=_stage_chunk(), ready=ready)
     lock, eng = get_engine(opts)
     with lock:
         session = eng.begin(path, head.end)
@@ -271,7 +273,7 @@ def _write_torch_zip(obj: Any, path: str, opts: EngineOptions,
             if tail.device and ctx is None:
                 from .cuda_staging import DeviceContext
 
-                ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=_stage_chunk())
+                ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=_stage_chunk(), ready=ready)
             raw = _send(session, tail, ctx, layout.file_len, on_gathered)
         except BaseException:
             session.abort()

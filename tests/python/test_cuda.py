@@ -86,3 +86,154 @@ def test_values_as_of_the_call(tmp_path):
     x.add_(1)
     f.result(timeout=120)
     assert torch.all(torch.load(tmp_path / "a.pt")["x"] == 1)
+
+
+# --- Reading through the staging slots (host-to-device path) --------------
+
+from fastpersist import _core  # noqa: E402
+from fastpersist.cuda_staging import pack_pieces, release_staging, staging_bytes  # noqa: E402
+from fastpersist.errors import CorruptCheckpointError  # noqa: E402
+from fastpersist.reader import _device_for, _LocationScan, _targets  # noqa: E402
+from hypothesis import strategies as hst  # noqa: E402
+
+
+@given(hst.lists(hst.integers(0, 50_000), max_size=30), hst.integers(1, 20_000))
+@settings(max_examples=300, deadline=None)
+def test_pack_pieces_covers_each_record_once_in_order(sizes, chunk):
+    records = [(i * 100_000, n) for i, n in enumerate(sizes)]
+    loads = pack_pieces(records, chunk)
+    covered = {i: 0 for i in range(len(sizes))}
+    flat = []
+    for load in loads:
+        assert load, "no empty loads"
+        used = 0
+        for i, a, n, slot_off in load:
+            assert slot_off == used and n > 0
+            used += n
+            assert a == covered[i], "pieces of a record are consecutive"
+            covered[i] += n
+            flat.append(i)
+        assert used <= chunk
+    assert flat == sorted(flat)
+    assert all(covered[i] == n for i, n in enumerate(sizes))
+    # Loads are full except the last: slots are used to the end.
+    assert all(sum(p[2] for p in load) == chunk for load in loads[:-1])
+
+
+def test_staged_read_checks_crc_across_chunks(tmp_path, staged_on_cpu):
+    sd = {"a": make((50_000,), torch.float32, 3), "b": make((7,), torch.int16)}
+    p = tmp_path / "x.pt"
+    fastpersist.write_state_dict(sd, p)
+    assert_same(sd, fastpersist.read_state_dict(p))
+    # Flip one byte in a later chunk of the big record: the combined CRC catches it.
+    rec = [r for r in fastpersist.reader.inspect_file(p)[1] if r.name.endswith("data/0")][0]
+    raw = bytearray(p.read_bytes())
+    raw[rec.offset + 5 * 4096 + 17] ^= 0x40
+    p.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="data/0"):
+        fastpersist.read_state_dict(p)
+
+
+def test_staged_read_of_safetensors(tmp_path, staged_on_cpu):
+    sd = {"w": make((123, 457), torch.bfloat16, 2), "b": make((3,), torch.float32), "e": torch.empty(0)}
+    fastpersist.write_state_dict(sd, tmp_path / "s.safetensors", format="safetensors")
+    got = fastpersist.read_state_dict(tmp_path / "s.safetensors")
+    assert_same(dict(sorted(sd.items())), dict(sorted(got.items())))  # the header orders keys
+
+
+def test_staging_memory_is_reused_and_released(tmp_path, staged_on_cpu):
+    release_staging()
+    sd = {"a": make((40_000,), torch.float32, 1)}
+    fastpersist.write_state_dict(sd, tmp_path / "1.pt")
+    held = staging_bytes()
+    assert held >= 3 * 3 * 4096  # three slots of the fixture's chunk size, kept for the next call
+    fastpersist.read_state_dict(tmp_path / "1.pt")
+    fastpersist.write_state_dict(sd, tmp_path / "2.pt")
+    assert staging_bytes() == held  # no new buffer per call
+    assert fastpersist.release_staging() == held and staging_bytes() == 0
+
+
+def test_location_scan_finds_every_storage_and_builds_nothing(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("exit 3",))  # never called by the scan
+
+    sd = {"a": torch.ones(3), "b": [torch.zeros(2), torch.ones(4)[1:]], "boom": Boom()}
+    torch.save(sd, tmp_path / "t.pt")
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "t.pt") as z:
+        pkl = z.read([n for n in z.namelist() if n.endswith("data.pkl")][0])
+    scan = _LocationScan(pkl)
+    scan.load()
+    assert scan.locations == {"0": "cpu", "1": "cpu", "2": "cpu"}
+
+
+def test_targets_without_cuda_read_to_host():
+    if CUDA:
+        pytest.skip("checks the no-GPU answer")
+    assert _device_for("cuda", "cpu") is None
+    assert _device_for(None, "cuda:0") is None
+    assert _targets(b"cuda", {"cpu": "cuda:0"}, "p", ["0"]) == {}
+    assert _targets(b"x", lambda s, loc: s, "p", ["0"]) == {}
+
+
+def test_map_location_to_missing_cuda_raises_torchs_error(tmp_path):
+    if CUDA:
+        pytest.skip("checks the no-GPU answer")
+    fastpersist.write_state_dict({"a": torch.ones(2)}, tmp_path / "a.pt")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        fastpersist.read_state_dict(tmp_path / "a.pt", map_location="cuda")
+
+
+@needs_cuda
+def test_read_to_gpu_is_staged_and_streams_ordered(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTPERSIST_STAGE_CHUNK", str(1 << 20))  # many slot loads
+    sd = {"w": torch.randn(3_000_000), "small": [torch.randn(5) for _ in range(100)], "i": torch.arange(7)}
+    fastpersist.write_state_dict(sd, tmp_path / "a.pt")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        got = fastpersist.read_state_dict(tmp_path / "a.pt", map_location="cuda:0")
+        # Used at once on the caller's (side) stream: ordered after the copies.
+        total = got["w"].double().sum()
+    assert got["w"].device == torch.device("cuda", 0)
+    assert torch.equal(got["w"].cpu(), sd["w"]) and torch.equal(got["i"].cpu(), sd["i"])
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got["small"], sd["small"]))
+    side.synchronize()
+    assert total.item() == pytest.approx(sd["w"].double().sum().item())
+    by_dict = fastpersist.read_state_dict(tmp_path / "a.pt", map_location={"cpu": "cuda:0"})
+    assert by_dict["w"].is_cuda and torch.equal(by_dict["w"].cpu(), sd["w"])
+    gpu_file = tmp_path / "g.pt"
+    fastpersist.write_state_dict({k: v for k, v in got.items() if k != "small"}, gpu_file)
+    back = fastpersist.read_state_dict(gpu_file)  # saved on cuda:0, read back there
+    assert back["w"].is_cuda and torch.equal(back["w"], got["w"])
+    st = fastpersist.read_state_dict(gpu_file, map_location=lambda s, loc: s)  # callable: torch's restore
+    assert not st["w"].is_cuda and torch.equal(st["w"], sd["w"])
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
+def test_async_values_as_of_the_call_on_a_side_stream(tmp_path, mode):
+    x = torch.zeros(16 << 20, device="cuda")
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keep the side stream busy
+        x.add_(1)  # queued behind the sleep: not done when save_async returns
+        f = fastpersist.save_async({"x": x}, tmp_path / "a.pt", mode=mode)
+    f.wait_snapshot()
+    side.synchronize()
+    x.add_(1)
+    f.result(timeout=120)
+    assert torch.all(torch.load(tmp_path / "a.pt")["x"] == 1)
+
+
+@needs_cuda
+def test_snapshot_mode_copies_into_pinned_pool(tmp_path):
+    from fastpersist.async_save import AsyncSaver
+
+    saver = AsyncSaver()
+    x = torch.randn(1 << 20, device="cuda")
+    saver.save({"x": x}, tmp_path / "a.pt", mode="snapshot").result(timeout=120)
+    assert saver.pool._free and all(b.is_pinned() for b in saver.pool._free)
+    assert torch.equal(torch.load(tmp_path / "a.pt")["x"], x.cpu())
