@@ -116,3 +116,33 @@ def test_interpreter_exit_waits_for_saves(tmp_path):
     assert r.returncode == 0, r.stderr
     got = torch.load(target)
     assert torch.equal(got["t"], torch.arange(4 << 20, dtype=torch.float32))
+
+
+def _thread_niceness(executor) -> int:
+    return executor.submit(lambda: os.getpriority(os.PRIO_PROCESS, __import__("threading").get_native_id())).result()
+
+
+@pytest.mark.parametrize("nice", [0, 7])
+def test_background_threads_run_at_the_niceness_asked(tmp_path, nice):
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    saver = AsyncSaver(nice=nice)
+    try:
+        assert saver.nice == nice
+        for ex in (saver._snap, saver._write):
+            assert _thread_niceness(ex) == max(base, nice)
+        # the caller's own priority is untouched, and the save still works
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base
+        t = torch.arange(1000.0)
+        saver.save({"t": t}, tmp_path / "n.pt", mode="snapshot").result(60)
+        assert torch.equal(torch.load(tmp_path / "n.pt")["t"], t)
+    finally:
+        saver.wait_all()
+
+
+def test_niceness_from_environment_and_bad_values(monkeypatch):
+    monkeypatch.setenv("FASTPERSIST_BACKGROUND_NICE", "3")
+    saver = AsyncSaver()
+    assert saver.nice == 3
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match="nice"):
+            AsyncSaver(nice=bad)
