@@ -373,9 +373,15 @@ impl PySession {
 
     /// Give up: remove the temporary file. Idempotent.
     fn abort(&self, py: Python<'_>) {
+        let engine = self.engine.get();
         py.allow_threads(|| {
             if let Ok(mut g) = self.session.lock() {
-                drop(g.take());
+                if let Some(s) = g.take() {
+                    match engine.engine() {
+                        Ok(mut e) => e.abort(s),
+                        Err(_) => drop(s),
+                    }
+                }
             }
         });
     }

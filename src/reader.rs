@@ -80,6 +80,9 @@ impl Engine {
     /// Read every request from `path`. Requests must not overlap and must lie
     /// inside the file.
     pub fn read_into(&mut self, path: &Path, reqs: Vec<ReadReq>) -> Result<ReadStats> {
+        // The arena is ours alone: writes a streamed save left in flight
+        // finish first.
+        self.settle(None);
         let t0 = Instant::now();
         let c = CString::new(path.as_os_str().as_bytes())
             .map_err(|_| Error::os(libc::EINVAL, "path contains a NUL byte", Some(path)))?;

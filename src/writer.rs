@@ -125,6 +125,8 @@ pub struct WriteStats {
 
 /// One file being written: see [`Engine::begin`].
 pub struct Session {
+    /// Tells this session's writes in flight from another session's.
+    id: u64,
     tmp: TempFile,
     target: std::path::PathBuf,
     block: usize,
@@ -139,8 +141,12 @@ pub struct Session {
     t0: Instant,
     open_seconds: f64,
     io_seconds: f64,
+    /// Bytes written since the last fdatasync was started.
+    unflushed: u64,
     failed: bool,
 }
+
+static NEXT_SESSION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl Session {
     fn append(&mut self, mut segments: Vec<Segment>) -> Result<()> {
@@ -182,7 +188,20 @@ pub struct Engine {
     pub(crate) arena: Arena,
     pub(crate) opts: Options,
     pub(crate) uring_note: Option<String>,
+    /// Arena buffers not in flight. Between the [`Engine::write`] calls of
+    /// one streamed file, writes stay in flight (the device never idles
+    /// while the caller produces the next part); every other use of the
+    /// arena first waits for them ([`Engine::settle`]).
+    free: Vec<usize>,
+    /// The session whose writes are in flight, if any.
+    streaming: Option<u64>,
+    /// Failures of writes drained on behalf of another session, reported
+    /// to their own session at its next call (a few kept, newest last).
+    lost: Vec<(u64, Error)>,
 }
+
+/// How many failures of other sessions' writes are kept for them.
+const LOST_KEPT: usize = 8;
 
 impl Engine {
     pub fn new(opts: Options) -> Result<Self> {
@@ -209,12 +228,16 @@ impl Engine {
             uring_note = Some("io_uring was turned off by the caller".into());
             None
         };
+        let free = (0..arena.nbufs()).rev().collect();
         Ok(Engine {
             uring,
             pool: None,
             arena,
             opts,
             uring_note,
+            free,
+            streaming: None,
+            lost: Vec::new(),
         })
     }
 
@@ -255,6 +278,7 @@ impl Engine {
     /// while the caller still works out the rest of the file) and committed
     /// by [`Engine::finish`]. Dropping the session removes the file.
     pub fn begin(&mut self, path: &Path, size_hint: u64) -> Result<Session> {
+        self.settle(None);
         let t0 = Instant::now();
         let (mut tmp, mut direct_note) = TempFile::create(path, self.opts.direct)?;
         let dio = if self.opts.direct {
@@ -279,6 +303,7 @@ impl Engine {
             }
         }
         Ok(Session {
+            id: NEXT_SESSION.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             tmp,
             target: path.to_path_buf(),
             block: dio.block,
@@ -290,16 +315,54 @@ impl Engine {
             t0,
             open_seconds: t0.elapsed().as_secs_f64(),
             io_seconds: 0.0,
+            unflushed: 0,
             failed: false,
         })
     }
 
     /// Add `segments` (all at or after the end of those given so far) and
-    /// write every whole block that is now fully known.
+    /// write every whole block that is now fully known. Returns once the
+    /// caller's memory has been copied into the arena; with io_uring the
+    /// writes may still be in flight (their failure is reported by a later
+    /// call of this session), so the device stays busy between calls.
     pub fn write(&mut self, session: &mut Session, segments: Vec<Segment>) -> Result<()> {
         session.append(segments)?;
         let upto = align::align_down(session.frontier, session.block as u64);
-        self.run(session, upto, session.frontier, &mut || {})
+        self.run(session, upto, session.frontier, &mut || {}, true)
+    }
+
+    /// Give up on `session`: wait for its writes in flight (their results
+    /// no longer matter) and remove its temporary file.
+    pub fn abort(&mut self, session: Session) {
+        if self.streaming == Some(session.id) {
+            self.settle(None);
+        }
+        self.lost.retain(|(id, _)| *id != session.id);
+        drop(session);
+    }
+
+    /// Writes in flight and not `owner`'s are waited for, so the arena is
+    /// free for someone else. A failure among them is kept for its session.
+    pub(crate) fn settle(&mut self, owner: Option<u64>) {
+        let Some(id) = self.streaming else {
+            return;
+        };
+        if Some(id) == owner {
+            return;
+        }
+        let mut free = std::mem::take(&mut self.free);
+        let (sink, arena) = self.parts();
+        let nbufs = arena.nbufs();
+        if let Err(e) = sink.drain_checked(&mut free) {
+            sink.drain();
+            free = (0..nbufs).rev().collect();
+            if self.lost.len() >= LOST_KEPT {
+                self.lost.remove(0);
+            }
+            self.lost.push((id, e));
+        }
+        self.free = free;
+        self.streaming = None;
     }
 
     /// Add the last `segments`, write the rest of the file (true length
@@ -332,7 +395,7 @@ impl Engine {
         }
         let padded = align::align_up(file_len, session.block as u64);
         session.tmp.preallocate(padded)?;
-        self.run(&mut session, padded, file_len, on_gathered)?;
+        self.run(&mut session, padded, file_len, on_gathered, false)?;
         let t_commit = Instant::now();
         let direct = session.tmp.is_direct();
         let Session {
@@ -368,19 +431,50 @@ impl Engine {
     }
 
     /// Write the blocks `[session.written, upto)` of a file whose bytes are
-    /// known up to `known` (the rest of the last block is zeros).
+    /// known up to `known` (the rest of the last block is zeros). With
+    /// `keep_in_flight` (and io_uring), return without waiting for the
+    /// writes; otherwise every write of the session is complete on return.
     fn run(
         &mut self,
         session: &mut Session,
         upto: u64,
         known: u64,
         on_gathered: &mut dyn FnMut(),
+        keep_in_flight: bool,
     ) -> Result<()> {
         if session.failed {
             return Err(Error::option("this write session already failed"));
         }
+        self.settle(Some(session.id));
+        if let Some(i) = self.lost.iter().position(|(id, _)| *id == session.id) {
+            session.failed = true;
+            let (_, mut e) = self.lost.remove(i);
+            e.path
+                .get_or_insert_with(|| session.tmp.temp_path().to_path_buf());
+            return Err(e);
+        }
         if upto <= session.written {
             on_gathered();
+            if keep_in_flight || self.streaming.is_none() {
+                return Ok(());
+            }
+            // Nothing new to write, but this session's writes are in flight.
+            let mut free = std::mem::take(&mut self.free);
+            let (sink, arena) = self.parts();
+            let nbufs = arena.nbufs();
+            let res = sink.drain_checked(&mut free);
+            if res.is_err() {
+                sink.drain();
+                free = (0..nbufs).rev().collect();
+            }
+            self.free = free;
+            self.streaming = None;
+            if let Err(mut e) = res {
+                session.failed = true;
+                e.path
+                    .get_or_insert_with(|| session.tmp.temp_path().to_path_buf());
+                return Err(e);
+            }
             return Ok(());
         }
         let t = Instant::now();
@@ -395,26 +489,42 @@ impl Engine {
             0
         };
         let qd = self.opts.queue_depth;
+        // Only io_uring keeps writes in flight past the call: it holds its
+        // own reference to the file, while the pwrite pool works on the fd
+        // number, which a dropped session would close under it.
+        let keep = keep_in_flight && self.uring.is_some();
+        let mut free = std::mem::take(&mut self.free);
         let (sink, arena) = self.parts();
+        let nbufs = arena.nbufs();
         let res = pump(
             &layout,
             session.written..upto,
             arena,
             sink,
             session.tmp.fd(),
-            (qd, flush_every),
+            Pacing {
+                qd,
+                flush_every,
+                keep_in_flight: keep,
+            },
+            (&mut free, &mut session.unflushed),
             &mut session.hashers,
             on_gathered,
         );
+        let still = sink.pending() > 0;
         session.segments = layout.into_segments();
         session.io_seconds += t.elapsed().as_secs_f64();
         if let Err(mut e) = res {
             sink.drain();
+            self.free = (0..nbufs).rev().collect();
+            self.streaming = None;
             session.failed = true;
             e.path
                 .get_or_insert_with(|| session.tmp.temp_path().to_path_buf());
             return Err(e);
         }
+        self.free = free;
+        self.streaming = still.then_some(session.id);
         session.written = upto;
         // Segments wholly written are no longer needed (their checksums live
         // in the hashers): drop them so a long streamed file stays small.
@@ -462,6 +572,7 @@ impl Engine {
         {
             return Err(Error::layout("a part write cannot fill checksum slots"));
         }
+        self.settle(None);
         let file = crate::commit::open_existing(path, self.opts.direct)?;
         let dio = if file.direct {
             align::probe_fd(file.fd())
@@ -471,7 +582,9 @@ impl Engine {
         let layout = Layout::new(segments, file_len, dio.block)?;
         let range = layout.split(parts)[index].clone();
         let qd = self.opts.queue_depth;
+        let mut free = std::mem::take(&mut self.free);
         let (sink, arena) = self.parts();
+        let nbufs = arena.nbufs();
         let mut hashers = vec![Hasher::new(); layout.crc_ids() as usize];
         let t_io = Instant::now();
         let res = pump(
@@ -480,12 +593,21 @@ impl Engine {
             arena,
             sink,
             file.fd(),
-            (qd, 0),
+            Pacing {
+                qd,
+                flush_every: 0,
+                keep_in_flight: false,
+            },
+            (&mut free, &mut 0),
             &mut hashers,
             &mut || {},
         );
-        if let Err(mut e) = res {
+        if res.is_err() {
             sink.drain();
+            free = (0..nbufs).rev().collect();
+        }
+        self.free = free;
+        if let Err(mut e) = res {
             e.path.get_or_insert_with(|| path.to_path_buf());
             return Err(e);
         }
@@ -517,6 +639,7 @@ impl Engine {
     /// Write one zero block at offset 0 (which the real data overwrites) to
     /// learn whether the file system takes O_DIRECT writes. Returns why not.
     fn probe_direct(&mut self, tmp: &TempFile, block: usize) -> Result<Option<String>> {
+        debug_assert!(self.streaming.is_none(), "arena buffer 0 may be in flight");
         let buf = &mut self.arena.buf_mut(0)[..block];
         buf.fill(0);
         if self.opts.refuse_direct {
@@ -544,30 +667,40 @@ impl Engine {
     }
 }
 
-/// Gather every extent into arena buffers and hand them to the sink,
-/// keeping up to `qd` writes in flight.
-#[allow(clippy::too_many_arguments)] // one private call site; a struct would only rename them
+/// How [`pump`] paces its writes.
+struct Pacing {
+    /// Writes in flight at most.
+    qd: usize,
+    /// Start an fdatasync after every this many bytes (0: never).
+    flush_every: u64,
+    /// Return without waiting for the last writes.
+    keep_in_flight: bool,
+}
+
+/// Gather every extent into arena buffers (taken from `free`) and hand them
+/// to the sink, keeping up to `qd` writes in flight. `unflushed` counts the
+/// bytes since the last fdatasync, across calls.
+#[allow(clippy::too_many_arguments)] // private; the tuples group what travels together
 fn pump(
     layout: &Layout,
     range: std::ops::Range<u64>,
     arena: &mut Arena,
     sink: &mut dyn Sink,
     fd: i32,
-    (qd, flush_every): (usize, u64),
+    pacing: Pacing,
+    (free, unflushed): (&mut Vec<usize>, &mut u64),
     hashers: &mut [Hasher],
     on_gathered: &mut dyn FnMut(),
 ) -> Result<()> {
     let extents = layout.extents(range, arena.buf_size())?;
-    let mut free: Vec<usize> = (0..arena.nbufs()).rev().collect();
-    let mut unflushed = 0u64;
     for ext in extents {
-        if flush_every > 0 && unflushed >= flush_every {
+        if pacing.flush_every > 0 && *unflushed >= pacing.flush_every {
             sink.submit_datasync(fd)?;
-            unflushed = 0;
+            *unflushed = 0;
         }
-        unflushed += ext.len as u64;
-        while free.is_empty() || sink.inflight() >= qd {
-            sink.reap(&mut free, true)?;
+        *unflushed += ext.len as u64;
+        while free.is_empty() || sink.inflight() >= pacing.qd {
+            sink.reap(free, true)?;
         }
         let b = free.pop().expect("a free buffer");
         gather(layout, ext, &mut arena.buf_mut(b)[..ext.len], hashers);
@@ -581,10 +714,13 @@ fn pump(
                 read: false,
             },
         )?;
-        sink.reap(&mut free, false)?;
+        sink.reap(free, false)?;
     }
     on_gathered();
-    sink.drain_checked(&mut free)
+    if pacing.keep_in_flight {
+        return Ok(());
+    }
+    sink.drain_checked(free)
 }
 
 /// Checksum-then-copy in cache-sized steps, so the copy reads what the

@@ -362,3 +362,124 @@ fn discard_reads_only_checksum() {
         .unwrap();
     assert_eq!(st.crcs, vec![crc32fast::hash(&data[7..4_000_007])]);
 }
+
+/// Segments of `data` cut into `piece`-byte memory regions at offset 0.
+fn pieces(data: &[u8], piece: usize) -> Vec<Vec<Segment>> {
+    data.chunks(piece)
+        .enumerate()
+        .map(|(i, c)| {
+            // SAFETY: `data` outlives every session these segments are given to.
+            let m = unsafe { MemRef::new(c.as_ptr(), c.len()) };
+            vec![Segment {
+                offset: (i * piece) as u64,
+                source: Source::Mem(m),
+                crc_id: Some(0),
+            }]
+        })
+        .collect()
+}
+
+#[test]
+fn streamed_writes_in_flight_across_calls_and_sessions() {
+    // Writes of session A may still be in flight when its `write` returns;
+    // another session (and a read) using the same engine waits for them
+    // first, and both files come out right.
+    let a = pattern(3_000_017, 11);
+    let b = pattern(1_234_567, 12);
+    for opts in combos() {
+        let d = tempfile::tempdir().unwrap();
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        let mut sa = eng.begin(&d.path().join("a"), a.len() as u64).unwrap();
+        let mut parts = pieces(&a, 100_003).into_iter();
+        for p in parts.by_ref().take(10) {
+            eng.write(&mut sa, p).unwrap();
+        }
+        let mut sb = eng.begin(&d.path().join("b"), b.len() as u64).unwrap();
+        for p in pieces(&b, 77_777) {
+            eng.write(&mut sb, p).unwrap();
+        }
+        for p in parts {
+            eng.write(&mut sa, p).unwrap();
+        }
+        let stb = eng.finish(sb, vec![], b.len() as u64).unwrap();
+        let sta = eng.finish(sa, vec![], a.len() as u64).unwrap();
+        assert_eq!(sta.crcs, vec![crc32fast::hash(&a)], "{opts:?}");
+        assert_eq!(stb.crcs, vec![crc32fast::hash(&b)], "{opts:?}");
+        assert!(std::fs::read(d.path().join("a")).unwrap() == a, "{opts:?}");
+        assert!(std::fs::read(d.path().join("b")).unwrap() == b, "{opts:?}");
+    }
+}
+
+#[test]
+fn streamed_write_failure_reaches_its_own_session() {
+    let a = pattern(2_000_000, 13);
+    let b = pattern(500_000, 14);
+    for mut opts in combos() {
+        opts.fault = Some(Fault {
+            offset: 150_000,
+            errno: libc::EIO,
+        });
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("a");
+        std::fs::write(&target, b"previous").unwrap();
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        let mut sa = eng.begin(&target, a.len() as u64).unwrap();
+        // The failing write is submitted by one of these calls; its
+        // completion may only be seen later (here, by session B's begin).
+        let mut failed = None;
+        let mut parts = pieces(&a, 200_000).into_iter();
+        for p in parts.by_ref().take(2) {
+            if let Err(e) = eng.write(&mut sa, p) {
+                failed = Some(e);
+                break;
+            }
+        }
+        eng.set_fault(None, false);
+        // Session B is not blamed for A's failure.
+        let mut sb = eng.begin(&d.path().join("b"), 0).unwrap();
+        for p in pieces(&b, 123_456) {
+            eng.write(&mut sb, p).unwrap();
+        }
+        eng.finish(sb, vec![], b.len() as u64).unwrap();
+        assert!(std::fs::read(d.path().join("b")).unwrap() == b, "{opts:?}");
+        let e = match failed {
+            Some(e) => e,
+            None => {
+                let mut err = None;
+                for p in parts {
+                    if let Err(e) = eng.write(&mut sa, p) {
+                        err = Some(e);
+                        break;
+                    }
+                }
+                match err {
+                    Some(e) => e,
+                    None => eng.finish(sa, vec![], a.len() as u64).unwrap_err(),
+                }
+            }
+        };
+        assert_eq!(e.errno, Some(libc::EIO), "{opts:?}: {e}");
+        assert_eq!(std::fs::read(&target).unwrap(), b"previous");
+    }
+}
+
+#[test]
+fn aborted_streamed_session_leaves_nothing_and_engine_reusable() {
+    let a = pattern(1_500_000, 15);
+    for opts in combos() {
+        let d = tempfile::tempdir().unwrap();
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        let mut s = eng.begin(&d.path().join("a"), 0).unwrap();
+        for p in pieces(&a, 300_000).into_iter().take(3) {
+            eng.write(&mut s, p).unwrap();
+        }
+        eng.abort(s);
+        assert!(only(d.path()).is_empty(), "{opts:?}");
+        let mut s = eng.begin(&d.path().join("a"), 0).unwrap();
+        for p in pieces(&a, 300_000) {
+            eng.write(&mut s, p).unwrap();
+        }
+        eng.finish(s, vec![], a.len() as u64).unwrap();
+        assert!(std::fs::read(d.path().join("a")).unwrap() == a);
+    }
+}

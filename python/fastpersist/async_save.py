@@ -35,7 +35,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from .cuda_staging import ReadyEvents, cuda_devices, record_ready
+from .cuda_staging import ReadyEvents, active_devices, record_ready, side_streams
 from .serialization import plan_torch_save
 from .writer import EngineOptions, PathLike, WriteStats, _check_path, _env_int, _write_torch_zip, write_plan
 
@@ -103,7 +103,7 @@ class SnapshotPool:
 
     def acquire(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes and (b.is_pinned() or not pin)]
+            fits = [b for b in self._free if b.numel() >= nbytes and (not pin or b.is_pinned())]
             if fits:
                 buf = min(fits, key=lambda b: b.numel())
                 self._free.remove(buf)
@@ -164,7 +164,9 @@ class _CopyStreams:
 
     def synchronize(self) -> None:
         for stream in self.streams.values():
-            stream.synchronize()
+            ev = torch.cuda.Event(blocking=True)  # sleep, don't spin
+            ev.record(stream)
+            ev.synchronize()
 
 
 #: Default niceness of the background threads (``FASTPERSIST_BACKGROUND_NICE``).
@@ -231,7 +233,7 @@ class AsyncSaver:
         # On the caller's thread, now: device copies made later in the
         # background are ordered after the work queued on its streams so far.
         try:
-            ready = record_ready(cuda_devices(obj))
+            ready = record_ready(active_devices(obj))
         except BaseException:
             self._slots.release()
             raise
@@ -242,7 +244,7 @@ class AsyncSaver:
             self._inflight.append(fut)
         try:
             if group is not None:
-                self._write.submit(self._distributed, obj, p, opts, fut, group, sharded)
+                self._write.submit(self._distributed, obj, p, opts, fut, group, sharded, ready)
             elif mode == "snapshot":
                 self._snap.submit(self._snapshot_then_write, obj, p, opts, fut, ready)
             else:
@@ -269,7 +271,7 @@ class AsyncSaver:
         fut._succeed(stats)
 
     def _distributed(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture,
-                     group: Any, sharded: bool) -> None:
+                     group: Any, sharded: bool, ready: ReadyEvents) -> None:
         # With a group the snapshot phase ends with the write (the ranks'
         # parts are written from the live tensors, then committed together).
         from .writer import _write_distributed
@@ -277,7 +279,8 @@ class AsyncSaver:
         if not fut.set_running_or_notify_cancel():
             return
         try:
-            stats = _write_distributed(obj, path, opts, group, sharded, "torch")
+            with side_streams(ready):
+                stats = _write_distributed(obj, path, opts, group, sharded, "torch")
         except BaseException as e:  # noqa: BLE001
             fut._fail(e)
             return
@@ -322,14 +325,16 @@ class AsyncSaver:
             return
 
         def write() -> None:
+            # The buffer goes back to the pool before the future is done, so
+            # a save made by a done-callback or right after result() reuses it.
             try:
                 stats = write_plan(plan, path, opts, plan_seconds, t0)
             except BaseException as e:  # noqa: BLE001
+                self.pool.put_back(buf)
                 fut._fail(e)
             else:
-                fut._succeed(stats)
-            finally:
                 self.pool.put_back(buf)
+                fut._succeed(stats)
 
         try:
             self._write.submit(write)

@@ -28,17 +28,18 @@ without a GPU (``ThreadCopier``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _core
 
 __all__ = ["Staging", "CudaCopier", "ThreadCopier", "DEFAULT_CHUNK", "SLOTS", "stream_device_region",
-           "read_to_device", "record_ready", "cuda_devices", "release_staging", "DeviceContext"]
+           "read_to_device", "record_ready", "cuda_devices", "active_devices", "side_streams", "release_staging", "DeviceContext"]
 
 DEFAULT_CHUNK = 16 << 20
 SLOTS = 3
@@ -155,12 +156,40 @@ def cuda_devices(obj: Any) -> List[torch.device]:
     return sorted({st.device for _, st in find_storages(obj).values() if st.device.type == "cuda"}, key=str)
 
 
+def active_devices(obj: Any) -> List[torch.device]:
+    """The devices whose streams a save of ``obj`` must be ordered after:
+    those of its tensors found in plain containers, and every device this
+    process has a CUDA context on (a tensor only the pickler finds, inside
+    an object, may live there). Free when CUDA was never initialised."""
+    devs = set(cuda_devices(obj))
+    if devs or torch.cuda.is_initialized():
+        has_ctx = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+        for i in range(torch.cuda.device_count() if has_ctx is not None else 0):
+            if has_ctx(i):
+                devs.add(torch.device("cuda", i))
+    return sorted(devs, key=str)
+
+
+@contextlib.contextmanager
+def side_streams(ready: ReadyEvents) -> Iterator[None]:
+    """Make a fresh stream, ordered after ``ready``'s event, the current
+    stream of each device in ``ready`` for the block: copies the block
+    makes (``.cpu()``) see the values as of the call, and neither wait
+    behind nor hold up the work the caller queued since."""
+    with contextlib.ExitStack() as stack:
+        for key, ev in ready.items():
+            stream = torch.cuda.Stream(device=torch.device(key))
+            stream.wait_event(ev)
+            stack.enter_context(torch.cuda.stream(stream))
+        yield
+
+
 def record_ready(devices: Iterable[torch.device]) -> ReadyEvents:
     """On the calling thread: an event on each device's current stream, so
     copies made later, from any thread, see the values as of now."""
     out: ReadyEvents = {}
     for d in devices:
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=True)
         ev.record(torch.cuda.current_stream(d))
         out[str(d)] = ev
     return out
@@ -175,7 +204,7 @@ class CudaCopier:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         if ready is None:
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(blocking=True)
             ready.record(torch.cuda.current_stream(device))
         self.stream.wait_event(ready)
 
@@ -183,7 +212,9 @@ class CudaCopier:
         """Device to host: ``storage[start:end]`` into ``dst``."""
         with torch.cuda.stream(self.stream):
             dst[: end - start].copy_(_bytes_view(storage)[start:end], non_blocking=True)
-            ev = torch.cuda.Event()
+            # Blocking: the writer thread sleeps in synchronize() rather
+            # than spinning on a core the training loop needs.
+            ev = torch.cuda.Event(blocking=True)
             ev.record(self.stream)
         return ev
 
@@ -191,21 +222,27 @@ class CudaCopier:
         """Host to device: ``src`` into ``storage[start:start + len(src)]``."""
         with torch.cuda.stream(self.stream):
             _bytes_view(storage)[start:start + src.numel()].copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)
             ev.record(self.stream)
         return ev
 
     def wait(self, handle: Any) -> None:
         handle.synchronize()
 
+    def drain(self) -> None:
+        """Wait (sleeping, not spinning) for every copy queued so far."""
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(self.stream)
+        ev.synchronize()
+
     def hand_over(self) -> None:
         """After host-to-device copies: the caller's current stream waits
         for them, and the copy stream's work is complete (the storages were
         allocated on the caller's stream, so their memory is the caller's)."""
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=True)
         ev.record(self.stream)
         torch.cuda.current_stream(self.device).wait_event(ev)
-        self.stream.synchronize()
+        ev.synchronize()
 
 
 class ThreadCopier:
@@ -239,16 +276,24 @@ def stream_device_region(write: Any, region: Tuple[int, Any, int, int], staging:
     chunks: List[Tuple[int, int, int]] = [(staging.take(), a, min(a + staging.chunk, n))
                                           for a in range(0, n, staging.chunk)]
     pending: Optional[Any] = None
-    for j, (k, a, b) in enumerate(chunks):
-        if j == 0:
-            pending = copier.copy(staging.slot(k)[0], storage, a, b)
-        copier.wait(pending)
-        if j + 1 < len(chunks):
-            # Chunk k+1's slot last held chunk k-2, which the write of chunk
-            # k-1 consumed: it is free, and the copy overlaps this write.
-            nk, na, nb = chunks[j + 1]
-            pending = copier.copy(staging.slot(nk)[0], storage, na, nb)
-        write([(file_off + a, staging.slot(k)[1], b - a, crc_id)])
+    try:
+        for j, (k, a, b) in enumerate(chunks):
+            if j == 0:
+                pending = copier.copy(staging.slot(k)[0], storage, a, b)
+            copier.wait(pending)
+            pending = None
+            if j + 1 < len(chunks):
+                # Chunk k+1's slot last held chunk k-2, which the write of
+                # chunk k-1 consumed: it is free, and the copy overlaps this
+                # write.
+                nk, na, nb = chunks[j + 1]
+                pending = copier.copy(staging.slot(nk)[0], storage, na, nb)
+            write([(file_off + a, staging.slot(k)[1], b - a, crc_id)])
+    finally:
+        # Even when the write failed: no copy may still be filling a slot
+        # that the next call will reuse.
+        if pending is not None:
+            copier.wait(pending)
 
 
 #: A record read to a device: (file offset, device storage, bytes).
@@ -278,24 +323,52 @@ def pack_pieces(records: Sequence[Tuple[int, int]], chunk: int) -> List[List[Tup
     return loads
 
 
-def read_to_device(read: Callable[[List[Tuple[int, int, int]]], List[int]], items: Sequence[DeviceRead],
+Read = Callable[[List[Tuple[int, int, int]]], List[int]]
+
+
+def read_to_device(reads: Union[Read, Sequence[Read]], items: Sequence[DeviceRead],
                    staging: Staging, copier_for: Callable[[torch.device], Any]) -> List[int]:
     """Fill device storages from the file through the staging slots.
-    ``read(reqs)`` is the engine's read of (file offset, address, bytes)
-    requests, returning each request's CRC32. Returns each record's CRC32.
+    ``reads`` are the engines' reads of (file offset, address, bytes)
+    requests, each returning its requests' CRC32s; with two or more, slot
+    loads are read by them in turn on worker threads, two at a time, so
+    the device is never idle between loads. Returns each record's CRC32.
 
-    Slot k is read while the copies out of slots k-1 and k-2 run; before a
-    slot is read again, the copy that last emptied it is waited for."""
+    With two readers, loads k and k+1 are read while the copies out of
+    slot k-1 run; before a slot is read again, the copies that last
+    emptied it are waited for. With one, the loads are read in turn."""
+    readers: List[Read] = [reads] if callable(reads) else list(reads)
+    if not readers:
+        raise ValueError("read_to_device needs at least one reader")
+    ahead = 2 if len(readers) > 1 else 1  # loads being read at once
+    loads = pack_pieces([(off, n) for off, _, n in items], staging.chunk)
     crcs = [0] * len(items)
     in_flight: Dict[int, List[Tuple[Any, Any]]] = {}  # slot -> its copies (copier, handle)
     copiers: Dict[int, Any] = {}
+    reading: Dict[int, Tuple[int, Future]] = {}  # load -> (chunk number, its read)
+    pool = ThreadPoolExecutor(ahead, thread_name_prefix="fastpersist-read") if ahead > 1 else None
+
+    def start(j: int) -> None:
+        k = staging.take()
+        for c, h in in_flight.pop(k % SLOTS, []):
+            c.wait(h)
+        base = staging.slot(k)[1]
+        reqs = [(items[i][0] + a, base + so, n) for i, a, n, so in loads[j]]
+        read = readers[j % len(readers)]
+        if pool is None:
+            done: Future = Future()
+            done.set_result(read(reqs))
+        else:
+            done = pool.submit(read, reqs)
+        reading[j] = (k, done)
+
     try:
-        for load in pack_pieces([(off, n) for off, _, n in items], staging.chunk):
-            k = staging.take()
-            for c, h in in_flight.pop(k % SLOTS, []):
-                c.wait(h)
-            view, base = staging.slot(k)
-            got = read([(items[i][0] + a, base + so, n) for i, a, n, so in load])
+        for j in range(min(ahead, len(loads))):
+            start(j)
+        for j, load in enumerate(loads):
+            k, done = reading.pop(j)
+            got = done.result()
+            view = staging.slot(k)[0]
             copies = in_flight[k % SLOTS] = []
             for (i, a, n, so), crc in zip(load, got):
                 crcs[i] = crc if a == 0 else _core.crc32_combine(crcs[i], crc, n)
@@ -303,9 +376,18 @@ def read_to_device(read: Callable[[List[Tuple[int, int, int]]], List[int]], item
                 c = copier_for(storage.device)
                 copiers[id(c)] = c
                 copies.append((c, c.copy_in(storage, a, view[so:so + n])))
+            if j + ahead < len(loads):
+                start(j + ahead)
     finally:
-        # Even on a read error: no copy may still be reading a slot that the
-        # next call will reuse.
+        # Even on an error: no read may still be filling, and no copy still
+        # emptying, a slot that the next call will reuse.
+        for _, done in reading.values():
+            try:
+                done.result()
+            except BaseException:  # noqa: BLE001 - the first error is already on its way
+                pass
+        if pool is not None:
+            pool.shutdown(wait=True)
         for copies in in_flight.values():
             for c, h in copies:
                 c.wait(h)
@@ -339,6 +421,10 @@ class DeviceContext:
         for c in self.copiers.values():
             if isinstance(c, ThreadCopier):
                 c.close()
+            else:
+                # Nothing may still be copying into the staging slots when
+                # they are handed to the next call.
+                c.drain()
         self.copiers.clear()
         st, self.staging = self.staging, None
         if st is not None:

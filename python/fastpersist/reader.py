@@ -200,11 +200,19 @@ def _read_staged(path: str, items: List[Tuple[int, Any, int]], opts: EngineOptio
 
     _, kind = _staging_setup()
     ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=_stage_chunk())
+
+    def reader(index: int) -> Callable[[List[Tuple[int, int, int]]], List[int]]:
+        lock, eng = get_engine(opts, index)
+
+        def read(reqs: List[Tuple[int, int, int]]) -> List[int]:
+            with lock:
+                return list(eng.read_into(path, reqs)["crcs"])
+        return read
+
     try:
-        lock, eng = get_engine(opts)
-        with lock:
-            return read_to_device(lambda reqs: list(eng.read_into(path, reqs)["crcs"]), items,
-                                  ctx.staging, ctx.copier)
+        # Two engines, so slot k+1 is being read while slot k's read ends:
+        # the device never waits between slots.
+        return read_to_device([reader(0), reader(1)], items, ctx.staging, ctx.copier)
     finally:
         ctx.close()
 

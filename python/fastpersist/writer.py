@@ -119,15 +119,17 @@ class EngineOptions:
         )
 
 
-_engines: Dict[EngineOptions, Tuple[threading.Lock, _core.Engine]] = {}
+_engines: Dict[Tuple[EngineOptions, int], Tuple[threading.Lock, _core.Engine]] = {}
 _engines_lock = threading.Lock()
 _warned: set = set()
 
 
-def get_engine(opts: EngineOptions) -> Tuple[threading.Lock, _core.Engine]:
-    """The process-wide engine for these options (made on first use)."""
+def get_engine(opts: EngineOptions, index: int = 0) -> Tuple[threading.Lock, _core.Engine]:
+    """The process-wide engine for these options (made on first use).
+    ``index`` > 0 gives further engines, for work that keeps two files'
+    I/O in flight at once (the staged read to a GPU uses two)."""
     with _engines_lock:
-        hit = _engines.get(opts)
+        hit = _engines.get((opts, index))
         if hit is None:
             eng = _core.Engine(
                 block_size=opts.block_size,
@@ -138,7 +140,7 @@ def get_engine(opts: EngineOptions) -> Tuple[threading.Lock, _core.Engine]:
                 durable=opts.durable,
             )
             hit = (threading.Lock(), eng)
-            _engines[opts] = hit
+            _engines[(opts, index)] = hit
         return hit
 
 
@@ -246,42 +248,45 @@ def _write_torch_zip(obj: Any, path: str, opts: EngineOptions,
         # Made here, at the call: the copy streams wait on the caller's streams now.
         ctx = DeviceContext(sorted({r[1].device for r in head.device}, key=str), test_on_cpu=kind == "cpu",
                             chunk=_stage_chunk(), ready=ready)
-    lock, eng = get_engine(opts)
-    with lock:
-        session = eng.begin(path, head.end)
-        try:
-            failure: List[BaseException] = []
-            writer = None
-            if head.regions or head.blobs or head.device:
-                def write_head() -> None:
-                    try:
-                        _send(session, head, ctx)
-                    except BaseException as e:  # noqa: BLE001 - handed to the caller
-                        failure.append(e)
-
-                writer = threading.Thread(target=write_head, name="fastpersist-head", daemon=True)
-                writer.start()
+    try:
+        lock, eng = get_engine(opts)
+        with lock:
+            session = eng.begin(path, head.end)
             try:
-                tp = time.perf_counter()
-                tail = layout.tail()
-                plan_seconds = time.perf_counter() - tp
-            finally:
-                if writer is not None:
-                    writer.join()
-            if failure:
-                raise failure[0]
-            if tail.device and ctx is None:
-                from .cuda_staging import DeviceContext
+                failure: List[BaseException] = []
+                writer = None
+                if head.regions or head.blobs or head.device:
+                    def write_head() -> None:
+                        try:
+                            _send(session, head, ctx)
+                        except BaseException as e:  # noqa: BLE001 - handed to the caller
+                            failure.append(e)
 
-                ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=_stage_chunk(), ready=ready)
-            raw = _send(session, tail, ctx, layout.file_len, on_gathered)
-        except BaseException:
-            session.abort()
-            raise
-        finally:
-            del layout.keepalive[:]
-            if ctx is not None:
-                ctx.close()
+                    writer = threading.Thread(target=write_head, name="fastpersist-head", daemon=True)
+                    writer.start()
+                try:
+                    tp = time.perf_counter()
+                    tail = layout.tail()
+                    plan_seconds = time.perf_counter() - tp
+                finally:
+                    if writer is not None:
+                        writer.join()
+                if failure:
+                    raise failure[0]
+                if tail.device and ctx is None:
+                    from .cuda_staging import DeviceContext
+
+                    ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=_stage_chunk(), ready=ready)
+                raw = _send(session, tail, ctx, layout.file_len, on_gathered)
+            except BaseException:
+                session.abort()
+                raise
+            finally:
+                del layout.keepalive[:]
+    finally:
+        # Also when the engine or the file could not be made.
+        if ctx is not None:
+            ctx.close()
     _warn_once(raw["direct_note"], opts.direct)
     _warn_once(raw["uring_note"], opts.io_uring)
     return _stats(raw, path, layout.storage_bytes, layout.storage_keys, plan_seconds,

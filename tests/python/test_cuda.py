@@ -3,10 +3,12 @@ on CUDA when a GPU is present (skipped otherwise)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
 import tempfile
+import zlib
 
 import pytest
 import torch
@@ -91,7 +93,8 @@ def test_values_as_of_the_call(tmp_path):
 # --- Reading through the staging slots (host-to-device path) --------------
 
 from fastpersist import _core  # noqa: E402
-from fastpersist.cuda_staging import pack_pieces, release_staging, staging_bytes  # noqa: E402
+from fastpersist.cuda_staging import (Staging, ThreadCopier, pack_pieces, read_to_device,  # noqa: E402
+                                      release_staging, staging_bytes, stream_device_region)
 from fastpersist.errors import CorruptCheckpointError  # noqa: E402
 from fastpersist.reader import _device_for, _LocationScan, _targets  # noqa: E402
 from hypothesis import strategies as hst  # noqa: E402
@@ -237,3 +240,117 @@ def test_snapshot_mode_copies_into_pinned_pool(tmp_path):
     saver.save({"x": x}, tmp_path / "a.pt", mode="snapshot").result(timeout=120)
     assert saver.pool._free and all(b.is_pinned() for b in saver.pool._free)
     assert torch.equal(torch.load(tmp_path / "a.pt")["x"], x.cpu())
+
+
+class _CountingCopier(ThreadCopier):
+    """A ThreadCopier that counts the copies not yet waited for."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__()
+        self.open = set()
+        self.delay = delay
+
+    def _track(self, fut):
+        self.open.add(fut)
+        return fut
+
+    def copy(self, dst, storage, start, end):
+        import time
+
+        time.sleep(self.delay)
+        return self._track(super().copy(dst, storage, start, end))
+
+    def copy_in(self, storage, start, src):
+        return self._track(super().copy_in(storage, start, src))
+
+    def wait(self, handle):
+        super().wait(handle)
+        self.open.discard(handle)
+
+
+def test_failed_write_leaves_no_copy_filling_a_slot():
+    st = Staging(4096, register_cuda=False)
+    storage = torch.arange(5 * 4096, dtype=torch.uint8).untyped_storage()
+    copier = _CountingCopier()
+    calls = []
+
+    def write(regions):
+        calls.append(regions)
+        if len(calls) == 2:
+            raise OSError(5, "injected")
+
+    try:
+        with pytest.raises(OSError, match="injected"):
+            stream_device_region(write, (0, storage, storage.nbytes(), 0), st, copier)
+        # The copy of the third chunk was in flight when the second write
+        # failed: it was waited for before the error left.
+        assert copier.open == set()
+    finally:
+        copier.close()
+        st.close()
+
+
+def test_two_readers_overlap_and_fill_every_record():
+    import threading
+    import time
+
+    st = Staging(4096, register_cuda=False)
+    src = torch.randint(0, 255, (9 * 4096 + 123,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    busy = [0]
+    most = [0]
+    lock = threading.Lock()
+
+    def reader(reqs):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        time.sleep(0.02)
+        crcs = []
+        for off, addr, n in reqs:
+            ctypes_dst = torch.frombuffer((ctypes.c_uint8 * n).from_address(addr), dtype=torch.uint8)
+            ctypes_dst.copy_(src[off:off + n])
+            crcs.append(zlib.crc32(src[off:off + n].numpy().tobytes()))
+        with lock:
+            busy[0] -= 1
+        return crcs
+
+    copier = _CountingCopier()
+    try:
+        crcs = read_to_device([reader, reader], [(0, dst.untyped_storage(), src.numel())], st,
+                              lambda d: copier)
+        assert torch.equal(src, dst)
+        assert crcs == [zlib.crc32(src.numpy().tobytes())]
+        assert most[0] == 2  # two loads were being read at once
+        assert copier.open == set()
+    finally:
+        copier.close()
+        st.close()
+
+
+def test_read_error_waits_for_the_other_read():
+    import time
+
+    st = Staging(4096, register_cuda=False)
+    dst = torch.zeros(8 * 4096, dtype=torch.uint8)
+    started, finished = [], []
+
+    def slow(reqs):
+        started.append(1)
+        time.sleep(0.2)
+        finished.append(1)
+        return [0] * len(reqs)
+
+    def bad(reqs):
+        raise OSError(5, "read failed")
+
+    copier = _CountingCopier()
+    try:
+        with pytest.raises(OSError, match="read failed"):
+            read_to_device([slow, bad], [(0, dst.untyped_storage(), dst.numel())], st, lambda d: copier)
+        # Slow reads were filling slots: each ended before the error left.
+        assert started and len(finished) == len(started)
+        assert copier.open == set()
+    finally:
+        copier.close()
+        st.close()
