@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -14,7 +15,11 @@ import torch
 import fastpersist
 from helpers import make
 
+# The console script beside the interpreter (a virtualenv), else on PATH
+# (a pip --target or --user install).
 EXE = os.path.join(os.path.dirname(sys.executable), "fastpersist")
+if not os.path.exists(EXE):
+    EXE = shutil.which("fastpersist") or EXE
 
 
 def run(*args, cwd=None):

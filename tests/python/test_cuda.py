@@ -239,7 +239,7 @@ def test_snapshot_mode_copies_into_pinned_pool(tmp_path):
     x = torch.randn(1 << 20, device="cuda")
     saver.save({"x": x}, tmp_path / "a.pt", mode="snapshot").result(timeout=120)
     assert saver.pool._free and all(b.is_pinned() for b in saver.pool._free)
-    assert torch.equal(torch.load(tmp_path / "a.pt")["x"], x.cpu())
+    assert torch.equal(torch.load(tmp_path / "a.pt", map_location="cpu")["x"], x.cpu())
 
 
 class _CountingCopier(ThreadCopier):
