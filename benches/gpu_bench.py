@@ -6,7 +6,8 @@ In one run, for each size (default 2 GiB and 8 GiB), medians of ``--rounds``:
 
 * D2H limit: pinned device-to-host copy bandwidth of the same bytes;
 * disk write limit: fio O_DIRECT io_uring 4 MiB x 16 on the same directory;
-* fastpersist.write_state_dict from GPU tensors;
+* fastpersist.write_state_dict from GPU tensors (each writer writes a new
+  file, as fio does: the old one is removed before the timing);
 * torch.save + fsync from GPU tensors;
 * read: fastpersist.read_state_dict(map_location="cuda") and torch.load(map_location="cuda")
   against min(fio read, H2D) (cold: page cache dropped first).
@@ -47,6 +48,17 @@ def copy_limit(nbytes: int, d2h: bool) -> float:
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def fresh(path: str) -> None:
+    """Remove the previous round's file, and let the file system finish
+    freeing it, before a timed write: fio writes a new file each time, so
+    every writer does too. (Replacing a large file is not free: with ext4's
+    online discard, freeing a 4 GiB file took about a second on the lent
+    H100 machine, charged to whichever call drops the old inode.)"""
+    if os.path.exists(path):
+        os.unlink(path)
+    os.sync()
 
 
 def parse_variant(spec: str) -> tuple:
@@ -114,7 +126,7 @@ def main() -> None:
                 res["h2d"].append(copy_limit(min(nbytes, 4 << 30), False))
                 for name, kw, chunk in variants:
                     res["fio_w"].append(fio_limit(d, nbytes) or float("nan"))
-                    os.sync()
+                    fresh(fp)
                     old = os.environ.get("FASTPERSIST_STAGE_CHUNK")
                     if chunk:
                         os.environ["FASTPERSIST_STAGE_CHUNK"] = str(chunk)
@@ -130,13 +142,14 @@ def main() -> None:
                     stats = stats or st
                     res["fp_w " + name].append(bw)
                     res["ratio " + name].append(bw / min(res["d2h"][-1], res["fio_w"][-1]))
-                os.sync()
+                fresh(ts)
                 t0 = time.perf_counter()
                 with open(ts, "wb") as f:
                     torch.save(sd, f)
                     f.flush()
                     os.fsync(f.fileno())
                 res["ts_w"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                fresh(os.path.join(d, "ds.pt"))
                 ds = deepspeed_write(sd, os.path.join(d, "ds.pt"))
                 if ds is not None:
                     res["ds_w"].append(nbytes / ds / 1e9)
