@@ -56,3 +56,14 @@ def make(shape, dtype, seed: int = 0) -> torch.Tensor:
     if dtype == torch.bool:
         raw = raw % 2
     return raw.view(dtype).reshape(shape)
+
+
+def cli_exe() -> str:
+    """The ``fastpersist`` console script: beside the interpreter (a
+    virtualenv), else on PATH (a ``pip --target`` or ``--user`` install)."""
+    import os
+    import shutil
+    import sys
+
+    exe = os.path.join(os.path.dirname(sys.executable), "fastpersist")
+    return exe if os.path.exists(exe) else (shutil.which("fastpersist") or exe)

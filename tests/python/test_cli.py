@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 import subprocess
-import sys
 
 import pytest
 import torch
 
 import fastpersist
-from helpers import make
+from helpers import cli_exe, make
 
-# The console script beside the interpreter (a virtualenv), else on PATH
-# (a pip --target or --user install).
-EXE = os.path.join(os.path.dirname(sys.executable), "fastpersist")
-if not os.path.exists(EXE):
-    EXE = shutil.which("fastpersist") or EXE
+EXE = cli_exe()
 
 
 def run(*args, cwd=None):

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import fastpersist
 from fastpersist.checkpoint_manager import FrequencyTuner, ckpt_name
+from helpers import cli_exe
 
 
 def state(i: int) -> dict:
@@ -169,8 +170,7 @@ def test_ls_command(tmp_path):
     with fastpersist.Checkpointer(tmp_path, every=1) as ck:
         for s in range(1, 3):
             ck.step(s, state(s))
-    exe = os.path.join(os.path.dirname(sys.executable), "fastpersist")
-    r = subprocess.run([exe, "ls", str(tmp_path), "--verify"], capture_output=True, text=True)
+    r = subprocess.run([cli_exe(), "ls", str(tmp_path), "--verify"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "verified" in r.stdout and " 2 " in r.stdout
 
