@@ -2,7 +2,8 @@
 """Training-loop benchmark: the cost of checkpointing every iteration.
 
 A small GPT (torch.nn: embeddings, pre-norm transformer blocks, tied head),
-AdamW, trained on the CPU on generated tokens. Model and optimizer state are
+AdamW, trained on generated tokens, on the CPU (default) or with
+``--device cuda`` on a GPU (then the checkpoint is in GPU memory). Model and optimizer state are
 checkpointed every iteration by each method in turn, in one run:
 
 * none (the baseline)
@@ -68,7 +69,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t))
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for b in self.blocks:
             x = b(x, self.mask[:t, :t])
         return self.head(self.ln(x))
@@ -86,13 +87,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cpu", help="where to train: cpu (default) or cuda")
     ap.add_argument("--methods", default=None,
                     help="comma-separated substrings of the methods to run (the baseline always runs)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ctx)
+    dev = torch.device(args.device)
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ctx).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    data = torch.randint(0, args.vocab, (64, args.batch, args.ctx + 1))
+    data = torch.randint(0, args.vocab, (64, args.batch, args.ctx + 1), device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def state(step: int) -> dict:
         return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
@@ -177,6 +181,7 @@ def main() -> None:
                         print(f"{name}: failed ({type(e).__name__}: {e}); skipped")
                         broken.add(name)
                         break
+                    sync()  # the iteration's GPU work is part of its time
                     if i > 0:  # the first iteration of a block warms up
                         times[name].append(time.perf_counter() - t0)
                     step += 1
@@ -193,7 +198,7 @@ def main() -> None:
         nparams = sum(p.numel() for p in model.parameters())
         print(f"GPT: {args.layers} layers, dim {args.dim}, {nparams / 1e6:.1f} M parameters, "
               f"checkpoint {size / 2**20:.0f} MiB (model + AdamW), batch {args.batch}x{args.ctx}, "
-              f"{torch.get_num_threads()} threads")
+              f"{torch.get_num_threads()} threads, on {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}")
         print(f"{'method':<32} {'median ms':>10} {'p90 ms':>8} {'overhead':>9}")
         res = {"params": nparams, "checkpoint_bytes": size, "methods": {}}
         for name, ts in times.items():
