@@ -8,9 +8,13 @@ session call releases the GIL), chunk k+1 is already being copied; three
 staging slots are enough for that (the session may hold on to the unaligned
 end of chunk k until the next call has consumed it).
 
-Reading (host to device): the engine reads a slot's worth of records into a
+The session's write returns once the chunk is in the engine's arena, with
+the disk writes still in flight, so the disk never idles between chunks.
+
+Reading (host to device): an engine reads a slot's worth of records into a
 slot (O_DIRECT, CRC32 on the way), then a non-blocking host-to-device copy
-empties it while the next slot is being read.
+empties it. Two engines on two worker threads read consecutive slots, so
+two reads are always in flight while the third slot is being copied.
 
 Staging memory is ``3 * chunk`` bytes, whatever the model. It is made once
 per process (registering memory with CUDA is slow) and reused by every save
