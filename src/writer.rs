@@ -350,19 +350,28 @@ impl Engine {
         if Some(id) == owner {
             return;
         }
-        let mut free = std::mem::take(&mut self.free);
-        let (sink, arena) = self.parts();
-        let nbufs = arena.nbufs();
-        if let Err(e) = sink.drain_checked(&mut free) {
-            sink.drain();
-            free = (0..nbufs).rev().collect();
+        if let Err(e) = self.drain_in_flight() {
             if self.lost.len() >= LOST_KEPT {
                 self.lost.remove(0);
             }
             self.lost.push((id, e));
         }
+    }
+
+    /// Wait for every write in flight; afterwards the whole arena is free
+    /// (also when one of them failed: its error is returned).
+    fn drain_in_flight(&mut self) -> Result<()> {
+        let mut free = std::mem::take(&mut self.free);
+        let (sink, arena) = self.parts();
+        let nbufs = arena.nbufs();
+        let res = sink.drain_checked(&mut free);
+        if res.is_err() {
+            sink.drain();
+            free = (0..nbufs).rev().collect();
+        }
         self.free = free;
         self.streaming = None;
+        res
     }
 
     /// Add the last `segments`, write the rest of the file (true length
@@ -459,17 +468,7 @@ impl Engine {
                 return Ok(());
             }
             // Nothing new to write, but this session's writes are in flight.
-            let mut free = std::mem::take(&mut self.free);
-            let (sink, arena) = self.parts();
-            let nbufs = arena.nbufs();
-            let res = sink.drain_checked(&mut free);
-            if res.is_err() {
-                sink.drain();
-                free = (0..nbufs).rev().collect();
-            }
-            self.free = free;
-            self.streaming = None;
-            if let Err(mut e) = res {
+            if let Err(mut e) = self.drain_in_flight() {
                 session.failed = true;
                 e.path
                     .get_or_insert_with(|| session.tmp.temp_path().to_path_buf());
