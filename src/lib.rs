@@ -1,14 +1,27 @@
 //! fastpersist core: durable, fast checkpoint files on Linux.
 //!
-//! Pure Rust, no Python: [`layout`] (the hybrid alignment partitioner),
-//! [`arena`] (aligned, locked staging memory), [`sink`] (io_uring ring and
-//! the pwrite fallback pool), [`commit`] (temporary file, fsync, rename,
-//! directory fsync) and [`writer`] (one save end to end). The Python
-//! extension lives in `python.rs`, behind the `python` feature.
+//! Pure Rust, no Python. The modules, bottom up:
+//!
+//! - [`error`]: the error type (what was done, path, errno) and its kinds;
+//! - [`align`]: the direct-I/O alignment of a file system (`statx`);
+//! - [`layout`]: a file described as segments, and the hybrid alignment
+//!   partitioner that cuts it into block-aligned extents and balanced parts;
+//! - [`arena`]: aligned, locked staging memory;
+//! - [`sink`]: the io_uring ring and the `pwrite`/`pread`
+//!   fallback pool that take arena buffers to and from the kernel;
+//! - [`commit`]: the temporary file and the durable commit (fsync, rename,
+//!   directory fsync);
+//! - [`engine`]: [`Engine`] and [`Options`], the arena, sink and free-buffer
+//!   list that saves and reads share, and who owns the writes in flight;
+//! - [`writer`]: write sessions (`begin`/`write`/`finish`) and `write_part`;
+//! - [`reader`]: many records of one file into caller memory.
+//!
+//! The Python extension lives in `python.rs`, behind the `python` feature.
 
 pub mod align;
 pub mod arena;
 pub mod commit;
+pub mod engine;
 pub mod error;
 pub mod layout;
 pub mod reader;
@@ -18,7 +31,8 @@ pub mod writer;
 #[cfg(feature = "python")]
 mod python;
 
+pub use engine::{Engine, Options};
 pub use error::{Error, ErrorKind, Result};
 pub use layout::{Extent, Layout, MemRef, Piece, Segment, Source};
 pub use reader::{MutMemRef, ReadReq, ReadStats};
-pub use writer::{Engine, Options, Session, WriteStats};
+pub use writer::{Session, WriteStats};

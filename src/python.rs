@@ -3,11 +3,12 @@
 //! No logic lives here.
 
 use crate::align;
+use crate::engine::{Engine, Options};
 use crate::error::{Error, ErrorKind};
 use crate::layout::{Layout, MemRef, Segment, Source};
 use crate::reader::{MutMemRef, ReadReq, ReadStats};
 use crate::sink::Fault;
-use crate::writer::{Engine, Options, Session, WriteStats};
+use crate::writer::{Session, WriteStats};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;

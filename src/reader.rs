@@ -7,9 +7,9 @@
 //! its bytes in order whatever order the device completes them in.
 
 use crate::align::{self, align_down, align_up};
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::sink::Job;
-use crate::writer::Engine;
 use crc32fast::Hasher;
 use std::collections::VecDeque;
 use std::ffi::CString;
@@ -153,14 +153,12 @@ impl Engine {
         let qd = self.opts.queue_depth;
         let io_uring = self.uring.is_some();
         let fd = file.as_raw_fd();
-        let (sink, arena) = self.parts();
-        let mut free: Vec<usize> = (0..arena.nbufs()).rev().collect();
-        // In flight, in file order: (offset, len, buffer).
-        let mut window: VecDeque<(u64, usize, usize)> = VecDeque::new();
-        let mut done = vec![false; arena.nbufs()];
-        let mut next_req = 0usize; // index into `order` of the first request not yet finished
-        let mut freed = Vec::new();
-        let res: Result<()> = (|| {
+        let res = self.with_buffers(|sink, arena, free| {
+            // In flight, in file order: (offset, len, buffer).
+            let mut window: VecDeque<(u64, usize, usize)> = VecDeque::new();
+            let mut done = vec![false; arena.nbufs()];
+            let mut next_req = 0usize; // index into `order` of the first request not yet finished
+            let mut freed = Vec::new();
             loop {
                 while !free.is_empty() && sink.inflight() < qd {
                     let Some((off, len)) = extents.pop_front() else {
@@ -202,9 +200,8 @@ impl Engine {
                 free.push(b);
             }
             Ok(())
-        })();
+        });
         if let Err(mut e) = res {
-            sink.drain();
             e.path.get_or_insert_with(|| path.to_path_buf());
             return Err(e);
         }

@@ -1,4 +1,5 @@
-//! The write engine: one save, from a [`Layout`] to a durable, committed file.
+//! Write sessions: one save, from a [`Layout`] to a durable, committed file,
+//! on an [`Engine`]'s arena and I/O back end.
 //!
 //! ```text
 //!  caller memory ──gather+crc32──► arena buffer k ──WriteFixed/O_DIRECT──► temp file
@@ -14,88 +15,13 @@
 use crate::align::{self, DioAlign};
 use crate::arena::Arena;
 use crate::commit::TempFile;
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::layout::{Extent, Layout, Segment, Source};
-use crate::sink::{Fault, Job, PoolSink, Sink, UringSink};
+use crate::sink::{Job, Sink};
 use crc32fast::Hasher;
 use std::path::Path;
 use std::time::Instant;
-
-/// Tuning knobs. The defaults were chosen by measurement (see the README).
-#[derive(Debug, Clone)]
-pub struct Options {
-    /// Bytes per write (one arena buffer); a multiple of the page size.
-    pub block_size: usize,
-    /// Total staging memory; `arena_bytes / block_size` buffers.
-    pub arena_bytes: usize,
-    /// Writes in flight at most.
-    pub queue_depth: usize,
-    /// Try O_DIRECT (falls back to buffered writes when refused).
-    pub direct: bool,
-    /// Try io_uring (falls back to a pwrite thread pool when unavailable).
-    pub io_uring: bool,
-    /// Register the arena with io_uring (WriteFixed).
-    pub register_buffers: bool,
-    /// mlock the arena.
-    pub lock_memory: bool,
-    /// Threads of the pwrite fallback pool.
-    pub pool_threads: usize,
-    /// Start an fdatasync after every this many bytes (0: only at the end),
-    /// so the device flushes its cache while the save goes on and the final
-    /// fsync has little left to do.
-    pub flush_every: u64,
-    /// fsync the file and the directory (off only for benchmarks of the
-    /// non-durable case; a checkpoint should always be durable).
-    pub durable: bool,
-    /// Test hook: the write covering this offset fails with this errno.
-    pub fault: Option<Fault>,
-    /// Test hook: behave as if the file system refused O_DIRECT writes.
-    pub refuse_direct: bool,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options {
-            block_size: 1 << 20,
-            arena_bytes: 32 << 20,
-            queue_depth: 32,
-            direct: true,
-            io_uring: true,
-            register_buffers: true,
-            lock_memory: true,
-            pool_threads: 4,
-            flush_every: 256 << 20,
-            durable: true,
-            fault: None,
-            refuse_direct: false,
-        }
-    }
-}
-
-impl Options {
-    fn validate(&self) -> Result<()> {
-        let page = crate::arena::page_size();
-        if self.block_size == 0 || self.block_size % page != 0 {
-            return Err(Error::option(format!(
-                "block_size {} must be a positive multiple of {page}",
-                self.block_size
-            )));
-        }
-        if self.block_size > (1 << 30) {
-            return Err(Error::option("block_size must be at most 1 GiB"));
-        }
-        if self.arena_bytes < self.block_size {
-            return Err(Error::option(format!(
-                "arena_bytes {} must hold at least one block of {}",
-                self.arena_bytes, self.block_size
-            )));
-        }
-        if self.queue_depth == 0 || self.queue_depth > 4096 {
-            return Err(Error::option("queue_depth must be in 1..=4096"));
-        }
-        Ok(())
-    }
-}
 
 /// What one save did.
 #[derive(Debug, Clone, Default)]
@@ -178,88 +104,7 @@ impl Session {
     }
 }
 
-/// A reusable writer: the arena, the ring and the fallback pool live across
-/// saves, so a save allocates nothing proportional to the checkpoint.
-pub struct Engine {
-    // Field order matters: the ring (holding the arena's registration) and
-    // the pool (whose threads may hold jobs) are dropped before the arena.
-    pub(crate) uring: Option<UringSink>,
-    pub(crate) pool: Option<PoolSink>,
-    pub(crate) arena: Arena,
-    pub(crate) opts: Options,
-    pub(crate) uring_note: Option<String>,
-    /// Arena buffers not in flight. Between the [`Engine::write`] calls of
-    /// one streamed file, writes stay in flight (the device never idles
-    /// while the caller produces the next part); every other use of the
-    /// arena first waits for them ([`Engine::settle`]).
-    free: Vec<usize>,
-    /// The session whose writes are in flight, if any.
-    streaming: Option<u64>,
-    /// Failures of writes drained on behalf of another session, reported
-    /// to their own session at its next call (a few kept, newest last).
-    lost: Vec<(u64, Error)>,
-}
-
-/// How many failures of other sessions' writes are kept for them.
-const LOST_KEPT: usize = 8;
-
 impl Engine {
-    pub fn new(opts: Options) -> Result<Self> {
-        opts.validate()?;
-        let nbufs = opts.arena_bytes / opts.block_size;
-        let arena = Arena::new(opts.block_size, nbufs, opts.lock_memory)?;
-        let mut uring_note = None;
-        let uring = if opts.io_uring {
-            match UringSink::new(opts.queue_depth.min(nbufs) as u32) {
-                Ok(mut u) => {
-                    if opts.register_buffers {
-                        // Unregistered writes still work: only the per-I/O
-                        // page pinning is saved by registering.
-                        let _ = u.register(&arena);
-                    }
-                    Some(u)
-                }
-                Err(e) => {
-                    uring_note = Some(format!("io_uring is unavailable ({e})"));
-                    None
-                }
-            }
-        } else {
-            uring_note = Some("io_uring was turned off by the caller".into());
-            None
-        };
-        let free = (0..arena.nbufs()).rev().collect();
-        Ok(Engine {
-            uring,
-            pool: None,
-            arena,
-            opts,
-            uring_note,
-            free,
-            streaming: None,
-            lost: Vec::new(),
-        })
-    }
-
-    pub fn options(&self) -> &Options {
-        &self.opts
-    }
-
-    pub fn arena(&self) -> &Arena {
-        &self.arena
-    }
-
-    pub fn uses_io_uring(&self) -> bool {
-        self.uring.is_some()
-    }
-
-    /// Test hooks: fail the write covering an offset; act as if O_DIRECT
-    /// were refused by the file system.
-    pub fn set_fault(&mut self, fault: Option<Fault>, refuse_direct: bool) {
-        self.opts.fault = fault;
-        self.opts.refuse_direct = refuse_direct;
-    }
-
     /// Write the file described by `segments` (true length `file_len`) to
     /// `path`, durably and atomically.
     pub fn write_file(
@@ -337,41 +182,8 @@ impl Engine {
         if self.streaming == Some(session.id) {
             self.settle(None);
         }
-        self.lost.retain(|(id, _)| *id != session.id);
+        self.forget(session.id);
         drop(session);
-    }
-
-    /// Writes in flight and not `owner`'s are waited for, so the arena is
-    /// free for someone else. A failure among them is kept for its session.
-    pub(crate) fn settle(&mut self, owner: Option<u64>) {
-        let Some(id) = self.streaming else {
-            return;
-        };
-        if Some(id) == owner {
-            return;
-        }
-        if let Err(e) = self.drain_in_flight() {
-            if self.lost.len() >= LOST_KEPT {
-                self.lost.remove(0);
-            }
-            self.lost.push((id, e));
-        }
-    }
-
-    /// Wait for every write in flight; afterwards the whole arena is free
-    /// (also when one of them failed: its error is returned).
-    fn drain_in_flight(&mut self) -> Result<()> {
-        let mut free = std::mem::take(&mut self.free);
-        let (sink, arena) = self.parts();
-        let nbufs = arena.nbufs();
-        let res = sink.drain_checked(&mut free);
-        if res.is_err() {
-            sink.drain();
-            free = (0..nbufs).rev().collect();
-        }
-        self.free = free;
-        self.streaming = None;
-        res
     }
 
     /// Add the last `segments`, write the rest of the file (true length
@@ -430,7 +242,7 @@ impl Engine {
             commit_seconds: t_commit.elapsed().as_secs_f64(),
             direct,
             io_uring: self.uring.is_some(),
-            registered: self.uring.as_ref().is_some_and(UringSink::registered),
+            registered: self.registered(),
             locked: self.arena.locked(),
             block,
             direct_note,
@@ -455,9 +267,8 @@ impl Engine {
             return Err(Error::option("this write session already failed"));
         }
         self.settle(Some(session.id));
-        if let Some(i) = self.lost.iter().position(|(id, _)| *id == session.id) {
+        if let Some(mut e) = self.take_lost(session.id) {
             session.failed = true;
-            let (_, mut e) = self.lost.remove(i);
             e.path
                 .get_or_insert_with(|| session.tmp.temp_path().to_path_buf());
             return Err(e);
@@ -492,57 +303,43 @@ impl Engine {
         // own reference to the file, while the pwrite pool works on the fd
         // number, which a dropped session would close under it.
         let keep = keep_in_flight && self.uring.is_some();
-        let mut free = std::mem::take(&mut self.free);
-        let (sink, arena) = self.parts();
-        let nbufs = arena.nbufs();
-        let res = pump(
-            &layout,
-            session.written..upto,
-            arena,
-            sink,
-            session.tmp.fd(),
-            Pacing {
-                qd,
-                flush_every,
-                keep_in_flight: keep,
-            },
-            (&mut free, &mut session.unflushed),
-            &mut session.hashers,
-            on_gathered,
-        );
-        let still = sink.pending() > 0;
+        let fd = session.tmp.fd();
+        let written = session.written;
+        let res = self.with_buffers(|sink, arena, free| {
+            pump(
+                &layout,
+                written..upto,
+                arena,
+                sink,
+                fd,
+                Pacing {
+                    qd,
+                    flush_every,
+                    keep_in_flight: keep,
+                },
+                (free, &mut session.unflushed),
+                &mut session.hashers,
+                on_gathered,
+            )?;
+            Ok(sink.pending() > 0)
+        });
         session.segments = layout.into_segments();
         session.io_seconds += t.elapsed().as_secs_f64();
-        if let Err(mut e) = res {
-            sink.drain();
-            self.free = (0..nbufs).rev().collect();
-            self.streaming = None;
-            session.failed = true;
-            e.path
-                .get_or_insert_with(|| session.tmp.temp_path().to_path_buf());
-            return Err(e);
-        }
-        self.free = free;
+        let still = match res {
+            Ok(still) => still,
+            Err(mut e) => {
+                session.failed = true;
+                e.path
+                    .get_or_insert_with(|| session.tmp.temp_path().to_path_buf());
+                return Err(e);
+            }
+        };
         self.streaming = still.then_some(session.id);
         session.written = upto;
         // Segments wholly written are no longer needed (their checksums live
         // in the hashers): drop them so a long streamed file stays small.
         session.segments.retain(|s| s.end() > upto);
         Ok(())
-    }
-
-    /// The I/O back end (io_uring, else the pwrite pool, made on first use)
-    /// with its fault hook set, and the arena.
-    pub(crate) fn parts(&mut self) -> (&mut dyn Sink, &mut Arena) {
-        let fault = self.opts.fault;
-        let sink: &mut dyn Sink = match self.uring.as_mut() {
-            Some(u) => u,
-            None => self
-                .pool
-                .get_or_insert_with(|| PoolSink::new(self.opts.pool_threads)),
-        };
-        sink.set_fault(fault);
-        (sink, &mut self.arena)
     }
 
     /// Write part `index` of `parts` of the file described by `segments`
@@ -581,31 +378,25 @@ impl Engine {
         let layout = Layout::new(segments, file_len, dio.block)?;
         let range = layout.split(parts)[index].clone();
         let qd = self.opts.queue_depth;
-        let mut free = std::mem::take(&mut self.free);
-        let (sink, arena) = self.parts();
-        let nbufs = arena.nbufs();
         let mut hashers = vec![Hasher::new(); layout.crc_ids() as usize];
         let t_io = Instant::now();
-        let res = pump(
-            &layout,
-            range.clone(),
-            arena,
-            sink,
-            file.fd(),
-            Pacing {
-                qd,
-                flush_every: 0,
-                keep_in_flight: false,
-            },
-            (&mut free, &mut 0),
-            &mut hashers,
-            &mut || {},
-        );
-        if res.is_err() {
-            sink.drain();
-            free = (0..nbufs).rev().collect();
-        }
-        self.free = free;
+        let res = self.with_buffers(|sink, arena, free| {
+            pump(
+                &layout,
+                range.clone(),
+                arena,
+                sink,
+                file.fd(),
+                Pacing {
+                    qd,
+                    flush_every: 0,
+                    keep_in_flight: false,
+                },
+                (free, &mut 0),
+                &mut hashers,
+                &mut || {},
+            )
+        });
         if let Err(mut e) = res {
             e.path.get_or_insert_with(|| path.to_path_buf());
             return Err(e);
@@ -626,7 +417,7 @@ impl Engine {
             commit_seconds: t_c.elapsed().as_secs_f64(),
             direct: file.direct,
             io_uring: self.uring.is_some(),
-            registered: self.uring.as_ref().is_some_and(UringSink::registered),
+            registered: self.registered(),
             locked: self.arena.locked(),
             block: dio.block,
             direct_note: None,
@@ -638,31 +429,34 @@ impl Engine {
     /// Write one zero block at offset 0 (which the real data overwrites) to
     /// learn whether the file system takes O_DIRECT writes. Returns why not.
     fn probe_direct(&mut self, tmp: &TempFile, block: usize) -> Result<Option<String>> {
-        debug_assert!(self.streaming.is_none(), "arena buffer 0 may be in flight");
-        let buf = &mut self.arena.buf_mut(0)[..block];
-        buf.fill(0);
         if self.opts.refuse_direct {
             return Ok(Some(
                 "the file system refused an O_DIRECT write (EINVAL, injected)".into(),
             ));
         }
-        // SAFETY: writing `block` bytes from the start of an arena buffer,
-        // which is page-aligned and at least `block` long, to our own fd.
-        let n = unsafe { libc::pwrite(tmp.fd(), buf.as_ptr().cast(), block, 0) };
-        if n == block as isize {
-            return Ok(None);
-        }
-        let e = std::io::Error::last_os_error();
-        if n < 0 && e.raw_os_error() == Some(libc::EINVAL) {
-            return Ok(Some(
-                "the file system refused an O_DIRECT write (EINVAL)".into(),
-            ));
-        }
-        Err(Error::from_io(
-            &e,
-            "probe write failed",
-            Some(tmp.temp_path()),
-        ))
+        self.with_buffers(|_, arena, free| {
+            let b = *free.last().expect("a free buffer");
+            let buf = &mut arena.buf_mut(b)[..block];
+            buf.fill(0);
+            // SAFETY: writing `block` bytes from the start of an arena
+            // buffer, which is page-aligned and at least `block` long and
+            // not in flight (it is on the free list), to our own fd.
+            let n = unsafe { libc::pwrite(tmp.fd(), buf.as_ptr().cast(), block, 0) };
+            if n == block as isize {
+                return Ok(None);
+            }
+            let e = std::io::Error::last_os_error();
+            if n < 0 && e.raw_os_error() == Some(libc::EINVAL) {
+                return Ok(Some(
+                    "the file system refused an O_DIRECT write (EINVAL)".into(),
+                ));
+            }
+            Err(Error::from_io(
+                &e,
+                "probe write failed",
+                Some(tmp.temp_path()),
+            ))
+        })
     }
 }
 

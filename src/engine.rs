@@ -1,0 +1,261 @@
+//! The engine: the resources every save and read shares, and who owns them.
+//!
+//! An [`Engine`] holds the staging [`Arena`], the I/O back end (an io_uring
+//! ring, else a pool of `pwrite`/`pread` threads made on first use) and the
+//! list of arena buffers that are not in flight. Between the calls of one
+//! streamed save its writes stay in flight (the device never idles while
+//! the caller produces the next part); the engine remembers which session
+//! they belong to, and anything else that needs the arena first waits for
+//! them ([`Engine::settle`]), keeping a failure among them for the session
+//! that made them.
+//!
+//! Sessions (`begin`/`write`/`finish`, `write_part`) live in
+//! [`crate::writer`], reads in [`crate::reader`]; both reach the arena and
+//! the sink only through [`Engine::with_buffers`], the one place that takes
+//! the free-buffer list, runs the I/O, and on failure drains the sink and
+//! gives every buffer back.
+
+use crate::arena::Arena;
+use crate::error::{Error, Result};
+use crate::sink::{Fault, PoolSink, Sink, UringSink};
+
+/// Tuning knobs. The defaults were chosen by measurement (see the README).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Bytes per write (one arena buffer); a multiple of the page size.
+    pub block_size: usize,
+    /// Total staging memory; `arena_bytes / block_size` buffers.
+    pub arena_bytes: usize,
+    /// Writes in flight at most.
+    pub queue_depth: usize,
+    /// Try O_DIRECT (falls back to buffered writes when refused).
+    pub direct: bool,
+    /// Try io_uring (falls back to a pwrite thread pool when unavailable).
+    pub io_uring: bool,
+    /// Register the arena with io_uring (WriteFixed).
+    pub register_buffers: bool,
+    /// mlock the arena.
+    pub lock_memory: bool,
+    /// Threads of the pwrite fallback pool.
+    pub pool_threads: usize,
+    /// Start an fdatasync after every this many bytes (0: only at the end),
+    /// so the device flushes its cache while the save goes on and the final
+    /// fsync has little left to do.
+    pub flush_every: u64,
+    /// fsync the file and the directory (off only for benchmarks of the
+    /// non-durable case; a checkpoint should always be durable).
+    pub durable: bool,
+    /// Test hook: the write covering this offset fails with this errno.
+    pub fault: Option<Fault>,
+    /// Test hook: behave as if the file system refused O_DIRECT writes.
+    pub refuse_direct: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            block_size: 1 << 20,
+            arena_bytes: 32 << 20,
+            queue_depth: 32,
+            direct: true,
+            io_uring: true,
+            register_buffers: true,
+            lock_memory: true,
+            pool_threads: 4,
+            flush_every: 256 << 20,
+            durable: true,
+            fault: None,
+            refuse_direct: false,
+        }
+    }
+}
+
+impl Options {
+    pub(crate) fn validate(&self) -> Result<()> {
+        let page = crate::arena::page_size();
+        if self.block_size == 0 || self.block_size % page != 0 {
+            return Err(Error::option(format!(
+                "block_size {} must be a positive multiple of {page}",
+                self.block_size
+            )));
+        }
+        if self.block_size > (1 << 30) {
+            return Err(Error::option("block_size must be at most 1 GiB"));
+        }
+        if self.arena_bytes < self.block_size {
+            return Err(Error::option(format!(
+                "arena_bytes {} must hold at least one block of {}",
+                self.arena_bytes, self.block_size
+            )));
+        }
+        if self.queue_depth == 0 || self.queue_depth > 4096 {
+            return Err(Error::option("queue_depth must be in 1..=4096"));
+        }
+        Ok(())
+    }
+}
+
+/// A reusable writer and reader: the arena, the ring and the fallback pool
+/// live across saves, so a save allocates nothing proportional to the
+/// checkpoint.
+pub struct Engine {
+    // Field order matters: the ring (holding the arena's registration) and
+    // the pool (whose threads may hold jobs) are dropped before the arena.
+    pub(crate) uring: Option<UringSink>,
+    pub(crate) pool: Option<PoolSink>,
+    pub(crate) arena: Arena,
+    pub(crate) opts: Options,
+    pub(crate) uring_note: Option<String>,
+    /// Arena buffers not in flight. Between the `write` calls of one
+    /// streamed file, writes stay in flight; every other use of the arena
+    /// first waits for them ([`Engine::settle`]). When no session streams,
+    /// this holds every buffer.
+    free: Vec<usize>,
+    /// The session whose writes are in flight, if any.
+    pub(crate) streaming: Option<u64>,
+    /// Failures of writes drained on behalf of another session, reported
+    /// to their own session at its next call (a few kept, newest last).
+    lost: Vec<(u64, Error)>,
+}
+
+/// How many failures of other sessions' writes are kept for them.
+const LOST_KEPT: usize = 8;
+
+impl Engine {
+    pub fn new(opts: Options) -> Result<Self> {
+        opts.validate()?;
+        let nbufs = opts.arena_bytes / opts.block_size;
+        let arena = Arena::new(opts.block_size, nbufs, opts.lock_memory)?;
+        let mut uring_note = None;
+        let uring = if opts.io_uring {
+            match UringSink::new(opts.queue_depth.min(nbufs) as u32) {
+                Ok(mut u) => {
+                    if opts.register_buffers {
+                        // Unregistered writes still work: only the per-I/O
+                        // page pinning is saved by registering.
+                        let _ = u.register(&arena);
+                    }
+                    Some(u)
+                }
+                Err(e) => {
+                    uring_note = Some(format!("io_uring is unavailable ({e})"));
+                    None
+                }
+            }
+        } else {
+            uring_note = Some("io_uring was turned off by the caller".into());
+            None
+        };
+        let free = (0..arena.nbufs()).rev().collect();
+        Ok(Engine {
+            uring,
+            pool: None,
+            arena,
+            opts,
+            uring_note,
+            free,
+            streaming: None,
+            lost: Vec::new(),
+        })
+    }
+
+    pub fn options(&self) -> &Options {
+        &self.opts
+    }
+
+    pub fn arena(&self) -> &Arena {
+        &self.arena
+    }
+
+    pub fn uses_io_uring(&self) -> bool {
+        self.uring.is_some()
+    }
+
+    /// Whether the arena is registered with io_uring.
+    pub(crate) fn registered(&self) -> bool {
+        self.uring.as_ref().is_some_and(UringSink::registered)
+    }
+
+    /// Test hooks: fail the write covering an offset; act as if O_DIRECT
+    /// were refused by the file system.
+    pub fn set_fault(&mut self, fault: Option<Fault>, refuse_direct: bool) {
+        self.opts.fault = fault;
+        self.opts.refuse_direct = refuse_direct;
+    }
+
+    /// Writes in flight and not `owner`'s are waited for, so the arena is
+    /// free for someone else. A failure among them is kept for its session.
+    pub(crate) fn settle(&mut self, owner: Option<u64>) {
+        let Some(id) = self.streaming else {
+            return;
+        };
+        if Some(id) == owner {
+            return;
+        }
+        if let Err(e) = self.drain_in_flight() {
+            if self.lost.len() >= LOST_KEPT {
+                self.lost.remove(0);
+            }
+            self.lost.push((id, e));
+        }
+    }
+
+    /// The failure of one of `session`'s writes that another user of the
+    /// arena drained, if any (taken: it is reported once).
+    pub(crate) fn take_lost(&mut self, session: u64) -> Option<Error> {
+        let i = self.lost.iter().position(|(id, _)| *id == session)?;
+        Some(self.lost.remove(i).1)
+    }
+
+    /// Forget whatever was kept for `session` (it was aborted).
+    pub(crate) fn forget(&mut self, session: u64) {
+        self.lost.retain(|(id, _)| *id != session);
+    }
+
+    /// Wait for every write in flight; afterwards the whole arena is free
+    /// (also when one of them failed: its error is returned) and no
+    /// session streams.
+    pub(crate) fn drain_in_flight(&mut self) -> Result<()> {
+        let res = self.with_buffers(|sink, _, free| sink.drain_checked(free));
+        self.streaming = None;
+        res
+    }
+
+    /// Run `io` with the I/O back end, the arena and the list of free
+    /// buffers, which `io` takes buffers from and gives them back to as
+    /// their I/O completes. When `io` fails, every request in flight is
+    /// waited for (the kernel is done with every buffer), the whole arena is
+    /// free again and no session streams. This is the only way to the sink
+    /// and the arena's buffers.
+    pub(crate) fn with_buffers<T>(
+        &mut self,
+        io: impl FnOnce(&mut dyn Sink, &mut Arena, &mut Vec<usize>) -> Result<T>,
+    ) -> Result<T> {
+        let mut free = std::mem::take(&mut self.free);
+        let (sink, arena) = self.parts();
+        let res = io(sink, arena, &mut free);
+        if res.is_err() {
+            sink.drain();
+            free = (0..arena.nbufs()).rev().collect();
+        }
+        self.free = free;
+        if res.is_err() {
+            self.streaming = None;
+        }
+        res
+    }
+
+    /// The I/O back end (io_uring, else the pwrite pool, made on first use)
+    /// with its fault hook set, and the arena.
+    fn parts(&mut self) -> (&mut dyn Sink, &mut Arena) {
+        let fault = self.opts.fault;
+        let sink: &mut dyn Sink = match self.uring.as_mut() {
+            Some(u) => u,
+            None => self
+                .pool
+                .get_or_insert_with(|| PoolSink::new(self.opts.pool_threads)),
+        };
+        sink.set_fault(fault);
+        (sink, &mut self.arena)
+    }
+}
