@@ -7,9 +7,9 @@
 //! file matching [`TEMP_MARKER`], which the checkpoint manager sweeps.
 
 use crate::error::{Error, Result};
-use std::ffi::{CStr, CString};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -18,45 +18,20 @@ pub const TEMP_MARKER: &str = ".fptmp";
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
 
-fn cstr(p: &Path) -> Result<CString> {
-    CString::new(p.as_os_str().as_bytes())
-        .map_err(|_| Error::os(libc::EINVAL, "path contains a NUL byte", Some(p)))
-}
-
-/// Open `c` with `flags` (and `mode` when creating), adding O_DIRECT when
-/// `direct` and retrying without it when the file system refuses it with
-/// EINVAL. Returns the fd and whether O_DIRECT is on, or the errno.
-pub fn open_direct(
-    c: &CStr,
-    flags: i32,
-    mode: libc::c_uint,
-    direct: bool,
-) -> std::result::Result<(OwnedFd, bool), i32> {
-    let open = |flags: i32| {
-        // SAFETY: `c` is a valid NUL-terminated path; open has no other
-        // memory preconditions.
-        unsafe { libc::open(c.as_ptr(), flags, mode) }
-    };
-    let errno = || {
-        std::io::Error::last_os_error()
-            .raw_os_error()
-            .unwrap_or(libc::EIO)
-    };
-    let mut is_direct = direct;
-    let mut fd = if direct {
-        open(flags | libc::O_DIRECT)
-    } else {
-        open(flags)
-    };
-    if fd < 0 && direct && errno() == libc::EINVAL {
-        is_direct = false;
-        fd = open(flags);
+/// Open `path` with `opts`, adding O_DIRECT when `direct` and retrying
+/// without it when the file system refuses it with EINVAL. Returns the file
+/// and whether O_DIRECT is on. (`std` opens with O_CLOEXEC.)
+pub fn open_direct(path: &Path, opts: &OpenOptions, direct: bool) -> std::io::Result<(File, bool)> {
+    if direct {
+        let mut with = opts.clone();
+        with.custom_flags(libc::O_DIRECT);
+        match with.open(path) {
+            Ok(f) => return Ok((f, true)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+            Err(e) => return Err(e),
+        }
     }
-    if fd < 0 {
-        return Err(errno());
-    }
-    // SAFETY: fd was just returned by open and is owned by nobody else.
-    Ok((unsafe { OwnedFd::from_raw_fd(fd) }, is_direct))
+    opts.open(path).map(|f| (f, false))
 }
 
 /// Split a target path into (directory, file name).
@@ -72,7 +47,7 @@ pub fn split_target(path: &Path) -> Result<(PathBuf, PathBuf)> {
 }
 
 pub struct TempFile {
-    fd: Option<OwnedFd>,
+    file: Option<File>,
     dir: PathBuf,
     tmp: PathBuf,
     target: PathBuf,
@@ -108,15 +83,15 @@ impl TempFile {
             COUNTER.fetch_add(1, Ordering::Relaxed),
             TEMP_MARKER
         ));
-        let c = cstr(&tmp)?;
-        let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
-        let (fd, is_direct) = open_direct(&c, flags, 0o644, direct)
-            .map_err(|errno| Error::os(errno, "cannot create the temporary file", Some(&tmp)))?;
+        let mut opts = OpenOptions::new();
+        opts.write(true).create_new(true).mode(0o644);
+        let (file, is_direct) = open_direct(&tmp, &opts, direct)
+            .map_err(|e| Error::from_io(&e, "cannot create the temporary file", Some(&tmp)))?;
         let note = (direct && !is_direct)
             .then(|| "the file system refused O_DIRECT at open (EINVAL)".to_string());
         Ok((
             TempFile {
-                fd: Some(fd),
+                file: Some(file),
                 dir,
                 tmp,
                 target: target.to_path_buf(),
@@ -126,8 +101,13 @@ impl TempFile {
         ))
     }
 
+    /// The open temporary file (`None` once committed).
+    pub fn file(&self) -> Option<&File> {
+        self.file.as_ref()
+    }
+
     pub fn fd(&self) -> RawFd {
-        self.fd.as_ref().map_or(-1, |f| f.as_raw_fd())
+        self.file.as_ref().map_or(-1, AsRawFd::as_raw_fd)
     }
 
     pub fn temp_path(&self) -> &Path {
@@ -141,7 +121,7 @@ impl TempFile {
     /// Turn O_DIRECT off on the open file (after a refused probe write).
     pub fn clear_direct(&mut self) -> Result<()> {
         let fd = self.fd();
-        // SAFETY: fcntl on our own open fd.
+        // SAFETY: fcntl on our own open fd; no memory is passed.
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
         // SAFETY: as above.
         if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_DIRECT) } < 0 {
@@ -158,12 +138,12 @@ impl TempFile {
         if len == 0 {
             return Ok(());
         }
-        // SAFETY: fallocate on our own open fd.
+        // SAFETY: fallocate on our own open fd; no memory is passed.
         let rc = unsafe { libc::fallocate(self.fd(), 0, 0, len as libc::off_t) };
         if rc != 0 {
             let e = std::io::Error::last_os_error();
             match e.raw_os_error() {
-                Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EINVAL) => {}
+                Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL) => {}
                 _ => {
                     return Err(Error::from_io(
                         &e,
@@ -179,28 +159,20 @@ impl TempFile {
     /// Truncate to the true length, fsync (if `durable`), rename onto the
     /// target and fsync the directory.
     pub fn commit(mut self, len: u64, durable: bool) -> Result<()> {
-        let fd = self.fd();
-        // SAFETY: ftruncate on our own open fd.
-        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
-            return Err(Error::last_os(
-                "cannot truncate to the true length",
-                Some(&self.tmp),
-            ));
+        let file = self
+            .file
+            .take()
+            .expect("an uncommitted temporary file is open");
+        file.set_len(len).map_err(|e| {
+            Error::from_io(&e, "cannot truncate to the true length", Some(&self.tmp))
+        })?;
+        if durable {
+            file.sync_all()
+                .map_err(|e| Error::from_io(&e, "fsync failed", Some(&self.tmp)))?;
         }
-        // SAFETY: fsync on our own open fd.
-        if durable && unsafe { libc::fsync(fd) } != 0 {
-            return Err(Error::last_os("fsync failed", Some(&self.tmp)));
-        }
-        drop(self.fd.take());
-        let from = cstr(&self.tmp)?;
-        let to = cstr(&self.target)?;
-        // SAFETY: both are valid NUL-terminated paths.
-        if unsafe { libc::rename(from.as_ptr(), to.as_ptr()) } != 0 {
-            return Err(Error::last_os(
-                "cannot rename onto the target",
-                Some(&self.target),
-            ));
-        }
+        drop(file);
+        std::fs::rename(&self.tmp, &self.target)
+            .map_err(|e| Error::from_io(&e, "cannot rename onto the target", Some(&self.target)))?;
         // The rename happened: from now on the temporary name is gone.
         self.tmp = PathBuf::new();
         if durable {
@@ -212,7 +184,7 @@ impl TempFile {
 
 impl Drop for TempFile {
     fn drop(&mut self) {
-        drop(self.fd.take());
+        drop(self.file.take());
         if !self.tmp.as_os_str().is_empty() {
             let _ = std::fs::remove_file(&self.tmp);
         }
@@ -221,7 +193,7 @@ impl Drop for TempFile {
 
 /// A file someone else created, opened for writing parts of it.
 pub struct ExistingFile {
-    fd: OwnedFd,
+    file: File,
     path: PathBuf,
     /// Opened with O_DIRECT.
     pub direct: bool,
@@ -229,32 +201,25 @@ pub struct ExistingFile {
 
 impl ExistingFile {
     pub fn fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
+        self.file.as_raw_fd()
     }
 
     pub fn sync(&self) -> Result<()> {
-        // SAFETY: fsync on our own open fd.
-        if unsafe { libc::fsync(self.fd()) } != 0 {
-            return Err(Error::last_os("fsync failed", Some(&self.path)));
-        }
-        Ok(())
+        self.file
+            .sync_all()
+            .map_err(|e| Error::from_io(&e, "fsync failed", Some(&self.path)))
     }
 }
 
 /// Open an existing file for writing (with O_DIRECT when asked and
 /// accepted), neither creating nor truncating it.
 pub fn open_existing(path: &Path, direct: bool) -> Result<ExistingFile> {
-    let c = cstr(path)?;
-    let (fd, direct) =
-        open_direct(&c, libc::O_WRONLY | libc::O_CLOEXEC, 0, direct).map_err(|errno| {
-            Error::os(
-                errno,
-                "cannot open the file to write a part of it",
-                Some(path),
-            )
+    let (file, direct) =
+        open_direct(path, OpenOptions::new().write(true), direct).map_err(|e| {
+            Error::from_io(&e, "cannot open the file to write a part of it", Some(path))
         })?;
     Ok(ExistingFile {
-        fd,
+        file,
         path: path.to_path_buf(),
         direct,
     })
@@ -262,27 +227,10 @@ pub fn open_existing(path: &Path, direct: bool) -> Result<ExistingFile> {
 
 /// fsync a directory so a rename in it is durable.
 pub fn fsync_dir(dir: &Path) -> Result<()> {
-    let c = cstr(dir)?;
-    // SAFETY: valid path; the fd is closed below.
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(Error::last_os(
-            "cannot open the directory to fsync it",
-            Some(dir),
-        ));
-    }
-    // SAFETY: fd was just opened and is owned here.
-    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: fsync on an open fd.
-    if unsafe { libc::fsync(owned.as_raw_fd()) } != 0 {
-        return Err(Error::last_os("directory fsync failed", Some(dir)));
-    }
-    Ok(())
+    let d = File::open(dir)
+        .map_err(|e| Error::from_io(&e, "cannot open the directory to fsync it", Some(dir)))?;
+    d.sync_all()
+        .map_err(|e| Error::from_io(&e, "directory fsync failed", Some(dir)))
 }
 
 #[cfg(test)]
@@ -317,9 +265,8 @@ mod tests {
         let target = d.path().join("ckpt.pt");
         std::fs::write(&target, b"old old old").unwrap();
         let (t, _) = TempFile::create(&target, false).unwrap();
-        // SAFETY: writing 3 bytes from a live slice to our own fd.
-        let n = unsafe { libc::pwrite(t.fd(), b"new".as_ptr().cast(), 3, 0) };
-        assert_eq!(n, 3);
+        use std::os::unix::fs::FileExt;
+        t.file().unwrap().write_all_at(b"new", 0).unwrap();
         t.commit(3, true).unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"new");
         assert_eq!(names(d.path()), vec!["ckpt.pt"]);

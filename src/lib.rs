@@ -7,7 +7,7 @@
 //! - [`layout`]: a file described as segments, and the hybrid alignment
 //!   partitioner that cuts it into block-aligned extents and balanced parts;
 //! - [`arena`]: aligned, locked staging memory;
-//! - [`sink`]: the io_uring ring and the `pwrite`/`pread`
+//! - `sink` (crate-private): the io_uring ring and the `pwrite`/`pread`
 //!   fallback pool that take arena buffers to and from the kernel;
 //! - [`commit`]: the temporary file and the durable commit (fsync, rename,
 //!   directory fsync);
@@ -25,7 +25,7 @@ pub mod engine;
 pub mod error;
 pub mod layout;
 pub mod reader;
-pub mod sink;
+pub(crate) mod sink;
 pub mod writer;
 
 #[cfg(feature = "python")]
@@ -35,4 +35,5 @@ pub use engine::{Engine, Options};
 pub use error::{Error, ErrorKind, Result};
 pub use layout::{Extent, Layout, MemRef, Piece, Segment, Source};
 pub use reader::{MutMemRef, ReadReq, ReadStats};
+pub use sink::Fault;
 pub use writer::{Session, WriteStats};

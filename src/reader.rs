@@ -12,9 +12,7 @@ use crate::error::{Error, Result};
 use crate::sink::Job;
 use crc32fast::Hasher;
 use std::collections::VecDeque;
-use std::ffi::CString;
 use std::os::fd::AsRawFd;
-use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::Instant;
 
@@ -84,18 +82,16 @@ impl Engine {
         // finish first.
         self.settle(None);
         let t0 = Instant::now();
-        let c = CString::new(path.as_os_str().as_bytes())
-            .map_err(|_| Error::os(libc::EINVAL, "path contains a NUL byte", Some(path)))?;
-        let (file, direct) =
-            crate::commit::open_direct(&c, libc::O_RDONLY | libc::O_CLOEXEC, 0, self.opts.direct)
-                .map_err(|errno| Error::os(errno, "cannot open the checkpoint", Some(path)))?;
-        // SAFETY: `stat` is plain old data; fstat fills it.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: fstat on our open fd into a valid buffer.
-        if unsafe { libc::fstat(file.as_raw_fd(), &mut st) } != 0 {
-            return Err(Error::last_os("cannot stat the checkpoint", Some(path)));
-        }
-        let file_len = st.st_size as u64;
+        let (file, direct) = crate::commit::open_direct(
+            path,
+            std::fs::OpenOptions::new().read(true),
+            self.opts.direct,
+        )
+        .map_err(|e| Error::from_io(&e, "cannot open the checkpoint", Some(path)))?;
+        let file_len = file
+            .metadata()
+            .map_err(|e| Error::from_io(&e, "cannot stat the checkpoint", Some(path)))?
+            .len();
         let block = if direct {
             align::probe_fd(file.as_raw_fd()).block
         } else {
@@ -166,16 +162,19 @@ impl Engine {
                     };
                     let b = free.pop().expect("a free buffer");
                     done[b] = false;
-                    sink.submit(
-                        fd,
-                        Job {
-                            buf: b,
-                            ptr: arena.buf_ptr(b),
-                            len,
-                            offset: off,
-                            read: true,
-                        },
-                    )?;
+                    let job = Job {
+                        buf: b,
+                        ptr: arena.buf_ptr(b),
+                        len,
+                        offset: off,
+                        read: true,
+                    };
+                    // SAFETY: buffer `b` came off the free list (no other
+                    // job uses it) and is only read (`scatter`) after the
+                    // sink has returned it; on error `with_buffers` drains
+                    // the sink before the arena is used again. `file` stays
+                    // open until this closure has returned, after the drain.
+                    unsafe { sink.submit(fd, job) }?;
                     window.push_back((off, len, b));
                 }
                 let Some(&(off, len, b)) = window.front() else {

@@ -28,8 +28,9 @@ pub struct Job {
     pub read: bool,
 }
 
-// SAFETY: a Job points into the arena, which outlives every sink use, and the
-// writer does not touch a buffer while its job is in flight.
+// SAFETY: a Job is an address and a length; the memory it names is only
+// touched by the kernel or a pool thread under the contract of the unsafe
+// `Sink::submit` that handed it over.
 unsafe impl Send for Job {}
 
 /// A fault to inject for tests: the write that covers `offset` completes
@@ -67,8 +68,23 @@ fn zero_tail(job: &Job, got: usize) {
 }
 
 pub trait Sink {
-    /// Start writing `job` to `fd`.
-    fn submit(&mut self, fd: RawFd, job: Job) -> Result<()>;
+    /// Start writing (or, for a read job, reading) `job` on `fd`.
+    ///
+    /// # Safety
+    ///
+    /// The kernel (or a pool thread) reads `job.len` bytes from `job.ptr`
+    /// for a write and writes them for a read, after this call returns. The
+    /// caller guarantees that:
+    /// - `job.ptr..job.ptr + job.len` is valid for reads (a write job) or
+    ///   for writes (a read job) until the job's buffer index comes back
+    ///   from [`Sink::reap`], or until [`Sink::drain`] returns or the sink is
+    ///   dropped, whichever comes first;
+    /// - nothing else writes that memory meanwhile, nor, for a read job,
+    ///   reads it or holds a reference to it;
+    /// - `fd` stays open until the same point (a closed and reused number
+    ///   would send the I/O to another file);
+    /// - `job.buf` is not the buffer index of another job in flight.
+    unsafe fn submit(&mut self, fd: RawFd, job: Job) -> Result<()>;
     /// Move the buffers whose writes completed into `free`. With `wait`,
     /// block until at least one completes (if any is in flight).
     fn reap(&mut self, free: &mut Vec<usize>, wait: bool) -> Result<()>;
@@ -212,7 +228,7 @@ impl UringSink {
 }
 
 impl Sink for UringSink {
-    fn submit(&mut self, fd: RawFd, job: Job) -> Result<()> {
+    unsafe fn submit(&mut self, fd: RawFd, job: Job) -> Result<()> {
         self.push(fd, job)?;
         self.inflight += 1;
         Ok(())
@@ -466,7 +482,7 @@ fn pread_all(fd: RawFd, job: &Job) -> std::result::Result<(), Error> {
 }
 
 impl Sink for PoolSink {
-    fn submit(&mut self, fd: RawFd, job: Job) -> Result<()> {
+    unsafe fn submit(&mut self, fd: RawFd, job: Job) -> Result<()> {
         let tx = self.jobs.as_ref().expect("pool is running");
         tx.send((fd, job, self.fault))
             .map_err(|_| Error::os(libc::EIO, "writer thread pool has stopped", None))?;

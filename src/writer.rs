@@ -20,6 +20,7 @@ use crate::error::{Error, Result};
 use crate::layout::{Extent, Layout, Segment, Source};
 use crate::sink::{Job, Sink};
 use crc32fast::Hasher;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::Instant;
 
@@ -438,24 +439,24 @@ impl Engine {
             let b = *free.last().expect("a free buffer");
             let buf = &mut arena.buf_mut(b)[..block];
             buf.fill(0);
-            // SAFETY: writing `block` bytes from the start of an arena
-            // buffer, which is page-aligned and at least `block` long and
-            // not in flight (it is on the free list), to our own fd.
-            let n = unsafe { libc::pwrite(tmp.fd(), buf.as_ptr().cast(), block, 0) };
-            if n == block as isize {
-                return Ok(None);
-            }
-            let e = std::io::Error::last_os_error();
-            if n < 0 && e.raw_os_error() == Some(libc::EINVAL) {
-                return Ok(Some(
+            // An arena buffer is page-aligned, as O_DIRECT wants.
+            let file = tmp.file().expect("the temporary file is open");
+            match file.write_at(buf, 0) {
+                Ok(n) if n == block => Ok(None),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(Some(
                     "the file system refused an O_DIRECT write (EINVAL)".into(),
-                ));
+                )),
+                Ok(n) => Err(Error::os(
+                    libc::EIO,
+                    format!("probe write was short ({n} of {block} bytes)"),
+                    Some(tmp.temp_path()),
+                )),
+                Err(e) => Err(Error::from_io(
+                    &e,
+                    "probe write failed",
+                    Some(tmp.temp_path()),
+                )),
             }
-            Err(Error::from_io(
-                &e,
-                "probe write failed",
-                Some(tmp.temp_path()),
-            ))
         })
     }
 }
@@ -497,16 +498,22 @@ fn pump(
         }
         let b = free.pop().expect("a free buffer");
         gather(layout, ext, &mut arena.buf_mut(b)[..ext.len], hashers);
-        sink.submit(
-            fd,
-            Job {
-                buf: b,
-                ptr: arena.buf_ptr(b),
-                len: ext.len,
-                offset: ext.offset,
-                read: false,
-            },
-        )?;
+        let job = Job {
+            buf: b,
+            ptr: arena.buf_ptr(b),
+            len: ext.len,
+            offset: ext.offset,
+            read: false,
+        };
+        // SAFETY: buffer `b` came off the free list, so no other job uses it,
+        // and it goes back only when the sink returns it (reap) or has
+        // drained; the arena outlives the sink's use of it (the engine
+        // drains on every error path and drops the sink first); nobody
+        // writes the buffer before then, since `gather` only fills buffers
+        // from the free list. `fd` is open for the whole call; writes left
+        // in flight past it (`keep_in_flight`) are io_uring's only, which
+        // holds its own reference to the file from submission on.
+        unsafe { sink.submit(fd, job) }?;
         sink.reap(free, false)?;
     }
     on_gathered();

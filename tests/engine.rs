@@ -1,8 +1,7 @@
 //! End-to-end tests of the write engine on the real file system, on every
 //! back-end combination (io_uring / pwrite pool, O_DIRECT / buffered).
 
-use fastpersist::sink::Fault;
-use fastpersist::{Engine, MemRef, Options, Segment, Source};
+use fastpersist::{Engine, Fault, MemRef, Options, Segment, Source};
 use std::path::Path;
 
 fn combos() -> Vec<Options> {
