@@ -59,3 +59,19 @@ bench-smoke: install
 clean:
 	cargo clean
 	rm -rf $(DIST)
+
+# Release artifacts in $(RELEASE_DIR): an abi3 wheel tagged manylinux_2_28
+# (glibc >= 2.28; linked by zig against glibc 2.28 symbols, so the build
+# machine's newer glibc does not leak into the tag; maturin's audit must agree
+# or the build fails) and an sdist (builds from source with a Rust toolchain).
+RELEASE_DIR ?= dist
+ZIGLANG ?= ziglang==0.17.1
+
+.PHONY: dist
+
+dist: venv
+	$(PY) -m pip install -q "$(ZIGLANG)"
+	rm -rf $(RELEASE_DIR)
+	$(VENV)/bin/maturin sdist -o $(RELEASE_DIR)
+	PATH="$(VENV)/bin:$$PATH" $(VENV)/bin/maturin build --release --zig --compatibility manylinux_2_28 --auditwheel check -o $(RELEASE_DIR)
+	@ls -l $(RELEASE_DIR)
