@@ -58,7 +58,15 @@ fn statx_dio(dirfd: i32, path: &std::ffi::CStr, flags: i32) -> DioAlign {
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
     // SAFETY: `path` is a valid NUL-terminated string and `stx` a valid,
     // writable statx buffer that lives across the call.
-    let rc = unsafe { libc::statx(dirfd, path.as_ptr(), flags, libc::STATX_DIOALIGN, &mut stx) };
+    let rc = unsafe {
+        libc::statx(
+            dirfd,
+            path.as_ptr(),
+            flags,
+            libc::STATX_DIOALIGN,
+            &raw mut stx,
+        )
+    };
     if rc != 0 || stx.stx_mask & libc::STATX_DIOALIGN == 0 || stx.stx_dio_offset_align == 0 {
         return DioAlign::fallback();
     }
@@ -100,9 +108,9 @@ mod tests {
 
     #[test]
     fn probe_regular_file() {
+        use std::os::fd::AsRawFd;
         let f = tempfile::NamedTempFile::new().unwrap();
         let by_path = probe(f.path());
-        use std::os::fd::AsRawFd;
         assert_eq!(probe_fd(f.as_file().as_raw_fd()), by_path);
         assert!(by_path.block >= MIN_BLOCK);
     }

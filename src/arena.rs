@@ -125,6 +125,9 @@ impl Arena {
     }
 
     /// Address of buffer `i`.
+    ///
+    /// # Panics
+    /// When `i` is not a buffer index (`i >= nbufs()`).
     pub fn buf_ptr(&self, i: usize) -> *mut u8 {
         assert!(i < self.nbufs());
         // SAFETY: `i * buf_size < len`, so the result stays inside the mapping.
@@ -132,6 +135,9 @@ impl Arena {
     }
 
     /// Buffer `i`, writable.
+    ///
+    /// # Panics
+    /// When `i >= nbufs()`.
     pub fn buf_mut(&mut self, i: usize) -> &mut [u8] {
         let p = self.buf_ptr(i);
         // SAFETY: the buffer lies inside our mapping, and `&mut self`
@@ -142,6 +148,9 @@ impl Arena {
     }
 
     /// Buffer `i`, readable.
+    ///
+    /// # Panics
+    /// When `i >= nbufs()`.
     pub fn buf(&self, i: usize) -> &[u8] {
         let p = self.buf_ptr(i);
         // SAFETY: inside our mapping; see `buf_mut`.
@@ -162,11 +171,7 @@ impl Drop for Arena {
 pub fn page_size() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as usize
-    } else {
-        4096
-    }
+    usize::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
 }
 
 #[cfg(test)]

@@ -138,8 +138,15 @@ impl TempFile {
         if len == 0 {
             return Ok(());
         }
+        let Ok(off_len) = libc::off_t::try_from(len) else {
+            return Err(Error::os(
+                libc::EFBIG,
+                format!("cannot reserve {len} bytes"),
+                Some(&self.tmp),
+            ));
+        };
         // SAFETY: fallocate on our own open fd; no memory is passed.
-        let rc = unsafe { libc::fallocate(self.fd(), 0, 0, len as libc::off_t) };
+        let rc = unsafe { libc::fallocate(self.fd(), 0, 0, off_len) };
         if rc != 0 {
             let e = std::io::Error::last_os_error();
             match e.raw_os_error() {
@@ -158,6 +165,9 @@ impl TempFile {
 
     /// Truncate to the true length, fsync (if `durable`), rename onto the
     /// target and fsync the directory.
+    ///
+    /// # Panics
+    /// Never: an uncommitted `TempFile` always holds its file.
     pub fn commit(mut self, len: u64, durable: bool) -> Result<()> {
         let file = self
             .file
@@ -261,11 +271,11 @@ mod tests {
 
     #[test]
     fn commit_replaces_target() {
+        use std::os::unix::fs::FileExt;
         let d = tempfile::tempdir().unwrap();
         let target = d.path().join("ckpt.pt");
         std::fs::write(&target, b"old old old").unwrap();
         let (t, _) = TempFile::create(&target, false).unwrap();
-        use std::os::unix::fs::FileExt;
         t.file().unwrap().write_all_at(b"new", 0).unwrap();
         t.commit(3, true).unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"new");

@@ -54,6 +54,9 @@ impl MemRef {
     }
 
     /// The bytes `[off, off + len)` of this memory.
+    ///
+    /// # Panics
+    /// When that range is not inside the memory.
     pub fn slice(&self, off: usize, len: usize) -> &[u8] {
         assert!(off.checked_add(len).is_some_and(|e| e <= self.len));
         if len == 0 {

@@ -18,6 +18,11 @@
 //!
 //! The Python extension lives in `python.rs`, behind the `python` feature.
 
+// Offsets are u64 and lengths usize throughout: the crate assumes they
+// convert without loss (Linux on 64-bit machines, where io_uring lives).
+#[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
+compile_error!("fastpersist supports 64-bit Linux only");
+
 pub mod align;
 pub mod arena;
 pub mod commit;

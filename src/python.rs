@@ -2,6 +2,10 @@
 //! the GIL around all I/O, and maps core errors to Python exceptions.
 //! No logic lives here.
 
+// PyO3 extracts arguments as owned values (PathBuf, Vec): taking them by
+// reference is not an option for #[pyfunction]/#[pymethods] signatures.
+#![allow(clippy::needless_pass_by_value)]
+
 use crate::align;
 use crate::engine::{Engine, Options};
 use crate::error::{Error, ErrorKind};
@@ -111,7 +115,7 @@ impl PyEngine {
     #[pyo3(signature = (*, block_size=1<<20, arena_bytes=32<<20, queue_depth=32, direct=true,
         io_uring=true, register_buffers=true, lock_memory=true, pool_threads=4, durable=true,
         flush_every=256<<20))]
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)] // the Python signature
     fn new(
         block_size: usize,
         arena_bytes: usize,
@@ -165,18 +169,12 @@ impl PyEngine {
 
     #[getter]
     fn uses_io_uring(&self) -> bool {
-        self.inner
-            .lock()
-            .map(|e| e.uses_io_uring())
-            .unwrap_or(false)
+        self.inner.lock().is_ok_and(|e| e.uses_io_uring())
     }
 
     #[getter]
     fn locked(&self) -> bool {
-        self.inner
-            .lock()
-            .map(|e| e.arena().locked())
-            .unwrap_or(false)
+        self.inner.lock().is_ok_and(|e| e.arena().locked())
     }
 
     /// Test hooks: make the write that covers `offset` fail with `errno`;
@@ -228,7 +226,7 @@ impl PyEngine {
             let dst = unsafe { MutMemRef::new(ptr as *mut u8, len) };
             rs.push(ReadReq { offset, dst });
         }
-        let st = py.allow_threads(|| self.engine()?.read_into(&path, rs));
+        let st = py.allow_threads(move || self.engine()?.read_into(&path, &rs));
         read_stats_dict(py, &st.map_err(to_py)?)
     }
 
@@ -240,14 +238,14 @@ impl PyEngine {
         path: PathBuf,
         ranges: Vec<(u64, usize)>,
     ) -> PyResult<Vec<u32>> {
-        let rs = ranges
+        let rs: Vec<ReadReq> = ranges
             .into_iter()
             .map(|(offset, len)| ReadReq {
                 offset,
                 dst: MutMemRef::discard(len),
             })
             .collect();
-        let st = py.allow_threads(|| self.engine()?.read_into(&path, rs));
+        let st = py.allow_threads(move || self.engine()?.read_into(&path, &rs));
         Ok(st.map_err(to_py)?.crcs)
     }
 

@@ -12,7 +12,8 @@ use crate::error::{Error, Result};
 use crate::sink::Job;
 use crc32fast::Hasher;
 use std::collections::VecDeque;
-use std::os::fd::AsRawFd;
+use std::fs::File;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::time::Instant;
 
@@ -77,7 +78,7 @@ const MERGE_GAP: u64 = 256 << 10;
 impl Engine {
     /// Read every request from `path`. Requests must not overlap and must lie
     /// inside the file.
-    pub fn read_into(&mut self, path: &Path, reqs: Vec<ReadReq>) -> Result<ReadStats> {
+    pub fn read_into(&mut self, path: &Path, reqs: &[ReadReq]) -> Result<ReadStats> {
         // The arena is ours alone: writes a streamed save left in flight
         // finish first.
         self.settle(None);
@@ -88,79 +89,71 @@ impl Engine {
             self.opts.direct,
         )
         .map_err(|e| Error::from_io(&e, "cannot open the checkpoint", Some(path)))?;
+        self.read_file(&file, direct, reqs, t0).map_err(|mut e| {
+            e.path.get_or_insert_with(|| path.to_path_buf());
+            e
+        })
+    }
+
+    /// Read every request from the open `file` (opened with O_DIRECT when
+    /// `direct`).
+    fn read_file(
+        &mut self,
+        file: &File,
+        direct: bool,
+        reqs: &[ReadReq],
+        t0: Instant,
+    ) -> Result<ReadStats> {
         let file_len = file
             .metadata()
-            .map_err(|e| Error::from_io(&e, "cannot stat the checkpoint", Some(path)))?
+            .map_err(|e| Error::from_io(&e, "cannot stat the checkpoint", None))?
             .len();
         let block = if direct {
             align::probe_fd(file.as_raw_fd()).block
         } else {
             align::MIN_BLOCK
         } as u64;
+        let order = check_requests(reqs, file_len)?;
+        let extents = plan_extents(reqs, &order, block, self.arena.buf_size() as u64);
+        let crcs = self.read_extents(file.as_raw_fd(), extents, reqs, &order)?;
+        Ok(ReadStats {
+            bytes: reqs.iter().map(|r| r.dst.len as u64).sum(),
+            seconds: t0.elapsed().as_secs_f64(),
+            file_len,
+            direct,
+            io_uring: self.uring.is_some(),
+            crcs,
+        })
+    }
 
-        let mut order: Vec<usize> = (0..reqs.len()).collect();
-        order.sort_by_key(|&i| reqs[i].offset);
-        let mut prev_end = 0u64;
-        for &i in &order {
-            let r = &reqs[i];
-            let end = r.offset.checked_add(r.dst.len as u64);
-            if end.is_none_or(|e| e > file_len) {
-                return Err(Error::layout(format!(
-                    "a record at offset {} of {} bytes extends past the end of the file ({file_len} bytes)",
-                    r.offset, r.dst.len
-                )));
-            }
-            if r.dst.len > 0 && r.offset < prev_end {
-                return Err(Error::layout(format!(
-                    "records overlap at offset {}",
-                    r.offset
-                )));
-            }
-            prev_end = prev_end.max(r.offset + r.dst.len as u64);
-        }
-
-        // Block-aligned ranges to read, merged across small gaps, then cut
-        // into buffer-sized extents.
-        let buf_size = self.arena.buf_size() as u64;
-        let mut ranges: Vec<(u64, u64)> = Vec::new();
-        for &i in &order {
-            let r = &reqs[i];
-            if r.dst.len == 0 {
-                continue;
-            }
-            let lo = align_down(r.offset, block);
-            let hi = align_up(r.offset + r.dst.len as u64, block);
-            match ranges.last_mut() {
-                Some(last) if lo <= last.1 + MERGE_GAP => last.1 = last.1.max(hi),
-                _ => ranges.push((lo, hi)),
-            }
-        }
-        let mut extents: VecDeque<(u64, usize)> = VecDeque::new();
-        for (lo, hi) in ranges {
-            let mut off = lo;
-            while off < hi {
-                let len = buf_size.min(hi - off);
-                extents.push_back((off, len as usize));
-                off += len;
-            }
-        }
-
-        let mut hashers = vec![Hasher::new(); reqs.len()];
+    /// Read `extents` (file order) of `fd` into arena buffers, up to
+    /// `queue_depth` in flight, and consume them in file order: each
+    /// request's bytes are copied to its destination and checksummed.
+    /// Returns each request's CRC32.
+    fn read_extents(
+        &mut self,
+        fd: RawFd,
+        mut extents: VecDeque<(u64, usize)>,
+        reqs: &[ReadReq],
+        order: &[usize],
+    ) -> Result<Vec<u32>> {
         let qd = self.opts.queue_depth;
-        let io_uring = self.uring.is_some();
-        let fd = file.as_raw_fd();
-        let res = self.with_buffers(|sink, arena, free| {
+        let mut hashers = vec![Hasher::new(); reqs.len()];
+        self.with_buffers(|sink, arena, free| {
             // In flight, in file order: (offset, len, buffer).
             let mut window: VecDeque<(u64, usize, usize)> = VecDeque::new();
             let mut done = vec![false; arena.nbufs()];
             let mut next_req = 0usize; // index into `order` of the first request not yet finished
             let mut freed = Vec::new();
             loop {
-                while !free.is_empty() && sink.inflight() < qd {
+                while sink.inflight() < qd {
+                    let Some(&b) = free.last() else {
+                        break;
+                    };
                     let Some((off, len)) = extents.pop_front() else {
                         break;
                     };
-                    let b = free.pop().expect("a free buffer");
+                    free.pop();
                     done[b] = false;
                     let job = Job {
                         buf: b,
@@ -172,7 +165,7 @@ impl Engine {
                     // SAFETY: buffer `b` came off the free list (no other
                     // job uses it) and is only read (`scatter`) after the
                     // sink has returned it; on error `with_buffers` drains
-                    // the sink before the arena is used again. `file` stays
+                    // the sink before the arena is used again. `fd` stays
                     // open until this closure has returned, after the drain.
                     unsafe { sink.submit(fd, job) }?;
                     window.push_back((off, len, b));
@@ -189,8 +182,8 @@ impl Engine {
                 }
                 window.pop_front();
                 scatter(
-                    &reqs,
-                    &order,
+                    reqs,
+                    order,
                     &mut next_req,
                     off,
                     &arena.buf(b)[..len],
@@ -199,20 +192,69 @@ impl Engine {
                 free.push(b);
             }
             Ok(())
-        });
-        if let Err(mut e) = res {
-            e.path.get_or_insert_with(|| path.to_path_buf());
-            return Err(e);
-        }
-        Ok(ReadStats {
-            bytes: reqs.iter().map(|r| r.dst.len as u64).sum(),
-            seconds: t0.elapsed().as_secs_f64(),
-            file_len,
-            direct,
-            io_uring,
-            crcs: hashers.into_iter().map(Hasher::finalize).collect(),
-        })
+        })?;
+        Ok(hashers.into_iter().map(Hasher::finalize).collect())
     }
+}
+
+/// The requests' indices in file order, after checking that each lies
+/// inside the file and that none overlap.
+fn check_requests(reqs: &[ReadReq], file_len: u64) -> Result<Vec<usize>> {
+    let mut order: Vec<usize> = (0..reqs.len()).collect();
+    order.sort_by_key(|&i| reqs[i].offset);
+    let mut prev_end = 0u64;
+    for &i in &order {
+        let r = &reqs[i];
+        let end = r
+            .offset
+            .checked_add(r.dst.len as u64)
+            .filter(|&e| e <= file_len)
+            .ok_or_else(|| {
+                Error::layout(format!(
+                    "a record at offset {} of {} bytes extends past the end of the file \
+                     ({file_len} bytes)",
+                    r.offset, r.dst.len
+                ))
+            })?;
+        if r.dst.len > 0 && r.offset < prev_end {
+            return Err(Error::layout(format!(
+                "records overlap at offset {}",
+                r.offset
+            )));
+        }
+        prev_end = prev_end.max(end);
+    }
+    Ok(order)
+}
+
+/// The block-aligned ranges to read, merged across small gaps, cut into
+/// extents of at most `buf_size` bytes: `(offset, length)` in file order.
+/// The requests lie inside the file ([`check_requests`]).
+fn plan_extents(
+    reqs: &[ReadReq],
+    order: &[usize],
+    block: u64,
+    buf_size: u64,
+) -> VecDeque<(u64, usize)> {
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    for r in order.iter().map(|&i| &reqs[i]).filter(|r| r.dst.len > 0) {
+        let lo = align_down(r.offset, block);
+        let hi = align_up(r.offset + r.dst.len as u64, block);
+        match ranges.last_mut() {
+            Some(last) if lo <= last.1 + MERGE_GAP => last.1 = last.1.max(hi),
+            _ => ranges.push((lo, hi)),
+        }
+    }
+    let mut extents = VecDeque::new();
+    for (lo, hi) in ranges {
+        let mut off = lo;
+        while off < hi {
+            let len = buf_size.min(hi - off);
+            extents.push_back((off, len as usize));
+            off += len;
+        }
+    }
+    extents
 }
 
 /// Copy the part of `data` (file bytes at `off`) that each request needs.
@@ -246,7 +288,7 @@ fn scatter(
                         src.as_ptr(),
                         r.dst.ptr.add((lo - r.offset) as usize),
                         src.len(),
-                    )
+                    );
                 };
             }
         }

@@ -216,11 +216,8 @@ impl UringSink {
                 Err(e)
                     if matches!(
                         e.raw_os_error(),
-                        Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
-                    ) =>
-                {
-                    continue
-                }
+                        Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
+                    ) => {}
                 Err(e) => return Err(Error::from_io(&e, "io_uring wait", None)),
             }
         }
@@ -270,18 +267,18 @@ impl Sink for UringSink {
                 Some(errno) => -errno,
                 None => res,
             };
-            if job.read && res >= 0 {
+            // A negative result is -errno; a non-negative one a byte count.
+            let done = usize::try_from(res).map_err(|_| -res);
+            if let (true, Ok(n)) = (job.read, done) {
                 // Reads are short only at end of file.
-                zero_tail(&job, res as usize);
+                zero_tail(&job, n);
                 self.inflight -= 1;
                 free.push(buf);
-            } else if res < 0 || (res == 0 && job.len > 0) {
+            } else if done.is_err() || (done == Ok(0) && job.len > 0) {
                 self.inflight -= 1;
-                let errno = if res < 0 { -res } else { libc::EIO };
-                first_err.get_or_insert(write_error(errno, &job));
-            } else if (res as usize) < job.len {
+                first_err.get_or_insert(write_error(done.err().unwrap_or(libc::EIO), &job));
+            } else if let Some(n) = done.ok().filter(|&n| n < job.len) {
                 // Short write: resubmit the rest.
-                let n = res as usize;
                 let rest = Job {
                     buf: job.buf,
                     // SAFETY: n < job.len, so the pointer stays in the buffer.
@@ -424,30 +421,36 @@ fn datasync(fd: RawFd) -> std::result::Result<(), Error> {
     Ok(())
 }
 
+/// The file offset `done` bytes into `job`, as the kernel takes it.
+fn job_offset(job: &Job, done: usize) -> std::result::Result<libc::off_t, Error> {
+    (done as u64)
+        .checked_add(job.offset)
+        .and_then(|o| libc::off_t::try_from(o).ok())
+        .ok_or_else(|| write_error(libc::EFBIG, job))
+}
+
+/// The byte count of a positional read or write, or its errno (EINTR: retry).
+fn io_result(n: isize) -> std::result::Result<usize, i32> {
+    usize::try_from(n).map_err(|_| {
+        std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)
+    })
+}
+
 fn pwrite_all(fd: RawFd, job: &Job) -> std::result::Result<(), Error> {
     let mut done = 0usize;
     while done < job.len {
+        let offset = job_offset(job, done)?;
         // SAFETY: `job.ptr + done .. job.ptr + job.len` is inside the buffer
         // the writer keeps untouched until this job is reported done.
-        let n = unsafe {
-            libc::pwrite(
-                fd,
-                job.ptr.add(done).cast(),
-                job.len - done,
-                (job.offset + done as u64) as libc::off_t,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            return Err(write_error(e.raw_os_error().unwrap_or(libc::EIO), job));
+        let n = unsafe { libc::pwrite(fd, job.ptr.add(done).cast(), job.len - done, offset) };
+        match io_result(n) {
+            Err(libc::EINTR) => {}
+            Err(errno) => return Err(write_error(errno, job)),
+            Ok(0) => return Err(write_error(libc::EIO, job)),
+            Ok(n) => done += n,
         }
-        if n == 0 {
-            return Err(write_error(libc::EIO, job));
-        }
-        done += n as usize;
     }
     Ok(())
 }
@@ -455,6 +458,7 @@ fn pwrite_all(fd: RawFd, job: &Job) -> std::result::Result<(), Error> {
 fn pread_all(fd: RawFd, job: &Job) -> std::result::Result<(), Error> {
     let mut done = 0usize;
     while done < job.len {
+        let offset = job_offset(job, done)?;
         // SAFETY: `job.ptr + done .. job.ptr + job.len` is inside the buffer
         // given to this read, which nobody touches until it is reported done.
         let n = unsafe {
@@ -462,20 +466,15 @@ fn pread_all(fd: RawFd, job: &Job) -> std::result::Result<(), Error> {
                 fd,
                 job.ptr.cast_mut().add(done).cast(),
                 job.len - done,
-                (job.offset + done as u64) as libc::off_t,
+                offset,
             )
         };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            return Err(write_error(e.raw_os_error().unwrap_or(libc::EIO), job));
+        match io_result(n) {
+            Err(libc::EINTR) => {}
+            Err(errno) => return Err(write_error(errno, job)),
+            Ok(0) => break,
+            Ok(n) => done += n,
         }
-        if n == 0 {
-            break;
-        }
-        done += n as usize;
     }
     zero_tail(job, done);
     Ok(())

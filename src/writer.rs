@@ -462,6 +462,7 @@ impl Engine {
 }
 
 /// How [`pump`] paces its writes.
+#[derive(Clone, Copy)]
 struct Pacing {
     /// Writes in flight at most.
     qd: usize,

@@ -278,7 +278,7 @@ fn reads_records_back_on_every_backend() {
             (len - 7, 7),
         ];
         let mut bufs: Vec<Vec<u8>> = ranges.iter().map(|&(_, n)| vec![0xAB; n]).collect();
-        let reqs = ranges
+        let reqs: Vec<ReadReq> = ranges
             .iter()
             .zip(bufs.iter_mut())
             .map(|(&(offset, _), b)| ReadReq {
@@ -287,7 +287,7 @@ fn reads_records_back_on_every_backend() {
                 dst: unsafe { MutMemRef::new(b.as_mut_ptr(), b.len()) },
             })
             .collect();
-        let st = eng.read_into(&p, reqs).unwrap();
+        let st = eng.read_into(&p, &reqs).unwrap();
         for (&(off, n), b) in ranges.iter().zip(&bufs) {
             assert!(b[..] == expect[off as usize..off as usize + n], "{opts:?}");
         }
@@ -300,23 +300,23 @@ fn reads_records_back_on_every_backend() {
 #[test]
 fn read_past_end_and_overlap_are_refused() {
     use fastpersist::{MutMemRef, ReadReq};
-    let d = tempfile::tempdir().unwrap();
-    let p = d.path().join("r.bin");
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("r.bin");
     std::fs::write(&p, vec![1u8; 10_000]).unwrap();
     let mut eng = Engine::new(Options::default()).unwrap();
-    let mut a = vec![0u8; 100];
-    let mut b = vec![0u8; 100];
+    let mut buf_a = vec![0u8; 100];
+    let mut buf_b = vec![0u8; 100];
     // SAFETY: buffers outlive the calls.
     let (ra, rb) = unsafe {
         (
-            MutMemRef::new(a.as_mut_ptr(), 100),
-            MutMemRef::new(b.as_mut_ptr(), 100),
+            MutMemRef::new(buf_a.as_mut_ptr(), 100),
+            MutMemRef::new(buf_b.as_mut_ptr(), 100),
         )
     };
     let e = eng
         .read_into(
             &p,
-            vec![ReadReq {
+            &[ReadReq {
                 offset: 9_950,
                 dst: ra,
             }],
@@ -326,7 +326,7 @@ fn read_past_end_and_overlap_are_refused() {
     let e = eng
         .read_into(
             &p,
-            vec![
+            &[
                 ReadReq { offset: 0, dst: ra },
                 ReadReq {
                     offset: 50,
@@ -336,9 +336,7 @@ fn read_past_end_and_overlap_are_refused() {
         )
         .unwrap_err();
     assert!(e.to_string().contains("overlap"), "{e}");
-    let e = eng
-        .read_into(&d.path().join("missing"), vec![])
-        .unwrap_err();
+    let e = eng.read_into(&dir.path().join("missing"), &[]).unwrap_err();
     assert_eq!(e.errno, Some(libc::ENOENT));
 }
 
@@ -353,7 +351,7 @@ fn discard_reads_only_checksum() {
     let st = eng
         .read_into(
             &p,
-            vec![ReadReq {
+            &[ReadReq {
                 offset: 7,
                 dst: MutMemRef::discard(4_000_000),
             }],
@@ -441,20 +439,19 @@ fn streamed_write_failure_reaches_its_own_session() {
         }
         eng.finish(sb, vec![], b.len() as u64).unwrap();
         assert!(std::fs::read(d.path().join("b")).unwrap() == b, "{opts:?}");
-        let e = match failed {
-            Some(e) => e,
-            None => {
-                let mut err = None;
-                for p in parts {
-                    if let Err(e) = eng.write(&mut sa, p) {
-                        err = Some(e);
-                        break;
-                    }
+        let e = if let Some(e) = failed {
+            e
+        } else {
+            let mut err = None;
+            for p in parts {
+                if let Err(e) = eng.write(&mut sa, p) {
+                    err = Some(e);
+                    break;
                 }
-                match err {
-                    Some(e) => e,
-                    None => eng.finish(sa, vec![], a.len() as u64).unwrap_err(),
-                }
+            }
+            match err {
+                Some(e) => e,
+                None => eng.finish(sa, vec![], a.len() as u64).unwrap_err(),
             }
         };
         assert_eq!(e.errno, Some(libc::EIO), "{opts:?}: {e}");
