@@ -44,6 +44,14 @@ impl Arena {
         let len = buf_size
             .checked_mul(nbufs)
             .ok_or_else(|| Error::option("arena size overflows"))?;
+        if let Some(mem) = physical_memory() {
+            if len as u64 > mem {
+                return Err(Error::option(format!(
+                    "{len} bytes of staging memory is more than this machine's memory \
+                     ({mem} bytes)"
+                )));
+            }
+        }
         // Map 2 MiB more than needed so the arena can start on a 2 MiB
         // boundary: with transparent huge pages each buffer is then a few
         // physically contiguous segments, and a 4 MiB write is one block
@@ -166,6 +174,16 @@ impl Drop for Arena {
             libc::munmap(self.ptr.cast(), self.len);
         }
     }
+}
+
+/// The machine's physical memory in bytes, when the system says.
+pub fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+    u64::try_from(pages)
+        .ok()
+        .filter(|&p| p > 0)
+        .and_then(|p| p.checked_mul(page_size() as u64))
 }
 
 pub fn page_size() -> usize {

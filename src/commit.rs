@@ -9,7 +9,7 @@
 use crate::error::{Error, Result};
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -163,19 +163,60 @@ impl TempFile {
         Ok(())
     }
 
-    /// Truncate to the true length, fsync (if `durable`), rename onto the
-    /// target and fsync the directory.
-    ///
-    /// # Panics
-    /// Never: an uncommitted `TempFile` always holds its file.
-    pub fn commit(mut self, len: u64, durable: bool) -> Result<()> {
-        let file = self
-            .file
-            .take()
-            .expect("an uncommitted temporary file is open");
-        file.set_len(len).map_err(|e| {
-            Error::from_io(&e, "cannot truncate to the true length", Some(&self.tmp))
+    /// Write all of `data` at `offset` (a positional write: the file
+    /// offset is not used). With O_DIRECT, the address, offset and length
+    /// must meet the file system's alignment, or the write fails (EINVAL).
+    pub fn write_all_at(&self, data: &[u8], offset: u64) -> Result<()> {
+        let file = self.open_file()?;
+        offset
+            .checked_add(data.len() as u64)
+            .filter(|&end| i64::try_from(end).is_ok())
+            .ok_or_else(|| {
+                Error::os(
+                    libc::EFBIG,
+                    format!("write of {} bytes at offset {offset}", data.len()),
+                    Some(&self.tmp),
+                )
+            })?;
+        file.write_all_at(data, offset).map_err(|e| {
+            Error::from_io(
+                &e,
+                format!("write of {} bytes at offset {offset}", data.len()),
+                Some(&self.tmp),
+            )
+        })
+    }
+
+    fn open_file(&self) -> Result<&File> {
+        self.file.as_ref().ok_or_else(|| {
+            Error::os(
+                libc::EBADF,
+                "the temporary file is already committed",
+                Some(&self.tmp),
+            )
+        })
+    }
+
+    /// The final path.
+    pub fn target(&self) -> &Path {
+        &self.target
+    }
+
+    /// Truncate to `len` (the true length) when given, fsync (if
+    /// `durable`), rename onto the target and fsync the directory.
+    pub fn commit(mut self, len: Option<u64>, durable: bool) -> Result<()> {
+        let file = self.file.take().ok_or_else(|| {
+            Error::os(
+                libc::EBADF,
+                "the temporary file is already committed",
+                Some(&self.tmp),
+            )
         })?;
+        if let Some(len) = len {
+            file.set_len(len).map_err(|e| {
+                Error::from_io(&e, "cannot truncate to the true length", Some(&self.tmp))
+            })?;
+        }
         if durable {
             file.sync_all()
                 .map_err(|e| Error::from_io(&e, "fsync failed", Some(&self.tmp)))?;
@@ -199,6 +240,15 @@ impl Drop for TempFile {
             let _ = std::fs::remove_file(&self.tmp);
         }
     }
+}
+
+/// Write `data` to `path` atomically: a [`TempFile`] next to it, written,
+/// then committed (fsync, rename, directory fsync when `durable`). Readers
+/// of `path` see the old file or the new one, never a mix.
+pub fn atomic_write(path: &Path, data: &[u8], durable: bool) -> Result<()> {
+    let (tmp, _) = TempFile::create(path, false)?;
+    tmp.write_all_at(data, 0)?;
+    tmp.commit(Some(data.len() as u64), durable)
 }
 
 /// A file someone else created, opened for writing parts of it.
@@ -277,7 +327,7 @@ mod tests {
         std::fs::write(&target, b"old old old").unwrap();
         let (t, _) = TempFile::create(&target, false).unwrap();
         t.file().unwrap().write_all_at(b"new", 0).unwrap();
-        t.commit(3, true).unwrap();
+        t.commit(Some(3), true).unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"new");
         assert_eq!(names(d.path()), vec!["ckpt.pt"]);
     }
@@ -291,5 +341,25 @@ mod tests {
         assert_eq!(e.errno, Some(libc::ENOENT));
         let e = TempFile::create(d.path(), false).err().unwrap();
         assert_eq!(e.errno, Some(libc::EISDIR));
+    }
+
+    #[test]
+    fn write_commit_without_truncate_and_atomic_write() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("index.json");
+        let (t, _) = TempFile::create(&target, false).unwrap();
+        assert_eq!(t.target(), target);
+        t.write_all_at(b"0123456789", 0).unwrap();
+        t.write_all_at(b"ab", 4).unwrap();
+        t.commit(None, true).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"0123ab6789");
+        atomic_write(&target, b"{}", true).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"{}");
+        atomic_write(&target, b"", false).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"");
+        assert_eq!(names(d.path()), vec!["index.json"]);
+        let (t, _) = TempFile::create(&target, false).unwrap();
+        let e = t.write_all_at(b"x", u64::MAX).unwrap_err();
+        assert_eq!(e.errno, Some(libc::EFBIG));
     }
 }

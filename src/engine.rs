@@ -88,12 +88,32 @@ impl Options {
                 self.arena_bytes, self.block_size
             )));
         }
+        if let Some(mem) = crate::arena::physical_memory() {
+            if self.arena_bytes as u64 > mem {
+                return Err(Error::option(format!(
+                    "arena_bytes {} is more than this machine's memory ({mem} bytes)",
+                    self.arena_bytes
+                )));
+            }
+        }
         if self.queue_depth == 0 || self.queue_depth > 4096 {
-            return Err(Error::option("queue_depth must be in 1..=4096"));
+            return Err(Error::option(format!(
+                "queue_depth must be in 1..=4096, got {}",
+                self.queue_depth
+            )));
+        }
+        if self.pool_threads > MAX_POOL_THREADS {
+            return Err(Error::option(format!(
+                "pool_threads must be at most {MAX_POOL_THREADS}, got {}",
+                self.pool_threads
+            )));
         }
         Ok(())
     }
 }
+
+/// More fallback threads than any machine has use for.
+const MAX_POOL_THREADS: usize = 1024;
 
 /// A reusable writer and reader: the arena, the ring and the fallback pool
 /// live across saves, so a save allocates nothing proportional to the

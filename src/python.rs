@@ -7,6 +7,7 @@
 #![allow(clippy::needless_pass_by_value)]
 
 use crate::align;
+use crate::commit::TempFile;
 use crate::engine::{Engine, Options};
 use crate::error::{Error, ErrorKind};
 use crate::layout::{Layout, MemRef, Segment, Source};
@@ -14,10 +15,12 @@ use crate::reader::{MutMemRef, ReadReq, ReadStats};
 use crate::sink::Fault;
 use crate::writer::{Session, WriteStats};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::exceptions::{PyOSError, PyOverflowError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyMemoryView};
+use std::os::fd::RawFd;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Mutex;
 
 create_exception!(
@@ -39,6 +42,58 @@ fn to_py(e: Error) -> PyErr {
         }
         ErrorKind::InvalidLayout | ErrorKind::InvalidOption => PyValueError::new_err(e.to_string()),
     }
+}
+
+/// A Python int of any size, for an argument whose range is checked here:
+/// a negative or huge value is then a ValueError naming the argument, never
+/// an OverflowError from the conversion. Values beyond i128 saturate.
+#[derive(Debug, Clone, Copy)]
+struct IntArg(i128);
+
+impl<'py> FromPyObject<'py> for IntArg {
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        match ob.extract::<i128>() {
+            Ok(v) => Ok(IntArg(v)),
+            Err(e) if e.is_instance_of::<PyOverflowError>(ob.py()) => {
+                Ok(IntArg(if ob.lt(0)? { i128::MIN } else { i128::MAX }))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl IntArg {
+    /// The value as `T` (an integer type), or a ValueError naming `name`
+    /// when it is negative or does not fit.
+    fn get<T: TryFrom<i128>>(self, name: &str) -> PyResult<T> {
+        match T::try_from(self.0) {
+            Ok(v) if self.0 >= 0 => Ok(v),
+            _ => Err(PyValueError::new_err(format!(
+                "{name} must be a non-negative integer that fits in {} bits, got {}",
+                std::mem::size_of::<T>() * 8,
+                match self.0 {
+                    i128::MIN => "a huge negative number".to_string(),
+                    i128::MAX => "a huge number".to_string(),
+                    v => v.to_string(),
+                }
+            ))),
+        }
+    }
+}
+
+/// The bytes of a bytes-like object: `bytes` as is, anything else with the
+/// buffer protocol (bytearray, memoryview, array...) copied into a `bytes`
+/// (so nobody can change it while the GIL is released).
+fn bytes_like<'py>(data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    if let Ok(b) = data.downcast::<PyBytes>() {
+        return Ok(b.clone());
+    }
+    let view = PyMemoryView::from(data)?;
+    Ok(data
+        .py()
+        .get_type::<PyBytes>()
+        .call1((view,))?
+        .downcast_into::<PyBytes>()?)
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: &WriteStats) -> PyResult<Bound<'py, PyDict>> {
@@ -81,12 +136,18 @@ struct PyHostBuffer {
 #[pymethods]
 impl PyHostBuffer {
     #[new]
-    fn new(nbytes: usize) -> PyResult<Self> {
+    fn new(nbytes: IntArg) -> PyResult<Self> {
+        let nbytes: usize = nbytes.get("nbytes")?;
         let page = crate::arena::page_size();
-        let n = nbytes.max(page).div_ceil(page) * page;
-        Ok(PyHostBuffer {
-            arena: crate::arena::Arena::new(n, 1, true).map_err(to_py)?,
-        })
+        let n = nbytes
+            .max(page)
+            .checked_next_multiple_of(page)
+            .ok_or_else(|| PyValueError::new_err(format!("nbytes {nbytes} is too large")))?;
+        let arena = crate::arena::Arena::new(n, 1, true).map_err(|mut e| {
+            e.context = format!("nbytes: {}", e.context);
+            to_py(e)
+        })?;
+        Ok(PyHostBuffer { arena })
     }
 
     #[getter]
@@ -112,36 +173,37 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (*, block_size=1<<20, arena_bytes=32<<20, queue_depth=32, direct=true,
-        io_uring=true, register_buffers=true, lock_memory=true, pool_threads=4, durable=true,
-        flush_every=256<<20))]
+    #[pyo3(signature = (*, block_size=IntArg(1<<20), arena_bytes=IntArg(32<<20),
+        queue_depth=IntArg(32), direct=true, io_uring=true, register_buffers=true,
+        lock_memory=true, pool_threads=IntArg(4), durable=true, flush_every=IntArg(256<<20)))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)] // the Python signature
     fn new(
-        block_size: usize,
-        arena_bytes: usize,
-        queue_depth: usize,
+        block_size: IntArg,
+        arena_bytes: IntArg,
+        queue_depth: IntArg,
         direct: bool,
         io_uring: bool,
         register_buffers: bool,
         lock_memory: bool,
-        pool_threads: usize,
+        pool_threads: IntArg,
         durable: bool,
-        flush_every: u64,
+        flush_every: IntArg,
     ) -> PyResult<Self> {
         let opts = Options {
-            block_size,
-            arena_bytes,
-            queue_depth,
+            block_size: block_size.get("block_size")?,
+            arena_bytes: arena_bytes.get("arena_bytes")?,
+            queue_depth: queue_depth.get("queue_depth")?,
             direct,
             io_uring,
             register_buffers,
             lock_memory,
-            pool_threads,
+            pool_threads: pool_threads.get("pool_threads")?,
             durable,
-            flush_every,
+            flush_every: flush_every.get("flush_every")?,
             fault: None,
             refuse_direct: false,
         };
+        let block_size = opts.block_size;
         let eng = Engine::new(opts).map_err(to_py)?;
         Ok(PyEngine {
             arena_ptr: eng.arena().as_ptr() as usize,
@@ -213,21 +275,37 @@ impl PyEngine {
         path: PathBuf,
         reqs: Vec<(u64, usize, usize)>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let mut rs = Vec::with_capacity(reqs.len());
-        for (offset, ptr, len) in reqs {
-            if ptr == 0 && len > 0 {
-                return Err(PyValueError::new_err(format!(
-                    "destination for offset {offset} has a null address"
-                )));
-            }
-            // SAFETY: the Python caller (fastpersist.reader) allocated each
-            // destination for this read, holds it for the whole call and
-            // does not touch it until the call returns.
-            let dst = unsafe { MutMemRef::new(ptr as *mut u8, len) };
-            rs.push(ReadReq { offset, dst });
-        }
+        let rs = read_requests(reqs)?;
         let st = py.allow_threads(move || self.engine()?.read_into(&path, &rs));
         read_stats_dict(py, &st.map_err(to_py)?)
+    }
+
+    /// `read_into` through an open descriptor: reads the file `fd` refers
+    /// to (the same inode even if its path is replaced meanwhile), never
+    /// closing `fd` nor moving its file offset.
+    fn read_into_fd<'py>(
+        &self,
+        py: Python<'py>,
+        fd: IntArg,
+        reqs: Vec<(u64, usize, usize)>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let fd: RawFd = fd.get("fd")?;
+        let rs = read_requests(reqs)?;
+        let st = py.allow_threads(move || self.engine()?.read_into_fd(fd, &rs));
+        read_stats_dict(py, &st.map_err(to_py)?)
+    }
+
+    /// `crc_ranges` through an open descriptor (see `read_into_fd`).
+    fn crc_ranges_fd(
+        &self,
+        py: Python<'_>,
+        fd: IntArg,
+        ranges: Vec<(u64, usize)>,
+    ) -> PyResult<Vec<u32>> {
+        let fd: RawFd = fd.get("fd")?;
+        let rs = discard_requests(ranges);
+        let st = py.allow_threads(move || self.engine()?.read_into_fd(fd, &rs));
+        Ok(st.map_err(to_py)?.crcs)
     }
 
     /// CRC32 of each `(offset, length)` range of `path`, read with the
@@ -238,13 +316,7 @@ impl PyEngine {
         path: PathBuf,
         ranges: Vec<(u64, usize)>,
     ) -> PyResult<Vec<u32>> {
-        let rs: Vec<ReadReq> = ranges
-            .into_iter()
-            .map(|(offset, len)| ReadReq {
-                offset,
-                dst: MutMemRef::discard(len),
-            })
-            .collect();
+        let rs = discard_requests(ranges);
         let st = py.allow_threads(move || self.engine()?.read_into(&path, &rs));
         Ok(st.map_err(to_py)?.crcs)
     }
@@ -272,8 +344,9 @@ impl PyEngine {
     }
 
     /// Start a streamed write of `path` (see `WriteSession`).
-    #[pyo3(signature = (path, size_hint=0))]
-    fn begin(slf: &Bound<'_, Self>, path: PathBuf, size_hint: u64) -> PyResult<PySession> {
+    #[pyo3(signature = (path, size_hint=IntArg(0)))]
+    fn begin(slf: &Bound<'_, Self>, path: PathBuf, size_hint: IntArg) -> PyResult<PySession> {
+        let size_hint: u64 = size_hint.get("size_hint")?;
         let this = slf.get();
         let session = slf
             .py()
@@ -395,6 +468,212 @@ impl PySession {
             .unwrap_or(0)
     }
 }
+
+/// Read requests `(file offset, address, length)` into caller memory.
+fn read_requests(reqs: Vec<(u64, usize, usize)>) -> PyResult<Vec<ReadReq>> {
+    reqs.into_iter()
+        .map(|(offset, ptr, len)| {
+            if ptr == 0 && len > 0 {
+                return Err(PyValueError::new_err(format!(
+                    "destination for offset {offset} has a null address"
+                )));
+            }
+            // SAFETY: the Python caller (fastpersist.reader) allocated each
+            // destination for this read, holds it for the whole call and
+            // does not touch it until the call returns.
+            let dst = unsafe { MutMemRef::new(ptr as *mut u8, len) };
+            Ok(ReadReq { offset, dst })
+        })
+        .collect()
+}
+
+/// Requests `(file offset, length)` to checksum without keeping the bytes.
+fn discard_requests(ranges: Vec<(u64, usize)>) -> Vec<ReadReq> {
+    ranges
+        .into_iter()
+        .map(|(offset, len)| ReadReq {
+            offset,
+            dst: MutMemRef::discard(len),
+        })
+        .collect()
+}
+
+/// The one durable-commit primitive: a temporary file next to `target`
+/// (`.<name>.<pid>.<n>.fptmp`, see the core's `commit` module), written
+/// with `write` or through `fd`, then `commit`ted: truncated to `length`
+/// when given, fsynced, renamed onto `target`, directory fsynced. Until
+/// then an existing `target` is untouched. `abort()` (or leaving a `with`
+/// block without committing, or dropping the object) removes it.
+#[pyclass(module = "fastpersist._core", name = "TempFile", frozen)]
+struct PyTempFile {
+    inner: Mutex<Option<TempFile>>,
+    /// The open file's descriptor, -1 once committed or aborted.
+    fd: AtomicI32,
+    temp_path: PathBuf,
+    target: PathBuf,
+    direct: bool,
+}
+
+#[pymethods]
+impl PyTempFile {
+    #[new]
+    #[pyo3(signature = (target, *, direct=false))]
+    fn new(py: Python<'_>, target: PathBuf, direct: bool) -> PyResult<Self> {
+        let (tmp, _) = py
+            .allow_threads(|| TempFile::create(&target, direct))
+            .map_err(to_py)?;
+        Ok(PyTempFile {
+            fd: AtomicI32::new(tmp.fd()),
+            temp_path: tmp.temp_path().to_path_buf(),
+            target: tmp.target().to_path_buf(),
+            direct: tmp.is_direct(),
+            inner: Mutex::new(Some(tmp)),
+        })
+    }
+
+    /// The open file's descriptor (owned by this object: do not close it);
+    /// -1 once committed or aborted.
+    #[getter]
+    fn fd(&self) -> i32 {
+        self.fd.load(Ordering::Acquire)
+    }
+
+    #[getter]
+    fn temp_path(&self) -> PathBuf {
+        self.temp_path.clone()
+    }
+
+    #[getter]
+    fn target(&self) -> PathBuf {
+        self.target.clone()
+    }
+
+    /// Whether the file is open with O_DIRECT (asked for and accepted).
+    #[getter]
+    fn direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Reserve `nbytes` (ENOSPC now rather than half-way through).
+    fn preallocate(&self, py: Python<'_>, nbytes: IntArg) -> PyResult<()> {
+        let n: u64 = nbytes.get("nbytes")?;
+        py.allow_threads(|| self.with_open(|t| t.preallocate(n)))
+    }
+
+    /// Write all of `data` (any bytes-like object) at `offset`, a positional
+    /// write (the descriptor's file offset does not move); the GIL is
+    /// released. With `direct`, address, offset and length must meet the
+    /// O_DIRECT alignment.
+    fn write(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: IntArg) -> PyResult<()> {
+        let offset: u64 = offset.get("offset")?;
+        let data = bytes_like(data)?;
+        let bytes = data.as_bytes();
+        py.allow_threads(|| self.with_open(|t| t.write_all_at(bytes, offset)))
+    }
+
+    /// Truncate to `length` when given, fsync (with `durable`), rename onto
+    /// the target, fsync the directory. On failure before the rename the
+    /// temporary file is removed and the target untouched; a failure of the
+    /// directory fsync after it raises DurabilityError (the new file IS at
+    /// the target). Either way the object is finished.
+    #[pyo3(signature = (length=None, durable=true))]
+    fn commit(&self, py: Python<'_>, length: Option<IntArg>, durable: bool) -> PyResult<()> {
+        let length: Option<u64> = length.map(|l| l.get("length")).transpose()?;
+        py.allow_threads(|| {
+            let tmp = self.take()?;
+            tmp.commit(length, durable).map_err(to_py)
+        })
+    }
+
+    /// Remove the temporary file (idempotent; nothing happens after commit).
+    fn abort(&self, py: Python<'_>) {
+        py.allow_threads(|| drop(self.take()));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Leaving a `with` block without committing aborts. Exceptions propagate.
+    #[pyo3(signature = (_exc_type=None, _exc=None, _tb=None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: Option<PyObject>,
+        _exc: Option<PyObject>,
+        _tb: Option<PyObject>,
+    ) -> bool {
+        self.abort(py);
+        false
+    }
+}
+
+impl PyTempFile {
+    /// Run `f` on the open temporary file (GIL released by the caller).
+    fn with_open<T>(&self, f: impl FnOnce(&TempFile) -> Result<T, Error>) -> PyResult<T> {
+        let guard = self
+            .inner
+            .lock()
+            .map_err(|_| PyValueError::new_err("TempFile poisoned by an earlier panic"))?;
+        let tmp = guard
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("the TempFile is already committed or aborted"))?;
+        f(tmp).map_err(to_py)
+    }
+
+    /// Take the temporary file out (it is committed or dropped next).
+    fn take(&self) -> PyResult<TempFile> {
+        let tmp = self
+            .inner
+            .lock()
+            .map_err(|_| PyValueError::new_err("TempFile poisoned by an earlier panic"))?
+            .take()
+            .ok_or_else(|| PyValueError::new_err("the TempFile is already committed or aborted"))?;
+        self.fd.store(-1, Ordering::Release);
+        Ok(tmp)
+    }
+}
+
+/// Write `data` (bytes-like) to `path` atomically through a TempFile:
+/// readers see the old file or the new one, never a mix; durable (file and
+/// directory fsynced) unless `durable=False`. GIL released.
+#[pyfunction]
+#[pyo3(signature = (path, data, *, durable=true))]
+fn atomic_write(
+    py: Python<'_>,
+    path: PathBuf,
+    data: &Bound<'_, PyAny>,
+    durable: bool,
+) -> PyResult<()> {
+    let data = bytes_like(data)?;
+    let bytes = data.as_bytes();
+    py.allow_threads(|| crate::commit::atomic_write(&path, bytes, durable))
+        .map_err(to_py)
+}
+
+/// The byte ranges `(start, end)` of the `parts` balanced, block-aligned
+/// parts of a file of `file_len` bytes padded to whole `block`s (a power of
+/// two): the partition `Engine.write_part` writes.
+#[pyfunction]
+fn split_ranges(file_len: IntArg, block: IntArg, parts: IntArg) -> PyResult<Vec<(u64, u64)>> {
+    let file_len: u64 = file_len.get("file_len")?;
+    let block: usize = block.get("block")?;
+    let parts: usize = parts.get("parts")?;
+    if parts == 0 || parts > MAX_PARTS {
+        return Err(PyValueError::new_err(format!(
+            "parts must be in 1..={MAX_PARTS}, got {parts}"
+        )));
+    }
+    let layout = Layout::new(Vec::new(), file_len, block).map_err(to_py)?;
+    Ok(layout
+        .split(parts)
+        .into_iter()
+        .map(|r| (r.start, r.end))
+        .collect())
+}
+
+/// More parts than any job has ranks: a bound on the list `split_ranges` makes.
+const MAX_PARTS: usize = 1 << 20;
 
 fn build_segments(
     blobs: Vec<(u64, Bound<'_, PyBytes>)>,
@@ -531,12 +810,15 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<PySession>()?;
     m.add_class::<PyHostBuffer>()?;
+    m.add_class::<PyTempFile>()?;
     m.add("WriteError", m.py().get_type::<WriteError>())?;
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
     m.add_function(wrap_pyfunction!(crc32, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_combine, m)?)?;
+    m.add_function(wrap_pyfunction!(atomic_write, m)?)?;
+    m.add_function(wrap_pyfunction!(split_ranges, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -13,7 +13,8 @@ use crate::sink::Job;
 use crc32fast::Hasher;
 use std::collections::VecDeque;
 use std::fs::File;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::time::Instant;
 
@@ -91,6 +92,26 @@ impl Engine {
         .map_err(|e| Error::from_io(&e, "cannot open the checkpoint", Some(path)))?;
         self.read_file(&file, direct, reqs, t0).map_err(|mut e| {
             e.path.get_or_insert_with(|| path.to_path_buf());
+            e
+        })
+    }
+
+    /// Read every request from the file open as `fd` (a descriptor the
+    /// caller keeps open for the call and that this call never closes):
+    /// the same inode as `fd`, even when its path has been replaced or
+    /// removed meanwhile. With `direct` the file is reopened through
+    /// `/proc/self/fd` with O_DIRECT (which follows the open file, not a
+    /// path); where that fails (no `/proc`, a file system that refuses
+    /// O_DIRECT) a `dup` of `fd` is read with buffered reads. Same results
+    /// as [`Engine::read_into`].
+    pub fn read_into_fd(&mut self, fd: RawFd, reqs: &[ReadReq]) -> Result<ReadStats> {
+        self.settle(None);
+        let t0 = Instant::now();
+        let (file, direct) = reopen_for_read(fd, self.opts.direct)?;
+        self.read_file(&file, direct, reqs, t0).map_err(|mut e| {
+            if e.path.is_none() {
+                e.context = format!("{} (fd {fd})", e.context);
+            }
             e
         })
     }
@@ -195,6 +216,67 @@ impl Engine {
         })?;
         Ok(hashers.into_iter().map(Hasher::finalize).collect())
     }
+}
+
+/// A new open file of the inode `fd` refers to, for positional reads, and
+/// whether it has O_DIRECT; `fd` itself is left alone (positional reads on
+/// a `dup` do not move its file offset either).
+fn reopen_for_read(fd: RawFd, direct: bool) -> Result<(File, bool)> {
+    if fd < 0 {
+        return Err(Error::os(
+            libc::EBADF,
+            format!("{fd} is not a file descriptor"),
+            None,
+        ));
+    }
+    // SAFETY: F_DUPFD_CLOEXEC takes no memory; on any number it either
+    // fails (EBADF) or returns a new descriptor, which we own.
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup < 0 {
+        return Err(Error::last_os(format!("cannot duplicate fd {fd}"), None));
+    }
+    // SAFETY: `dup` was just returned by fcntl and is owned by nobody else.
+    let dup = File::from(unsafe { OwnedFd::from_raw_fd(dup) });
+    // SAFETY: F_GETFL on our own descriptor; no memory is passed.
+    let flags = unsafe { libc::fcntl(dup.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(Error::last_os(format!("cannot inspect fd {fd}"), None));
+    }
+    if flags & libc::O_ACCMODE == libc::O_WRONLY {
+        return Err(Error::os(
+            libc::EBADF,
+            format!("fd {fd} is not open for reading"),
+            None,
+        ));
+    }
+    if !direct || flags & libc::O_DIRECT != 0 {
+        // Buffered as asked, or already O_DIRECT (shared by the dup).
+        return Ok((dup, flags & libc::O_DIRECT != 0));
+    }
+    let meta = dup
+        .metadata()
+        .map_err(|e| Error::from_io(&e, format!("cannot stat fd {fd}"), None))?;
+    if !meta.is_file() {
+        return Ok((dup, false));
+    }
+    // Through our own descriptor's /proc entry: the caller may close and
+    // reuse `fd` meanwhile, ours stays. The open follows the open file (the
+    // inode), not whatever path it had.
+    let proc_path = format!("/proc/self/fd/{}", dup.as_raw_fd());
+    let reopened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(proc_path);
+    match reopened {
+        Ok(f) if f.metadata().is_ok_and(|m| same_inode(&m, &meta)) => Ok((f, true)),
+        // No /proc, O_DIRECT refused (EINVAL), or not the same file.
+        _ => Ok((dup, false)),
+    }
+}
+
+fn same_inode(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    a.dev() == b.dev() && a.ino() == b.ino()
 }
 
 /// The requests' indices in file order, after checking that each lies

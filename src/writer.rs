@@ -231,10 +231,11 @@ impl Engine {
             io_seconds,
             ..
         } = session;
-        tmp.commit(file_len, self.opts.durable).map_err(|mut e| {
-            e.path.get_or_insert(target);
-            e
-        })?;
+        tmp.commit(Some(file_len), self.opts.durable)
+            .map_err(|mut e| {
+                e.path.get_or_insert(target);
+                e
+            })?;
         Ok(WriteStats {
             bytes: file_len,
             seconds: t0.elapsed().as_secs_f64(),

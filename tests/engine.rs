@@ -479,3 +479,129 @@ fn aborted_streamed_session_leaves_nothing_and_engine_reusable() {
         assert!(std::fs::read(d.path().join("a")).unwrap() == a);
     }
 }
+
+#[test]
+fn reads_through_fd_follow_the_inode_on_every_backend() {
+    use fastpersist::{MutMemRef, ReadReq};
+    use std::os::fd::AsRawFd;
+    let old = pattern(2_000_003, 21);
+    let new = pattern(2_000_003, 22);
+    for opts in combos() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.bin");
+        std::fs::write(&p, &old).unwrap();
+        let file = std::fs::File::open(&p).unwrap();
+        // The path now names another file: reads through the fd still see
+        // the first one.
+        let other = dir.path().join("other.bin");
+        std::fs::write(&other, &new).unwrap();
+        std::fs::rename(&other, &p).unwrap();
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        let mut buf = vec![0u8; 1_000_000];
+        let reqs = [
+            ReadReq {
+                offset: 12_345,
+                // SAFETY: `buf` is ours alone until read_into_fd returns.
+                dst: unsafe { MutMemRef::new(buf.as_mut_ptr(), buf.len()) },
+            },
+            ReadReq {
+                offset: 1_500_000,
+                dst: MutMemRef::discard(500_003),
+            },
+        ];
+        let st = eng.read_into_fd(file.as_raw_fd(), &reqs).unwrap();
+        assert!(buf[..] == old[12_345..1_012_345], "{opts:?}");
+        assert_eq!(st.crcs[0], crc32fast::hash(&old[12_345..1_012_345]));
+        assert_eq!(st.crcs[1], crc32fast::hash(&old[1_500_000..]));
+        assert_eq!(st.file_len, old.len() as u64);
+        if !opts.direct {
+            assert!(!st.direct);
+        }
+        // The caller's descriptor is still open and its offset unmoved.
+        let mut f = &file;
+        let mut first = [0u8; 4];
+        std::io::Read::read_exact(&mut f, &mut first).unwrap();
+        assert_eq!(first, old[..4]);
+        // Same answers as by path (of the new file).
+        let by_path = eng
+            .read_into(
+                &p,
+                &[ReadReq {
+                    offset: 1_500_000,
+                    dst: MutMemRef::discard(500_003),
+                }],
+            )
+            .unwrap();
+        assert_eq!(by_path.crcs[0], crc32fast::hash(&new[1_500_000..]));
+    }
+}
+
+#[test]
+fn read_through_bad_fds_is_refused() {
+    use fastpersist::{MutMemRef, ReadReq};
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("w.bin");
+    std::fs::write(&p, vec![3u8; 8192]).unwrap();
+    let mut eng = Engine::new(Options::default()).unwrap();
+    let req = [ReadReq {
+        offset: 0,
+        dst: MutMemRef::discard(100),
+    }];
+    let wronly = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    let e = eng.read_into_fd(wronly.as_raw_fd(), &req).unwrap_err();
+    assert_eq!(e.errno, Some(libc::EBADF), "{e}");
+    let e = eng.read_into_fd(-1, &req).unwrap_err();
+    assert_eq!(e.errno, Some(libc::EBADF), "{e}");
+    let e = eng.read_into_fd(1 << 30, &req).unwrap_err();
+    assert_eq!(e.errno, Some(libc::EBADF), "{e}");
+    let file = std::fs::File::open(&p).unwrap();
+    let e = eng
+        .read_into_fd(
+            file.as_raw_fd(),
+            &[ReadReq {
+                offset: 8000,
+                dst: MutMemRef::discard(1000),
+            }],
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("past the end"), "{e}");
+}
+
+#[test]
+fn absurd_options_are_rejected_by_name() {
+    for (o, name) in [
+        (
+            Options {
+                arena_bytes: usize::MAX,
+                ..Options::default()
+            },
+            "arena_bytes",
+        ),
+        (
+            Options {
+                block_size: usize::MAX - 4095,
+                ..Options::default()
+            },
+            "block_size",
+        ),
+        (
+            Options {
+                queue_depth: usize::MAX,
+                ..Options::default()
+            },
+            "queue_depth",
+        ),
+        (
+            Options {
+                pool_threads: usize::MAX,
+                ..Options::default()
+            },
+            "pool_threads",
+        ),
+    ] {
+        let e = Engine::new(o).err().expect("refused");
+        assert_eq!(e.kind, fastpersist::ErrorKind::InvalidOption);
+        assert!(e.to_string().contains(name), "{e}");
+    }
+}
