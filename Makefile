@@ -67,7 +67,7 @@ clean:
 RELEASE_DIR ?= dist
 ZIGLANG ?= ziglang==0.17.1
 
-.PHONY: dist
+.PHONY: dist examples
 
 dist: venv
 	$(PY) -m pip install -q "$(ZIGLANG)"
@@ -75,3 +75,9 @@ dist: venv
 	$(VENV)/bin/maturin sdist -o $(RELEASE_DIR)
 	PATH="$(VENV)/bin:$$PATH" $(VENV)/bin/maturin build --release --zig --compatibility manylinux_2_28 --auditwheel check -o $(RELEASE_DIR)
 	@ls -l $(RELEASE_DIR)
+
+# The examples in examples/, against the installed wheel (each finishes in seconds on 2 cores).
+examples: install
+	$(PY) examples/save_and_load.py
+	$(PY) examples/async_training_loop.py
+	$(PY) examples/distributed_save.py
