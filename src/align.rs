@@ -79,10 +79,11 @@ fn statx_dio(dirfd: i32, path: &std::ffi::CStr, flags: i32) -> DioAlign {
     }
 }
 
-/// Round `x` up to a multiple of `a` (a power of two).
-pub fn align_up(x: u64, a: u64) -> u64 {
+/// Round `x` up to a multiple of `a` (a power of two); `None` when the
+/// result does not fit in a u64.
+pub fn align_up(x: u64, a: u64) -> Option<u64> {
     debug_assert!(a.is_power_of_two());
-    (x + a - 1) & !(a - 1)
+    Some(x.checked_add(a - 1)? & !(a - 1))
 }
 
 /// Round `x` down to a multiple of `a` (a power of two).
@@ -125,9 +126,11 @@ mod tests {
 
     #[test]
     fn rounding() {
-        assert_eq!(align_up(0, 4096), 0);
-        assert_eq!(align_up(1, 4096), 4096);
-        assert_eq!(align_up(4096, 4096), 4096);
+        assert_eq!(align_up(0, 4096), Some(0));
+        assert_eq!(align_up(1, 4096), Some(4096));
+        assert_eq!(align_up(4096, 4096), Some(4096));
+        assert_eq!(align_up(u64::MAX - 4095, 4096), Some(u64::MAX - 4095));
+        assert_eq!(align_up(u64::MAX - 4094, 4096), None);
         assert_eq!(align_down(8191, 4096), 4096);
     }
 }

@@ -56,7 +56,9 @@ impl Arena {
         // boundary: with transparent huge pages each buffer is then a few
         // physically contiguous segments, and a 4 MiB write is one block
         // request instead of several (virtio-blk takes 254 segments a request).
-        let map_len = len + HUGE;
+        let map_len = len
+            .checked_add(HUGE)
+            .ok_or_else(|| Error::option(format!("a {len}-byte arena is too large")))?;
         // SAFETY: an anonymous private mapping with no address hint; the
         // arguments are valid and the result is checked against MAP_FAILED.
         let raw = unsafe {
@@ -213,5 +215,16 @@ mod tests {
     fn rejects_bad_sizes() {
         assert!(Arena::new(1000, 4, false).is_err());
         assert!(Arena::new(4096, 0, false).is_err());
+    }
+
+    #[test]
+    fn huge_sizes_are_errors_not_overflows() {
+        // The largest multiple of the buffer size: the 2 MiB of alignment
+        // slack used to wrap around.
+        for nbufs in [usize::MAX >> 20, (usize::MAX >> 20) - 1, 1 << 40] {
+            let e = Arena::new(1 << 20, nbufs, false).err().expect("refused");
+            assert_eq!(e.kind, crate::ErrorKind::InvalidOption, "{e}");
+        }
+        assert!(Arena::new(1 << 20, usize::MAX, false).is_err());
     }
 }

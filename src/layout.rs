@@ -105,8 +105,23 @@ pub struct Segment {
 }
 
 impl Segment {
+    /// The offset just past the segment (saturating: a segment whose end
+    /// does not fit in a u64 is refused by [`Layout::new`] and by write
+    /// sessions, see [`Segment::checked_end`]).
     pub fn end(&self) -> u64 {
-        self.offset + self.source.len()
+        self.offset.saturating_add(self.source.len())
+    }
+
+    /// The offset just past the segment, or a layout error when it does
+    /// not fit in a u64.
+    pub fn checked_end(&self) -> Result<u64> {
+        self.offset.checked_add(self.source.len()).ok_or_else(|| {
+            Error::layout(format!(
+                "segment at offset {} of {} bytes ends past the largest file offset",
+                self.offset,
+                self.source.len()
+            ))
+        })
     }
 }
 
@@ -135,6 +150,8 @@ pub struct Piece {
 pub struct Layout {
     segments: Vec<Segment>,
     file_len: u64,
+    /// `file_len` rounded up to a whole block.
+    padded_len: u64,
     block: usize,
     crc_ids: u32,
 }
@@ -175,9 +192,7 @@ impl Layout {
                     s.offset, prev_end
                 )));
             }
-            prev_end = s.offset.checked_add(s.source.len()).ok_or_else(|| {
-                Error::layout(format!("segment at offset {} overflows u64", s.offset))
-            })?;
+            prev_end = s.checked_end()?;
             if let Some(id) = s.crc_id {
                 covered_end[id as usize] = covered_end[id as usize].max(s.end());
             }
@@ -198,9 +213,18 @@ impl Layout {
                 "file length {file_len} is shorter than the last segment's end {prev_end}"
             )));
         }
+        let padded_len = crate::align::align_up(file_len, block as u64)
+            .filter(|&p| i64::try_from(p).is_ok())
+            .ok_or_else(|| {
+                Error::layout(format!(
+                    "file length {file_len}, padded to whole {block}-byte blocks, is more \
+                     than the largest file size"
+                ))
+            })?;
         Ok(Layout {
             segments,
             file_len,
+            padded_len,
             block,
             crc_ids,
         })
@@ -231,43 +255,49 @@ impl Layout {
     /// The file length rounded up to a whole block: what is written before
     /// the final truncate.
     pub fn padded_len(&self) -> u64 {
-        crate::align::align_up(self.file_len, self.block as u64)
+        self.padded_len
     }
 
     /// Split the padded file into `n` block-aligned parts whose sizes differ
     /// by at most one block. Parts may be empty when there are fewer blocks
     /// than parts.
     pub fn split(&self, n: usize) -> Vec<Range<u64>> {
-        let n = n.max(1) as u64;
-        let blocks = self.padded_len() / self.block as u64;
+        let n = n.max(1) as u128;
+        let blocks = u128::from(self.padded_len / self.block as u64);
         let b = self.block as u64;
-        (0..n)
-            .map(|i| (blocks * i / n) * b..(blocks * (i + 1) / n) * b)
-            .collect()
+        // blocks * i / n <= blocks, so every bound fits back in a u64; the
+        // product is taken in u128 so that it cannot overflow.
+        let at = |i: u128| (blocks * i / n) as u64 * b;
+        (0..n).map(|i| at(i)..at(i + 1)).collect()
     }
 
     /// The extents covering `range` (block-aligned; its end may be the padded
-    /// length), each at most `max_len` bytes (rounded down to whole blocks).
-    pub fn extents(&self, range: Range<u64>, max_len: usize) -> Result<Vec<Extent>> {
+    /// length), each at most `max_len` bytes (rounded down to whole blocks),
+    /// in file order. Made as they are consumed: memory does not grow with
+    /// the range.
+    pub fn extents(
+        &self,
+        range: Range<u64>,
+        max_len: usize,
+    ) -> Result<impl Iterator<Item = Extent> + use<>> {
         let b = self.block as u64;
-        if range.start % b != 0 || range.end % b != 0 || range.end > self.padded_len() {
+        if range.start % b != 0
+            || range.end % b != 0
+            || range.end > self.padded_len
+            || range.start > range.end
+        {
             return Err(Error::layout(format!(
                 "range {range:?} is not block-aligned ({b}) inside the padded file ({})",
-                self.padded_len()
+                self.padded_len
             )));
         }
         let step = crate::align::align_down(max_len as u64, b).max(b);
-        let mut out = Vec::with_capacity(((range.end - range.start) / step + 1) as usize);
-        let mut off = range.start;
-        while off < range.end {
-            let len = step.min(range.end - off);
-            out.push(Extent {
-                offset: off,
-                len: len as usize,
-            });
-            off += len;
-        }
-        Ok(out)
+        let end = range.end;
+        // `step` is at most `max_len` or one block, both usize.
+        Ok(range.step_by(step as usize).map(move |offset| Extent {
+            offset,
+            len: step.min(end - offset) as usize,
+        }))
     }
 
     /// The segment pieces that make up `extent`, in file order. Bytes of the
@@ -338,10 +368,61 @@ mod tests {
     }
 
     #[test]
+    fn huge_lengths_are_errors_not_overflows() {
+        // Padding to whole blocks would wrap, or exceed the largest off_t.
+        for len in [u64::MAX, u64::MAX - 4094, 1 << 63] {
+            let e = Layout::new(vec![], len, 4096).unwrap_err();
+            assert_eq!(e.kind, crate::ErrorKind::InvalidLayout, "{e}");
+        }
+        let l = Layout::new(vec![], (1 << 63) - 4096, 4096).unwrap();
+        assert_eq!(l.padded_len(), (1 << 63) - 4096);
+        // A segment whose end does not fit.
+        let e = Layout::new(vec![bytes(u64::MAX - 2, &[1; 10])], u64::MAX, 4096).unwrap_err();
+        assert!(e.context.contains("past the largest"), "{e}");
+        assert_eq!(bytes(u64::MAX - 2, &[1; 10]).end(), u64::MAX);
+    }
+
+    #[test]
+    fn split_and_extents_of_huge_files() {
+        let len = 1u64 << 62;
+        let l = Layout::new(vec![], len, 4096).unwrap();
+        // blocks * parts does not fit in a u64.
+        let parts = l.split(1 << 20);
+        assert_eq!(parts.len(), 1 << 20);
+        assert_eq!(parts[0], 0..(len >> 20));
+        assert_eq!(parts[(1 << 20) - 1].end, len);
+        assert!(parts.windows(2).all(|w| w[0].end == w[1].start));
+        // Extents are made as consumed: no allocation proportional to 4 EiB.
+        let mut ext = l.extents(0..len, 1 << 20).unwrap();
+        assert_eq!(
+            ext.next(),
+            Some(Extent {
+                offset: 0,
+                len: 1 << 20
+            })
+        );
+        assert_eq!(ext.next().map(|e| e.offset), Some(1 << 20));
+        let tail: Vec<Extent> = l.extents(len - (3 << 19)..len, 1 << 20).unwrap().collect();
+        assert_eq!(
+            tail,
+            vec![
+                Extent {
+                    offset: len - (3 << 19),
+                    len: 1 << 20
+                },
+                Extent {
+                    offset: len - (1 << 19),
+                    len: 1 << 19
+                }
+            ]
+        );
+    }
+
+    #[test]
     fn empty_file() {
         let l = Layout::new(vec![], 0, 4096).unwrap();
         assert_eq!(l.padded_len(), 0);
-        assert!(l.extents(0..0, 1 << 20).unwrap().is_empty());
+        assert_eq!(l.extents(0..0, 1 << 20).unwrap().count(), 0);
         assert_eq!(l.split(3), vec![0..0, 0..0, 0..0]);
     }
 

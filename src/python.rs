@@ -748,7 +748,6 @@ fn partition(
         let exts = layout
             .extents(r.clone(), max_len)
             .map_err(to_py)?
-            .into_iter()
             .map(|e| {
                 let pieces = layout
                     .pieces(e)

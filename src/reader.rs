@@ -135,7 +135,7 @@ impl Engine {
             align::MIN_BLOCK
         } as u64;
         let order = check_requests(reqs, file_len)?;
-        let extents = plan_extents(reqs, &order, block, self.arena.buf_size() as u64);
+        let extents = plan_extents(reqs, &order, block, self.arena.buf_size() as u64)?;
         let crcs = self.read_extents(file.as_raw_fd(), extents, reqs, &order)?;
         Ok(ReadStats {
             bytes: reqs.iter().map(|r| r.dst.len as u64).sum(),
@@ -317,11 +317,13 @@ fn plan_extents(
     order: &[usize],
     block: u64,
     buf_size: u64,
-) -> VecDeque<(u64, usize)> {
+) -> Result<VecDeque<(u64, usize)>> {
     let mut ranges: Vec<(u64, u64)> = Vec::new();
     for r in order.iter().map(|&i| &reqs[i]).filter(|r| r.dst.len > 0) {
         let lo = align_down(r.offset, block);
-        let hi = align_up(r.offset + r.dst.len as u64, block);
+        // The end is inside the file, so its rounding fits; checked anyway.
+        let hi = align_up(r.offset + r.dst.len as u64, block)
+            .ok_or_else(|| Error::layout(format!("a record at offset {} is too far", r.offset)))?;
         match ranges.last_mut() {
             Some(last) if lo <= last.1 + MERGE_GAP => last.1 = last.1.max(hi),
             _ => ranges.push((lo, hi)),
@@ -336,7 +338,7 @@ fn plan_extents(
             off += len;
         }
     }
-    extents
+    Ok(extents)
 }
 
 /// Copy the part of `data` (file bytes at `off`) that each request needs.

@@ -44,7 +44,9 @@ pub struct Fault {
 impl Fault {
     fn hits(fault: Option<Fault>, job: &Job) -> Option<i32> {
         fault
-            .filter(|f| f.offset >= job.offset && f.offset < job.offset + job.len as u64)
+            .filter(|f| {
+                f.offset >= job.offset && f.offset < job.offset.saturating_add(job.len as u64)
+            })
             .map(|f| f.errno)
     }
 }

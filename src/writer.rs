@@ -87,8 +87,8 @@ impl Session {
                 )));
             }
         }
-        if let Some(last) = segments.last() {
-            self.frontier = self.frontier.max(last.end());
+        for s in &segments {
+            self.frontier = self.frontier.max(s.checked_end()?);
         }
         self.segments.extend(segments);
         Ok(())
@@ -141,7 +141,12 @@ impl Engine {
         if !self.opts.direct {
             direct_note = Some("O_DIRECT was turned off by the caller".into());
         }
-        tmp.preallocate(align::align_up(size_hint, dio.block as u64))?;
+        let reserve = align::align_up(size_hint, dio.block as u64).ok_or_else(|| {
+            Error::option(format!(
+                "size_hint {size_hint} is more than any file can hold"
+            ))
+        })?;
+        tmp.preallocate(reserve)?;
         if tmp.is_direct() {
             if let Some(why) = self.probe_direct(&tmp, dio.block)? {
                 tmp.clear_direct()?;
@@ -215,7 +220,11 @@ impl Engine {
                 session.frontier
             )));
         }
-        let padded = align::align_up(file_len, session.block as u64);
+        let padded = align::align_up(file_len, session.block as u64).ok_or_else(|| {
+            Error::layout(format!(
+                "file length {file_len} is more than any file can hold"
+            ))
+        })?;
         session.tmp.preallocate(padded)?;
         self.run(&mut session, padded, file_len, on_gathered, false)?;
         let t_commit = Instant::now();

@@ -605,3 +605,37 @@ fn absurd_options_are_rejected_by_name() {
         assert!(e.to_string().contains(name), "{e}");
     }
 }
+
+#[test]
+fn overflowing_offsets_and_lengths_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("huge");
+    let mut eng = Engine::new(Options::default()).unwrap();
+    let mut s = eng.begin(&p, 0).unwrap();
+    let e = eng
+        .write(
+            &mut s,
+            vec![Segment {
+                offset: u64::MAX - 1,
+                source: Source::Bytes(vec![1; 10]),
+                crc_id: None,
+            }],
+        )
+        .unwrap_err();
+    assert_eq!(e.kind, fastpersist::ErrorKind::InvalidLayout, "{e}");
+    eng.abort(s);
+    let e = eng.begin(&p, u64::MAX).err().expect("refused");
+    assert_eq!(e.kind, fastpersist::ErrorKind::InvalidOption, "{e}");
+    for len in [u64::MAX, u64::MAX - 10, 1 << 63] {
+        // An option, layout or EFBIG error, depending on where it is caught.
+        let e = eng.write_file(&p, vec![], len).unwrap_err();
+        assert!(
+            e.kind != fastpersist::ErrorKind::Os || e.errno == Some(libc::EFBIG),
+            "{e}"
+        );
+    }
+    assert!(only(dir.path()).is_empty());
+    // The engine is still fine.
+    eng.write_file(&p, vec![], 5).unwrap();
+    assert_eq!(std::fs::read(&p).unwrap(), vec![0; 5]);
+}
