@@ -4,17 +4,221 @@
 //! Until the rename, an existing file at the final path is untouched; a
 //! [`TempFile`] that is dropped without [`TempFile::commit`] unlinks itself,
 //! so a failed save leaves nothing behind. A process killed mid-save leaves a
-//! file matching [`TEMP_MARKER`], which the checkpoint manager sweeps.
+//! temporary file, which the checkpoint manager sweeps.
+//!
+//! # The temporary file
+//!
+//! - **Where**: in the target's directory, which [`TempFile`] opens
+//!   (`O_DIRECTORY`) when it is created and holds open: the file is
+//!   created (`openat`), renamed (`renameat`), removed (`unlinkat`) and the
+//!   directory fsynced through that descriptor, so all of it happens in the
+//!   same directory even if the directory is renamed meanwhile.
+//! - **Name**: exactly `.<part>.<pid>.<n>.fptmp`, where `<pid>` is the
+//!   decimal process id (at most 10 digits), `<n>` a decimal per-process
+//!   counter (at most 20 digits) and `<part>` the target's file name when
+//!   it is at most [`TEMP_NAME_PART_MAX`] (216) bytes long, else its first
+//!   bytes (199 at most, cut at a UTF-8 character boundary when the name is
+//!   UTF-8) followed by `~` and 16 lowercase hex digits (the 64-bit FNV-1a
+//!   hash of the whole name), 216 bytes or fewer in all. So every name fits
+//!   NAME_MAX (255 bytes) and names stay unique. As a Python regular
+//!   expression: `\.(?P<part>.+)\.(?P<pid>[0-9]{1,10})\.(?P<n>[0-9]{1,20})\.fptmp`
+//!   with `re.fullmatch(..., re.DOTALL)` and `len(part.encode()) <= 216`;
+//!   [`is_temp_name`] is that test.
+//! - **Liveness**: the creating process holds an exclusive `flock` on the
+//!   file until it commits, aborts or dies, which works across PID
+//!   namespaces and (on NFS, through the emulated locks) across hosts.
+//!   [`temp_file_in_use`] asks; a sweeper removes only files that match the
+//!   name and are not in use.
+//! - **Mode**: when the target exists, the temporary file gets its mode
+//!   (permission bits) before anything is written, and again before the
+//!   rename, so a commit never widens a checkpoint's permissions. A new
+//!   target is created with 0o666 less the umask, as `open()` does.
+//! - **Targets**: a target that exists and is not a regular file (nor a
+//!   symlink to one) is refused, nothing touched: directories (EISDIR),
+//!   character and block devices, FIFOs and sockets (EOPNOTSUPP). A symlink
+//!   is replaced by the new file, not written through; a dangling one too.
+//! - **Durability**: the commit truncates to the true length, fsyncs,
+//!   renames, then fsyncs the directory. When that last fsync fails the new
+//!   file is already at the target: the error is
+//!   [`ErrorKind::NotDurable`](crate::ErrorKind::NotDurable), not a plain
+//!   write failure.
 
 use crate::error::{Error, Result};
-use std::fs::{File, OpenOptions};
-use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::ffi::{CStr, CString, OsStr};
+use std::fs::{File, OpenOptions, Permissions};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Every temporary file's name contains this.
+/// Every temporary file's name ends with this.
 pub const TEMP_MARKER: &str = ".fptmp";
+
+/// The longest name part of a temporary file name (see the module docs):
+/// 255 (NAME_MAX) less the dot before it, `.<pid>` (11 bytes at most),
+/// `.<n>` (21 at most) and the marker (6).
+pub const TEMP_NAME_PART_MAX: usize = 255 - 1 - 11 - 21 - TEMP_MARKER.len();
+
+/// The name part of a temporary file for a target named `name`.
+fn temp_name_part(name: &[u8]) -> Vec<u8> {
+    if name.len() <= TEMP_NAME_PART_MAX {
+        return name.to_vec();
+    }
+    let hash = format!("~{:016x}", fnv1a64(name));
+    let mut keep = TEMP_NAME_PART_MAX - hash.len();
+    if let Ok(s) = std::str::from_utf8(name) {
+        while !s.is_char_boundary(keep) {
+            keep -= 1;
+        }
+    }
+    let mut part = name[..keep].to_vec();
+    part.extend_from_slice(hash.as_bytes());
+    part
+}
+
+/// 64-bit FNV-1a: small, stable across versions and platforms.
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The temporary file name for target name `name`, process `pid`, count `n`.
+fn temp_name(name: &[u8], pid: u32, n: u64) -> Vec<u8> {
+    let mut t = b".".to_vec();
+    t.extend_from_slice(&temp_name_part(name));
+    t.extend_from_slice(format!(".{pid}.{n}{TEMP_MARKER}").as_bytes());
+    t
+}
+
+/// Whether `name` (a file name, not a path) has exactly the form of a
+/// temporary file name: `.<part>.<pid>.<n>.fptmp` (see the module docs).
+pub fn is_temp_name(name: &OsStr) -> bool {
+    let b = name.as_bytes();
+    let Some(rest) = b.strip_suffix(TEMP_MARKER.as_bytes()) else {
+        return false;
+    };
+    let Some(rest) = rest.strip_prefix(b".") else {
+        return false;
+    };
+    let mut fields = rest.rsplitn(3, |&c| c == b'.');
+    let (Some(n), Some(pid), Some(part)) = (fields.next(), fields.next(), fields.next()) else {
+        return false;
+    };
+    let digits =
+        |f: &[u8], max: usize| !f.is_empty() && f.len() <= max && f.iter().all(u8::is_ascii_digit);
+    digits(n, 20)
+        && digits(pid, 10)
+        && !part.is_empty()
+        && part.len() <= TEMP_NAME_PART_MAX
+        && b.len() <= 255
+}
+
+/// Whether some process holds the temporary file at `path` (its exclusive
+/// `flock`, taken by [`TempFile::create`], held until commit, abort or the
+/// process's death). Tries a non-blocking exclusive lock on a fresh
+/// descriptor of its own (read-only; write-only where the file system
+/// wants a writable descriptor for it, as NFS does): `true` if that would
+/// block. A path that does not exist is not in use.
+pub fn temp_file_in_use(path: &Path) -> Result<bool> {
+    let open = |write: bool| {
+        OpenOptions::new()
+            .read(!write)
+            .write(write)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)
+    };
+    let probe = |f: &File| {
+        // SAFETY: flock on our own open descriptor; no memory is passed.
+        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc == 0 {
+            // Closing `f` releases it.
+            return Ok(false);
+        }
+        match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::EWOULDBLOCK) => Ok(true),
+            Some(e) => Err(e),
+            None => Err(libc::EIO),
+        }
+    };
+    let in_use = match open(false) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(false),
+        Err(e) => {
+            return Err(Error::from_io(
+                &e,
+                "cannot open to test its lock",
+                Some(path),
+            ))
+        }
+        Ok(f) => probe(&f),
+    };
+    match in_use {
+        Err(libc::EBADF) => match open(true) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+            Err(e) => Err(Error::from_io(
+                &e,
+                "cannot open to test its lock",
+                Some(path),
+            )),
+            Ok(f) => probe(&f).map_err(|e| Error::os(e, "cannot test its lock", Some(path))),
+        },
+        r => r.map_err(|e| Error::os(e, "cannot test its lock", Some(path))),
+    }
+}
+
+fn c_name(name: &OsStr, path: &Path) -> Result<CString> {
+    CString::new(name.as_bytes())
+        .map_err(|_| Error::os(libc::EINVAL, "path contains a NUL byte", Some(path)))
+}
+
+/// What is at `name` in the directory `dir`, following symlinks: `None`
+/// when nothing (or a dangling symlink) is there.
+fn stat_at(dir: &File, name: &CStr) -> std::io::Result<Option<libc::stat>> {
+    // SAFETY: `stat` is plain old data; all-zero is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `name` is NUL-terminated and `st` a writable stat buffer that
+    // lives across the call; `dir` is our open directory.
+    let rc = unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &raw mut st, 0) };
+    if rc == 0 {
+        return Ok(Some(st));
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::ENOENT) {
+        return Ok(None);
+    }
+    Err(e)
+}
+
+/// The permission bits of an existing regular target, `None` when there
+/// is none; an error for anything else there (see the module docs).
+fn target_mode(dir: &File, name: &CStr, target: &Path) -> Result<Option<u32>> {
+    let st = stat_at(dir, name)
+        .map_err(|e| Error::from_io(&e, "cannot inspect the target", Some(target)))?;
+    let Some(st) = st else {
+        return Ok(None);
+    };
+    let kind = match st.st_mode & libc::S_IFMT {
+        libc::S_IFREG => return Ok(Some(st.st_mode & 0o777)),
+        libc::S_IFDIR => {
+            return Err(Error::os(
+                libc::EISDIR,
+                "target is a directory",
+                Some(target),
+            ))
+        }
+        libc::S_IFCHR => "a character device",
+        libc::S_IFBLK => "a block device",
+        libc::S_IFIFO => "a FIFO",
+        libc::S_IFSOCK => "a socket",
+        _ => "not a regular file",
+    };
+    Err(Error::os(
+        libc::EOPNOTSUPP,
+        format!("target is {kind}; only regular files are replaced"),
+        Some(target),
+    ))
+}
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
 
@@ -48,57 +252,95 @@ pub fn split_target(path: &Path) -> Result<(PathBuf, PathBuf)> {
 
 pub struct TempFile {
     file: Option<File>,
-    dir: PathBuf,
+    /// The target's directory, open since `create`: every name operation
+    /// goes through it.
+    dir: File,
+    /// The temporary file's name in `dir` (`None` once renamed or removed).
+    name: Option<CString>,
+    /// The target's name in `dir`.
+    target_name: CString,
+    /// `<directory path>/<name>`, for messages and callers.
     tmp: PathBuf,
     target: PathBuf,
     direct: bool,
+    /// Test hook: the directory fsync of the commit fails with this errno.
+    dir_fsync_fault: Option<i32>,
 }
 
+/// Attempts at a fresh temporary name when a concurrent sweep removed the
+/// one just created before its lock was taken.
+const CREATE_TRIES: usize = 3;
+
 impl TempFile {
-    /// Create `.<name>.<pid>.<n>.fptmp` next to `target`, with O_DIRECT when
-    /// asked and the file system accepts it at open. Returns the file and,
-    /// when O_DIRECT was asked for but refused, the reason.
+    /// Create `.<name>.<pid>.<n>.fptmp` next to `target` (see the module
+    /// docs), locked, with the target's mode when it exists, and with
+    /// O_DIRECT when asked and the file system accepts it at open. Returns
+    /// the file and, when O_DIRECT was asked for but refused, the reason.
     pub fn create(target: &Path, direct: bool) -> Result<(Self, Option<String>)> {
-        let (dir, name) = split_target(target)?;
-        let meta = std::fs::metadata(&dir)
-            .map_err(|e| Error::from_io(&e, "target directory is not usable", Some(&dir)))?;
-        if !meta.is_dir() {
-            return Err(Error::os(
-                libc::ENOTDIR,
-                "target's parent is not a directory",
-                Some(&dir),
-            ));
-        }
-        if std::fs::metadata(target).is_ok_and(|m| m.is_dir()) {
-            return Err(Error::os(
-                libc::EISDIR,
-                "target is a directory",
-                Some(target),
-            ));
-        }
-        let tmp = dir.join(format!(
-            ".{}.{}.{}{}",
-            name.display(),
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed),
-            TEMP_MARKER
-        ));
-        let mut opts = OpenOptions::new();
-        opts.write(true).create_new(true).mode(0o644);
-        let (file, is_direct) = open_direct(&tmp, &opts, direct)
-            .map_err(|e| Error::from_io(&e, "cannot create the temporary file", Some(&tmp)))?;
-        let note = (direct && !is_direct)
-            .then(|| "the file system refused O_DIRECT at open (EINVAL)".to_string());
-        Ok((
-            TempFile {
+        let (dir_path, name) = split_target(target)?;
+        let dir = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY)
+            .open(&dir_path)
+            .map_err(|e| {
+                let what = if e.raw_os_error() == Some(libc::ENOTDIR) {
+                    "target's parent is not a directory"
+                } else {
+                    "target directory is not usable"
+                };
+                Error::from_io(&e, what, Some(&dir_path))
+            })?;
+        let target_name = c_name(name.as_os_str(), target)?;
+        let mode = target_mode(&dir, &target_name, target)?;
+        let mut last_err = None;
+        for _ in 0..CREATE_TRIES {
+            let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+            let tname = temp_name(name.as_os_str().as_bytes(), std::process::id(), n);
+            let tmp = dir_path.join(OsStr::from_bytes(&tname));
+            let cname = c_name(OsStr::from_bytes(&tname), &tmp)?;
+            let (fd, is_direct) = create_at(&dir, &cname, mode.map_or(0o666, |_| 0o600), direct)
+                .map_err(|e| Error::from_io(&e, "cannot create the temporary file", Some(&tmp)))?;
+            let file = File::from(fd);
+            match lock_and_check(&dir, &cname, &file, &tmp) {
+                Ok(()) => {}
+                Err(e) if e.errno == Some(libc::ESTALE) => {
+                    // Removed by a sweep before we held the lock: the name
+                    // is gone, try the next one.
+                    last_err = Some(e);
+                    continue;
+                }
+                Err(e) => {
+                    // SAFETY: a NUL-terminated name relative to our open
+                    // directory; it is the file we just created.
+                    unsafe { libc::unlinkat(dir.as_raw_fd(), cname.as_ptr(), 0) };
+                    return Err(e);
+                }
+            }
+            let t = TempFile {
                 file: Some(file),
                 dir,
+                name: Some(cname),
+                target_name,
                 tmp,
                 target: target.to_path_buf(),
                 direct: is_direct,
-            },
-            note,
-        ))
+                dir_fsync_fault: None,
+            };
+            if let Some(mode) = mode {
+                // On failure, dropping `t` removes the file.
+                t.set_mode(mode)?;
+            }
+            let note = (direct && !is_direct)
+                .then(|| "the file system refused O_DIRECT at open (EINVAL)".to_string());
+            return Ok((t, note));
+        }
+        Err(last_err.unwrap_or_else(|| Error::os(libc::ESTALE, "no attempt", Some(target))))
+    }
+
+    fn set_mode(&self, mode: u32) -> Result<()> {
+        let file = self.open_file()?;
+        file.set_permissions(Permissions::from_mode(mode))
+            .map_err(|e| Error::from_io(&e, "cannot set the target's mode", Some(&self.tmp)))
     }
 
     /// The open temporary file (`None` once committed).
@@ -118,6 +360,12 @@ impl TempFile {
         self.direct
     }
 
+    /// Test hook: the directory fsync of [`TempFile::commit`] fails with
+    /// `errno` (after the rename, as a real failure would).
+    #[doc(hidden)]
+    pub fn set_dir_fsync_fault(&mut self, errno: Option<i32>) {
+        self.dir_fsync_fault = errno;
+    }
     /// Turn O_DIRECT off on the open file (after a refused probe write).
     pub fn clear_direct(&mut self) -> Result<()> {
         let fd = self.fd();
@@ -202,32 +450,60 @@ impl TempFile {
         &self.target
     }
 
-    /// Truncate to `len` (the true length) when given, fsync (if
-    /// `durable`), rename onto the target and fsync the directory.
+    /// Truncate to `len` (the true length) when given, give the file the
+    /// target's mode if the target is (still or now) a regular file, fsync
+    /// (if `durable`), rename onto the target and fsync the directory. The
+    /// lock is held until the rename is done. A target that has become
+    /// something else than a regular file meanwhile is refused. When the
+    /// directory fsync fails the error is [`crate::ErrorKind::NotDurable`]:
+    /// the new file is at the target.
     pub fn commit(mut self, len: Option<u64>, durable: bool) -> Result<()> {
-        let file = self.file.take().ok_or_else(|| {
+        let file = self.open_file()?;
+        if let Some(len) = len {
+            file.set_len(len).map_err(|e| {
+                Error::from_io(&e, "cannot truncate to the true length", Some(&self.tmp))
+            })?;
+        }
+        if let Some(mode) = target_mode(&self.dir, &self.target_name, &self.target)? {
+            let current = file.metadata().map(|m| m.mode() & 0o777).ok();
+            if current != Some(mode) {
+                self.set_mode(mode)?;
+            }
+        }
+        let file = self.open_file()?;
+        if durable {
+            file.sync_all()
+                .map_err(|e| Error::from_io(&e, "fsync failed", Some(&self.tmp)))?;
+        }
+        let name = self.name.as_deref().ok_or_else(|| {
             Error::os(
                 libc::EBADF,
                 "the temporary file is already committed",
                 Some(&self.tmp),
             )
         })?;
-        if let Some(len) = len {
-            file.set_len(len).map_err(|e| {
-                Error::from_io(&e, "cannot truncate to the true length", Some(&self.tmp))
+        let dirfd = self.dir.as_raw_fd();
+        // SAFETY: both names are NUL-terminated and relative to our open
+        // directory; no other memory is passed.
+        let rc = unsafe { libc::renameat(dirfd, name.as_ptr(), dirfd, self.target_name.as_ptr()) };
+        if rc != 0 {
+            return Err(Error::last_os(
+                "cannot rename onto the target",
+                Some(&self.target),
+            ));
+        }
+        // The rename happened: the temporary name is gone. Closing the file
+        // now releases its lock.
+        self.name = None;
+        drop(self.file.take());
+        if durable {
+            let res = match self.dir_fsync_fault {
+                Some(errno) => Err(std::io::Error::from_raw_os_error(errno)),
+                None => self.dir.sync_all(),
+            };
+            res.map_err(|e| {
+                Error::not_durable(e.raw_os_error().unwrap_or(libc::EIO), &self.target)
             })?;
-        }
-        if durable {
-            file.sync_all()
-                .map_err(|e| Error::from_io(&e, "fsync failed", Some(&self.tmp)))?;
-        }
-        drop(file);
-        std::fs::rename(&self.tmp, &self.target)
-            .map_err(|e| Error::from_io(&e, "cannot rename onto the target", Some(&self.target)))?;
-        // The rename happened: from now on the temporary name is gone.
-        self.tmp = PathBuf::new();
-        if durable {
-            fsync_dir(&self.dir)?;
         }
         Ok(())
     }
@@ -235,11 +511,67 @@ impl TempFile {
 
 impl Drop for TempFile {
     fn drop(&mut self) {
+        if let Some(name) = self.name.take() {
+            // Removed while still locked, so no sweeper sees it unlocked.
+            // SAFETY: a NUL-terminated name relative to our open directory.
+            unsafe { libc::unlinkat(self.dir.as_raw_fd(), name.as_ptr(), 0) };
+        }
         drop(self.file.take());
-        if !self.tmp.as_os_str().is_empty() {
-            let _ = std::fs::remove_file(&self.tmp);
+    }
+}
+
+/// Take the temporary file's exclusive lock (held until it is closed) and
+/// check that `name` in `dir` still is that file: ESTALE when a sweep
+/// removed it between its creation and the lock.
+fn lock_and_check(dir: &File, name: &CStr, file: &File, tmp: &Path) -> Result<()> {
+    // SAFETY: flock on our own open descriptor; no memory is passed.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(Error::last_os("cannot lock the temporary file", Some(tmp)));
+    }
+    let ours = file
+        .metadata()
+        .map_err(|e| Error::from_io(&e, "cannot stat the temporary file", Some(tmp)))?;
+    let there = stat_at(dir, name).ok().flatten();
+    if there.is_some_and(|st| st.st_dev == ours.dev() && st.st_ino == ours.ino()) {
+        Ok(())
+    } else {
+        Err(Error::os(
+            libc::ESTALE,
+            "the temporary file was removed as soon as it was created",
+            Some(tmp),
+        ))
+    }
+}
+
+/// Create `name` in `dir` exclusively with `mode` (less the umask), with
+/// O_DIRECT when `direct` and the file system accepts it (EINVAL: without).
+fn create_at(
+    dir: &File,
+    name: &CStr,
+    mode: libc::c_uint,
+    direct: bool,
+) -> std::io::Result<(OwnedFd, bool)> {
+    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
+    let open = |flags: i32| {
+        // SAFETY: `name` is NUL-terminated and relative to our open
+        // directory; openat has no other memory preconditions.
+        let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags, mode) };
+        if fd < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            // SAFETY: `fd` was just returned by openat and is owned by
+            // nobody else.
+            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        }
+    };
+    if direct {
+        match open(flags | libc::O_DIRECT) {
+            Ok(fd) => return Ok((fd, true)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+            Err(e) => return Err(e),
         }
     }
+    open(flags).map(|fd| (fd, false))
 }
 
 /// Write `data` to `path` atomically: a [`TempFile`] next to it, written,
@@ -361,5 +693,222 @@ mod tests {
         let (t, _) = TempFile::create(&target, false).unwrap();
         let e = t.write_all_at(b"x", u64::MAX).unwrap_err();
         assert_eq!(e.errno, Some(libc::EFBIG));
+    }
+
+    fn mode_of(p: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    /// The process umask, read without changing it (other test threads
+    /// create files meanwhile).
+    fn umask() -> u32 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("Umask:")).unwrap();
+        u32::from_str_radix(line["Umask:".len()..].trim(), 8).unwrap()
+    }
+
+    #[test]
+    fn temp_file_follows_its_directory_when_it_is_renamed() {
+        let d = tempfile::tempdir().unwrap();
+        let sub = d.path().join("run");
+        std::fs::create_dir(&sub).unwrap();
+        let moved = d.path().join("moved");
+        // Dropped after the directory moved: no temporary file left in it.
+        let (t, _) = TempFile::create(&sub.join("a.pt"), false).unwrap();
+        std::fs::rename(&sub, &moved).unwrap();
+        drop(t);
+        assert!(names(&moved).is_empty(), "{:?}", names(&moved));
+        // Committed after the directory moved: the file lands next to where
+        // the temporary file was, in the moved directory.
+        let (t, _) = TempFile::create(&moved.join("b.pt"), false).unwrap();
+        std::fs::rename(&moved, &sub).unwrap();
+        t.write_all_at(b"bee", 0).unwrap();
+        t.commit(Some(3), true).unwrap();
+        assert_eq!(names(&sub), vec!["b.pt"]);
+        assert_eq!(std::fs::read(sub.join("b.pt")).unwrap(), b"bee");
+    }
+
+    #[test]
+    fn long_target_names_get_short_unique_temp_names() {
+        use std::os::unix::ffi::OsStrExt;
+        let d = tempfile::tempdir().unwrap();
+        for len in [200, 216, 217, 250, 255] {
+            let name = "n".repeat(len - 3) + ".pt";
+            let target = d.path().join(&name);
+            let (a, _) = TempFile::create(&target, false).unwrap();
+            // Same 240 first bytes, other end: another temporary name.
+            let other = d.path().join("n".repeat(len - 4) + "x.pt");
+            let (b, _) = TempFile::create(&other, false).unwrap();
+            for t in [&a, &b] {
+                let tn = t.temp_path().file_name().unwrap();
+                assert!(tn.len() <= 255, "{len}: {} bytes", tn.len());
+                assert!(tn.as_bytes().ends_with(TEMP_MARKER.as_bytes()));
+            }
+            let (an, bn) = (
+                a.temp_path().file_name().unwrap(),
+                b.temp_path().file_name().unwrap(),
+            );
+            let part = |n: &std::ffi::OsStr| {
+                let s = n.to_str().unwrap();
+                s[1..s.len() - TEMP_MARKER.len()]
+                    .rsplitn(3, '.')
+                    .nth(2)
+                    .unwrap()
+                    .to_string()
+            };
+            assert_ne!(part(an), part(bn), "{len}");
+            if len <= 216 {
+                assert_eq!(part(an), name);
+            } else {
+                assert_eq!(part(an).len(), 216);
+                assert!(name.starts_with(&part(an)[..199]));
+            }
+            a.write_all_at(b"long", 0).unwrap();
+            a.commit(None, true).unwrap();
+            assert_eq!(std::fs::read(&target).unwrap(), b"long");
+            drop(b);
+        }
+        assert_eq!(names(d.path()).len(), 5);
+    }
+
+    #[test]
+    fn commit_keeps_the_target_mode_and_new_files_follow_the_umask() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        for mode in [0o600, 0o640, 0o604, 0o755] {
+            let target = d.path().join(format!("m{mode:o}"));
+            std::fs::write(&target, b"old").unwrap();
+            std::fs::set_permissions(&target, std::fs::Permissions::from_mode(mode)).unwrap();
+            let (t, _) = TempFile::create(&target, false).unwrap();
+            // Never wider than the target while it is being written either.
+            assert_eq!(mode_of(t.temp_path()), mode);
+            t.commit(Some(0), true).unwrap();
+            assert_eq!(mode_of(&target), mode, "{mode:o}");
+        }
+        let fresh = d.path().join("fresh");
+        atomic_write(&fresh, b"x", true).unwrap();
+        assert_eq!(mode_of(&fresh), 0o666 & !umask());
+    }
+
+    #[test]
+    fn special_targets_are_refused_and_left_alone() {
+        use std::os::unix::ffi::OsStrExt;
+        let d = tempfile::tempdir().unwrap();
+        let fifo = d.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+        let sock = d.path().join("sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let null = d.path().join("null");
+        std::os::unix::fs::symlink("/dev/null", &null).unwrap();
+        let sub = d.path().join("dir");
+        std::fs::create_dir(&sub).unwrap();
+        let before = names(d.path());
+        for target in [&fifo, &sock, &null, &sub] {
+            let e = TempFile::create(target, false).err().expect("refused");
+            assert!(e.errno.is_some(), "{e}");
+            assert_eq!(names(d.path()), before, "{e}");
+        }
+        // A symlink to a regular file is fine (the link is replaced).
+        let real = d.path().join("real");
+        std::fs::write(&real, b"r").unwrap();
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        atomic_write(&link, b"new", true).unwrap();
+        assert_eq!(std::fs::read(&link).unwrap(), b"new");
+        assert_eq!(std::fs::read(&real).unwrap(), b"r");
+    }
+
+    #[test]
+    fn temp_files_are_locked_while_alive() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("ckpt.pt");
+        std::fs::write(&target, b"old").unwrap();
+        assert!(!temp_file_in_use(&target).unwrap());
+        assert!(!temp_file_in_use(&d.path().join("missing")).unwrap());
+        let (t, _) = TempFile::create(&target, true).unwrap();
+        let tmp = t.temp_path().to_path_buf();
+        assert!(temp_file_in_use(&tmp).unwrap());
+        // Probing does not take the lock away from its holder.
+        assert!(temp_file_in_use(&tmp).unwrap());
+        t.commit(Some(0), true).unwrap();
+        assert!(!temp_file_in_use(&target).unwrap());
+        assert!(!temp_file_in_use(&tmp).unwrap());
+        let (t, _) = TempFile::create(&target, false).unwrap();
+        let tmp = t.temp_path().to_path_buf();
+        assert!(temp_file_in_use(&tmp).unwrap());
+        drop(t);
+        assert!(!temp_file_in_use(&tmp).unwrap());
+        // A temporary file left by a dead process: same name, no lock.
+        let stale = d.path().join(".ckpt.pt.4000000.7.fptmp");
+        std::fs::write(&stale, b"partial").unwrap();
+        assert!(is_temp_name(stale.file_name().unwrap()));
+        assert!(!temp_file_in_use(&stale).unwrap());
+    }
+
+    #[test]
+    fn temp_name_pattern_is_exact() {
+        let d = tempfile::tempdir().unwrap();
+        for name in [
+            "a",
+            "ckpt-100.pt",
+            "x.y.z",
+            &"é".repeat(120),
+            &"n".repeat(255),
+        ] {
+            let (t, _) = TempFile::create(&d.path().join(name), false).unwrap();
+            assert!(is_temp_name(t.temp_path().file_name().unwrap()), "{name}");
+        }
+        for bad in [
+            "ckpt.pt",
+            ".ckpt.pt.fptmp",
+            ".ckpt.pt.12.fptmp",
+            "ckpt.pt.12.3.fptmp",
+            "..12.3.fptmp",
+            ".ckpt.pt.12.3.fptmp.x",
+            ".ckpt.pt.1a.3.fptmp",
+            ".ckpt.pt.12.-3.fptmp",
+            ".ckpt.pt.12345678901.3.fptmp",
+            ".ckpt.pt.12.123456789012345678901.fptmp",
+            ".ckpt.pt.12.3.FPTMP",
+        ] {
+            assert!(!is_temp_name(OsStr::new(bad)), "{bad}");
+        }
+        let long = format!(".{}.1.2.fptmp", "n".repeat(TEMP_NAME_PART_MAX + 1));
+        assert!(!is_temp_name(OsStr::new(&long)));
+        let (a, b) = ("é".repeat(120), "é".repeat(121));
+        assert_eq!(temp_name_part(a.as_bytes()).len(), 215); // cut at a char boundary
+        let pa = String::from_utf8(temp_name_part(a.as_bytes())).unwrap();
+        let pb = String::from_utf8(temp_name_part(b.as_bytes())).unwrap();
+        assert_ne!(pa, pb);
+        assert!(pa.starts_with(&"é".repeat(99)) && pa.contains('~'));
+    }
+
+    #[test]
+    fn directory_fsync_failure_after_the_rename_is_not_durable() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("ckpt.pt");
+        std::fs::write(&target, b"old").unwrap();
+        let (mut t, _) = TempFile::create(&target, false).unwrap();
+        t.set_dir_fsync_fault(Some(libc::EIO));
+        t.write_all_at(b"new", 0).unwrap();
+        let e = t.commit(Some(3), true).unwrap_err();
+        assert_eq!(e.kind, crate::ErrorKind::NotDurable, "{e}");
+        assert_eq!(e.errno, Some(libc::EIO));
+        assert_eq!(e.path.as_deref(), Some(target.as_path()));
+        assert!(e.to_string().contains("IS in place at the target"), "{e}");
+        // The new file is in place; no temporary file is left.
+        assert_eq!(std::fs::read(&target).unwrap(), b"new");
+        assert_eq!(names(d.path()), vec!["ckpt.pt"]);
+        // Failures before the rename stay plain OS errors.
+        let (t, _) = TempFile::create(&target, false).unwrap();
+        std::fs::remove_file(&target).unwrap();
+        std::fs::create_dir(&target).unwrap();
+        let e = t.commit(None, true).unwrap_err();
+        assert_eq!(e.kind, crate::ErrorKind::Os);
+        assert_eq!(e.errno, Some(libc::EISDIR));
+        assert_eq!(names(d.path()), vec!["ckpt.pt"]);
     }
 }

@@ -136,6 +136,8 @@ pub struct Engine {
     /// Failures of writes drained on behalf of another session, reported
     /// to their own session at its next call (a few kept, newest last).
     lost: Vec<(u64, Error)>,
+    /// Test hook: the directory fsync of every commit fails with this errno.
+    pub(crate) dir_fsync_fault: Option<i32>,
 }
 
 /// How many failures of other sessions' writes are kept for them.
@@ -176,6 +178,7 @@ impl Engine {
             free,
             streaming: None,
             lost: Vec::new(),
+            dir_fsync_fault: None,
         })
     }
 
@@ -189,6 +192,13 @@ impl Engine {
 
     pub fn uses_io_uring(&self) -> bool {
         self.uring.is_some()
+    }
+
+    /// Test hook: the directory fsync after every commit's rename fails
+    /// with `errno` (the commit then reports `ErrorKind::NotDurable`).
+    #[doc(hidden)]
+    pub fn set_dir_fsync_fault(&mut self, errno: Option<i32>) {
+        self.dir_fsync_fault = errno;
     }
 
     /// Whether the arena is registered with io_uring.

@@ -15,6 +15,10 @@ pub enum ErrorKind {
     InvalidLayout,
     /// An option is out of range.
     InvalidOption,
+    /// The commit renamed the new file onto the target, but the directory
+    /// fsync that makes the rename durable failed (has an errno): the new
+    /// file IS in place at the target, its durability is not confirmed.
+    NotDurable,
 }
 
 #[derive(Debug)]
@@ -55,6 +59,18 @@ impl Error {
             errno: None,
             path: None,
             context: msg.into(),
+        }
+    }
+
+    /// The directory fsync after a commit's rename failed with `errno`.
+    pub fn not_durable(errno: i32, target: &Path) -> Self {
+        Error {
+            kind: ErrorKind::NotDurable,
+            errno: Some(errno),
+            path: Some(target.to_path_buf()),
+            context: "the new file IS in place at the target but its durability is not \
+                      confirmed (directory fsync failed)"
+                .into(),
         }
     }
 

@@ -24,14 +24,31 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Mutex;
 
 create_exception!(
-    _core,
+    fastpersist._core,
     WriteError,
     PyOSError,
     "An I/O error while writing a checkpoint; carries errno and filename."
 );
 
+create_exception!(
+    fastpersist._core,
+    DurabilityError,
+    WriteError,
+    "The commit renamed the new file onto the target, but the directory fsync \
+     that makes the rename durable failed: the new file IS in place at the target, \
+     its durability is not confirmed. Carries errno and filename (the target)."
+);
+
 fn to_py(e: Error) -> PyErr {
     match e.kind {
+        ErrorKind::NotDurable => {
+            let errno = e.errno.unwrap_or(libc::EIO);
+            let msg = format!("{} ({})", e.strerror(), e.context);
+            match e.path {
+                Some(p) => DurabilityError::new_err((errno, msg, p.display().to_string())),
+                None => DurabilityError::new_err((errno, msg)),
+            }
+        }
         ErrorKind::Os => {
             let errno = e.errno.unwrap_or(libc::EIO);
             let msg = format!("{} ({})", e.strerror(), e.context);
@@ -241,10 +258,19 @@ impl PyEngine {
 
     /// Test hooks: make the write that covers `offset` fail with `errno`;
     /// with `refuse_direct`, act as if the file system refused O_DIRECT.
-    #[pyo3(signature = (offset=None, errno=libc::EIO, refuse_direct=false))]
-    fn set_fault(&self, offset: Option<u64>, errno: i32, refuse_direct: bool) {
+    /// With `dir_fsync_errno`, the directory fsync after each commit's
+    /// rename fails with it (DurabilityError).
+    #[pyo3(signature = (offset=None, errno=libc::EIO, refuse_direct=false, dir_fsync_errno=None))]
+    fn set_fault(
+        &self,
+        offset: Option<u64>,
+        errno: i32,
+        refuse_direct: bool,
+        dir_fsync_errno: Option<i32>,
+    ) {
         if let Ok(mut e) = self.inner.lock() {
             e.set_fault(offset.map(|offset| Fault { offset, errno }), refuse_direct);
+            e.set_dir_fsync_fault(dir_fsync_errno);
         }
     }
 
@@ -585,6 +611,21 @@ impl PyTempFile {
         })
     }
 
+    /// Test hook: the directory fsync of `commit` fails with
+    /// `dir_fsync_errno` (DurabilityError); None clears it.
+    #[pyo3(signature = (dir_fsync_errno=None))]
+    fn set_fault(&self, dir_fsync_errno: Option<i32>) -> PyResult<()> {
+        let mut guard = self
+            .inner
+            .lock()
+            .map_err(|_| PyValueError::new_err("TempFile poisoned by an earlier panic"))?;
+        let tmp = guard
+            .as_mut()
+            .ok_or_else(|| PyValueError::new_err("the TempFile is already committed or aborted"))?;
+        tmp.set_dir_fsync_fault(dir_fsync_errno);
+        Ok(())
+    }
+
     /// Remove the temporary file (idempotent; nothing happens after commit).
     fn abort(&self, py: Python<'_>) {
         py.allow_threads(|| drop(self.take()));
@@ -670,6 +711,24 @@ fn split_ranges(file_len: IntArg, block: IntArg, parts: IntArg) -> PyResult<Vec<
         .into_iter()
         .map(|r| (r.start, r.end))
         .collect())
+}
+
+/// Whether some process holds the temporary file at `path` (the exclusive
+/// lock a TempFile keeps until commit, abort or its process's death): a
+/// sweeper removes only temporary files that are not in use. A missing
+/// path is not in use.
+#[pyfunction]
+fn temp_file_in_use(py: Python<'_>, path: PathBuf) -> PyResult<bool> {
+    py.allow_threads(|| crate::commit::temp_file_in_use(&path))
+        .map_err(to_py)
+}
+
+/// Whether `name` (a file name, not a path) has exactly the form of a
+/// temporary file name, `.<part>.<pid>.<n>.fptmp` (see the core's `commit`
+/// module docs).
+#[pyfunction]
+fn is_temp_name(name: PathBuf) -> bool {
+    crate::commit::is_temp_name(name.as_os_str())
 }
 
 /// More parts than any job has ranks: a bound on the list `split_ranges` makes.
@@ -811,6 +870,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHostBuffer>()?;
     m.add_class::<PyTempFile>()?;
     m.add("WriteError", m.py().get_type::<WriteError>())?;
+    m.add("DurabilityError", m.py().get_type::<DurabilityError>())?;
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
     m.add_function(wrap_pyfunction!(crc32, m)?)?;
@@ -818,6 +878,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crc32_combine, m)?)?;
     m.add_function(wrap_pyfunction!(atomic_write, m)?)?;
     m.add_function(wrap_pyfunction!(split_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(temp_file_in_use, m)?)?;
+    m.add_function(wrap_pyfunction!(is_temp_name, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -230,7 +230,7 @@ impl Engine {
         let t_commit = Instant::now();
         let direct = session.tmp.is_direct();
         let Session {
-            tmp,
+            mut tmp,
             target,
             block,
             hashers,
@@ -240,6 +240,7 @@ impl Engine {
             io_seconds,
             ..
         } = session;
+        tmp.set_dir_fsync_fault(self.dir_fsync_fault);
         tmp.commit(Some(file_len), self.opts.durable)
             .map_err(|mut e| {
                 e.path.get_or_insert(target);

@@ -639,3 +639,42 @@ fn overflowing_offsets_and_lengths_are_errors() {
     eng.write_file(&p, vec![], 5).unwrap();
     assert_eq!(std::fs::read(&p).unwrap(), vec![0; 5]);
 }
+
+#[test]
+fn failed_directory_fsync_is_not_durable_but_the_file_is_in_place() {
+    let big = pattern(700_000, 31);
+    let odd = pattern(77, 32);
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("ckpt");
+    std::fs::write(&target, b"previous").unwrap();
+    let mut eng = Engine::new(Options::default()).unwrap();
+    eng.set_dir_fsync_fault(Some(libc::EIO));
+    let (segs, expect, len) = sample(&big, &odd);
+    let e = eng.write_file(&target, segs, len).unwrap_err();
+    assert_eq!(e.kind, fastpersist::ErrorKind::NotDurable, "{e}");
+    assert_eq!(e.errno, Some(libc::EIO));
+    assert!(std::fs::read(&target).unwrap() == expect);
+    assert_eq!(only(dir.path()), vec!["ckpt"]);
+    // Not durable only when durability is asked for.
+    let mut eng = Engine::new(Options {
+        durable: false,
+        ..Options::default()
+    })
+    .unwrap();
+    eng.set_dir_fsync_fault(Some(libc::EIO));
+    let (segs, _, len) = sample(&big, &odd);
+    eng.write_file(&target, segs, len).unwrap();
+}
+
+#[test]
+fn special_targets_are_refused_by_sessions() {
+    let dir = tempfile::tempdir().unwrap();
+    let null = dir.path().join("null");
+    std::os::unix::fs::symlink("/dev/null", &null).unwrap();
+    let mut eng = Engine::new(Options::default()).unwrap();
+    let e = eng.begin(&null, 0).err().expect("refused");
+    assert_eq!(e.errno, Some(libc::EOPNOTSUPP), "{e}");
+    assert!(e.to_string().contains("character device"), "{e}");
+    assert_eq!(only(dir.path()), vec!["null"]);
+    assert!(std::fs::symlink_metadata(&null).unwrap().is_symlink());
+}
