@@ -636,14 +636,15 @@ impl PyTempFile {
     }
 
     /// Leaving a `with` block without committing aborts. Exceptions propagate.
-    #[pyo3(signature = (_exc_type=None, _exc=None, _tb=None))]
+    #[pyo3(signature = (exc_type=None, exc_value=None, traceback=None))]
     fn __exit__(
         &self,
         py: Python<'_>,
-        _exc_type: Option<PyObject>,
-        _exc: Option<PyObject>,
-        _tb: Option<PyObject>,
+        exc_type: Option<PyObject>,
+        exc_value: Option<PyObject>,
+        traceback: Option<PyObject>,
     ) -> bool {
+        drop((exc_type, exc_value, traceback));
         self.abort(py);
         false
     }
@@ -863,6 +864,60 @@ fn crc32(py: Python<'_>, data: &[u8]) -> u32 {
     py.allow_threads(|| crc32fast::hash(data))
 }
 
+/// `RawWriteStats` and `RawReadStats`: the keys and value types of the
+/// dicts the writes and reads return, as `typing.TypedDict`s (so Python code
+/// can import them for annotations without a `TYPE_CHECKING` guard).
+fn add_stats_types(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let typing = py.import("typing")?;
+    let builtins = py.import("builtins")?;
+    let int = builtins.getattr("int")?;
+    let float = builtins.getattr("float")?;
+    let bool_ = builtins.getattr("bool")?;
+    let opt_str = typing
+        .getattr("Optional")?
+        .get_item(builtins.getattr("str")?)?;
+    let list_int = typing.getattr("List")?.get_item(&int)?;
+    let typed_dict = |name: &str, fields: &[(&str, &Bound<'_, PyAny>)]| -> PyResult<()> {
+        let d = PyDict::new(py);
+        for (k, v) in fields {
+            d.set_item(k, v)?;
+        }
+        let t = typing.getattr("TypedDict")?.call1((name, d))?;
+        t.setattr("__module__", "fastpersist._core")?;
+        m.add(name, t)
+    };
+    typed_dict(
+        "RawWriteStats",
+        &[
+            ("bytes", &int),
+            ("seconds", &float),
+            ("direct", &bool_),
+            ("io_uring", &bool_),
+            ("registered", &bool_),
+            ("locked", &bool_),
+            ("block", &int),
+            ("direct_note", &opt_str),
+            ("uring_note", &opt_str),
+            ("crcs", &list_int),
+            ("open_seconds", &float),
+            ("io_seconds", &float),
+            ("commit_seconds", &float),
+        ],
+    )?;
+    typed_dict(
+        "RawReadStats",
+        &[
+            ("bytes", &int),
+            ("seconds", &float),
+            ("file_len", &int),
+            ("direct", &bool_),
+            ("io_uring", &bool_),
+            ("crcs", &list_int),
+        ],
+    )
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
@@ -881,6 +936,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(temp_file_in_use, m)?)?;
     m.add_function(wrap_pyfunction!(is_temp_name, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
+    add_stats_types(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

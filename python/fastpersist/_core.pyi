@@ -1,32 +1,115 @@
-"""Type stubs for the Rust extension ``fastpersist._core``."""
+"""Type stubs for the Rust extension ``fastpersist._core``.
 
+Checked against the built extension with
+``python -m mypy.stubtest fastpersist._core`` (no allowlist needed).
+
+Argument shapes: wherever a list of tuples is taken, any sequence of
+tuples works, and tuple subclasses (``NamedTuple``) are accepted as tuples.
+"""
+
+from collections.abc import Callable, Sequence
 from os import PathLike
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from types import TracebackType
+from typing import TypedDict, final
+
+from typing_extensions import Buffer, Self, TypeAlias
+
+_StrPath: TypeAlias = str | PathLike[str]
+
+# A byte range of the file with where its bytes come from:
+# (file offset, bytes) for owned bytes (headers, small records),
+_Blob: TypeAlias = tuple[int, bytes]
+# (file offset, address, length, checksum id or -1) for caller memory the
+# caller keeps alive and unchanged for the call,
+_Region: TypeAlias = tuple[int, int, int, int]
+# (file offset, checksum id) for a 4-byte little-endian CRC32 slot.
+_Slot: TypeAlias = tuple[int, int]
+# (file offset, destination address, length) of a record to read.
+_ReadRequest: TypeAlias = tuple[int, int, int]
+# (file offset, length) of a range to checksum.
+_Range: TypeAlias = tuple[int, int]
 
 __version__: str
 TEMP_MARKER: str
+__all__ = [
+    "Engine",
+    "WriteSession",
+    "HostBuffer",
+    "TempFile",
+    "WriteError",
+    "DurabilityError",
+    "partition",
+    "dio_alignment",
+    "crc32",
+    "crc32_ranges",
+    "crc32_combine",
+    "atomic_write",
+    "split_ranges",
+    "temp_file_in_use",
+    "is_temp_name",
+    "TEMP_MARKER",
+    "RawWriteStats",
+    "RawReadStats",
+    "__version__",
+]
+
+class RawWriteStats(TypedDict):
+    """What one write (``write_file``, ``finish``, ``write_part``) did."""
+
+    bytes: int
+    seconds: float
+    direct: bool
+    io_uring: bool
+    registered: bool
+    locked: bool
+    block: int
+    direct_note: str | None
+    uring_note: str | None
+    crcs: list[int]
+    open_seconds: float
+    io_seconds: float
+    commit_seconds: float
+
+class RawReadStats(TypedDict):
+    """What one read (``read_into``, ``read_into_fd``) did."""
+
+    bytes: int
+    seconds: float
+    file_len: int
+    direct: bool
+    io_uring: bool
+    crcs: list[int]
 
 class WriteError(OSError):
     """An I/O error while writing a checkpoint (errno, strerror, filename)."""
 
 class DurabilityError(WriteError):
-    """The new file IS in place at the target, but the directory fsync failed."""
+    """The commit renamed the new file onto the target, but the directory
+    fsync that makes the rename durable failed: the new file IS in place at
+    the target, its durability is not confirmed (errno, strerror, target)."""
 
+@final
 class Engine:
-    def __init__(
-        self,
+    """A reusable writer and reader: staging arena, io_uring ring, fallback pool.
+
+    Out-of-range option values (negative, huge) raise ``ValueError`` naming
+    the option.
+    """
+
+    def __new__(
+        cls,
         *,
         block_size: int = ...,
         arena_bytes: int = ...,
         queue_depth: int = ...,
-        direct: bool = ...,
-        io_uring: bool = ...,
-        register_buffers: bool = ...,
-        lock_memory: bool = ...,
+        direct: bool = True,
+        io_uring: bool = True,
+        register_buffers: bool = True,
+        lock_memory: bool = True,
         pool_threads: int = ...,
-        durable: bool = ...,
+        durable: bool = True,
         flush_every: int = ...,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def arena_ptr(self) -> int: ...
     @property
@@ -39,82 +122,74 @@ class Engine:
     def locked(self) -> bool: ...
     def set_fault(
         self,
-        offset: Optional[int] = None,
+        offset: int | None = None,
         errno: int = ...,
-        refuse_direct: bool = ...,
-        dir_fsync_errno: Optional[int] = None,
+        refuse_direct: bool = False,
+        dir_fsync_errno: int | None = None,
     ) -> None: ...
     def write_file(
         self,
-        path: Union[str, PathLike[str]],
-        blobs: List[Tuple[int, bytes]],
-        regions: List[Tuple[int, int, int, int]],
-        slots: List[Tuple[int, int]],
+        path: _StrPath,
+        blobs: Sequence[_Blob],
+        regions: Sequence[_Region],
+        slots: Sequence[_Slot],
         file_len: int,
-    ) -> Dict[str, Any]: ...
-    def read_into(
-        self, path: Union[str, PathLike[str]], reqs: List[Tuple[int, int, int]]
-    ) -> Dict[str, Any]: ...
+    ) -> RawWriteStats: ...
+    def read_into(self, path: _StrPath, reqs: Sequence[_ReadRequest]) -> RawReadStats: ...
+    def read_into_fd(self, fd: int, reqs: Sequence[_ReadRequest]) -> RawReadStats: ...
+    def crc_ranges(self, path: _StrPath, ranges: Sequence[_Range]) -> list[int]: ...
+    def crc_ranges_fd(self, fd: int, ranges: Sequence[_Range]) -> list[int]: ...
     def write_part(
         self,
-        path: Union[str, PathLike[str]],
-        blobs: List[Tuple[int, bytes]],
-        regions: List[Tuple[int, int, int, int]],
+        path: _StrPath,
+        blobs: Sequence[_Blob],
+        regions: Sequence[_Region],
         file_len: int,
         index: int,
         parts: int,
-    ) -> Dict[str, Any]: ...
-    def crc_ranges(self, path: Union[str, PathLike[str]], ranges: List[Tuple[int, int]]) -> List[int]: ...
-    def read_into_fd(self, fd: int, reqs: List[Tuple[int, int, int]]) -> Dict[str, Any]: ...
-    def crc_ranges_fd(self, fd: int, ranges: List[Tuple[int, int]]) -> List[int]: ...
-    def begin(self, path: Union[str, PathLike[str]], size_hint: int = 0) -> "WriteSession": ...
+    ) -> RawWriteStats: ...
+    def begin(self, path: _StrPath, size_hint: int = ...) -> WriteSession: ...
 
-class HostBuffer:
-    """Page-aligned, locked host memory (for CUDA staging)."""
-
-    def __init__(self, nbytes: int) -> None: ...
-    @property
-    def ptr(self) -> int: ...
-    @property
-    def nbytes(self) -> int: ...
-
+@final
 class WriteSession:
-    """A file written in order; see Engine.begin."""
+    """A file written in order; made by ``Engine.begin``."""
 
     @property
     def block(self) -> int: ...
     def write(
         self,
-        blobs: List[Tuple[int, bytes]],
-        regions: List[Tuple[int, int, int, int]],
-        slots: List[Tuple[int, int]],
+        blobs: Sequence[_Blob],
+        regions: Sequence[_Region],
+        slots: Sequence[_Slot],
     ) -> None: ...
     def finish(
         self,
-        blobs: List[Tuple[int, bytes]],
-        regions: List[Tuple[int, int, int, int]],
-        slots: List[Tuple[int, int]],
+        blobs: Sequence[_Blob],
+        regions: Sequence[_Region],
+        slots: Sequence[_Slot],
         file_len: int,
-        on_gathered: Optional[Callable[[], None]] = None,
-    ) -> Dict[str, Any]: ...
+        on_gathered: Callable[[], object] | None = None,
+    ) -> RawWriteStats: ...
     def abort(self) -> None: ...
 
-def partition(
-    segments: List[Tuple[int, int]],
-    file_len: int,
-    block: int,
-    max_len: int,
-    parts: int = 1,
-) -> List[Tuple[Tuple[int, int], List[Tuple[int, int, List[Tuple[int, int, int, int]]]]]]: ...
-def dio_alignment(path: Union[str, PathLike[str]]) -> Tuple[int, int, int, bool]: ...
-def crc32(data: bytes) -> int: ...
-def crc32_ranges(ranges: List[Tuple[int, int]]) -> List[int]: ...
-def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int: ...
+@final
+class HostBuffer:
+    """Page-aligned, locked host memory (for CUDA staging)."""
 
+    def __new__(cls, nbytes: int) -> Self: ...
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+@final
 class TempFile:
-    """A temporary file next to ``target``, committed atomically and durably."""
+    """The one durable-commit primitive: a locked temporary file
+    ``.<name>.<pid>.<n>.fptmp`` next to ``target``, committed by fsync,
+    rename and directory fsync; removed by ``abort``, by leaving a ``with``
+    block without committing, or when dropped."""
 
-    def __init__(self, target: Union[str, PathLike[str]], *, direct: bool = False) -> None: ...
+    def __new__(cls, target: _StrPath, *, direct: bool = False) -> Self: ...
     @property
     def fd(self) -> int: ...
     @property
@@ -124,14 +199,30 @@ class TempFile:
     @property
     def direct(self) -> bool: ...
     def preallocate(self, nbytes: int) -> None: ...
-    def write(self, data: bytes, offset: int) -> None: ...
-    def commit(self, length: Optional[int] = None, durable: bool = True) -> None: ...
-    def set_fault(self, dir_fsync_errno: Optional[int] = None) -> None: ...
+    def write(self, data: Buffer, offset: int) -> None: ...
+    def commit(self, length: int | None = None, durable: bool = True) -> None: ...
+    def set_fault(self, dir_fsync_errno: int | None = None) -> None: ...
     def abort(self) -> None: ...
-    def __enter__(self) -> "TempFile": ...
-    def __exit__(self, _exc_type: Any = None, _exc: Any = None, _tb: Any = None) -> bool: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_value: BaseException | None = None,
+        traceback: TracebackType | None = None,
+    ) -> bool: ...
 
-def atomic_write(path: Union[str, PathLike[str]], data: bytes, *, durable: bool = True) -> None: ...
-def split_ranges(file_len: int, block: int, parts: int) -> List[Tuple[int, int]]: ...
-def temp_file_in_use(path: Union[str, PathLike[str]]) -> bool: ...
-def is_temp_name(name: Union[str, PathLike[str]]) -> bool: ...
+def partition(
+    segments: Sequence[tuple[int, int]],
+    file_len: int,
+    block: int,
+    max_len: int,
+    parts: int = 1,
+) -> list[tuple[tuple[int, int], list[tuple[int, int, list[tuple[int, int, int, int]]]]]]: ...
+def dio_alignment(path: _StrPath) -> tuple[int, int, int, bool]: ...
+def crc32(data: bytes) -> int: ...
+def crc32_ranges(ranges: Sequence[tuple[int, int]]) -> list[int]: ...
+def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int: ...
+def atomic_write(path: _StrPath, data: Buffer, *, durable: bool = True) -> None: ...
+def split_ranges(file_len: int, block: int, parts: int) -> list[tuple[int, int]]: ...
+def temp_file_in_use(path: _StrPath) -> bool: ...
+def is_temp_name(name: _StrPath) -> bool: ...
