@@ -6,12 +6,12 @@
 //! streamed save its writes stay in flight (the device never idles while
 //! the caller produces the next part); the engine remembers which session
 //! they belong to, and anything else that needs the arena first waits for
-//! them ([`Engine::settle`]), keeping a failure among them for the session
+//! them (`Engine::settle`), keeping a failure among them for the session
 //! that made them.
 //!
 //! Sessions (`begin`/`write`/`finish`, `write_part`) live in
 //! [`crate::writer`], reads in [`crate::reader`]; both reach the arena and
-//! the sink only through [`Engine::with_buffers`], the one place that takes
+//! the sink only through `Engine::with_buffers`, the one place that takes
 //! the free-buffer list, runs the I/O, and on failure drains the sink and
 //! gives every buffer back.
 
