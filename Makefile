@@ -13,10 +13,10 @@ BENCH_ARGS ?=
 all: test
 
 # One virtualenv, reused across runs (torch is several GB).
-$(VENV)/.deps-ok: pyproject.toml
+$(VENV)/.deps-ok: pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch>=2.1" numpy safetensors "hypothesis>=6" "pytest>=7" "maturin>=1.5,<2"
+	$(PY) -m pip install -q "torch>=2.1" numpy safetensors "hypothesis>=6" "pytest>=7" "maturin>=1.5,<2" "ruff>=0.6" "mypy>=1.10"
 	touch $@
 
 venv: $(VENV)/.deps-ok
@@ -28,10 +28,18 @@ wheel: venv
 install: wheel
 	$(PY) -m pip install -q --force-reinstall --no-deps $(DIST)/fastpersist-*.whl
 
-lint:
+# Rust: rustfmt, clippy (-D warnings, pedantic with the allowlist in Cargo.toml).
+# Python: ruff (lints incl. mccabe 13, and formatting; ruff.toml), and the
+# extension's stub checked against the built module (mypy.stubtest).
+lint: venv
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --features python --all-targets -- -D warnings
+	$(VENV)/bin/ruff check python tests benches examples
+	$(VENV)/bin/ruff format --check python tests benches examples
+
+stubtest: install
+	$(PY) -m mypy.stubtest fastpersist._core
 
 test-rust:
 	cargo test -q
@@ -39,7 +47,7 @@ test-rust:
 test-python: install
 	$(PY) -m pytest tests/python -q
 
-test: lint test-rust test-python
+test: lint test-rust test-python stubtest
 
 bench: install
 	$(PY) benches/write_bench.py $(BENCH_ARGS)

@@ -26,12 +26,12 @@ from fastpersist.bench import fio_limit, gpt_state_dict, median, parse_size
 
 
 def worker(rank: int, world: int, port: str, size: int, path: str, out: str) -> None:
+    import fastpersist
     import torch.distributed as dist
 
-    import fastpersist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     sd = gpt_state_dict(size)
     group = dist.group.WORLD if world > 1 else None
     if group is not None:
@@ -55,12 +55,15 @@ def run(world: int, size: int, d: str) -> float:
         port = str(s.getsockname()[1])
     path = os.path.join(d, f"ckpt-{world}.pt")
     out = os.path.join(d, f"res-{world}.json")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world), port, str(size), path, out])
-             for r in range(world)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world), port, str(size), path, out])
+        for r in range(world)
+    ]
     for p in procs:
         if p.wait() != 0:
             raise RuntimeError(f"rank failed with status {p.returncode}")
-    res = json.load(open(out))
+    with open(out) as f:
+        res = json.load(f)
     os.unlink(path)
     return res["bytes"] / res["seconds"] / 1e9
 
@@ -84,7 +87,7 @@ def main() -> None:
         slots = ["fio"] + ranks
         res = {k: [] for k in slots}
         for r in range(args.rounds):
-            order = slots[r % len(slots):] + slots[: r % len(slots)]
+            order = slots[r % len(slots) :] + slots[: r % len(slots)]
             for k in order:
                 os.sync()
                 time.sleep(1)
@@ -94,8 +97,12 @@ def main() -> None:
                         res[k].append(bw)
                 else:
                     res[k].append(run(k, size, d))
-            print(f"  round {r + 1}: " + "  ".join(f"{k if k == 'fio' else f'{k} rank(s)'}={v[-1]:.2f}"
-                                               for k, v in res.items() if v) + " GB/s", flush=True)
+            print(
+                f"  round {r + 1}: "
+                + "  ".join(f"{k if k == 'fio' else f'{k} rank(s)'}={v[-1]:.2f}" for k, v in res.items() if v)
+                + " GB/s",
+                flush=True,
+            )
         lim = median(res["fio"])
         print(f"{'writers':<12} {'GB/s':>6} {'share of limit':>15}")
         print(f"{'fio (limit)':<12} {lim:>6.2f} {1.0:>15.2f}")

@@ -32,9 +32,8 @@ import sys
 import tempfile
 import time
 
-import torch
-
 import fastpersist
+import torch
 from fastpersist.bench import drop_cache, fio_limit, median, parse_size
 
 
@@ -167,21 +166,27 @@ def main() -> None:
                 res["ts_r"].append(nbytes / (time.perf_counter() - t0) / 1e9)
             m = {k: median(v) if v else float("nan") for k, v in res.items()}
             wl, rl = min(m["d2h"], m["fio_w"]), min(m["h2d"], m["fio_r"])
-            print(f"\n{nbytes / 2**30:.1f} GiB bf16 on the GPU: D2H {m['d2h']:.1f}, H2D {m['h2d']:.1f}, "
-                  f"fio write {m['fio_w']:.2f}, fio read {m['fio_r']:.2f} GB/s "
-                  f"(fio write per run: {' '.join(f'{x:.2f}' for x in res['fio_w'])})")
+            print(
+                f"\n{nbytes / 2**30:.1f} GiB bf16 on the GPU: D2H {m['d2h']:.1f}, H2D {m['h2d']:.1f}, "
+                f"fio write {m['fio_w']:.2f}, fio read {m['fio_r']:.2f} GB/s "
+                f"(fio write per run: {' '.join(f'{x:.2f}' for x in res['fio_w'])})"
+            )
             if stats is not None:
                 print(f"  fastpersist path: io_uring={stats.io_uring} direct={stats.direct} block={stats.block}")
             for name, _, _ in variants:
-                print(f"  write: fastpersist[{name}] {m['fp_w ' + name]:.2f} GB/s ({m['fp_w ' + name] / wl:.2f} "
-                      f"of the limit; median of per-round ratios {m['ratio ' + name]:.2f})")
+                print(
+                    f"  write: fastpersist[{name}] {m['fp_w ' + name]:.2f} GB/s ({m['fp_w ' + name] / wl:.2f} "
+                    f"of the limit; median of per-round ratios {m['ratio ' + name]:.2f})"
+                )
             print(f"  write: torch.save+fsync {m['ts_w']:.2f} ({m['ts_w'] / wl:.2f})")
             if res["ds_w"]:
                 print(f"  write: DeepSpeed FastFileWriter {m['ds_w']:.2f} ({m['ds_w'] / wl:.2f})")
             else:
                 print("  write: DeepSpeed FastFileWriter not measured (deepspeed does not import here)")
-            print(f"  read:  fastpersist {m['fp_r']:.2f} GB/s ({m['fp_r'] / rl:.2f} of the limit; median of "
-                  f"per-round ratios {m['ratio read']:.2f}), torch.load {m['ts_r']:.2f} ({m['ts_r'] / rl:.2f})")
+            print(
+                f"  read:  fastpersist {m['fp_r']:.2f} GB/s ({m['fp_r'] / rl:.2f} of the limit; median of "
+                f"per-round ratios {m['ratio read']:.2f}), torch.load {m['ts_r']:.2f} ({m['ts_r'] / rl:.2f})"
+            )
             del sd
             torch.cuda.empty_cache()
 

@@ -25,11 +25,16 @@ import tempfile
 import time
 from typing import Callable, Dict, List
 
-import torch
-
 import fastpersist
+import torch
 from fastpersist.bench import (
-    drop_cache, fio_limit, gpt_state_dict, median, nbytes, parse_size, timed,
+    drop_cache,
+    fio_limit,
+    gpt_state_dict,
+    median,
+    nbytes,
+    parse_size,
+    timed,
 )
 
 
@@ -66,13 +71,15 @@ def main() -> None:
             "safetensors load_file + touch": lambda: touch_all(load_file(st_file)),
         }
         files = {"safetensors load_file + touch": st_file, "fastpersist (safetensors file)": st_file}
-        print(f"fastpersist {fastpersist.__version__}, torch {torch.__version__}, "
-              f"{size / 2**30:.2f} GiB GPT-like, cold reads, {args.rounds} rounds")
+        print(
+            f"fastpersist {fastpersist.__version__}, torch {torch.__version__}, "
+            f"{size / 2**30:.2f} GiB GPT-like, cold reads, {args.rounds} rounds"
+        )
         slots = ["fio (limit)"] + list(readers)
         times: Dict[str, List[float]] = {k: [] for k in readers}
         limit: List[float] = []
         for r in range(args.rounds):
-            order = slots[r % len(slots):] + slots[: r % len(slots)]
+            order = slots[r % len(slots) :] + slots[: r % len(slots)]
             for name in order:
                 os.sync()
                 time.sleep(args.settle)
@@ -82,10 +89,13 @@ def main() -> None:
                         limit.append(bw)
                     continue
                 drop_cache(files.get(name, fp_file))
-                times[name].append(timed(lambda: readers[name]()))
-            print(f"  round {r + 1}: " + "  ".join(
-                f"{k}={size / v[-1] / 1e9:.2f}" for k, v in times.items() if v) +
-                f"  fio={limit[-1] if limit else float('nan'):.2f} GB/s", flush=True)
+                times[name].append(timed(readers[name]))
+            print(
+                f"  round {r + 1}: "
+                + "  ".join(f"{k}={size / v[-1] / 1e9:.2f}" for k, v in times.items() if v)
+                + f"  fio={limit[-1] if limit else float('nan'):.2f} GB/s",
+                flush=True,
+            )
         lim = median(limit)
         print(f"  {'reader':<32} {'GB/s':>7} {'share of limit':>15}")
         print(f"  {'fio (limit)':<32} {lim:>7.2f} {1.0:>15.2f}")

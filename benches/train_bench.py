@@ -33,10 +33,9 @@ import time
 import warnings
 from typing import Callable, Dict, List, Optional
 
+import fastpersist
 import torch
 import torch.nn as nn
-
-import fastpersist
 
 warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
@@ -88,8 +87,9 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cpu", help="where to train: cpu (default) or cuda")
-    ap.add_argument("--methods", default=None,
-                    help="comma-separated substrings of the methods to run (the baseline always runs)")
+    ap.add_argument(
+        "--methods", default=None, help="comma-separated substrings of the methods to run (the baseline always runs)"
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device(args.device)
@@ -122,8 +122,8 @@ def main() -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 pending["fut"] = dcp.async_save(
-                    state(step), storage_writer=dcp.FileSystemWriter(os.path.join(d, f"dcp{step % 2}"),
-                                                                     sync_files=True))
+                    state(step), storage_writer=dcp.FileSystemWriter(os.path.join(d, f"dcp{step % 2}"), sync_files=True)
+                )
 
         from fastpersist.async_save import AsyncSaver
 
@@ -134,10 +134,10 @@ def main() -> None:
 
             def ckpt(step: int) -> None:
                 pending["fut"] = save(state(step), os.path.join(d, f"fp-{mode}.pt"), mode=mode)
+
             return ckpt
 
-        manager = fastpersist.Checkpointer(os.path.join(d, "managed"), every="auto",
-                                           max_overhead=0.035, keep_last=2)
+        manager = fastpersist.Checkpointer(os.path.join(d, "managed"), every="auto", max_overhead=0.035, keep_last=2)
 
         def ckpt_manager(step: int) -> None:
             manager.step(step, state(step))
@@ -157,7 +157,7 @@ def main() -> None:
         times: Dict[str, List[float]] = {k: [] for k in methods}
         step = 0
         broken = set()
-        for r in range(args.rounds):
+        for _ in range(args.rounds):
             for name, ckpt in methods.items():
                 if name in broken:
                     continue
@@ -193,12 +193,18 @@ def main() -> None:
         t0 = time.perf_counter()
         restored = fastpersist.Checkpointer(os.path.join(d, "managed")).load_latest()
         recovery = time.perf_counter() - t0
-        size = os.path.getsize(os.path.join(d, "fp-pipelined.pt")) if os.path.exists(os.path.join(d, "fp-pipelined.pt")) else 0
+        size = (
+            os.path.getsize(os.path.join(d, "fp-pipelined.pt"))
+            if os.path.exists(os.path.join(d, "fp-pipelined.pt"))
+            else 0
+        )
         base = statistics.median(times["none"])
         nparams = sum(p.numel() for p in model.parameters())
-        print(f"GPT: {args.layers} layers, dim {args.dim}, {nparams / 1e6:.1f} M parameters, "
-              f"checkpoint {size / 2**20:.0f} MiB (model + AdamW), batch {args.batch}x{args.ctx}, "
-              f"{torch.get_num_threads()} threads, on {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}")
+        print(
+            f"GPT: {args.layers} layers, dim {args.dim}, {nparams / 1e6:.1f} M parameters, "
+            f"checkpoint {size / 2**20:.0f} MiB (model + AdamW), batch {args.batch}x{args.ctx}, "
+            f"{torch.get_num_threads()} threads, on {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}"
+        )
         print(f"{'method':<32} {'median ms':>10} {'p90 ms':>8} {'overhead':>9}")
         res = {"params": nparams, "checkpoint_bytes": size, "methods": {}}
         for name, ts in times.items():
@@ -209,10 +215,12 @@ def main() -> None:
             res["methods"][name] = {"median_s": med, "p90_s": p90, "overhead": med / base - 1, "iters": ts}
             print(f"{name:<32} {med * 1e3:>10.1f} {p90 * 1e3:>8.1f} {100 * (med / base - 1):>8.1f}%")
         if times.get("fastpersist Checkpointer(auto)"):
-            print(f"Checkpointer(auto): interval chosen {manager.tuner.interval} iterations "
-                  f"(clean iteration {1e3 * (manager.tuner.clean_time or 0):.0f} ms, checkpoint cost "
-                  f"{1e3 * (manager.tuner.cost or 0):.0f} ms, write {manager.tuner.write_time or 0:.2f} s); "
-                  f"recovery (load_latest of step {restored[0] if restored else None}) {recovery:.2f} s")
+            print(
+                f"Checkpointer(auto): interval chosen {manager.tuner.interval} iterations "
+                f"(clean iteration {1e3 * (manager.tuner.clean_time or 0):.0f} ms, checkpoint cost "
+                f"{1e3 * (manager.tuner.cost or 0):.0f} ms, write {manager.tuner.write_time or 0:.2f} s); "
+                f"recovery (load_latest of step {restored[0] if restored else None}) {recovery:.2f} s"
+            )
             res["manager"] = {"interval": manager.tuner.interval, "recovery_s": recovery}
         if args.json:
             with open(args.json, "w") as f:

@@ -32,10 +32,19 @@ import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
-
 from fastpersist.bench import (
-    MiB, clear, fio_limit, fsync_path, fsync_tree, gpt_state_dict, median, nbytes,
-    parse_size, peak_rss_delta, small_tensors_state_dict, timed,
+    MiB,
+    clear,
+    fio_limit,
+    fsync_path,
+    fsync_tree,
+    gpt_state_dict,
+    median,
+    nbytes,
+    parse_size,
+    peak_rss_delta,
+    small_tensors_state_dict,
+    timed,
 )
 
 Writer = Callable[[Dict[str, torch.Tensor], str], None]
@@ -107,8 +116,9 @@ def _deepspeed_writer() -> Optional[Writer]:
         return None
 
     def write(sd, path):
-        cfg = FastFileWriterConfig(dnvme_handle=handle, pinned_tensor=pinned, double_buffer=True,
-                                   num_parallel_writers=1, writer_rank=0)
+        cfg = FastFileWriterConfig(
+            dnvme_handle=handle, pinned_tensor=pinned, double_buffer=True, num_parallel_writers=1, writer_rank=0
+        )
         f = FastFileWriter(file_path=path, config=cfg)
         try:
             torch.save(sd, f)
@@ -137,8 +147,7 @@ def settle(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def run_workload(name: str, sd, directory: str, rounds: int, writers: Dict[str, Writer],
-                 settle_s: float) -> dict:
+def run_workload(name: str, sd, directory: str, rounds: int, writers: Dict[str, Writer], settle_s: float) -> dict:
     size = nbytes(sd)
     print(f"\n== {name}: {len(sd)} tensors, {size / 2**30:.2f} GiB, {rounds} rounds ==", flush=True)
     times: Dict[str, List[float]] = {k: [] for k in writers}
@@ -147,7 +156,7 @@ def run_workload(name: str, sd, directory: str, rounds: int, writers: Dict[str, 
     slots = [FIO] + names
     for r in range(rounds):
         # The fio run takes its turn in the rotation like every writer.
-        order = slots[r % len(slots):] + slots[: r % len(slots)]
+        order = slots[r % len(slots) :] + slots[: r % len(slots)]
         for w in order:
             settle(settle_s)
             if w == FIO:
@@ -157,7 +166,7 @@ def run_workload(name: str, sd, directory: str, rounds: int, writers: Dict[str, 
                 continue
             path = os.path.join(directory, f"bench-{w.replace(' ', '_')}.out")
             try:
-                times[w].append(timed(lambda: writers[w](sd, path)))
+                times[w].append(timed(lambda w=w, path=path: writers[w](sd, path)))
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"  {w}: failed: {type(e).__name__}: {e}", flush=True)
             clear(path)
@@ -171,8 +180,7 @@ def run_workload(name: str, sd, directory: str, rounds: int, writers: Dict[str, 
         if not times[w]:
             continue
         gbps = size / median(times[w]) / 1e9
-        res["writers"][w] = {"gbps": gbps, "share": gbps / lim if lim == lim else None,
-                             "seconds": times[w]}
+        res["writers"][w] = {"gbps": gbps, "share": gbps / lim if lim == lim else None, "seconds": times[w]}
         print(f"  {w:<14} {gbps:>7.2f} {gbps / lim:>15.2f}")
     return res
 
@@ -212,8 +220,10 @@ def main() -> None:
     if ds is not None:
         writers["DeepSpeed FFW"] = ds
     else:
-        print("DeepSpeed FastFileWriter: not installed or its aio op does not build here; skipped "
-              "(pip install deepspeed ninja, apt-get install libaio-dev)")
+        print(
+            "DeepSpeed FastFileWriter: not installed or its aio op does not build here; skipped "
+            "(pip install deepspeed ninja, apt-get install libaio-dev)"
+        )
     if args.only:
         keep = [w.strip() for w in args.only.split(",")]
         writers = {k: v for k, v in writers.items() if k in keep}
@@ -234,8 +244,11 @@ def main() -> None:
         print("\n== peak resident memory added by one write (GPT-like, fresh process) ==")
         mem = {}
         for w in [w for w in ("fastpersist", "torch.save", "safetensors") if w in writers]:
-            out = subprocess.run([sys.executable, __file__, "--child-memory", w, "--size", args.size,
-                                  "--dir", d], capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child-memory", w, "--size", args.size, "--dir", d],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode != 0:
                 print(f"  {w}: failed: {out.stderr.strip().splitlines()[-1:]}")
                 continue

@@ -8,11 +8,10 @@
 from __future__ import annotations
 
 from ._core import __version__
-from .checkpoint_manager import CheckpointInfo, Checkpointer
-from .resume import ResumableSampler, capture_rng_state, restore_rng_state
 from .async_save import CheckpointFuture, SnapshotPool, save_async, wait_all
+from .checkpoint_manager import Checkpointer, CheckpointInfo
+from .collectives import DistributedCheckpointError
 from .cuda_staging import release_staging
-from .distributed import DistributedCheckpointError
 from .errors import (
     CorruptCheckpointError,
     FallbackWarning,
@@ -20,8 +19,10 @@ from .errors import (
     SerializationError,
     WriteError,
 )
+from .options import WriteStats, release_engines
 from .reader import ReadStats, detect_format, read_state_dict
-from .writer import WriteStats, release_engines, write_state_dict
+from .resume import ResumableSampler, capture_rng_state, restore_rng_state
+from .writer import write_state_dict
 
 __all__ = [
     "__version__",

@@ -28,16 +28,20 @@ import atexit
 import concurrent.futures
 import logging
 import os
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, List, Optional
+import weakref
+from typing import Any, Callable, List, Optional
 
 import torch
 
+from .collectives import checkpoint_group
 from .cuda_staging import ReadyEvents, active_devices, record_ready, side_streams
-from .serialization import plan_torch_save
-from .writer import EngineOptions, PathLike, WriteStats, _check_path, _env_int, _write_torch_zip, write_plan
+from .options import EngineOptions, PathLike, WriteStats, env_int, note_pending, resolve_target, wait_for_earlier
+from .plan import Region
+from .torch_zip import plan_torch_save
+from .writer import write_distributed, write_plan, write_torch_zip
 
 __all__ = ["save_async", "CheckpointFuture", "SnapshotPool", "AsyncSaver", "wait_all", "MODES"]
 
@@ -91,13 +95,23 @@ class CheckpointFuture(concurrent.futures.Future):
         self.set_result(stats)
 
 
+def _remove(bufs: List[torch.Tensor], buf: torch.Tensor) -> None:
+    """Remove ``buf`` from ``bufs`` by identity (``list.remove`` compares
+    tensors by value)."""
+    for i, b in enumerate(bufs):
+        if b is buf:
+            del bufs[i]
+            return
+    raise ValueError("buffer not in the pool")
+
+
 class SnapshotPool:
     """Reusable host staging buffers for snapshot saves (pinned when CUDA
     tensors are saved and CUDA is available). Buffers are kept for reuse
     until :meth:`release` is called."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._free: List[torch.Tensor] = []
         self._used: List[torch.Tensor] = []
 
@@ -106,10 +120,10 @@ class SnapshotPool:
             fits = [b for b in self._free if b.numel() >= nbytes and (not pin or b.is_pinned())]
             if fits:
                 buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
+                _remove(self._free, buf)
             else:
                 if self._free:  # too small: replace rather than grow the pool
-                    self._free.remove(max(self._free, key=lambda b: b.numel()))
+                    _remove(self._free, max(self._free, key=lambda b: b.numel()))
                 size = max(1 << 20, -(-nbytes // (1 << 20)) * (1 << 20))
                 buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
             self._used.append(buf)
@@ -117,7 +131,7 @@ class SnapshotPool:
 
     def put_back(self, buf: torch.Tensor) -> None:
         with self._lock:
-            self._used.remove(buf)
+            _remove(self._used, buf)
             self._free.append(buf)
 
     def release(self) -> None:
@@ -169,6 +183,58 @@ class _CopyStreams:
             ev.synchronize()
 
 
+class _Worker:
+    """One background thread running submitted calls in order.
+
+    Not a ``ThreadPoolExecutor``: those refuse new work once the
+    interpreter starts shutting down, before ``atexit`` handlers run, so a
+    snapshot handed to the write thread at exit would be lost. This thread
+    is a daemon that takes work until the process ends; saves in flight at
+    exit are waited for by an ``atexit`` handler."""
+
+    def __init__(self, name: str, nice: int) -> None:
+        self._queue: queue.SimpleQueue[Optional[Callable[[], None]]] = queue.SimpleQueue()
+        self._nice = nice
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        _lower_priority(self._nice)
+        while True:
+            fn = self._queue.get()
+            if fn is None:
+                return
+            try:
+                fn()
+            except BaseException:
+                log.exception("fastpersist: uncaught error in a background save")
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Queue ``fn(*args)``; the future gives its result."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:
+                done.set_exception(e)
+                raise
+
+        self._queue.put(run)
+        return done
+
+    def stop(self) -> None:
+        """Finish the calls queued so far, then end the thread."""
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+def _stop_workers(*workers: _Worker) -> None:
+    for w in workers:
+        w._queue.put(None)
+
+
 #: Default niceness of the background threads (``FASTPERSIST_BACKGROUND_NICE``).
 DEFAULT_NICE = 10
 
@@ -200,30 +266,29 @@ class AsyncSaver:
         if max_pending < 1:
             raise ValueError("max_pending must be at least 1")
         if nice is None:
-            nice = _env_int("FASTPERSIST_BACKGROUND_NICE", DEFAULT_NICE)
+            nice = env_int("FASTPERSIST_BACKGROUND_NICE", DEFAULT_NICE)
         if not 0 <= nice <= 19:
             raise ValueError(f"nice must be between 0 and 19, not {nice}")
         self.nice = nice
         self.pool = SnapshotPool()
-        self._snap = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-snapshot",
-                                        initializer=_lower_priority, initargs=(nice,))
-        self._write = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-write",
-                                         initializer=_lower_priority, initargs=(nice,))
+        self._snap = _Worker("fastpersist-snapshot", nice)
+        self._write = _Worker("fastpersist-write", nice)
         self._slots = threading.BoundedSemaphore(max_pending)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._last: Optional[CheckpointFuture] = None
         self._inflight: List[CheckpointFuture] = []
+        _savers.add(self)
+        # A saver dropped without close(): its threads end once idle.
+        weakref.finalize(self, _stop_workers, self._snap, self._write)
 
     def save(self, obj: Any, path: PathLike, *, mode: str = "pipelined", **options: Any) -> CheckpointFuture:
-        p = _check_path(path)
+        p = resolve_target(path)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         group = options.pop("group", None)
         sharded = options.pop("sharded", False)
         opts = EngineOptions.resolve(**options)
         if group is not None:
-            from .distributed import checkpoint_group
-
             checkpoint_group(group)  # collective: made here, on every rank's calling thread
         with self._lock:
             prev = self._last
@@ -238,19 +303,17 @@ class AsyncSaver:
             self._slots.release()
             raise
         fut = CheckpointFuture(p, mode)
+        note_pending(p, fut)
         fut.add_done_callback(self._finished)
         with self._lock:
             self._last = fut
             self._inflight.append(fut)
-        try:
-            if group is not None:
-                self._write.submit(self._distributed, obj, p, opts, fut, group, sharded, ready)
-            elif mode == "snapshot":
-                self._snap.submit(self._snapshot_then_write, obj, p, opts, fut, ready)
-            else:
-                self._write.submit(self._pipelined, obj, p, opts, fut, ready)
-        except BaseException as e:  # executor shut down (interpreter exit)
-            fut._fail(e)
+        if group is not None:
+            self._write.submit(self._distributed, obj, p, opts, fut, group, sharded, ready)
+        elif mode == "snapshot":
+            self._snap.submit(self._snapshot_then_write, obj, p, opts, fut, ready)
+        else:
+            self._write.submit(self._pipelined, obj, p, opts, fut, ready)
         return fut
 
     def _finished(self, fut: CheckpointFuture) -> None:
@@ -259,35 +322,43 @@ class AsyncSaver:
                 self._inflight.remove(fut)
         self._slots.release()
 
-    def _pipelined(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture,
-                   ready: ReadyEvents) -> None:
+    def _pipelined(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture, ready: ReadyEvents) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         try:
-            stats = _write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot, ready=ready)
+            wait_for_earlier(path, fut)
+            stats = write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot, ready=ready)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             fut._fail(e)
             return
         fut._succeed(stats)
 
-    def _distributed(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture,
-                     group: Any, sharded: bool, ready: ReadyEvents) -> None:
+    def _distributed(
+        self,
+        obj: Any,
+        path: str,
+        opts: EngineOptions,
+        fut: CheckpointFuture,
+        group: Any,
+        sharded: bool,
+        ready: ReadyEvents,
+    ) -> None:
         # With a group the snapshot phase ends with the write (the ranks'
         # parts are written from the live tensors, then committed together).
-        from .writer import _write_distributed
-
         if not fut.set_running_or_notify_cancel():
             return
         try:
+            wait_for_earlier(path, fut)
             with side_streams(ready):
-                stats = _write_distributed(obj, path, opts, group, sharded, "torch")
+                stats = write_distributed(obj, path, opts, group, sharded, "torch")
         except BaseException as e:  # noqa: BLE001
             fut._fail(e)
             return
         fut._succeed(stats)
 
-    def _snapshot_then_write(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture,
-                             ready: ReadyEvents) -> None:
+    def _snapshot_then_write(
+        self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture, ready: ReadyEvents
+    ) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         buf = None
@@ -298,26 +369,29 @@ class AsyncSaver:
             plan = plan_torch_save(obj, stage=lambda st: st.device.type == "cuda")
             pin = bool(plan.device) and torch.cuda.is_available()
             buf = self.pool.acquire(plan.storage_bytes, pin=pin)
-            # Copy every storage into the pool and point the plan there.
+            # Copy every storage into the pool and point the plan there. A
+            # region's checksum id is its storage's index in the plan's
+            # storages: copies are found by storage, never by address (two
+            # storages can start at the same address).
             base = buf.data_ptr()
             off = 0
-            moved = {}
+            moved: List[int] = []
             streams = _CopyStreams(ready)
             for storage in plan.keepalive:
                 n = storage.nbytes()
                 if n:
-                    streams.copy(buf[off:off + n], storage)
-                moved[storage.data_ptr()] = (base + off, n)
+                    streams.copy(buf[off : off + n], storage)
+                moved.append(base + off)
                 off += n
             streams.synchronize()
-            plan.regions = sorted([(fo, moved[ptr][0] if ptr in moved else ptr, ln, cid)
-                                   for fo, ptr, ln, cid in plan.regions]
-                                  + [(fo, moved[st.data_ptr()][0], ln, cid) for fo, st, ln, cid in plan.device])
+            plan.regions = sorted(
+                [Region(fo, moved[cid], ln, cid) for fo, _, ln, cid in plan.regions]
+                + [Region(fo, moved[cid], ln, cid) for fo, _, ln, cid in plan.device]
+            )
             plan.device = []
             plan.keepalive = [buf]
             plan_seconds = time.perf_counter() - t0
             del obj
-            fut._mark_snapshot()
         except BaseException as e:  # noqa: BLE001
             if buf is not None:
                 self.pool.put_back(buf)
@@ -328,6 +402,7 @@ class AsyncSaver:
             # The buffer goes back to the pool before the future is done, so
             # a save made by a done-callback or right after result() reuses it.
             try:
+                wait_for_earlier(path, fut)
                 stats = write_plan(plan, path, opts, plan_seconds, t0)
             except BaseException as e:  # noqa: BLE001
                 self.pool.put_back(buf)
@@ -336,11 +411,10 @@ class AsyncSaver:
                 self.pool.put_back(buf)
                 fut._succeed(stats)
 
-        try:
-            self._write.submit(write)
-        except BaseException as e:  # noqa: BLE001
-            self.pool.put_back(buf)
-            fut._fail(e)
+        # Queued before the snapshot phase ends: a save called after it
+        # (which may wait for this one to commit) queues behind it.
+        self._write.submit(write)
+        fut._mark_snapshot()
 
     def pending(self) -> List[CheckpointFuture]:
         with self._lock:
@@ -352,8 +426,16 @@ class AsyncSaver:
         concurrent.futures.wait(pending, timeout=timeout)
         return [f for f in pending if f.done() and f.exception() is not None]
 
+    def close(self) -> None:
+        """Wait for every save in flight, then end the background threads."""
+        self.wait_all()
+        self._snap.stop()
+        self._write.stop()
+
 
 _default: Optional[AsyncSaver] = None
+#: Every live saver, for the drain at exit.
+_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 _default_lock = threading.Lock()
 
 
@@ -378,11 +460,13 @@ def wait_all(timeout: Optional[float] = None) -> List[CheckpointFuture]:
 
 @atexit.register
 def _drain_at_exit() -> None:
-    if _default is None:
-        return
-    pending = _default.pending()
+    """Commit every save still in flight (of every saver) before the process
+    exits; a failure among them is logged as an error."""
+    savers = list(_savers)
+    pending = [f for s in savers for f in s.pending()]
     if not pending:
         return
     log.warning("fastpersist: waiting for %d checkpoint save(s) in flight before exit", len(pending))
-    for f in _default.wait_all():
-        log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, f.exception())
+    for s in savers:
+        for f in s.wait_all():
+            log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, f.exception())

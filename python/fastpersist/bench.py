@@ -87,8 +87,13 @@ def clear(path: str) -> None:
 def ensure_fio() -> Optional[str]:
     fio = shutil.which("fio")
     if fio is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run("apt-get update -qq && apt-get install -y -qq fio", shell=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            "apt-get update -qq && apt-get install -y -qq fio",
+            shell=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
         fio = shutil.which("fio")
     return fio
 
@@ -103,17 +108,25 @@ def fio_limit(directory: str, size: int, rw: str = "write") -> Optional[float]:
     # The same directory the writers use (not a subdirectory: ext4 places
     # new directories in other block groups, i.e. elsewhere on the disk).
     path = os.path.join(directory, "fio-limit.dat")
-    base = [fio, "--name=limit", f"--filename={path}", "--bs=4M", "--iodepth=16",
-            "--ioengine=io_uring", "--direct=1", f"--size={size}", "--output-format=json"]
+    base = [
+        fio,
+        "--name=limit",
+        f"--filename={path}",
+        "--bs=4M",
+        "--iodepth=16",
+        "--ioengine=io_uring",
+        "--direct=1",
+        f"--size={size}",
+        "--output-format=json",
+    ]
     try:
         if rw == "read":
             # lay the file out first; the read itself is O_DIRECT (cold)
             subprocess.run(base + ["--rw=write", "--end_fsync=1"], check=True, stdout=subprocess.DEVNULL)
-        out = subprocess.run(base + [f"--rw={rw}", "--end_fsync=1"], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(base + [f"--rw={rw}", "--end_fsync=1"], check=True, capture_output=True, text=True).stdout
     finally:
         clear(path)
-    job = json.loads(out[out.index("{"):])["jobs"][0]
+    job = json.loads(out[out.index("{") :])["jobs"][0]
     return job[rw]["bw_bytes"] / 1e9
 
 
@@ -151,8 +164,9 @@ class Progress:
             return
         width = 30
         filled = int(width * self.done / self.total)
-        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
-                          f"{self.done}/{self.total} {what:<24}")
+        self.stream.write(
+            f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {what:<24}"
+        )
         if self.done >= self.total:
             self.stream.write("\n")
         self.stream.flush()
@@ -170,6 +184,7 @@ def median(xs: List[float]) -> float:
 
 def peak_rss_delta(fn: Callable[[], None]) -> int:
     """Peak resident memory added by ``fn`` (Linux: resets VmHWM first)."""
+
     def field(name: str) -> int:
         with open("/proc/self/status") as f:
             for line in f:

@@ -7,13 +7,24 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
   checkpoints (a fixed interval, or CheckFreq-style online tuning that keeps
   the measured overhead under ``max_overhead``) and starts an asynchronous
   save. In pipelined mode call ``fence()`` before ``optimizer.step()``.
-* Each checkpoint (``ckpt-<step>.pt``, holding ``{"step", "state"}``) becomes
-  visible only by its atomic commit. ``latest()`` is the newest one whose
-  checksums verify (a damaged one is skipped); ``load_latest()`` restores it.
-  Temporary files of crashed saves are removed when a Checkpointer starts.
-* Retention keeps the last ``keep_last`` and every ``keep_every``-th step,
-  deletes only after a newer checkpoint is committed (and, with staging, has
-  reached the shared tier), and never deletes the newest valid checkpoint.
+* Each checkpoint (``ckpt-<step>.pt``, the step zero-padded to 12 digits,
+  holding ``{"step", "state"}``) becomes visible only by its atomic commit.
+  ``latest()`` is the newest one whose checksums verify (a damaged one is
+  skipped); ``load_latest()`` restores it. Another process may call them
+  while training saves: a file deleted by retention between listing and
+  reading makes them list again, so they return a valid checkpoint whenever
+  one exists.
+* Temporary files of crashed saves are removed when a Checkpointer starts:
+  only names a checkpoint save makes (``.ckpt-<step>.pt.<pid>.<n>.fptmp``),
+  only when no process holds the file's lock (a save in progress on any
+  host or in any container holds it) and only when the file is older than
+  :data:`TEMP_MIN_AGE` seconds and than any save this process has seen.
+* Retention keeps the last ``keep_last`` *valid* checkpoints and every
+  ``keep_every``-th step, deletes only files older than a committed, valid
+  newer checkpoint (and, with staging, one that has reached the shared
+  tier), never the newest valid one, and only files named exactly as it
+  names checkpoints. Validity is known for saves this process committed and
+  checked (CRCs, structure) once for files it did not write.
 * With ``stage_dir``, committed checkpoints are copied in the background to
   that (shared) directory with the same temp/fsync/rename/fsync commit, with
   retention on each tier; ``latest()`` prefers a valid local copy.
@@ -23,12 +34,12 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
 import re
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,24 +49,47 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from . import _core
 from .async_save import AsyncSaver, CheckpointFuture
 from .errors import CorruptCheckpointError
-from .reader import read_state_dict, verify_file
+from .reader import read_state_dict
+from .verify import verify_file
 
-__all__ = ["Checkpointer", "CheckpointInfo", "FrequencyTuner", "list_checkpoints", "clean_temp_files"]
+__all__ = ["Checkpointer", "CheckpointInfo", "FrequencyTuner", "list_checkpoints", "clean_temp_files", "ckpt_name"]
 
 log = logging.getLogger("fastpersist")
-CKPT_RE = re.compile(r"^ckpt-(\d+)\.pt$")
+#: Checkpoint file names, exactly as :func:`ckpt_name` makes them.
+CKPT_RE = re.compile(r"^ckpt-([0-9]{12,20})\.pt$")
+#: Temporary files of checkpoint saves, exactly as the core names them.
+TEMP_RE = re.compile(r"^\.(ckpt-[0-9]{12,20}\.pt)\.[0-9]+\.[0-9]+" + re.escape(_core.TEMP_MARKER) + "$")
 LOG_NAME = "checkpoints.jsonl"
+#: A temporary file younger than this (seconds) is never removed.
+TEMP_MIN_AGE = 600.0
+#: How often latest()/load_latest() list again when listed files vanish.
+_RELIST = 20
 
 
 def ckpt_name(step: int) -> str:
+    """The file name of the checkpoint of ``step``."""
     return f"ckpt-{step:012d}.pt"
+
+
+def _parse_ckpt(name: str) -> Optional[int]:
+    m = CKPT_RE.match(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if ckpt_name(step) == name else None
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
+    """One committed checkpoint file."""
+
+    #: The training step it holds.
     step: int
+    #: Where it is.
     path: str
-    tier: str  # "local" or "shared"
+    #: ``"local"`` (the Checkpointer's directory) or ``"shared"`` (``stage_dir``).
+    tier: str
+    #: Its size in bytes.
     bytes: int
 
 
@@ -64,15 +98,41 @@ def _scan(directory: Optional[str], tier: str) -> Dict[int, CheckpointInfo]:
     if not directory or not os.path.isdir(directory):
         return out
     for name in os.listdir(directory):
-        m = CKPT_RE.match(name)
-        if m:
+        step = _parse_ckpt(name)
+        if step is not None:
             p = os.path.join(directory, name)
             try:
                 size = os.path.getsize(p)
             except OSError:
                 continue
-            out[int(m.group(1))] = CheckpointInfo(int(m.group(1)), p, tier, size)
+            out[step] = CheckpointInfo(step, p, tier, size)
     return out
+
+
+def _copy_durably(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst`` with the core's durable commit (temporary
+    file, fsync, rename, directory fsync): ``dst`` is whole or absent."""
+    with open(src, "rb") as fi, _core.TempFile(dst) as tmp:
+        size = os.fstat(fi.fileno()).st_size
+        off = 0
+        fast = True
+        while off < size:
+            want = min(size - off, 64 << 20)
+            n = 0
+            if fast:
+                try:
+                    n = os.copy_file_range(fi.fileno(), tmp.fd, want, off, off)
+                except OSError as e:
+                    if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                        raise
+                    fast = False
+            if not fast:
+                data = os.pread(fi.fileno(), min(want, 8 << 20), off)
+                n = len(data) and os.pwrite(tmp.fd, data, off)
+            if n == 0:
+                raise OSError(errno.EIO, f"{src} shrank while it was being copied")
+            off += n
+        tmp.commit(size, durable=True)
 
 
 def list_checkpoints(directory: str, stage_dir: Optional[str] = None) -> List[Tuple[int, List[CheckpointInfo]]]:
@@ -82,37 +142,31 @@ def list_checkpoints(directory: str, stage_dir: Optional[str] = None) -> List[Tu
     return [(s, [c for c in (local.get(s), shared.get(s)) if c is not None]) for s in steps]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def clean_temp_files(directory: str) -> List[str]:
-    """Remove temporary files of saves whose process is gone; returns them."""
-    removed = []
+def clean_temp_files(directory: str, min_age: float = TEMP_MIN_AGE) -> List[str]:
+    """Remove temporary files of checkpoint saves that are over: named as a
+    checkpoint save names them, not locked by a live writer (on any host or
+    in any PID namespace), and older than ``min_age`` seconds. Returns the
+    names removed."""
+    removed: List[str] = []
     if not os.path.isdir(directory):
         return removed
-    marker = _core.TEMP_MARKER
+    now = time.time()
     for name in os.listdir(directory):
-        if not name.endswith(marker):
+        if not TEMP_RE.match(name):
             continue
-        parts = name[: -len(marker)].split(".")
+        p = os.path.join(directory, name)
         try:
-            pid = int(parts[-2])
-        except (IndexError, ValueError):
-            pid = -1
-        if pid == os.getpid() or (pid > 0 and _pid_alive(pid)):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
+            st = os.lstat(p)
+            if not os.path.isfile(p) or os.path.islink(p) or now - st.st_mtime < min_age:
+                continue
+            if _core.temp_file_in_use(p):
+                continue
+            os.unlink(p)
             removed.append(name)
         except FileNotFoundError:
             pass
+        except OSError as e:
+            log.warning("fastpersist: cannot remove the leftover temporary file %s: %s", p, e)
     return removed
 
 
@@ -138,8 +192,14 @@ class FrequencyTuner:
        follows drift in the iteration time itself.
     """
 
-    def __init__(self, every: Union[str, int] = "auto", max_overhead: float = 0.035,
-                 profile_steps: int = 3, max_interval: int = 100_000, reprofile_every: int = 25) -> None:
+    def __init__(
+        self,
+        every: Union[str, int] = "auto",
+        max_overhead: float = 0.035,
+        profile_steps: int = 3,
+        max_interval: int = 100_000,
+        reprofile_every: int = 25,
+    ) -> None:
         if every != "auto" and not (isinstance(every, int) and every >= 1):
             raise ValueError(f"every must be 'auto' or a positive int, not {every!r}")
         if not 0 < max_overhead < 1:
@@ -203,8 +263,9 @@ class FrequencyTuner:
         if self._window_n and self.baseline:
             achieved = (self._window_sum / self._window_n) / self.baseline - 1.0
             a = 0.5
-            self.observed_overhead = achieved if self.observed_overhead is None else \
-                (1 - a) * self.observed_overhead + a * achieved
+            self.observed_overhead = (
+                achieved if self.observed_overhead is None else (1 - a) * self.observed_overhead + a * achieved
+            )
             o = self.observed_overhead
             if o > self.max_overhead:
                 self._scale = min(self._scale * min(o / self.max_overhead, 4.0), float(self.max_interval))
@@ -248,6 +309,25 @@ class _InFlight:
 
 
 class Checkpointer:
+    """Checkpoints a training loop: when, where, what to keep, and resume.
+
+    ``directory`` (node-local, fast) receives ``ckpt-<step>.pt`` files, each
+    holding ``{"step": step, "state": state}``, committed atomically.
+    ``every`` is a fixed interval in iterations or ``"auto"`` (CheckFreq's
+    tuning, keeping the measured overhead under ``max_overhead``).
+    ``keep_last`` valid checkpoints are kept, plus every ``keep_every``-th
+    step. ``stage_dir`` (a shared file system) receives a copy of each
+    committed checkpoint in the background. ``mode`` is that of
+    :func:`~fastpersist.save_async` (``"pipelined"``: call :meth:`fence`
+    before ``optimizer.step()``; ``"snapshot"``). Other keyword arguments
+    are engine options of :func:`~fastpersist.write_state_dict`. ``clock``
+    is for tests.
+
+    Directories are resolved to absolute paths when the Checkpointer is
+    made: a later ``os.chdir`` does not move its checkpoints. Use it as a
+    context manager, or call :meth:`close`, to wait for the last save.
+    """
+
     def __init__(
         self,
         directory: str,
@@ -265,8 +345,8 @@ class Checkpointer:
             raise ValueError("keep_last must be at least 1 (the newest checkpoint is always kept)")
         if keep_every is not None and keep_every < 1:
             raise ValueError("keep_every must be a positive int")
-        self.directory = os.fspath(directory)
-        self.stage_dir = os.fspath(stage_dir) if stage_dir is not None else None
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.stage_dir = os.path.abspath(os.fspath(stage_dir)) if stage_dir is not None else None
         os.makedirs(self.directory, exist_ok=True)
         if self.stage_dir:
             os.makedirs(self.stage_dir, exist_ok=True)
@@ -283,6 +363,8 @@ class Checkpointer:
         self._last_step_at: Optional[float] = None
         self._staged: set = set(_scan(self.stage_dir, "shared"))
         self._stage_futures: List[Any] = []
+        #: File identity (dev, ino, size, mtime_ns) -> whether it verified.
+        self._valid: Dict[Tuple[int, int, int, int], bool] = {}
         for d in filter(None, (self.directory, self.stage_dir)):
             for name in clean_temp_files(d):
                 log.warning("fastpersist: removed %s, left by a save that did not finish", os.path.join(d, name))
@@ -353,11 +435,30 @@ class Checkpointer:
         if tune:  # not when drained by wait()/close(): no iteration ran beside it
             write_s = fl.future.total_seconds if fl.future.total_seconds is not None else st.seconds
             self.tuner.record_checkpoint(max(fl.extra, stall), write_s)
-        log.info("fastpersist: checkpoint step %d: %d bytes, stall %.1f ms, write %.3f s (%.2f GB/s), interval %d",
-                 fl.step, st.bytes, stall * 1e3, st.seconds, st.gbps, self.tuner.interval)
-        self._log_event({"event": "commit", "step": fl.step, "path": st.path, "bytes": st.bytes,
-                         "stall_s": stall, "write_s": st.seconds, "gbps": st.gbps, "tier": "local",
-                         "interval": self.tuner.interval})
+        log.info(
+            "fastpersist: checkpoint step %d: %d bytes, stall %.1f ms, write %.3f s (%.2f GB/s), interval %d",
+            fl.step,
+            st.bytes,
+            stall * 1e3,
+            st.seconds,
+            st.gbps,
+            self.tuner.interval,
+        )
+        self._log_event(
+            {
+                "event": "commit",
+                "step": fl.step,
+                "path": st.path,
+                "bytes": st.bytes,
+                "stall_s": stall,
+                "write_s": st.seconds,
+                "gbps": st.gbps,
+                "tier": "local",
+                "interval": self.tuner.interval,
+            }
+        )
+        with self._lock:
+            self._mark_valid(st.path)
         if self._stager is not None:
             self._stage_futures.append(self._stager.submit(self._stage, fl.step, st.path))
         self._retain()
@@ -371,11 +472,13 @@ class Checkpointer:
         self._stage_futures.clear()
 
     def close(self) -> None:
+        """Wait for everything in flight, then release the background threads."""
         self.wait()
+        self._saver.close()
         if self._stager is not None:
             self._stager.shutdown(wait=True)
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -386,106 +489,164 @@ class Checkpointer:
     def _stage(self, step: int, src: str) -> None:
         assert self.stage_dir is not None
         dst = os.path.join(self.stage_dir, ckpt_name(step))
-        tmp = os.path.join(self.stage_dir, f".{ckpt_name(step)}.{os.getpid()}.{threading.get_ident()}{_core.TEMP_MARKER}")
         t0 = time.perf_counter()
         try:
-            with open(src, "rb") as fi, open(tmp, "wb") as fo:
-                shutil.copyfileobj(fi, fo, 8 << 20)
-                fo.flush()
-                os.fsync(fo.fileno())
-            os.rename(tmp, dst)
-            dfd = os.open(self.stage_dir, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except BaseException as e:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            _copy_durably(src, dst)
+        except BaseException as e:  # noqa: BLE001 - logged; the local copy stays
             log.error("fastpersist: staging step %d to %s failed: %r", step, self.stage_dir, e)
             self._log_event({"event": "stage_failed", "step": step, "error": repr(e)})
             return
         with self._lock:
             self._staged.add(step)
-        self._log_event({"event": "staged", "step": step, "path": dst, "seconds": time.perf_counter() - t0,
-                         "tier": "shared"})
+            self._mark_valid(dst)
+        self._log_event(
+            {"event": "staged", "step": step, "path": dst, "seconds": time.perf_counter() - t0, "tier": "shared"}
+        )
         self._retain()
 
-    def _keep(self, steps: List[int]) -> set:
-        steps = sorted(steps, reverse=True)
-        keep = set(steps[: self.keep_last])
-        if self.keep_every:
-            keep |= {s for s in steps if s % self.keep_every == 0}
-        return keep
+    @staticmethod
+    def _identity(path: str) -> Optional[Tuple[int, int, int, int]]:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _mark_valid(self, path: str) -> None:
+        """``path`` was just committed by this process (its CRCs computed
+        while writing): valid without reading it back."""
+        ident = self._identity(path)
+        if ident is not None:
+            self._valid[ident] = True
+
+    def _is_valid(self, path: str) -> bool:
+        """Whether ``path`` verifies (checked once per file identity)."""
+        ident = self._identity(path)
+        if ident is None:
+            return False
+        ok = self._valid.get(ident)
+        if ok is None:
+            try:
+                verify_file(path)
+                ok = True
+            except (CorruptCheckpointError, OSError) as e:
+                log.warning("fastpersist: %s is damaged; retention keeps newer valid checkpoints: %s", path, e)
+                ok = False
+            self._valid[ident] = ok
+        return ok
+
+    def _doomed(self, infos: Dict[int, CheckpointInfo], may_delete: Callable[[int], bool]) -> List[CheckpointInfo]:
+        """The checkpoints of one tier that retention removes: those older
+        than the ``keep_last``-th newest *valid* one, not kept by
+        ``keep_every``, and allowed by ``may_delete``. Files newer than that
+        (valid or damaged) are never removed, so the newest valid checkpoint
+        always survives and a reader always finds a valid one."""
+        valid = 0
+        cutoff: Optional[int] = None
+        for s in sorted(infos, reverse=True):
+            if self._is_valid(infos[s].path):
+                valid += 1
+                if valid == self.keep_last:
+                    cutoff = s
+                    break
+        if cutoff is None:
+            return []
+        return [
+            info
+            for s, info in sorted(infos.items())
+            if s < cutoff and not (self.keep_every and s % self.keep_every == 0) and may_delete(s)
+        ]
 
     def _retain(self) -> None:
         with self._lock:
-            local = _scan(self.directory, "local")
             staged = set(self._staged)
-            newest_local = max(local, default=None)
-            keep = self._keep(list(local))
-            for s, info in local.items():
-                if s in keep or newest_local is None or s >= newest_local:
-                    continue
-                # With staging, a local copy goes only once it (or a newer
-                # checkpoint) has reached the shared tier.
-                if self.stage_dir and not any(x >= s for x in staged):
-                    continue
+            # With staging, a local copy goes only once it (or a newer
+            # checkpoint) has reached the shared tier.
+            local_ok = (lambda s: any(x >= s for x in staged)) if self.stage_dir else (lambda s: True)
+            for info in self._doomed(_scan(self.directory, "local"), local_ok):
                 self._delete(info)
             if self.stage_dir:
-                shared = _scan(self.stage_dir, "shared")
-                keep_s = self._keep(list(shared))
-                newest_shared = max(shared, default=None)
-                for s, info in shared.items():
-                    if s in keep_s or newest_shared is None or s >= newest_shared:
-                        continue
+                for info in self._doomed(_scan(self.stage_dir, "shared"), lambda s: True):
                     self._delete(info)
-                    self._staged.discard(s)
+                    self._staged.discard(info.step)
 
     def _delete(self, info: CheckpointInfo) -> None:
         try:
             os.unlink(info.path)
         except FileNotFoundError:
             return
+        except OSError as e:
+            log.warning("fastpersist: retention cannot remove %s: %s", info.path, e)
+            return
         self._log_event({"event": "deleted", "step": info.step, "path": info.path, "tier": info.tier})
 
     # -- restore -------------------------------------------------------------
 
     def checkpoints(self) -> List[Tuple[int, List[CheckpointInfo]]]:
+        """Committed checkpoints by step (newest first), each with its copies."""
         return list_checkpoints(self.directory, self.stage_dir)
+
+    def _first_good(self, attempt: Callable[[CheckpointInfo], Any]) -> Any:
+        """``attempt`` on each copy, newest first, until one succeeds (not
+        None). A copy that vanished since the listing (retention in another
+        process) makes the listing start again: retention deletes only
+        files older than a committed newer one, which the new listing has."""
+        for _ in range(_RELIST):
+            vanished = False
+            for _, copies in self.checkpoints():
+                for c in copies:
+                    try:
+                        out = attempt(c)
+                    except FileNotFoundError:
+                        vanished = True
+                        break
+                    if out is not None:
+                        return out
+                if vanished:
+                    break
+            if not vanished:
+                return None
+        return None
 
     def latest(self, verify: bool = True) -> Optional[CheckpointInfo]:
         """The newest committed checkpoint whose checksums verify (local copy
         first, else the shared one); damaged copies are skipped."""
-        for _, copies in self.checkpoints():
-            for c in copies:
-                if not verify:
-                    return c
-                try:
-                    verify_file(c.path)
-                    return c
-                except (CorruptCheckpointError, OSError) as e:
-                    log.warning("fastpersist: skipping damaged checkpoint %s: %s", c.path, e)
-        return None
+
+        def attempt(c: CheckpointInfo) -> Optional[CheckpointInfo]:
+            if not verify:
+                if not os.path.exists(c.path):
+                    raise FileNotFoundError(c.path)
+                return c
+            try:
+                verify_file(c.path)
+                return c
+            except FileNotFoundError:
+                raise
+            except (CorruptCheckpointError, OSError) as e:
+                log.warning("fastpersist: skipping damaged checkpoint %s: %s", c.path, e)
+                return None
+
+        return self._first_good(attempt)
 
     def load_latest(self, *, map_location: Any = None, weights_only: bool = True) -> Optional[Tuple[int, Any]]:
         """``(step, state)`` of the newest checkpoint that loads and verifies,
         or None when there is none."""
-        for _, copies in self.checkpoints():
-            for c in copies:
-                try:
-                    payload = read_state_dict(c.path, map_location=map_location, weights_only=weights_only)
-                    return int(payload["step"]), payload["state"]
-                except (CorruptCheckpointError, OSError, KeyError, TypeError) as e:
-                    log.warning("fastpersist: skipping damaged checkpoint %s: %s", c.path, e)
-        return None
+
+        def attempt(c: CheckpointInfo) -> Optional[Tuple[int, Any]]:
+            try:
+                payload = read_state_dict(c.path, map_location=map_location, weights_only=weights_only)
+                return int(payload["step"]), payload["state"]
+            except FileNotFoundError:
+                raise
+            except (CorruptCheckpointError, OSError, KeyError, TypeError, IndexError) as e:
+                log.warning("fastpersist: skipping damaged checkpoint %s: %s", c.path, e)
+                return None
+
+        return self._first_good(attempt)
 
     # -- telemetry -----------------------------------------------------------
 
     def _log_event(self, ev: Dict[str, Any]) -> None:
         ev = {"time": time.time(), **ev}
-        with self._lock:
-            with open(os.path.join(self.directory, LOG_NAME), "a") as f:
-                f.write(json.dumps(ev) + "\n")
+        with self._lock, open(os.path.join(self.directory, LOG_NAME), "a") as f:
+            f.write(json.dumps(ev) + "\n")

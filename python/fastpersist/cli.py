@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -30,7 +31,7 @@ def _human(n: float) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .reader import inspect_file
+    from .verify import inspect_file
 
     fmt, recs = inspect_file(args.path)
     if args.json:
@@ -38,8 +39,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print()
         return EXIT_OK
     total = sum(r.bytes for r in recs)
-    print(f"{args.path}: {fmt} checkpoint, {len(recs)} {'records' if fmt == 'torch' else 'tensors'}, "
-          f"{_human(total)} of data, {_human(os.path.getsize(args.path))} on disk")
+    print(
+        f"{args.path}: {fmt} checkpoint, {len(recs)} {'records' if fmt == 'torch' else 'tensors'}, "
+        f"{_human(total)} of data, {_human(os.path.getsize(args.path))} on disk"
+    )
     if fmt == "torch":
         print(f"{'record':<40} {'offset':>12} {'bytes':>12} {'align':>6} {'crc32':>9}")
         for r in recs:
@@ -48,11 +51,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if tensors:
             print(f"\n{'tensor':<40} {'dtype':<16} {'shape':<20} {'bytes':>12}")
             for key, dtype, shape, nbytes in tensors:
-                print(f"{key:<40} {dtype:<16} {str(shape):<20} {nbytes:>12}")
+                print(f"{key:<40} {dtype:<16} {shape!s:<20} {nbytes:>12}")
     else:
         print(f"{'tensor':<40} {'dtype':<16} {'shape':<20} {'bytes':>12} {'align':>6}")
         for r in recs:
-            print(f"{r.name:<40} {r.dtype or '':<16} {str(list(r.shape or ())):<20} {r.bytes:>12} {r.alignment:>6}")
+            print(f"{r.name:<40} {r.dtype or '':<16} {list(r.shape or ())!s:<20} {r.bytes:>12} {r.alignment:>6}")
     return EXIT_OK
 
 
@@ -70,8 +73,9 @@ def _torch_tensors(path: str) -> list:
     while stack:
         key, o = stack.pop()
         if isinstance(o, torch.Tensor):
-            out.append((key or "<root>", str(o.dtype).replace("torch.", ""), list(o.shape),
-                        o.numel() * o.element_size()))
+            out.append(
+                (key or "<root>", str(o.dtype).replace("torch.", ""), list(o.shape), o.numel() * o.element_size())
+            )
         elif isinstance(o, dict):
             stack.extend((f"{key}.{k}" if key else str(k), v) for k, v in reversed(list(o.items())))
         elif isinstance(o, (list, tuple)):
@@ -81,7 +85,7 @@ def _torch_tensors(path: str) -> list:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from .errors import CorruptCheckpointError
-    from .reader import verify_file
+    from .verify import verify_file
 
     status = EXIT_OK
     for path in args.paths:
@@ -103,7 +107,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     from .checkpoint_manager import LOG_NAME, list_checkpoints
     from .errors import CorruptCheckpointError
-    from .reader import verify_file
+    from .verify import verify_file
 
     if not os.path.isdir(args.dir):
         print(f"fastpersist: {args.dir}: not a directory", file=sys.stderr)
@@ -138,7 +142,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         write = f"{ev['write_s']:.3f}" if "write_s" in ev else "-"
         gbps = f"{ev['gbps']:.2f}" if "gbps" in ev else "-"
         print(f"{step:>12} {_human(copies[0].bytes):>10} {tiers:<13} {status:<10} {stall:>9} {write:>8} {gbps:>6}")
-    for t in temps:
+    for _ in temps:
         print(f"{'-':>12} {'-':>10} {'local':<13} {'temporary (an unfinished save)'}")
     if not rows:
         print("(no checkpoints)")
@@ -149,6 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     import fastpersist
+
     from . import bench
 
     size = bench.parse_size(args.size)
@@ -158,8 +163,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         nbytes = bench.nbytes(sd)
         path = os.path.join(d, "ckpt.pt")
         ref = os.path.join(d, "torch.pt")
-        steps = ["fio write", "fastpersist write", "torch.save",
-                 "fio read", "fastpersist read", "torch.load"]
+        steps = ["fio write", "fastpersist write", "torch.save", "fio read", "fastpersist read", "torch.load"]
         prog = bench.Progress(args.rounds * len(steps), "bench", force=args.progress)
         times = {s: [] for s in steps}
 
@@ -191,7 +195,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"{_human(nbytes)} GPT-like state dict in {d}, medians of {args.rounds}")
         for kind in ("write", "read"):
             lim_t = bench.median(times[f"fio {kind}"])
-            lim = nbytes / lim_t / 1e9 if lim_t == lim_t else float("nan")
+            lim = nbytes / lim_t / 1e9 if not math.isnan(lim_t) else float("nan")
             print(f"  {kind}: fio limit {lim:.2f} GB/s")
             for s in steps:
                 if s.startswith("fio") or (kind == "write") != (s in ("fastpersist write", "torch.save")):

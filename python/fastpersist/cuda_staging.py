@@ -41,9 +41,31 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 from . import _core
+from .options import EngineOptions, env_flag, env_int, read_with, use_engine
+from .pickling import LocationScan, MapLocation, find_storages
+from .plan import Batch, DeviceRegion
 
-__all__ = ["Staging", "CudaCopier", "ThreadCopier", "DEFAULT_CHUNK", "SLOTS", "stream_device_region",
-           "read_to_device", "record_ready", "cuda_devices", "active_devices", "side_streams", "release_staging", "DeviceContext"]
+__all__ = [
+    "Staging",
+    "CudaCopier",
+    "ThreadCopier",
+    "DEFAULT_CHUNK",
+    "SLOTS",
+    "stream_device_region",
+    "read_to_device",
+    "record_ready",
+    "cuda_devices",
+    "active_devices",
+    "side_streams",
+    "release_staging",
+    "DeviceContext",
+    "staging_setup",
+    "stage_chunk",
+    "send",
+    "read_staged",
+    "device_for",
+    "read_targets",
+]
 
 DEFAULT_CHUNK = 16 << 20
 SLOTS = 3
@@ -80,7 +102,7 @@ class Staging:
     def slot(self, i: int) -> Tuple[torch.Tensor, int]:
         """Slot ``i``: a uint8 tensor view and its address."""
         off = (i % SLOTS) * self.chunk
-        return self.tensor[off:off + self.chunk], self._buf.ptr + off
+        return self.tensor[off : off + self.chunk], self._buf.ptr + off
 
     def take(self) -> int:
         """The next chunk number. Numbering runs across storages, so a slot
@@ -106,7 +128,7 @@ class Staging:
 
 # One idle staging buffer per (chunk, registered), kept for the next call.
 _idle: Dict[Tuple[int, bool], List[Staging]] = {}
-_idle_lock = threading.Lock()
+_idle_lock = threading.RLock()  # re-entrant: signal handlers
 
 
 def acquire_staging(chunk: int, register_cuda: bool) -> Staging:
@@ -155,8 +177,6 @@ def cuda_devices(obj: Any) -> List[torch.device]:
     can be on a GPU."""
     if not torch.cuda.is_initialized():
         return []
-    from .serialization import find_storages
-
     return sorted({st.device for _, st in find_storages(obj).values() if st.device.type == "cuda"}, key=str)
 
 
@@ -225,7 +245,7 @@ class CudaCopier:
     def copy_in(self, storage: Any, start: int, src: torch.Tensor) -> Any:
         """Host to device: ``src`` into ``storage[start:start + len(src)]``."""
         with torch.cuda.stream(self.stream):
-            _bytes_view(storage)[start:start + src.numel()].copy_(src, non_blocking=True)
+            _bytes_view(storage)[start : start + src.numel()].copy_(src, non_blocking=True)
             ev = torch.cuda.Event(blocking=True)
             ev.record(self.stream)
         return ev
@@ -260,7 +280,7 @@ class ThreadCopier:
         return self._pool.submit(lambda: dst[: end - start].copy_(src))
 
     def copy_in(self, storage: Any, start: int, src: torch.Tensor) -> Future:
-        dst = _bytes_view(storage)[start:start + src.numel()]
+        dst = _bytes_view(storage)[start : start + src.numel()]
         return self._pool.submit(lambda: dst.copy_(src))
 
     def wait(self, handle: Future) -> None:
@@ -273,12 +293,13 @@ class ThreadCopier:
         self._pool.shutdown(wait=True)
 
 
-def stream_device_region(write: Any, region: Tuple[int, Any, int, int], staging: Staging, copier: Any) -> None:
+def stream_device_region(write: Any, region: DeviceRegion, staging: Staging, copier: Any) -> None:
     """Write one device storage (file offset, storage, length, checksum id)
     through the staging slots: ``write(regions)`` is the session's write."""
     file_off, storage, n, crc_id = region
-    chunks: List[Tuple[int, int, int]] = [(staging.take(), a, min(a + staging.chunk, n))
-                                          for a in range(0, n, staging.chunk)]
+    chunks: List[Tuple[int, int, int]] = [
+        (staging.take(), a, min(a + staging.chunk, n)) for a in range(0, n, staging.chunk)
+    ]
     pending: Optional[Any] = None
     try:
         for j, (k, a, b) in enumerate(chunks):
@@ -330,8 +351,31 @@ def pack_pieces(records: Sequence[Tuple[int, int]], chunk: int) -> List[List[Tup
 Read = Callable[[List[Tuple[int, int, int]]], List[int]]
 
 
-def read_to_device(reads: Union[Read, Sequence[Read]], items: Sequence[DeviceRead],
-                   staging: Staging, copier_for: Callable[[torch.device], Any]) -> List[int]:
+def _quiesce(
+    reading: Dict[int, Tuple[int, Future]],
+    pool: Optional[ThreadPoolExecutor],
+    in_flight: Dict[int, List[Tuple[Any, Any]]],
+) -> None:
+    """Even on an error: no read may still be filling, and no copy still
+    emptying, a slot that the next call will reuse."""
+    for _, done in reading.values():
+        try:
+            done.result()
+        except BaseException:  # noqa: BLE001 - the first error is already on its way
+            pass
+    if pool is not None:
+        pool.shutdown(wait=True)
+    for copies in in_flight.values():
+        for c, h in copies:
+            c.wait(h)
+
+
+def read_to_device(
+    reads: Union[Read, Sequence[Read]],
+    items: Sequence[DeviceRead],
+    staging: Staging,
+    copier_for: Callable[[torch.device], Any],
+) -> List[int]:
     """Fill device storages from the file through the staging slots.
     ``reads`` are the engines' reads of (file offset, address, bytes)
     requests, each returning its requests' CRC32s; with two or more, slot
@@ -379,22 +423,11 @@ def read_to_device(reads: Union[Read, Sequence[Read]], items: Sequence[DeviceRea
                 storage = items[i][1]
                 c = copier_for(storage.device)
                 copiers[id(c)] = c
-                copies.append((c, c.copy_in(storage, a, view[so:so + n])))
+                copies.append((c, c.copy_in(storage, a, view[so : so + n])))
             if j + ahead < len(loads):
                 start(j + ahead)
     finally:
-        # Even on an error: no read may still be filling, and no copy still
-        # emptying, a slot that the next call will reuse.
-        for _, done in reading.values():
-            try:
-                done.result()
-            except BaseException:  # noqa: BLE001 - the first error is already on its way
-                pass
-        if pool is not None:
-            pool.shutdown(wait=True)
-        for copies in in_flight.values():
-            for c, h in copies:
-                c.wait(h)
+        _quiesce(reading, pool, in_flight)
     for c in copiers.values():
         c.hand_over()
     return crcs
@@ -404,8 +437,13 @@ class DeviceContext:
     """Staging memory and one copier per device, for one call. Copy streams
     wait on ``ready`` (events recorded at the call) where given."""
 
-    def __init__(self, devices: List[torch.device], test_on_cpu: bool = False,
-                 chunk: int = DEFAULT_CHUNK, ready: Optional[ReadyEvents] = None) -> None:
+    def __init__(
+        self,
+        devices: List[torch.device],
+        test_on_cpu: bool = False,
+        chunk: int = DEFAULT_CHUNK,
+        ready: Optional[ReadyEvents] = None,
+    ) -> None:
         self.test_on_cpu = test_on_cpu
         self.ready = ready or {}
         self.staging = acquire_staging(chunk, register_cuda=not test_on_cpu)
@@ -417,8 +455,7 @@ class DeviceContext:
         key = str(device)
         c = self.copiers.get(key)
         if c is None:
-            c = self.copiers[key] = (ThreadCopier() if self.test_on_cpu
-                                     else CudaCopier(device, self.ready.get(key)))
+            c = self.copiers[key] = ThreadCopier() if self.test_on_cpu else CudaCopier(device, self.ready.get(key))
         return c
 
     def close(self) -> None:
@@ -433,3 +470,127 @@ class DeviceContext:
         st, self.staging = self.staging, None
         if st is not None:
             return_staging(st)
+
+
+# ---------------------------------------------------------------------------
+# Entry points for the writers and readers
+
+
+def send(
+    session: Any,
+    batch: Batch,
+    ctx: Optional[DeviceContext],
+    file_len: Optional[int] = None,
+    on_gathered: Optional[Callable[[], None]] = None,
+) -> Any:
+    """Hand a batch to the session in file order, streaming its device
+    storages through the staging slots; with ``file_len``, finish the file."""
+    rest = batch
+    for region in sorted(batch.device, key=lambda r: r.offset):
+        assert ctx is not None and ctx.staging is not None
+        before, rest = rest.split_at(region.offset)
+        if before.blobs or before.regions or before.slots:
+            session.write(before.blobs, before.regions, before.slots)
+        stream_device_region(
+            lambda regs: session.write([], regs, []), region, ctx.staging, ctx.copier(region.storage.device)
+        )
+        _, rest = rest.split_at(region.offset + region.length)
+        rest.device = []
+    if file_len is None:
+        session.write(rest.blobs, rest.regions, rest.slots)
+        return None
+    return session.finish(rest.blobs, rest.regions, rest.slots, file_len, on_gathered)
+
+
+def stage_chunk() -> int:
+    """Bytes per device-to-host copy (``FASTPERSIST_STAGE_CHUNK``, default
+    16 MiB, a multiple of 4096); three chunks of staging memory are used."""
+    n = env_int("FASTPERSIST_STAGE_CHUNK", DEFAULT_CHUNK)
+    if n <= 0 or n % 4096:
+        raise ValueError(f"FASTPERSIST_STAGE_CHUNK={n} must be a positive multiple of 4096")
+    return n
+
+
+def staging_setup() -> Tuple[Any, str]:
+    """The staging predicate and a lazily made device context. The test
+    hook ``FASTPERSIST_TEST_STAGE_CPU=1`` stages CPU storages through the
+    same path (with a thread standing in for the copy engine)."""
+    test_cpu = env_flag("FASTPERSIST_TEST_STAGE_CPU", False)
+    if test_cpu:
+        return (lambda st: st.nbytes() > 0), "cpu"
+    return None, "cuda"
+
+
+def read_staged(fd: int, items: List[DeviceRead], opts: EngineOptions) -> List[int]:
+    """Read records (file offset, device storage, bytes) of the open file
+    ``fd`` into device storages through the staging slots; returns their
+    CRC32s."""
+    _, kind = staging_setup()
+    ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=stage_chunk())
+
+    def reader(index: int) -> Callable[[List[Tuple[int, int, int]]], List[int]]:
+        def read(reqs: List[Tuple[int, int, int]]) -> List[int]:
+            with use_engine(opts, index) as eng:
+                return read_with(eng, fd, reqs)
+
+        return read
+
+    try:
+        # Two engines, so slot k+1 is being read while slot k's read ends:
+        # the device never waits between slots.
+        return read_to_device([reader(0), reader(1)], items, ctx.staging, ctx.copier)
+    finally:
+        ctx.close()
+
+
+def device_for(map_location: MapLocation, location: str) -> Optional[torch.device]:
+    """Where torch's restore would put a storage saved at ``location``, when
+    that is a CUDA device this read can place it on directly (else None:
+    read to host memory, then torch's restore moves it)."""
+    if map_location is None:
+        where = location
+    elif isinstance(map_location, (str, torch.device)):
+        where = str(map_location)
+    elif isinstance(map_location, dict):
+        where = map_location.get(location, location)
+    else:
+        return None
+    if not isinstance(where, str) or not where.startswith("cuda"):
+        return None
+    try:
+        dev = torch.device(where)
+    except (RuntimeError, ValueError):
+        return None
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None  # torch's restore raises its own error
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        return None
+    return torch.device("cuda", index)
+
+
+def read_targets(pkl: bytes, map_location: MapLocation, keys: List[str]) -> Dict[str, torch.device]:
+    """The storages (by key) to read straight to a CUDA device, and where."""
+    _, kind = staging_setup()
+    if kind == "cpu":  # test hook: every storage through the staging path
+        return {k: torch.device("cpu") for k in keys}
+    if callable(map_location) or not keys:
+        return {}
+    if isinstance(map_location, (str, torch.device)):
+        dev = device_for(map_location, "cpu")
+        return {k: dev for k in keys} if dev is not None else {}
+    if b"cuda" not in pkl and not (
+        isinstance(map_location, dict) and any("cuda" in str(v) for v in map_location.values())
+    ):
+        return {}
+    scan = LocationScan(pkl)
+    try:
+        scan.load()
+    except Exception:  # noqa: BLE001 - the real unpickling reports damage
+        return {}
+    out: Dict[str, torch.device] = {}
+    for k, loc in scan.locations.items():
+        dev = device_for(map_location, loc)
+        if dev is not None:
+            out[k] = dev
+    return out

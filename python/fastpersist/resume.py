@@ -27,8 +27,13 @@ def capture_rng_state() -> Dict[str, Any]:
         import numpy as np
 
         kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")),
-                          "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+        state["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
     except ImportError:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -83,13 +88,20 @@ class ResumableSampler(torch.utils.data.Sampler):
         return self.n - self.position
 
     def state_dict(self) -> Dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": self.n,
-                "shuffle": int(self.shuffle)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "n": self.n,
+            "shuffle": int(self.shuffle),
+        }
 
     def load_state_dict(self, state: Dict[str, int], *, strict: Optional[bool] = True) -> None:
         if strict and (state["n"] != self.n or state["seed"] != self.seed or bool(state["shuffle"]) != self.shuffle):
-            raise ValueError(f"sampler state is for n={state['n']}, seed={state['seed']}, "
-                             f"shuffle={bool(state['shuffle'])}; this sampler has n={self.n}, "
-                             f"seed={self.seed}, shuffle={self.shuffle}")
+            raise ValueError(
+                f"sampler state is for n={state['n']}, seed={state['seed']}, "
+                f"shuffle={bool(state['shuffle'])}; this sampler has n={self.n}, "
+                f"seed={self.seed}, shuffle={self.shuffle}"
+            )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])

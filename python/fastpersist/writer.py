@@ -1,283 +1,118 @@
-"""``write_state_dict``: the torch.save replacement, and the engine cache.
+"""``write_state_dict``: the torch.save replacement.
 
-Engines (staging arena + io_uring ring) are expensive to make and cheap to
-reuse, so one per distinct option set is kept per process. Environment
-variables set the defaults (a parameter wins over them):
-
-``FASTPERSIST_DIRECT=0``       never use O_DIRECT (buffered writes)
-``FASTPERSIST_IO_URING=0``     never use io_uring (pwrite thread pool)
-``FASTPERSIST_ARENA_BYTES``    staging memory, bytes (default 32 MiB)
-``FASTPERSIST_BLOCK_SIZE``     bytes per write (default 1 MiB)
-``FASTPERSIST_QUEUE_DEPTH``    writes in flight (default 32)
+One save of one file: the object is laid out (:mod:`fastpersist.torch_zip`
+or :mod:`fastpersist.safetensors_format`), its storages found up front are
+streamed to the engine by a helper thread while this one pickles, device
+storages go through :mod:`fastpersist.cuda_staging`, and the engine commits
+the file (temporary file, fsync, rename, directory fsync). Saves across
+ranks are handed to :mod:`fastpersist.distributed`. Options and their
+environment defaults are described in :mod:`fastpersist.options`.
 """
 
 from __future__ import annotations
 
-import os
+import ctypes
+import struct
 import threading
 import time
-import warnings
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+import zlib
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import _core
-from .errors import FallbackWarning
-from .serialization import TorchZipLayout
+from . import distributed
+from .cuda_staging import DeviceContext, ReadyEvents, send, stage_chunk, staging_setup
+from .options import (
+    EngineOptions,
+    PathLike,
+    WriteStats,
+    is_special_file,
+    resolve_target,
+    use_engine,
+    wait_for_earlier,
+    warn_fallback,
+    write_stats,
+)
+from .plan import Plan
+from .safetensors_format import plan_safetensors
+from .torch_zip import TorchZipLayout, plan_torch_save
 
-__all__ = ["WriteStats", "write_state_dict", "get_engine", "EngineOptions"]
+__all__ = [
+    "WriteStats",
+    "write_state_dict",
+    "write_torch_zip",
+    "write_plan",
+    "write_safetensors",
+    "write_distributed",
+    "FORMATS",
+]
 
-PathLike = Union[str, "os.PathLike[str]"]
-
-DEFAULT_BLOCK_SIZE = 1 << 20
-DEFAULT_ARENA_BYTES = 32 << 20
-DEFAULT_QUEUE_DEPTH = 32
-
-
-@dataclass(frozen=True)
-class WriteStats:
-    """What one save did."""
-
-    path: str
-    #: Bytes in the file.
-    bytes: int
-    #: Wall time from the call to the durable commit.
-    seconds: float
-    #: O_DIRECT was used for the bulk of the file.
-    direct: bool
-    #: io_uring was used (else the pwrite thread pool).
-    io_uring: bool
-    #: The arena was registered with io_uring (WriteFixed).
-    registered_buffers: bool
-    #: The arena was mlocked.
-    locked_memory: bool
-    #: O_DIRECT block size (alignment) in use.
-    block: int
-    #: Tensor storage bytes written.
-    storage_bytes: int
-    #: CRC32 of each storage record, by storage key.
-    crc32: Dict[str, int] = field(default_factory=dict, repr=False)
-    #: Seconds spent pickling and laying out the rest of the file (while the
-    #: storages found up front were being written), inside ``seconds``.
-    plan_seconds: float = 0.0
-    #: Seconds spent gathering and writing the data, inside ``seconds``.
-    io_seconds: float = 0.0
-    #: Seconds spent on truncate, fsync, rename and directory fsync.
-    commit_seconds: float = 0.0
-
-    @property
-    def gbps(self) -> float:
-        """Throughput in GB/s (10**9 bytes per second)."""
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+FORMATS = ("torch", "safetensors")
 
 
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    try:
-        return int(v, 0)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+def _head_writer(session: Any, head: Any, ctx: Optional[DeviceContext]) -> Callable[[], None]:
+    """Start writing ``head`` on a helper thread (the engine releases the
+    GIL); the returned function joins it and raises its error."""
+    if not (head.regions or head.blobs or head.device):
+        return lambda: None
+    failure: List[BaseException] = []
+
+    def write_head() -> None:
+        try:
+            send(session, head, ctx)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            failure.append(e)
+
+    thread = threading.Thread(target=write_head, name="fastpersist-head", daemon=True)
+    thread.start()
+
+    def join() -> None:
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    return join
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    return v.strip().lower() not in ("0", "false", "no", "off")
+def write_torch_zip(
+    obj: Any,
+    path: str,
+    opts: EngineOptions,
+    on_gathered: Optional[Callable[[], None]] = None,
+    ready: Optional[ReadyEvents] = None,
+) -> WriteStats:
+    """Write ``obj`` as a torch zip checkpoint at ``path`` and commit it.
 
-
-@dataclass(frozen=True)
-class EngineOptions:
-    block_size: int
-    arena_bytes: int
-    queue_depth: int
-    direct: bool
-    io_uring: bool
-    durable: bool
-
-    @classmethod
-    def resolve(
-        cls,
-        block_size: Optional[int] = None,
-        arena_bytes: Optional[int] = None,
-        queue_depth: Optional[int] = None,
-        direct: Optional[bool] = None,
-        io_uring: Optional[bool] = None,
-        durable: bool = True,
-    ) -> "EngineOptions":
-        return cls(
-            block_size=block_size if block_size is not None
-            else _env_int("FASTPERSIST_BLOCK_SIZE", DEFAULT_BLOCK_SIZE),
-            arena_bytes=arena_bytes if arena_bytes is not None
-            else _env_int("FASTPERSIST_ARENA_BYTES", DEFAULT_ARENA_BYTES),
-            queue_depth=queue_depth if queue_depth is not None
-            else _env_int("FASTPERSIST_QUEUE_DEPTH", DEFAULT_QUEUE_DEPTH),
-            direct=direct if direct is not None else _env_flag("FASTPERSIST_DIRECT", True),
-            io_uring=io_uring if io_uring is not None else _env_flag("FASTPERSIST_IO_URING", True),
-            durable=bool(durable),
-        )
-
-
-_engines: Dict[Tuple[EngineOptions, int], Tuple[threading.Lock, _core.Engine]] = {}
-_engines_lock = threading.Lock()
-_warned: set = set()
-
-
-def get_engine(opts: EngineOptions, index: int = 0) -> Tuple[threading.Lock, _core.Engine]:
-    """The process-wide engine for these options (made on first use).
-    ``index`` > 0 gives further engines, for work that keeps two files'
-    I/O in flight at once (the staged read to a GPU uses two)."""
-    with _engines_lock:
-        hit = _engines.get((opts, index))
-        if hit is None:
-            eng = _core.Engine(
-                block_size=opts.block_size,
-                arena_bytes=opts.arena_bytes,
-                queue_depth=opts.queue_depth,
-                direct=opts.direct,
-                io_uring=opts.io_uring,
-                durable=opts.durable,
-            )
-            hit = (threading.Lock(), eng)
-            _engines[(opts, index)] = hit
-        return hit
-
-
-def release_engines() -> None:
-    """Free every cached engine (their staging memory and rings)."""
-    with _engines_lock:
-        _engines.clear()
-
-
-def _warn_once(reason: Optional[str], asked: bool) -> None:
-    if not reason or not asked or reason in _warned:
-        return
-    _warned.add(reason)
-    warnings.warn(f"fastpersist: {reason}; using a slower fallback", FallbackWarning, stacklevel=4)
-
-
-def _check_path(path: Any) -> str:
-    if hasattr(path, "write") or not isinstance(path, (str, bytes, os.PathLike)):
-        raise TypeError(
-            f"fastpersist writes to a file path (str or os.PathLike), not {type(path).__name__}"
-        )
-    p = os.fsdecode(os.fspath(path))
-    if p == "":
-        raise ValueError("empty path")
-    return p
-
-
-def _stats(raw: Dict[str, Any], path: str, storage_bytes: int, keys: List[str],
-           plan_seconds: float, seconds: float) -> WriteStats:
-    return WriteStats(
-        path=path,
-        bytes=raw["bytes"],
-        seconds=seconds,
-        direct=raw["direct"],
-        io_uring=raw["io_uring"],
-        registered_buffers=raw["registered"],
-        locked_memory=raw["locked"],
-        block=raw["block"],
-        storage_bytes=storage_bytes,
-        crc32=dict(zip(keys, raw["crcs"])),
-        plan_seconds=plan_seconds,
-        io_seconds=raw["io_seconds"],
-        commit_seconds=raw["commit_seconds"],
-    )
-
-
-def _send(session: Any, batch: Any, ctx: Any, file_len: Optional[int] = None,
-          on_gathered: Optional[Any] = None) -> Any:
-    """Hand a batch to the session in file order, streaming its device
-    storages through the staging slots; with ``file_len``, finish the file."""
-    from .cuda_staging import stream_device_region
-
-    rest = batch
-    for region in sorted(batch.device, key=lambda r: r[0]):
-        before, rest = rest.split_at(region[0])
-        if before.blobs or before.regions or before.slots:
-            session.write(before.blobs, before.regions, before.slots)
-        stream_device_region(lambda regs: session.write([], regs, []), region, ctx.staging,
-                             ctx.copier(region[1].device))
-        _, rest = rest.split_at(region[0] + region[2])
-        rest.device = []
-    if file_len is None:
-        session.write(rest.blobs, rest.regions, rest.slots)
-        return None
-    return session.finish(rest.blobs, rest.regions, rest.slots, file_len, on_gathered)
-
-
-def _stage_chunk() -> int:
-    """Bytes per device-to-host copy (``FASTPERSIST_STAGE_CHUNK``, default
-    16 MiB, a multiple of 4096); three chunks of staging memory are used."""
-    from .cuda_staging import DEFAULT_CHUNK
-
-    n = _env_int("FASTPERSIST_STAGE_CHUNK", DEFAULT_CHUNK)
-    if n <= 0 or n % 4096:
-        raise ValueError(f"FASTPERSIST_STAGE_CHUNK={n} must be a positive multiple of 4096")
-    return n
-
-
-def _staging_setup() -> Tuple[Any, str]:
-    """The staging predicate and a lazily made device context. The test
-    hook ``FASTPERSIST_TEST_STAGE_CPU=1`` stages CPU storages through the
-    same path (with a thread standing in for the copy engine)."""
-    test_cpu = _env_flag("FASTPERSIST_TEST_STAGE_CPU", False)
-    if test_cpu:
-        return (lambda st: st.nbytes() > 0), "cpu"
-    return None, "cuda"
-
-
-def _write_torch_zip(obj: Any, path: str, opts: EngineOptions,
-                     on_gathered: Optional[Any] = None, ready: Optional[Dict[str, Any]] = None) -> WriteStats:
-    """The storages found up front are written by a second thread (the
-    engine releases the GIL) while this one pickles; the rest follows.
-    Storages on a CUDA device are staged chunk by chunk (cuda_staging); the
-    copies wait on ``ready`` (events recorded on the caller's streams at the
-    call, by device) or, without it, on the current streams now.
-    ``on_gathered()`` is called once no tensor memory will be read again."""
+    The storages found up front are written by a second thread while this
+    one pickles; the rest follows. Storages on a CUDA device are staged
+    chunk by chunk (cuda_staging); the copies wait on ``ready`` (events
+    recorded on the caller's streams at the call, by device) or, without
+    it, on the current streams now. ``on_gathered()`` is called once no
+    tensor memory will be read again."""
     t0 = time.perf_counter()
-    stage, kind = _staging_setup()
+    if is_special_file(path):
+        plan = plan_torch_save(obj)
+        return stream_plan(plan, path, time.perf_counter() - t0, t0)
+    stage, kind = staging_setup()
     layout = TorchZipLayout(obj, stage=stage)
     head = layout.head()
-    ctx = None
+    ctx: Optional[DeviceContext] = None
     if head.device:
-        from .cuda_staging import DeviceContext
-
         # Made here, at the call: the copy streams wait on the caller's streams now.
-        ctx = DeviceContext(sorted({r[1].device for r in head.device}, key=str), test_on_cpu=kind == "cpu",
-                            chunk=_stage_chunk(), ready=ready)
+        devices = sorted({r.storage.device for r in head.device}, key=str)
+        ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)
     try:
-        lock, eng = get_engine(opts)
-        with lock:
+        with use_engine(opts) as eng:
             session = eng.begin(path, head.end)
             try:
-                failure: List[BaseException] = []
-                writer = None
-                if head.regions or head.blobs or head.device:
-                    def write_head() -> None:
-                        try:
-                            _send(session, head, ctx)
-                        except BaseException as e:  # noqa: BLE001 - handed to the caller
-                            failure.append(e)
-
-                    writer = threading.Thread(target=write_head, name="fastpersist-head", daemon=True)
-                    writer.start()
+                join = _head_writer(session, head, ctx)
                 try:
                     tp = time.perf_counter()
                     tail = layout.tail()
                     plan_seconds = time.perf_counter() - tp
                 finally:
-                    if writer is not None:
-                        writer.join()
-                if failure:
-                    raise failure[0]
+                    join()
                 if tail.device and ctx is None:
-                    from .cuda_staging import DeviceContext
-
-                    ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=_stage_chunk(), ready=ready)
-                raw = _send(session, tail, ctx, layout.file_len, on_gathered)
+                    ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)
+                raw = send(session, tail, ctx, layout.file_len, on_gathered)
             except BaseException:
                 session.abort()
                 raise
@@ -287,48 +122,84 @@ def _write_torch_zip(obj: Any, path: str, opts: EngineOptions,
         # Also when the engine or the file could not be made.
         if ctx is not None:
             ctx.close()
-    _warn_once(raw["direct_note"], opts.direct)
-    _warn_once(raw["uring_note"], opts.io_uring)
-    return _stats(raw, path, layout.storage_bytes, layout.storage_keys, plan_seconds,
-                  time.perf_counter() - t0)
+    warn_fallback(raw["direct_note"], opts.direct)
+    warn_fallback(raw["uring_note"], opts.io_uring)
+    return write_stats(raw, path, layout.storage_bytes, layout.storage_keys, plan_seconds, time.perf_counter() - t0)
 
 
-def write_plan(plan: Any, path: str, opts: EngineOptions, plan_seconds: float = 0.0,
-               t0: Optional[float] = None) -> WriteStats:
-    """Write a whole :class:`~fastpersist.serialization.Plan` and commit it."""
+def write_plan(
+    plan: Plan, path: str, opts: EngineOptions, plan_seconds: float = 0.0, t0: Optional[float] = None
+) -> WriteStats:
+    """Write a whole :class:`~fastpersist.plan.Plan` and commit it."""
     t0 = time.perf_counter() if t0 is None else t0
-    lock, eng = get_engine(opts)
-    with lock:
+    if is_special_file(path):
+        return stream_plan(plan, path, plan_seconds, t0)
+    with use_engine(opts) as eng:
         raw = eng.write_file(path, plan.blobs, plan.regions, plan.slots, plan.file_len)
-    _warn_once(raw["direct_note"], opts.direct)
-    _warn_once(raw["uring_note"], opts.io_uring)
-    return _stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds,
-                  time.perf_counter() - t0)
+    warn_fallback(raw["direct_note"], opts.direct)
+    warn_fallback(raw["uring_note"], opts.io_uring)
+    return write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, time.perf_counter() - t0)
 
 
-def _write_safetensors(obj: Any, path: str, opts: EngineOptions,
-                       metadata: Optional[Dict[str, str]]) -> WriteStats:
-    from .safetensors_format import plan_safetensors
+def stream_plan(plan: Plan, path: str, plan_seconds: float = 0.0, t0: Optional[float] = None) -> WriteStats:
+    """Write a plan into a file that is not a regular one (a device, a
+    FIFO) in file order with buffered writes, as ``torch.save`` does: no
+    temporary file, no rename, no fsync. Checksum slots are filled from the
+    bytes as they are written (a record's data comes before its slots)."""
+    t0 = time.perf_counter() if t0 is None else t0
+    pieces: List[Tuple[int, int, Any]] = [(b[0], 0, b[1]) for b in plan.blobs]
+    pieces += [(r.offset, 1, r) for r in plan.regions] + [(sl.offset, 2, sl.crc_id) for sl in plan.slots]
+    pieces.sort(key=lambda x: (x[0], x[1]))
+    crcs: Dict[int, int] = {}
+    tio = time.perf_counter()
+    with open(path, "wb", buffering=1 << 20) as f:
+        pos = 0
+        for off, kind, what in pieces:
+            if off > pos:
+                f.write(bytes(off - pos))
+            if kind == 0:
+                data = what
+            elif kind == 1:
+                data = memoryview((ctypes.c_char * what.length).from_address(what.address)).cast("B")
+                crcs[what.crc_id] = zlib.crc32(data, crcs.get(what.crc_id, 0))
+            else:
+                data = struct.pack("<I", crcs.get(what, 0))
+            f.write(data)
+            pos = off + len(data)
+        if plan.file_len > pos:
+            f.write(bytes(plan.file_len - pos))
+    del plan.keepalive[:]
+    now = time.perf_counter()
+    raw = {
+        "bytes": plan.file_len,
+        "direct": False,
+        "io_uring": False,
+        "registered": False,
+        "locked": False,
+        "block": 0,
+        "crcs": [crcs.get(i, 0) for i in range(len(plan.storage_keys))],
+        "io_seconds": now - tio,
+        "commit_seconds": 0.0,
+    }
+    return write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, now - t0)  # type: ignore[arg-type]
 
+
+def write_safetensors(obj: Any, path: str, opts: EngineOptions, metadata: Optional[Dict[str, str]]) -> WriteStats:
+    """Write a flat ``{name: tensor}`` dict as a safetensors file and commit it."""
     t0 = time.perf_counter()
     plan = plan_safetensors(obj, metadata)
     return write_plan(plan, path, opts, time.perf_counter() - t0, t0)
 
 
-FORMATS = ("torch", "safetensors")
-
-
-def _write_distributed(obj: Any, path: str, opts: EngineOptions, group: Any, sharded: bool,
-                       format: str) -> WriteStats:
-    from . import distributed
-
+def write_distributed(obj: Any, path: str, opts: EngineOptions, group: Any, sharded: bool, format: str) -> WriteStats:
+    """A save by every rank of ``group``: replicated (one file, each rank
+    writes a part) or sharded (a directory of shards and an index)."""
     if group is None:
         raise ValueError("sharded=True needs group= (the ranks that each hold a shard)")
     if format != "torch":
         raise ValueError("distributed saves write torch checkpoints (format='torch')")
     if sharded:
-        return distributed.write_sharded(obj, path, group, opts,
-                                         write=lambda o, p: _write_torch_zip(o, p, opts))
+        return distributed.write_sharded(obj, path, group, opts, write=lambda o, p: write_torch_zip(o, p, opts))
     return distributed.write_replicated(obj, path, group, opts)
 
 
@@ -357,9 +228,13 @@ def write_state_dict(
     The write is atomic and durable: data goes to a temporary file in the
     same directory, which is fsynced and renamed over ``path`` (then the
     directory is fsynced). On any error no file appears and an existing
-    ``path`` is untouched.
+    ``path`` is untouched. The path is resolved at the call; a symbolic
+    link is followed (the file it points to is replaced, the link stays);
+    a device or FIFO at ``path`` is written into, never replaced. A save
+    to a path with background saves to it still pending waits for them:
+    the last call wins.
 
-    Options (``None`` takes the environment default, see the module doc):
+    Options (``None`` takes the environment default, see :mod:`fastpersist.options`):
     ``block_size`` bytes per write, ``arena_bytes`` staging memory (bounded,
     independent of the checkpoint's size), ``queue_depth`` writes in flight,
     ``direct`` O_DIRECT, ``io_uring`` the io_uring back end, ``durable``
@@ -370,14 +245,15 @@ def write_state_dict(
     ``errno`` and ``filename``) for I/O failures, ``ValueError`` for bad
     options, ``TypeError`` when ``path`` is not a path.
     """
-    p = _check_path(path)
+    p = resolve_target(path)
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
     opts = EngineOptions.resolve(block_size, arena_bytes, queue_depth, direct, io_uring, durable)
+    wait_for_earlier(p)
     if group is not None or sharded:
-        return _write_distributed(obj, p, opts, group, sharded, format)
+        return write_distributed(obj, p, opts, group, sharded, format)
     if format == "safetensors":
-        return _write_safetensors(obj, p, opts, metadata)
+        return write_safetensors(obj, p, opts, metadata)
     if metadata is not None:
         raise ValueError("metadata is only stored by format='safetensors'")
-    return _write_torch_zip(obj, p, opts)
+    return write_torch_zip(obj, p, opts)

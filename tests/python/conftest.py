@@ -23,7 +23,7 @@ def is_root() -> bool:
 def engine_fault():
     """Set an injected fault on the engine that a given option set uses,
     and clear it afterwards."""
-    from fastpersist.writer import EngineOptions, get_engine
+    from fastpersist.options import EngineOptions, get_engine
 
     touched = []
 

@@ -13,19 +13,24 @@ def state(seed: int):
 
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(300_000, generator=g)
-    return {"w": torch.randn(1000, 999, generator=g), "b": torch.randn(4097, generator=g).to(torch.bfloat16),
-            "base": base, "view": base[10:5000], "n": seed,
-            "many": [torch.randn(int(n), generator=g) for n in torch.randint(1, 5000, (50,), generator=g)]}
+    return {
+        "w": torch.randn(1000, 999, generator=g),
+        "b": torch.randn(4097, generator=g).to(torch.bfloat16),
+        "base": base,
+        "view": base[10:5000],
+        "n": seed,
+        "many": [torch.randn(int(n), generator=g) for n in torch.randint(1, 5000, (50,), generator=g)],
+    }
 
 
 def main() -> None:
     scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    import fastpersist
     import torch.distributed as dist
 
-    import fastpersist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     result = {"rank": rank, "ok": True}
     try:
         if scenario == "replicated":
@@ -43,9 +48,8 @@ def main() -> None:
             result["n"] = mine["n"]
         elif scenario == "fail":
             # rank 1's part fails with EIO half-way; nothing may be committed
-            from fastpersist.writer import EngineOptions, get_engine
-
-            from fastpersist.serialization import plan_torch_save
+            from fastpersist.options import EngineOptions, get_engine
+            from fastpersist.torch_zip import plan_torch_save
 
             if rank == 1:  # an offset inside rank 1's part (the second quarter of the file)
                 at = plan_torch_save(state(0)).file_len * 3 // (2 * world)

@@ -38,9 +38,26 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
 
 def all_dtypes() -> list:
     names = [
-        "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "bool",
-        "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "complex64",
+        "complex128",
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
     ]
     return [getattr(torch, n) for n in names if hasattr(torch, n)]
 

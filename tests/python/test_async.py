@@ -8,10 +8,9 @@ import subprocess
 import sys
 import textwrap
 
+import fastpersist
 import pytest
 import torch
-
-import fastpersist
 from fastpersist.async_save import AsyncSaver
 from helpers import bits, make
 

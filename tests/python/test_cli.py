@@ -7,10 +7,9 @@ import os
 import struct
 import subprocess
 
+import fastpersist
 import pytest
 import torch
-
-import fastpersist
 from helpers import cli_exe, make
 
 EXE = cli_exe()

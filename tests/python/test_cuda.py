@@ -10,12 +10,11 @@ import sys
 import tempfile
 import zlib
 
+import fastpersist
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-
-import fastpersist
 from helpers import assert_same, make
+from hypothesis import HealthCheck, given, settings
 from test_properties import state_dicts
 
 CUDA = torch.cuda.is_available()
@@ -23,8 +22,10 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 
 def test_import_does_not_initialise_cuda():
-    code = "import torch, fastpersist; fastpersist.write_state_dict({'a': torch.ones(2)}, %r); " \
-           "print(torch.cuda.is_initialized())" % os.path.join(tempfile.mkdtemp(), "x.pt")
+    code = (
+        "import torch, fastpersist; fastpersist.write_state_dict({'a': torch.ones(2)}, "
+        f"{os.path.join(tempfile.mkdtemp(), 'x.pt')!r}); print(torch.cuda.is_initialized())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -39,8 +40,15 @@ def staged_on_cpu(monkeypatch):
 
 def test_staged_file_is_byte_identical(tmp_path, staged_on_cpu, monkeypatch):
     base = make((70_001,), torch.float32, 1)
-    sd = {"a": base, "v": base[5:], "odd": make((4099,), torch.int8), "tiny": make((3,), torch.float16),
-          "big": make((300, 301), torch.bfloat16), "n": 4, "e": torch.empty(0)}
+    sd = {
+        "a": base,
+        "v": base[5:],
+        "odd": make((4099,), torch.int8),
+        "tiny": make((3,), torch.float16),
+        "big": make((300, 301), torch.bfloat16),
+        "n": 4,
+        "e": torch.empty(0),
+    }
     fastpersist.write_state_dict(sd, tmp_path / "staged.pt")
     monkeypatch.delenv("FASTPERSIST_TEST_STAGE_CPU")
     fastpersist.write_state_dict(sd, tmp_path / "plain.pt")
@@ -66,8 +74,12 @@ def test_bad_chunk_size(tmp_path, monkeypatch):
 
 @needs_cuda
 def test_cuda_tensors_round_trip(tmp_path):
-    sd = {"gpu": torch.randn(1000, 1001, device="cuda"), "cpu": torch.randn(10),
-          "half": torch.randn(33, device="cuda").half(), "n": 1}
+    sd = {
+        "gpu": torch.randn(1000, 1001, device="cuda"),
+        "cpu": torch.randn(10),
+        "half": torch.randn(33, device="cuda").half(),
+        "n": 1,
+    }
     sd["view"] = sd["gpu"][3:]
     fastpersist.write_state_dict(sd, tmp_path / "c.pt")
     got = torch.load(tmp_path / "c.pt", weights_only=True)
@@ -92,11 +104,19 @@ def test_values_as_of_the_call(tmp_path):
 
 # --- Reading through the staging slots (host-to-device path) --------------
 
-from fastpersist import _core  # noqa: E402
-from fastpersist.cuda_staging import (Staging, ThreadCopier, pack_pieces, read_to_device,  # noqa: E402
-                                      release_staging, staging_bytes, stream_device_region)
+from fastpersist.cuda_staging import (  # noqa: E402  # noqa: E402
+    Staging,
+    ThreadCopier,
+    device_for,
+    pack_pieces,
+    read_targets,
+    read_to_device,
+    release_staging,
+    staging_bytes,
+    stream_device_region,
+)
 from fastpersist.errors import CorruptCheckpointError  # noqa: E402
-from fastpersist.reader import _device_for, _LocationScan, _targets  # noqa: E402
+from fastpersist.pickling import LocationScan  # noqa: E402
 from hypothesis import strategies as hst  # noqa: E402
 
 
@@ -129,7 +149,7 @@ def test_staged_read_checks_crc_across_chunks(tmp_path, staged_on_cpu):
     fastpersist.write_state_dict(sd, p)
     assert_same(sd, fastpersist.read_state_dict(p))
     # Flip one byte in a later chunk of the big record: the combined CRC catches it.
-    rec = [r for r in fastpersist.reader.inspect_file(p)[1] if r.name.endswith("data/0")][0]
+    rec = [r for r in fastpersist.verify.inspect_file(p)[1] if r.name.endswith("data/0")][0]
     raw = bytearray(p.read_bytes())
     raw[rec.offset + 5 * 4096 + 17] ^= 0x40
     p.write_bytes(bytes(raw))
@@ -167,7 +187,7 @@ def test_location_scan_finds_every_storage_and_builds_nothing(tmp_path):
 
     with zipfile.ZipFile(tmp_path / "t.pt") as z:
         pkl = z.read([n for n in z.namelist() if n.endswith("data.pkl")][0])
-    scan = _LocationScan(pkl)
+    scan = LocationScan(pkl)
     scan.load()
     assert scan.locations == {"0": "cpu", "1": "cpu", "2": "cpu"}
 
@@ -175,10 +195,10 @@ def test_location_scan_finds_every_storage_and_builds_nothing(tmp_path):
 def test_targets_without_cuda_read_to_host():
     if CUDA:
         pytest.skip("checks the no-GPU answer")
-    assert _device_for("cuda", "cpu") is None
-    assert _device_for(None, "cuda:0") is None
-    assert _targets(b"cuda", {"cpu": "cuda:0"}, "p", ["0"]) == {}
-    assert _targets(b"x", lambda s, loc: s, "p", ["0"]) == {}
+    assert device_for("cuda", "cpu") is None
+    assert device_for(None, "cuda:0") is None
+    assert read_targets(b"cuda", {"cpu": "cuda:0"}, ["0"]) == {}
+    assert read_targets(b"x", lambda s, loc: s, ["0"]) == {}
 
 
 def test_map_location_to_missing_cuda_raises_torchs_error(tmp_path):
@@ -309,16 +329,15 @@ def test_two_readers_overlap_and_fill_every_record():
         crcs = []
         for off, addr, n in reqs:
             ctypes_dst = torch.frombuffer((ctypes.c_uint8 * n).from_address(addr), dtype=torch.uint8)
-            ctypes_dst.copy_(src[off:off + n])
-            crcs.append(zlib.crc32(src[off:off + n].numpy().tobytes()))
+            ctypes_dst.copy_(src[off : off + n])
+            crcs.append(zlib.crc32(src[off : off + n].numpy().tobytes()))
         with lock:
             busy[0] -= 1
         return crcs
 
     copier = _CountingCopier()
     try:
-        crcs = read_to_device([reader, reader], [(0, dst.untyped_storage(), src.numel())], st,
-                              lambda d: copier)
+        crcs = read_to_device([reader, reader], [(0, dst.untyped_storage(), src.numel())], st, lambda d: copier)
         assert torch.equal(src, dst)
         assert crcs == [zlib.crc32(src.numpy().tobytes())]
         assert most[0] == 2  # two loads were being read at once

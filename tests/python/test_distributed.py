@@ -8,10 +8,9 @@ import socket
 import subprocess
 import sys
 
+import fastpersist
 import pytest
 import torch
-
-import fastpersist
 from dist_worker import state
 from helpers import assert_same
 
@@ -26,10 +25,16 @@ def free_port() -> int:
 
 def run_ranks(scenario: str, world: int, out, env=None) -> list:
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(r), str(world), port, str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, **(env or {})})
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, scenario, str(r), str(world), port, str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        for r in range(world)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err

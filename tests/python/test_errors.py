@@ -9,10 +9,9 @@ import sys
 import textwrap
 import warnings
 
+import fastpersist
 import pytest
 import torch
-
-import fastpersist
 from conftest import is_root
 from helpers import bits, make
 
@@ -95,7 +94,7 @@ def test_injected_eio_surfaces_and_keeps_previous(tmp_path, engine_fault, uring,
 def test_refused_o_direct_falls_back_with_one_warning(tmp_path, engine_fault):
     engine_fault(None, refuse_direct=True)
     sd = {"t": make((300_000,), torch.float32)}
-    fastpersist.writer._warned.clear()
+    fastpersist.options._warned.clear()
     with pytest.warns(fastpersist.FallbackWarning, match="O_DIRECT"):
         st = fastpersist.write_state_dict(sd, tmp_path / "a.pt")
     assert not st.direct
@@ -175,7 +174,9 @@ def test_no_permission_as_user(tmp_path):
 IO_URING_SYSCTL = "/proc/sys/kernel/io_uring_disabled"
 
 
-@pytest.mark.skipif(not (is_root() and os.access(IO_URING_SYSCTL, os.W_OK)), reason="needs root and the io_uring sysctl")
+@pytest.mark.skipif(
+    not (is_root() and os.access(IO_URING_SYSCTL, os.W_OK)), reason="needs root and the io_uring sysctl"
+)
 def test_io_uring_disabled_by_kernel(tmp_path):
     """With kernel.io_uring_disabled=2, io_uring_setup fails (EPERM): the
     engine falls back to the pwrite pool, warns, and writes a good file."""
@@ -185,10 +186,10 @@ def test_io_uring_disabled_by_kernel(tmp_path):
         sd = {{"t": torch.arange(100000, dtype=torch.float32)}}
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            st = fastpersist.write_state_dict(sd, {str(tmp_path / 'u.pt')!r})
+            st = fastpersist.write_state_dict(sd, {str(tmp_path / "u.pt")!r})
         assert not st.io_uring, st
         assert any("io_uring is unavailable" in str(x.message) for x in w), [str(x.message) for x in w]
-        assert torch.equal(torch.load({str(tmp_path / 'u.pt')!r})["t"], sd["t"])
+        assert torch.equal(torch.load({str(tmp_path / "u.pt")!r})["t"], sd["t"])
         print("ok")
     """)
     try:

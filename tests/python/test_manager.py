@@ -10,14 +10,13 @@ import sys
 import textwrap
 import time
 
+import fastpersist
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-import fastpersist
 from fastpersist.checkpoint_manager import FrequencyTuner, ckpt_name
 from helpers import cli_exe
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 
 def state(i: int) -> dict:
@@ -52,6 +51,7 @@ def test_latest_skips_damaged_and_cleans_temp_files(tmp_path):
     newest.write_bytes(bytes(raw))
     leftover = tmp_path / f".{ckpt_name(4)}.999999999.0.fptmp"
     leftover.write_bytes(b"partial")
+    os.utime(leftover, (time.time() - 86400, time.time() - 86400))  # left by a save long ago
     ck = fastpersist.Checkpointer(tmp_path)
     assert not leftover.exists()
     assert ck.latest().step == 2
@@ -117,8 +117,7 @@ def test_feedback_catches_costs_the_model_misses(tmp_path):
     feedback must raise the interval until the achieved overhead is within
     the bound."""
     now = [0.0]
-    ck = fastpersist.Checkpointer(tmp_path, every="auto", max_overhead=0.035, clock=lambda: now[0],
-                                  keep_last=1)
+    ck = fastpersist.Checkpointer(tmp_path, every="auto", max_overhead=0.035, clock=lambda: now[0], keep_last=1)
     since = 100
     durations = []
     for s in range(2000):
@@ -197,8 +196,9 @@ def test_sigkill_at_random_points_never_breaks_latest(tmp_path, trial):
     start = 0
     for attempt in range(2):  # kill, restart, kill again
         mode = rng.choice(["pipelined", "snapshot"])
-        p = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(d), mode, str(start)],
-                             stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", KILL_CHILD, str(d), mode, str(start)], stdout=subprocess.PIPE, text=True
+        )
         time.sleep(rng.uniform(1.0, 2.5))
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
@@ -212,8 +212,13 @@ def test_sigkill_at_random_points_never_breaks_latest(tmp_path, trial):
 
 @st.composite
 def scenarios(draw):
-    return draw(st.lists(st.sampled_from(["save", "save", "save", "crash", "restart", "corrupt"]),
-                         min_size=1, max_size=14)), draw(st.integers(1, 3)), draw(st.sampled_from([None, 2, 3]))
+    return (
+        draw(
+            st.lists(st.sampled_from(["save", "save", "save", "crash", "restart", "corrupt"]), min_size=1, max_size=14)
+        ),
+        draw(st.integers(1, 3)),
+        draw(st.sampled_from([None, 2, 3])),
+    )
 
 
 @given(scenarios())
@@ -232,7 +237,9 @@ def test_retention_and_tiers_property(tmp_path_factory, scenario):
             ck.wait()
             good.add(step)
         elif op == "crash":  # a save that died half-way: only its temporary file is left
-            (local / f".{ckpt_name(step + 1)}.999999999.7.fptmp").write_bytes(b"torn")
+            torn = local / f".{ckpt_name(step + 1)}.999999999.7.fptmp"
+            torn.write_bytes(b"torn")
+            os.utime(torn, (time.time() - 86400, time.time() - 86400))  # left by a save long ago
         elif op == "corrupt" and steps_in(local):
             victim = local / ckpt_name(max(steps_in(local)))
             raw = bytearray(victim.read_bytes())
@@ -240,8 +247,7 @@ def test_retention_and_tiers_property(tmp_path_factory, scenario):
             victim.write_bytes(bytes(raw))
         else:  # restart
             ck.close()
-            ck = fastpersist.Checkpointer(local, every=1, keep_last=keep_last, keep_every=keep_every,
-                                          stage_dir=shared)
+            ck = fastpersist.Checkpointer(local, every=1, keep_last=keep_last, keep_every=keep_every, stage_dir=shared)
             assert not any(n.endswith(".fptmp") for n in os.listdir(local))
     ck.close()
     loc = steps_in(local)

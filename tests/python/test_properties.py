@@ -6,13 +6,12 @@ import os
 import tempfile
 import zipfile
 
-import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 import fastpersist
+import torch
 from fastpersist import _core
 from helpers import all_dtypes, assert_same, make
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 
 @st.composite
@@ -91,7 +90,7 @@ def state_dicts(draw):
     pool: list = []
     leaf = st.one_of(
         tensors(pool),
-        st.integers(-10**12, 10**12),
+        st.integers(-(10**12), 10**12),
         st.floats(allow_nan=False),
         st.text(max_size=8),
         st.none(),

@@ -6,13 +6,12 @@ import os
 import pickle
 import struct
 
+import fastpersist
 import pytest
 import torch
+from helpers import all_dtypes, assert_same, bits, make
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import fastpersist
-from helpers import all_dtypes, assert_same, bits, make
 
 
 def sample_state():
@@ -22,10 +21,16 @@ def sample_state():
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     return {
-        "base": base, "view": base[10:20], "col": base[:, 3],
+        "base": base,
+        "view": base[10:20],
+        "col": base[:, 3],
         "dtypes": {str(d): make((5, 3), d) for d in all_dtypes()},
-        "scalar": make((), torch.float64), "empty": torch.empty(0, 2),
-        "model": model.state_dict(), "optim": opt.state_dict(), "step": 7, "name": "run",
+        "scalar": make((), torch.float64),
+        "empty": torch.empty(0, 2),
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "step": 7,
+        "name": "run",
     }
 
 
@@ -68,9 +73,13 @@ def test_safetensors_round_trip(tmp_path):
 
     base = make((64, 32), torch.float32, 2)
     tensors = {
-        "w": make((128, 33), torch.bfloat16), "b": make((7,), torch.float32),
-        "i": make((3, 3), torch.int64), "m": make((5,), torch.bool), "e": torch.empty(0, 4),
-        "nc": base.t(), "view": base[3:5],  # non-contiguous and a shared storage
+        "w": make((128, 33), torch.bfloat16),
+        "b": make((7,), torch.float32),
+        "i": make((3, 3), torch.int64),
+        "m": make((5,), torch.bool),
+        "e": torch.empty(0, 4),
+        "nc": base.t(),
+        "view": base[3:5],  # non-contiguous and a shared storage
     }
     p = tmp_path / "m.safetensors"
     st = fastpersist.write_state_dict(tensors, p, format="safetensors", metadata={"step": "3"})
@@ -88,6 +97,7 @@ def test_safetensors_round_trip(tmp_path):
     assert (8 + n) % 4096 == 0
     # A file written by safetensors itself.
     from safetensors.torch import save_file
+
     save_file({k: v.contiguous() for k, v in tensors.items() if k != "view"}, tmp_path / "ref.safetensors")
     got = fastpersist.read_state_dict(tmp_path / "ref.safetensors")
     assert bits(got["w"]) == bits(tensors["w"])
@@ -175,11 +185,11 @@ def test_fuzz_mutated_files_never_return_wrong_data(tmp_path, good_file, data):
             i = data.draw(st.integers(0, len(buf) - 1))
             buf[i] ^= data.draw(st.integers(1, 255))
     elif kind == "truncate":
-        del buf[data.draw(st.integers(0, len(buf) - 1)):]
+        del buf[data.draw(st.integers(0, len(buf) - 1)) :]
     else:
         i = data.draw(st.integers(0, len(buf) - 1))
         n = data.draw(st.integers(1, 64))
-        buf[i:i + n] = bytes(len(buf[i:i + n]))
+        buf[i : i + n] = bytes(len(buf[i : i + n]))
     p = _write(tmp_path, bytes(buf), "fuzz.pt")
     try:
         got = fastpersist.read_state_dict(p)
@@ -195,7 +205,7 @@ def test_corrupt_safetensors(tmp_path):
     (n,) = struct.unpack("<Q", raw[:8])
     cases = {
         "truncated data": raw[:-10],
-        "header not json": raw[:8] + b"{" + b"x" * (n - 1) + raw[8 + n:],
+        "header not json": raw[:8] + b"{" + b"x" * (n - 1) + raw[8 + n :],
         "offsets": raw.replace(b'"data_offsets":[0,400]', b'"data_offsets":[0,404]'),
     }
     for what, data in cases.items():

@@ -6,10 +6,9 @@ import io
 import os
 import zipfile
 
+import fastpersist
 import pytest
 import torch
-
-import fastpersist
 from helpers import all_dtypes, assert_same, bits, make
 
 
@@ -64,13 +63,21 @@ def _pickle_zoo():
     lin = torch.nn.Linear(3, 2)
     conj = torch.randn(3, dtype=torch.complex64).conj()
     return {
-        "w": make((16, 16), torch.float16), "b": make((7,), torch.float32), "n": 3,
+        "w": make((16, 16), torch.float16),
+        "b": make((7,), torch.float32),
+        "n": 3,
         "views": [base, base[2:], base[:, 1], base.t()],
-        "grad": torch.ones(3, requires_grad=True), "param": lin.weight, "module_sd": lin.state_dict(),
+        "grad": torch.ones(3, requires_grad=True),
+        "param": lin.weight,
+        "module_sd": lin.state_dict(),
         "dtypes": {str(d): make((3,), d) for d in all_dtypes()},
-        "conj": conj, "neg": torch.randn(3, dtype=torch.complex64).conj().imag,
-        "scalar": make((), torch.int64), "empty": torch.empty(0, 4), "size": torch.Size([2, 3]),
-        "dtype": torch.bfloat16, "nested": {"a": [1, (2.5, "x")], "b": None},
+        "conj": conj,
+        "neg": torch.randn(3, dtype=torch.complex64).conj().imag,
+        "scalar": make((), torch.int64),
+        "empty": torch.empty(0, 4),
+        "size": torch.Size([2, 3]),
+        "dtype": torch.bfloat16,
+        "nested": {"a": [1, (2.5, "x")], "b": None},
     }
 
 
@@ -92,7 +99,10 @@ def test_same_records_as_torch_save(tmp_path):
     for name in ours:
         if name.startswith("data/"):
             off = offs[name]
-            name_len, extra_len = int.from_bytes(raw[off + 26:off + 28], "little"), int.from_bytes(raw[off + 28:off + 30], "little")
+            name_len, extra_len = (
+                int.from_bytes(raw[off + 26 : off + 28], "little"),
+                int.from_bytes(raw[off + 28 : off + 30], "little"),
+            )
             assert (off + 30 + name_len + extra_len) % 4096 == 0, name
 
 
@@ -166,6 +176,7 @@ def test_stats(tmp_path):
     assert st.io_uring and st.direct
     assert set(st.crc32) == {"0"}
     import zlib
+
     assert st.crc32["0"] == zlib.crc32(bits(make((1000,), torch.float64)))
 
 

@@ -1,0 +1,96 @@
+"""The collectives of distributed saves, on process groups of their own.
+
+Checkpoint collectives never run on a group the training uses: a save in a
+background thread would otherwise interleave its ``all_gather_object``
+calls with the training's collectives on the same group (undefined order,
+hangs). :func:`checkpoint_group` makes a gloo group with the same ranks as
+the caller's group, once per distinct set of ranks.
+
+Making groups is collective over the whole world: ``new_group`` must be
+called by every process, in the same order, with the same ranks. When the
+caller's group is not the whole world (data-parallel subgroups of a 2-D
+mesh: each rank passes a different group), the ranks of every process's
+group are gathered first and every process makes every distinct group, in
+the same order. So the first save with a given ``group=`` (or an explicit
+:func:`checkpoint_group` call) must be made on every rank of the world,
+from the thread that runs the training's collectives; later saves with the
+same group, in the foreground or in the background, reuse it.
+
+A leaf module apart from :mod:`fastpersist.errors`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+from .errors import FastPersistError
+
+__all__ = ["DistributedCheckpointError", "checkpoint_group", "gather", "fail_all", "describe_error"]
+
+
+class DistributedCheckpointError(FastPersistError, RuntimeError):
+    """A rank failed during a distributed save; nothing was committed."""
+
+
+_groups: Dict[Tuple[int, ...], Any] = {}
+_groups_lock = threading.Lock()
+
+
+def _ranks(group: Any) -> Tuple[int, ...]:
+    import torch.distributed as dist
+
+    if group is None or group is dist.group.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def checkpoint_group(group: Any) -> Any:
+    """The gloo group for checkpoint collectives among the ranks of
+    ``group`` (None: the world). Collective over the world the first time
+    for a set of ranks (see the module doc); cached after that."""
+    import torch.distributed as dist
+
+    ranks = _ranks(group)
+    with _groups_lock:
+        hit = _groups.get(ranks)
+    if hit is not None:
+        return hit
+    world = dist.get_world_size()
+    if len(ranks) == world:
+        wanted = [ranks]
+    else:
+        every: List[Optional[Tuple[int, ...]]] = [None] * world
+        dist.all_gather_object(every, ranks)  # on the default group: every process calls this
+        wanted = sorted({r for r in every if r is not None and r not in _groups})
+    made: Dict[Tuple[int, ...], Any] = {}
+    for rs in wanted:
+        # Every process makes every group, in the same (sorted) order.
+        made[rs] = dist.new_group(ranks=list(rs), backend="gloo")
+    with _groups_lock:
+        for rs, g in made.items():
+            _groups.setdefault(rs, g)
+        return _groups[ranks]
+
+
+def gather(obj: Any, group: Any) -> List[Any]:
+    """``all_gather_object`` of a small picklable object over ``group``."""
+    import torch.distributed as dist
+
+    out: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def describe_error(e: BaseException) -> str:
+    """An exception as one line, to send to the other ranks."""
+    return f"{type(e).__name__}: {e}"
+
+
+def fail_all(statuses: List[Optional[str]], what: str) -> None:
+    """Raise :class:`DistributedCheckpointError` on every rank when any
+    rank reported an error (statuses gathered from every rank)."""
+    bad = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if bad:
+        detail = "; ".join(f"rank {r}: {s}" for r, s in bad)
+        raise DistributedCheckpointError(f"{what} failed on {len(bad)} rank(s): {detail}")

@@ -1,0 +1,392 @@
+"""Options, environment defaults, the engine cache, path checks and stats.
+
+A leaf module: it imports only the extension and :mod:`fastpersist.errors`.
+Every other module takes its engines and options from here.
+
+Environment variables set the defaults (a parameter wins over them):
+
+``FASTPERSIST_DIRECT=0``       never use O_DIRECT (buffered writes)
+``FASTPERSIST_IO_URING=0``     never use io_uring (pwrite thread pool)
+``FASTPERSIST_ARENA_BYTES``    staging memory, bytes (default 32 MiB)
+``FASTPERSIST_BLOCK_SIZE``     bytes per write (default 1 MiB)
+``FASTPERSIST_QUEUE_DEPTH``    writes in flight (default 32)
+
+Engines (staging arena + io_uring ring) are expensive to make and cheap to
+reuse, so one per distinct option set is kept per process; the cache holds
+the :data:`MAX_OPTION_SETS` option sets used most recently, and engines of
+older ones are released (their memory freed once no save uses them).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import stat
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+from . import _core
+from .errors import FallbackWarning
+
+__all__ = [
+    "PathLike",
+    "EngineOptions",
+    "WriteStats",
+    "get_engine",
+    "use_engine",
+    "release_engines",
+    "cached_option_sets",
+    "check_path",
+    "resolve_target",
+    "is_special_file",
+    "note_pending",
+    "wait_for_earlier",
+    "env_int",
+    "env_flag",
+    "warn_fallback",
+    "write_stats",
+    "read_with",
+    "read_records",
+    "checksums",
+    "MAX_OPTION_SETS",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+DEFAULT_BLOCK_SIZE = 1 << 20
+DEFAULT_ARENA_BYTES = 32 << 20
+DEFAULT_QUEUE_DEPTH = 32
+#: Distinct option sets whose engines are kept.
+MAX_OPTION_SETS = 4
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer from the environment (decimal, or 0x/0o/0b prefixed)."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v, 0)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean from the environment: 0, false, no and off are false."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _count(name: str, given: Optional[int], env: str, default: int) -> int:
+    """A positive integer option (the parameter, else ``env``, else the
+    default), or a ValueError/TypeError that says where the value came from."""
+    value = given if given is not None else env_int(env, default)
+    where = "" if given is not None or not os.environ.get(env) else f" (from the environment variable {env})"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, not {value}{where}")
+    if value >= 1 << 63:
+        raise ValueError(f"{name}={value} is out of range{where}")
+    return value
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The options an engine is made with (see :func:`write_state_dict`)."""
+
+    block_size: int
+    arena_bytes: int
+    queue_depth: int
+    direct: bool
+    io_uring: bool
+    durable: bool
+
+    @classmethod
+    def resolve(
+        cls,
+        block_size: Optional[int] = None,
+        arena_bytes: Optional[int] = None,
+        queue_depth: Optional[int] = None,
+        direct: Optional[bool] = None,
+        io_uring: Optional[bool] = None,
+        durable: bool = True,
+    ) -> EngineOptions:
+        """Parameters where given, else the environment, else the defaults.
+        Raises ValueError for values no engine can take (negative, zero)."""
+        return cls(
+            block_size=_count("block_size", block_size, "FASTPERSIST_BLOCK_SIZE", DEFAULT_BLOCK_SIZE),
+            arena_bytes=_count("arena_bytes", arena_bytes, "FASTPERSIST_ARENA_BYTES", DEFAULT_ARENA_BYTES),
+            queue_depth=_count("queue_depth", queue_depth, "FASTPERSIST_QUEUE_DEPTH", DEFAULT_QUEUE_DEPTH),
+            direct=direct if direct is not None else env_flag("FASTPERSIST_DIRECT", True),
+            io_uring=io_uring if io_uring is not None else env_flag("FASTPERSIST_IO_URING", True),
+            durable=bool(durable),
+        )
+
+
+class _OwnedLock:
+    """A lock that knows which thread holds it (to tell a re-entrant call,
+    e.g. from a signal handler, from contention)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.owner: Optional[int] = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        ok = self._lock.acquire(blocking, timeout)
+        if ok:
+            self.owner = threading.get_ident()
+        return ok
+
+    def release(self) -> None:
+        self.owner = None
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> _OwnedLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+EngineEntry = Tuple[_OwnedLock, _core.Engine]
+# Option set -> {index: (lock, engine)}, most recently used last.
+_engines: OrderedDict[EngineOptions, Dict[int, EngineEntry]] = OrderedDict()
+# Re-entrant: a signal handler may run while this thread holds it.
+_engines_lock = threading.RLock()
+
+
+def _new_engine(opts: EngineOptions) -> _core.Engine:
+    return _core.Engine(
+        block_size=opts.block_size,
+        arena_bytes=opts.arena_bytes,
+        queue_depth=opts.queue_depth,
+        direct=opts.direct,
+        io_uring=opts.io_uring,
+        durable=opts.durable,
+    )
+
+
+def get_engine(opts: EngineOptions, index: int = 0) -> EngineEntry:
+    """The process-wide engine for these options (made on first use), with
+    the lock that serialises its use. ``index`` > 0 gives further engines,
+    for work that keeps two files' I/O in flight at once (the staged read
+    to a GPU uses two)."""
+    with _engines_lock:
+        byidx = _engines.get(opts)
+        if byidx is None:
+            byidx = _engines[opts] = {}
+        _engines.move_to_end(opts)
+        hit = byidx.get(index)
+        if hit is None:
+            hit = byidx[index] = (_OwnedLock(), _new_engine(opts))
+        # Engines of option sets not used lately are dropped from the cache;
+        # one still in use by a save is freed when that save lets go of it.
+        while len(_engines) > MAX_OPTION_SETS:
+            _engines.popitem(last=False)
+        return hit
+
+
+@contextlib.contextmanager
+def use_engine(opts: EngineOptions, index: int = 0) -> Iterator[_core.Engine]:
+    """The engine for ``opts``, held for this thread for the block (one
+    file at a time per engine). A call made while this very thread already
+    holds it (a save from a signal handler that interrupted a save) gets an
+    engine of its own instead of waiting for itself forever."""
+    lock, eng = get_engine(opts, index)
+    if lock.owner == threading.get_ident():
+        yield _new_engine(opts)
+        return
+    with lock:
+        yield eng
+
+
+def cached_option_sets() -> List[EngineOptions]:
+    """The option sets whose engines are cached, least recently used first."""
+    with _engines_lock:
+        return list(_engines)
+
+
+ReadReq = Tuple[int, int, int]
+
+
+def read_with(eng: _core.Engine, fd: int, reqs: List[ReadReq]) -> List[int]:
+    """Read (file offset, address, bytes) requests of the open file ``fd``
+    with ``eng`` (whose lock the caller holds); returns each one's CRC32.
+    The engine reads the file ``fd`` is open on, even if its path has been
+    replaced since (one open file from start to end of a read)."""
+    if not reqs:
+        return []
+    return list(eng.read_into_fd(fd, reqs)["crcs"])
+
+
+def read_records(fd: int, reqs: List[ReadReq], opts: EngineOptions) -> List[int]:
+    """:func:`read_with` on the engine for ``opts``."""
+    with use_engine(opts) as eng:
+        return read_with(eng, fd, reqs)
+
+
+def checksums(fd: int, ranges: List[Tuple[int, int]], opts: EngineOptions) -> List[int]:
+    """CRC32 of each (file offset, bytes) range of the open file ``fd``,
+    read through the engine's arena (bounded memory)."""
+    with use_engine(opts) as eng:
+        return list(eng.crc_ranges_fd(fd, ranges))
+
+
+def release_engines() -> None:
+    """Free every cached engine (their staging memory and rings)."""
+    with _engines_lock:
+        _engines.clear()
+
+
+_warned: set = set()
+
+
+def warn_fallback(reason: Optional[str], asked: bool) -> None:
+    """One :class:`FallbackWarning` per reason per process, when the fast
+    path was asked for and not available."""
+    if not reason or not asked or reason in _warned:
+        return
+    _warned.add(reason)
+    warnings.warn(f"fastpersist: {reason}; using a slower fallback", FallbackWarning, stacklevel=4)
+
+
+def check_path(path: Any) -> str:
+    """A file path as ``str``; TypeError for file objects and other types,
+    ValueError for an empty path."""
+    if hasattr(path, "write") or not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"fastpersist writes to a file path (str or os.PathLike), not {type(path).__name__}")
+    p = os.fsdecode(os.fspath(path))
+    if p == "":
+        raise ValueError("empty path")
+    if "\0" in p:
+        raise ValueError(f"path {p!r} contains a NUL byte")
+    return p
+
+
+def resolve_target(path: Any) -> str:
+    """The absolute path a save to ``path`` writes, fixed at the call (a
+    later ``os.chdir`` changes nothing). A symbolic link is followed to its
+    final target, as ``torch.save``'s ``open()`` does: the file is
+    committed in the target's directory and the link still points to it; a
+    dangling link's target is created."""
+    return os.path.realpath(os.path.abspath(check_path(path)))
+
+
+def is_special_file(path: str) -> bool:
+    """Whether ``path`` exists and is neither a regular file nor a
+    directory (a character or block device, a FIFO, a socket): such a file
+    is never replaced, only written into."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+
+
+_order_lock = threading.RLock()
+# Resolved path -> futures of saves to it not yet finished, in call order.
+_pending_by_path: Dict[str, List[Any]] = {}
+
+
+def note_pending(path: str, fut: Any) -> None:
+    """Record, at the call, a background save to ``path`` (saves to one
+    path commit in the order of their calls)."""
+    with _order_lock:
+        _pending_by_path.setdefault(path, []).append(fut)
+
+    def done(f: Any) -> None:
+        with _order_lock:
+            lst = _pending_by_path.get(path, [])
+            if f in lst:
+                lst.remove(f)
+            if not lst:
+                _pending_by_path.pop(path, None)
+
+    fut.add_done_callback(done)
+
+
+def wait_for_earlier(path: str, fut: Any = None) -> None:
+    """Wait until every save to ``path`` called before ``fut`` (every one
+    still pending, when ``fut`` is None: a synchronous save) has finished,
+    so the last call to a path wins."""
+    with _order_lock:
+        lst = list(_pending_by_path.get(path, ()))
+    if fut is not None:
+        lst = lst[: lst.index(fut)] if fut in lst else lst
+    for f in lst:
+        if f is not fut:
+            concurrent.futures.wait([f])
+
+
+@dataclass(frozen=True)
+class WriteStats:
+    """What one save did."""
+
+    path: str
+    #: Bytes in the file.
+    bytes: int
+    #: Wall time from the call to the durable commit.
+    seconds: float
+    #: O_DIRECT was used for the bulk of the file.
+    direct: bool
+    #: io_uring was used (else the pwrite thread pool).
+    io_uring: bool
+    #: The arena was registered with io_uring (WriteFixed).
+    registered_buffers: bool
+    #: The arena was mlocked.
+    locked_memory: bool
+    #: O_DIRECT block size (alignment) in use.
+    block: int
+    #: Tensor storage bytes written.
+    storage_bytes: int
+    #: CRC32 of each storage record, by storage key.
+    crc32: Dict[str, int] = field(default_factory=dict, repr=False)
+    #: Seconds spent pickling and laying out the rest of the file (while the
+    #: storages found up front were being written), inside ``seconds``.
+    plan_seconds: float = 0.0
+    #: Seconds spent gathering and writing the data, inside ``seconds``.
+    io_seconds: float = 0.0
+    #: Seconds spent on truncate, fsync, rename and directory fsync.
+    commit_seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (10**9 bytes per second)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def write_stats(
+    raw: _core.RawWriteStats,
+    path: str,
+    storage_bytes: int,
+    keys: List[str],
+    plan_seconds: float,
+    seconds: float,
+) -> WriteStats:
+    """:class:`WriteStats` from the engine's raw stats."""
+    return WriteStats(
+        path=path,
+        bytes=raw["bytes"],
+        seconds=seconds,
+        direct=raw["direct"],
+        io_uring=raw["io_uring"],
+        registered_buffers=raw["registered"],
+        locked_memory=raw["locked"],
+        block=raw["block"],
+        storage_bytes=storage_bytes,
+        crc32=dict(zip(keys, raw["crcs"])),
+        plan_seconds=plan_seconds,
+        io_seconds=raw["io_seconds"],
+        commit_seconds=raw["commit_seconds"],
+    )

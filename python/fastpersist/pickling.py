@@ -1,0 +1,424 @@
+"""torch.save's pickle, both ways.
+
+Writing: :func:`pickle_obj` pickles an object exactly as
+``torch.serialization._save`` does (same persistent ids, same bytes), with a
+fast reducer for plain dense tensors; :func:`find_storages` finds, before
+pickling, the storages of the tensors inside plain containers, keyed as the
+pickler will key them, so their bytes can be on their way to disk while the
+pickle is made.
+
+Reading: :func:`unpickle` replays a pickle with storages already read, with
+torch's ``weights_only`` unpickler by default; :class:`LocationScan` notes
+where each storage was saved without constructing anything.
+
+A leaf module: it imports only :mod:`fastpersist.errors`.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .errors import CorruptCheckpointError, SerializationError
+
+__all__ = [
+    "PICKLE_PROTOCOL",
+    "MapLocation",
+    "find_storages",
+    "find_path",
+    "pickle_obj",
+    "unpickle",
+    "LocationScan",
+    "restore_location",
+    "storage_element_size",
+]
+
+#: torch.save's default pickle protocol.
+PICKLE_PROTOCOL = 2
+
+MapLocation = Union[None, str, torch.device, Callable[..., Any], Dict[str, str]]
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"tensor(shape={tuple(obj.shape)}, dtype={obj.dtype}, device={obj.device}, layout={obj.layout})"
+    return type(obj).__qualname__
+
+
+def find_path(obj: Any, pred: Any, prefix: str = "") -> Optional[str]:
+    """Key path (``['a'][3]``) of the first value inside containers that
+    satisfies ``pred``; used to name the culprit in error messages."""
+    stack: List[Tuple[str, Any]] = [(prefix, obj)]
+    seen: set = set()
+    while stack:
+        path, o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        try:
+            if pred(o):
+                return path or "<root>"
+        except Exception:  # noqa: BLE001 - a predicate on odd objects
+            pass
+        if isinstance(o, dict):
+            stack.extend((f"{path}[{k!r}]", v) for k, v in reversed(list(o.items())))
+        elif isinstance(o, (list, tuple)):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(o))))
+    return None
+
+
+def _is_meta(o: Any) -> bool:
+    return isinstance(o, torch.Tensor) and o.device.type == "meta"
+
+
+class _StorageRef:
+    """What the fast tensor reducer puts where torch puts a TypedStorage."""
+
+    __slots__ = ("dtype", "storage")
+
+    def __init__(self, storage: Any, dtype: torch.dtype) -> None:
+        self.storage = storage
+        self.dtype = dtype
+
+
+_storage_type_cache: Dict[torch.dtype, Any] = {}
+
+
+def _storage_type(dtype: torch.dtype) -> Any:
+    t = _storage_type_cache.get(dtype)
+    if t is None:
+        typed = torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)
+        t = _storage_type_cache[dtype] = getattr(torch, typed._pickle_storage_type())
+    return t
+
+
+def _v3_dtypes() -> frozenset:
+    new = getattr(torch.storage, "_new_dtypes", None)
+    return frozenset(new()) if new is not None else frozenset()
+
+
+_V3_DTYPES = _v3_dtypes()
+_get_metadata = getattr(torch._utils, "get_tensor_metadata", None)
+# Types persistent_id can dismiss at once (it is called for every object).
+_PLAIN = frozenset(
+    {str, int, float, bool, type(None), tuple, list, dict, bytes, torch.Tensor, torch.Size, torch.dtype, torch.device}
+)
+
+
+class _Pickler(pickle.Pickler):
+    """torch.save's pickler (same persistent ids, same bytes), with a fast
+    reducer for plain dense tensors: torch's generic ``__reduce_ex__`` costs
+    tens of microseconds a tensor, which dominates checkpoints made of
+    thousands of small tensors."""
+
+    def __init__(self, file: Any, known: Optional[Dict[int, Tuple[str, Any]]] = None) -> None:
+        super().__init__(file, protocol=PICKLE_PROTOCOL)
+        self.storages: Dict[str, Any] = {}
+        #: storage ``_cdata`` -> key; seeded with the storages found up front.
+        self._keys: Dict[int, str] = {c: k for c, (k, _) in (known or {}).items()}
+        self._dtypes: Dict[int, torch.dtype] = {}
+
+    def reducer_override(self, o: Any) -> Any:
+        if (
+            type(o) is torch.Tensor
+            and o.layout is torch.strided
+            and o.device.type == "cpu"
+            and o.dtype not in _V3_DTYPES
+            and not o.is_quantized
+            and not o.__dict__
+        ):
+            # Exactly what Tensor._reduce_ex_internal returns for this case.
+            args: tuple = (
+                _StorageRef(o.untyped_storage(), o.dtype),
+                o.storage_offset(),
+                tuple(o.size()),
+                o.stride(),
+                o.requires_grad,
+                OrderedDict(),
+            )
+            if _get_metadata is not None:
+                meta = _get_metadata(o)
+                if meta:
+                    args = args + (meta,)
+            return (torch._utils._rebuild_tensor_v2, args)
+        if isinstance(o, torch.Tensor) and o.device.type == "meta":
+            # torch.save would store only the shape; a checkpoint of a tensor
+            # that was never materialized is almost surely a bug.
+            raise SerializationError(
+                "a tensor on the meta device has no data to save; "
+                "materialize it (e.g. module.to_empty(device='cpu')) first"
+            )
+        return NotImplemented
+
+    def persistent_id(self, o: Any) -> Any:
+        t = type(o)
+        if t is _StorageRef:
+            storage, dtype = o.storage, o.dtype
+            return self._storage_id(o, storage, dtype, _storage_type(dtype), storage.nbytes() // _element_size(dtype))
+        if t in _PLAIN:
+            return None
+        if isinstance(o, torch.storage.TypedStorage):
+            return self._storage_id(o, o._untyped_storage, o.dtype, getattr(torch, o._pickle_storage_type()), o._size())
+        if torch.is_storage(o):
+            return self._storage_id(o, o, torch.uint8, torch.serialization.normalize_storage_type(type(o)), o.nbytes())
+        return None
+
+    def _storage_id(self, o: Any, storage: Any, dtype: torch.dtype, storage_type: Any, numel: int) -> tuple:
+        """Mirror of the storage branch of torch.serialization._save's persistent_id."""
+        if storage.device.type == "meta":
+            raise SerializationError("a storage on the meta device has no data to save")
+        ptr = storage.data_ptr()
+        if ptr != 0:
+            prev = self._dtypes.setdefault(ptr, dtype)
+            if prev != dtype:
+                raise SerializationError(
+                    "cannot save multiple tensors or storages that view the same data "
+                    f"as different types ({prev} and {dtype})"
+                )
+        key = self._keys.setdefault(storage._cdata, str(len(self._keys)))
+        fake = getattr(o, "_fake_device", None)
+        location = str(fake) if fake is not None else torch.serialization.location_tag(storage)
+        self.storages[key] = storage
+        return ("storage", storage_type, key, location, numel)
+
+
+_elem_sizes: Dict[torch.dtype, int] = {}
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    n = _elem_sizes.get(dtype)
+    if n is None:
+        n = _elem_sizes[dtype] = torch.empty((), dtype=dtype).element_size()
+    return n
+
+
+def pickle_obj(obj: Any, known: Optional[Dict[int, Tuple[str, Any]]] = None) -> Tuple[bytes, Dict[str, Any]]:
+    """Pickle ``obj`` exactly as ``torch.serialization._save`` does, returning
+    the pickle and the storages it refers to, by key. ``known`` storages
+    (``_cdata`` -> (key, storage)) keep their keys."""
+    buf = io.BytesIO()
+    pickler = _Pickler(buf, known)
+    try:
+        pickler.dump(obj)
+    except SerializationError as e:
+        where = find_path(obj, _is_meta)
+        if where is not None:
+            raise SerializationError(f"{where}: {e}") from None
+        raise
+    except Exception as e:
+        raise SerializationError(f"cannot serialize {_describe(obj)}: {type(e).__name__}: {e}") from e
+    return buf.getvalue(), pickler.storages
+
+
+def find_storages(obj: Any) -> Dict[int, Tuple[str, Any]]:
+    """The storages of the dense tensors inside plain containers (dict,
+    list, tuple), keyed as torch.save will key them: by first encounter in
+    pickling order. Found before pickling, so their bytes can be on their
+    way to disk while the pickle is made. Storages inside other objects are
+    found by the pickler later."""
+    found: Dict[int, Tuple[str, Any]] = {}
+    stack: List[Any] = [obj]
+    seen: set = set()
+    while stack:
+        o = stack.pop()
+        t = type(o)
+        if t is dict or t is OrderedDict or t is list or t is tuple:
+            if id(o) in seen:
+                continue
+            seen.add(id(o))
+            if t is list or t is tuple:
+                stack.extend(reversed(o))
+            else:
+                for k, v in reversed(list(o.items())):
+                    stack.append(v)
+                    stack.append(k)
+        elif isinstance(o, torch.Tensor) and o.layout is torch.strided and o.device.type != "meta":
+            st = o.untyped_storage()
+            if st._cdata not in found:
+                found[st._cdata] = (str(len(found)), st)
+    return found
+
+
+# ---------------------------------------------------------------------------
+# Reading
+
+
+def restore_location(map_location: MapLocation) -> Callable[[Any, str], Any]:
+    get = getattr(torch.serialization, "_get_restore_location", None)
+    if get is not None:
+        return get(map_location)
+    return lambda storage, location: torch.serialization.default_restore_location(  # pragma: no cover
+        storage, location if map_location is None else str(map_location)
+    )
+
+
+class _Anything:
+    """Stands for every class and function while a pickle is scanned."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Anything:
+        return _Anything()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+_storage_stand_ins: Dict[str, type] = {}
+
+
+def _stand_in(module: str, name: str) -> type:
+    """``_Anything``, or for torch's storage classes a subclass that
+    remembers the class name (so a scan knows each storage's dtype)."""
+    if module != "torch" or not name.endswith("Storage") or not name.isidentifier():
+        return _Anything
+    cls = _storage_stand_ins.get(name)
+    if cls is None:
+        cls = _storage_stand_ins[name] = type(name, (_Anything,), {"storage_name": name})
+    return cls
+
+
+def storage_element_size(type_name: str) -> int:
+    """Bytes per element of torch's storage class ``type_name`` (e.g.
+    ``FloatStorage``: 4; ``UntypedStorage``: 1); ValueError for others."""
+    if type_name in ("UntypedStorage", "ByteStorage"):
+        return 1
+    cls = getattr(torch, type_name, None) if type_name.endswith("Storage") else None
+    dtype = getattr(cls, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{type_name} is not a torch storage type")
+    return _element_size(dtype)
+
+
+class LocationScan(pickle.Unpickler):
+    """Replays a pickle's opcodes with every global replaced by a stand-in,
+    so nothing is constructed or imported, and notes each storage's
+    location and its (storage type name, element count) (torch writes one
+    persistent id per storage)."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self.locations: Dict[str, str] = {}
+        self.storages: Dict[str, Tuple[str, int]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _stand_in(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+            key = str(pid[2])
+            self.locations[key] = str(pid[3])
+            type_name = getattr(pid[1], "storage_name", "UntypedStorage")
+            numel = pid[4] if isinstance(pid[4], int) and not isinstance(pid[4], bool) else 0
+            prev = self.storages.get(key)
+            if prev is None or numel * storage_element_size(type_name) > prev[1] * storage_element_size(prev[0]):
+                self.storages[key] = (type_name, numel)
+        return _Anything()
+
+
+class _RestoreError(Exception):
+    """Carries an error raised by ``map_location`` through the unpickler."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _StorageLoader:
+    """``persistent_load`` for torch's storage ids: hands out the storages
+    read from the file, each checked against what the pickle needs and
+    moved by ``map_location`` unless already ``placed``."""
+
+    def __init__(self, storages: Dict[str, Any], path: str, map_location: MapLocation, placed: set) -> None:
+        self.storages = storages
+        self.path = path
+        self.placed = placed
+        self.restore = restore_location(map_location)
+        self.typed: Dict[str, Any] = {}
+
+    def __call__(self, saved_id: Any) -> Any:
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] != "storage":
+            raise pickle.UnpicklingError(f"unknown persistent id {saved_id!r}")
+        _, storage_type, key, location, numel = saved_id
+        if key in self.typed:
+            return self.typed[key]
+        if key not in self.storages:
+            raise CorruptCheckpointError(
+                f"{self.path}: the pickle refers to storage {key!r}, which the file does not hold"
+            )
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        st = self.storages[key]
+        need = int(numel) * torch._utils._element_size(dtype)
+        if need > st.nbytes():
+            raise CorruptCheckpointError(
+                f"{self.path}: storage {key!r} holds {st.nbytes()} bytes, the pickle needs {need}"
+            )
+        if key not in self.placed:
+            try:
+                st = self.restore(st, location)
+            except Exception as e:
+                raise _RestoreError(e) from e
+        ts = torch.storage.TypedStorage(wrap_storage=st, dtype=dtype, _internal=True)
+        if ts._data_ptr() != 0:
+            self.typed[key] = ts
+        return ts
+
+
+def _unpickler(pkl: bytes, weights_only: bool) -> Any:
+    if weights_only:
+        from torch import _weights_only_unpickler
+
+        return _weights_only_unpickler.Unpickler(io.BytesIO(pkl), encoding="utf-8")
+    return pickle.Unpickler(io.BytesIO(pkl), encoding="utf-8")
+
+
+def unpickle(
+    pkl: bytes,
+    storages: Dict[str, Any],
+    path: str,
+    map_location: MapLocation,
+    weights_only: bool,
+    placed: Optional[set] = None,
+) -> Any:
+    """Replay the pickle with ``storages``; those in ``placed`` are already
+    where ``map_location`` sends them (torch's restore is skipped)."""
+    unpickler = _unpickler(pkl, weights_only)
+    unpickler.persistent_load = _StorageLoader(storages, path, map_location, placed or set())
+    state = getattr(torch._utils, "_thread_local_state", None)
+    old = getattr(state, "map_location", None) if state is not None else None
+    if state is not None:
+        state.map_location = map_location
+    try:
+        obj = unpickler.load()
+    except CorruptCheckpointError:
+        raise
+    except _RestoreError as e:  # e.g. map_location="cuda" without a GPU: torch's own error
+        raise e.error from None
+    except pickle.UnpicklingError as e:
+        hint = " (pass weights_only=False if you trust this file)" if weights_only else ""
+        raise pickle.UnpicklingError(f"{path}: {e}{hint}") from None
+    except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
+        raise CorruptCheckpointError(
+            f"{path}: the pickle (data.pkl) cannot be loaded: {type(e).__name__}: {e}"
+        ) from None
+    finally:
+        if state is not None:
+            state.map_location = old
+    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
+    if validate is not None:
+        validate()
+    return obj

@@ -1,0 +1,370 @@
+"""Integrity: nothing lost, nothing crashes, nothing outside fastpersist's
+own files touched. Each test is a regression test of a defect found on
+1c9dc26 (the issue's numbering in the names)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import fastpersist
+import numpy as np
+import pytest
+import torch
+from fastpersist.checkpoint_manager import ckpt_name
+from helpers import assert_same, bits
+
+
+def _old(path) -> None:
+    """Make a file look like a leftover of a save long ago."""
+    t = time.time() - 24 * 3600
+    os.utime(path, (t, t))
+
+
+# 1. Snapshot copies keyed by address: two storages at the same address.
+
+
+@pytest.mark.parametrize("n", [1 << 18, 1 << 24])
+def test_15_1_snapshot_of_storages_sharing_an_address(tmp_path, n):
+    arr = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    a = torch.from_numpy(arr)
+    b = torch.from_numpy(arr[:4096])  # a second storage at the same address
+    assert a.data_ptr() == b.data_ptr() and a.untyped_storage()._cdata != b.untyped_storage()._cdata
+    sd = {"a": a, "b": b}
+    f = fastpersist.save_async(sd, tmp_path / "s.pt", mode="snapshot")
+    f.result(timeout=120)
+    back = torch.load(tmp_path / "s.pt")
+    assert bits(back["a"]) == bits(a) and bits(back["b"]) == bits(b)
+
+
+def test_15_1_checkpointer_snapshot_restores_the_right_state(tmp_path):
+    arr = np.arange(1 << 16, dtype=np.float32)
+    sd = {"a": torch.from_numpy(arr), "b": torch.from_numpy(arr[:100])}
+    with fastpersist.Checkpointer(tmp_path, every=1, mode="snapshot") as ck:
+        ck.step(1, sd)
+    step, st = fastpersist.Checkpointer(tmp_path).load_latest()
+    assert step == 1
+    assert_same(st, {"a": sd["a"], "b": sd["b"]})
+
+
+# 3. Retention ranks by step only.
+
+
+def test_15_3_retention_never_deletes_the_newest_valid(tmp_path):
+    def sd(i):
+        return {"w": torch.full((1000,), float(i))}
+
+    with fastpersist.Checkpointer(tmp_path, every=1, keep_last=1) as ck:
+        ck.save(20, sd(20)).result()
+        ck.wait()
+    # a damaged newer checkpoint (e.g. from another run, or bit rot)
+    fastpersist.write_state_dict({"step": 30, "state": sd(30)}, tmp_path / ckpt_name(30))
+    raw = bytearray((tmp_path / ckpt_name(30)).read_bytes())
+    raw[4096 + 10] ^= 0xFF
+    (tmp_path / ckpt_name(30)).write_bytes(bytes(raw))
+    with fastpersist.Checkpointer(tmp_path, every=1, keep_last=1) as ck:
+        ck.save(25, sd(25)).result()
+        ck.wait()
+    names = sorted(os.listdir(tmp_path))
+    assert ckpt_name(25) in names  # the newest valid checkpoint survives
+    step, st = fastpersist.Checkpointer(tmp_path).load_latest()
+    assert step == 25 and torch.all(st["w"] == 25)
+
+
+def test_15_3_damaged_files_do_not_count_toward_keep_last(tmp_path):
+    with fastpersist.Checkpointer(tmp_path, every=1, keep_last=2) as ck:
+        for s in (1, 2, 3):
+            ck.save(s, {"i": s}).result()
+            ck.wait()
+            if s == 3:
+                p = tmp_path / ckpt_name(3)
+                p.write_bytes(p.read_bytes()[:-30])  # truncated: damaged
+        ck.save(4, {"i": 4}).result()
+        ck.wait()
+    # valid: 4 and 2 (3 is damaged and newer than 2: kept, but not counted)
+    steps = sorted(int(n[5:-3]) for n in os.listdir(tmp_path) if n.startswith("ckpt-"))
+    assert 2 in steps and 4 in steps and 1 not in steps
+
+
+# 4. Sharded: an error after the index is committed is not a rollback.
+
+
+def test_15_4_cleanup_errors_after_the_index_do_not_delete_the_new_shards(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import os, socket, warnings, torch, torch.distributed as dist, fastpersist
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+        d = {str(tmp_path / "sh")!r}
+        fastpersist.write_state_dict({{"v": torch.ones(10)}}, d, group=dist.group.WORLD, sharded=True)
+        os.makedirs(os.path.join(d, "shard-notes"))          # the user's own directory
+        open(os.path.join(d, "shard-readme.txt"), "w").close()  # the user's own file
+        # an old-looking shard name that is a directory: removing it fails after the commit
+        os.makedirs(os.path.join(d, "shard-1-00000-of-00001.pt"))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            fastpersist.write_state_dict({{"v": torch.full((10,), 2.0)}}, d, group=dist.group.WORLD, sharded=True)
+        assert any("cannot remove" in str(x.message) for x in w), [str(x.message) for x in w]
+        back = fastpersist.read_state_dict(d)
+        assert torch.all(back[0]["v"] == 2), back
+        assert os.path.isdir(os.path.join(d, "shard-notes"))
+        assert os.path.exists(os.path.join(d, "shard-readme.txt"))
+        print("OK")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+# 5. Snapshot saves in flight at interpreter exit.
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "pipelined"])
+def test_15_5_saves_in_flight_at_exit_are_committed(tmp_path, mode):
+    p = tmp_path / "exit.pt"
+    code = textwrap.dedent(
+        f"""
+        import torch, fastpersist
+        sd = {{f"w{{i}}": torch.full((4 << 20,), float(i)) for i in range(8)}}  # 128 MiB
+        fastpersist.save_async(sd, {str(p)!r}, mode={mode!r})
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    back = torch.load(p)
+    assert len(back) == 8 and torch.all(back["w7"] == 7)
+
+
+# 8. Shard names from index.json are joined unchecked.
+
+
+@pytest.mark.parametrize("name", ["../../outside-secret.pt", "/etc/passwd", "sub/shard-1-00000-of-00001.pt", "x.pt"])
+def test_15_8_index_cannot_name_files_outside_the_directory(tmp_path, name):
+    secret = tmp_path / "outside-secret.pt"
+    torch.save({"secret": 1}, secret)
+    d = tmp_path / "a" / "b" / "ckpt"
+    d.mkdir(parents=True)
+    (d / "index.json").write_text(
+        json.dumps(
+            {
+                "format": "fastpersist-sharded",
+                "version": 1,
+                "world_size": 1,
+                "save_id": "1",
+                "shards": [{"rank": 0, "file": name, "bytes": 1}],
+            }
+        )
+    )
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="not a shard file name"):
+        fastpersist.read_state_dict(d)
+
+
+# 9. Name patterns too broad.
+
+
+def test_15_9_retention_and_sweep_touch_only_their_own_names(tmp_path):
+    mine = ["ckpt-5.pt", "ckpt-00005.pt", "ckpt-5.pt.bak", "results.fptmp", ".notes.fptmp", ".ckpt-5.pt.x.y.fptmp"]
+    for n in mine:
+        (tmp_path / n).write_bytes(b"user data")
+        _old(tmp_path / n)
+    with fastpersist.Checkpointer(tmp_path, every=1, keep_last=1) as ck:
+        for s in range(1, 4):
+            ck.save(s, {"i": s}).result()
+            ck.wait()
+    left = set(os.listdir(tmp_path))
+    assert set(mine) <= left
+    assert ckpt_name(3) in left and ckpt_name(1) not in left
+
+
+# 10. The temp sweep must not delete a live writer's file in another PID namespace.
+
+
+def test_15_10_sweep_keeps_locked_and_young_temp_files(tmp_path):
+    import fcntl
+
+    live = tmp_path / f".{ckpt_name(7)}.1.0.fptmp"  # pid 1: "alive" only in another namespace
+    live.write_bytes(b"in progress")
+    _old(live)
+    fd = os.open(live, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a writer holds the lock, whatever its pid says
+    young = tmp_path / f".{ckpt_name(8)}.999999999.0.fptmp"  # dead pid, but just written
+    young.write_bytes(b"x")
+    dead = tmp_path / f".{ckpt_name(9)}.999999999.1.fptmp"
+    dead.write_bytes(b"x")
+    _old(dead)
+    try:
+        fastpersist.Checkpointer(tmp_path, every=1).close()
+        assert live.exists() and young.exists()
+        assert not dead.exists()
+    finally:
+        os.close(fd)
+
+
+# 12-14. Hostile input.
+
+
+def _safetensors(header: bytes, data: bytes = b"") -> bytes:
+    return struct.pack("<Q", len(header)) + header + data
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b'{"a":{"dtype":"F32","shape":[Infinity],"data_offsets":[0,4]}}',
+        b'{"a":{"dtype":"F32","shape":[1e400],"data_offsets":[0,4]}}',
+        b'{"a":{"dtype":"F32","shape":[1180591620717411303424,0],"data_offsets":[0,0]}}',
+        b'{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,0]}}',
+        b'{"a":{"dtype":"F32","shape":"abc","data_offsets":[0,4]}}',
+        b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0]}}',
+        b'{"a":{"dtype":"F32","shape":[true],"data_offsets":[0,4]}}',
+        b'{"a":5}',
+        b"[" * 200_000 + b"]" * 200_000,
+        b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+    ],
+)
+def test_15_12_hostile_safetensors_headers(tmp_path, header):
+    p = tmp_path / "h.safetensors"
+    p.write_bytes(_safetensors(header, b"\0" * 16))
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        fastpersist.read_state_dict(p)
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        fastpersist.verify.verify_file(p)
+    from helpers import cli_exe
+
+    r = subprocess.run([cli_exe(), "verify", str(p)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout, r.stderr
+
+
+def test_15_12_load_latest_falls_back_past_a_hostile_file(tmp_path):
+    with fastpersist.Checkpointer(tmp_path, every=1) as ck:
+        ck.save(1, {"i": 1}).result()
+    (tmp_path / ckpt_name(2)).write_bytes(
+        _safetensors(b'{"a":{"dtype":"F32","shape":[Infinity],"data_offsets":[0,4]}}')
+    )
+    assert fastpersist.Checkpointer(tmp_path).load_latest()[0] == 1
+
+
+def _zip_with_overlapping_records(path, copies: int) -> None:
+    """A torch file (8 MiB of data) whose central directory lists its data
+    record ``copies`` more times: every record lies inside the file, and
+    together they claim far more memory than the file holds."""
+    torch.save({"w": torch.zeros(2 << 20)}, path)
+    raw = bytearray(open(path, "rb").read())
+    eocd = raw.rfind(b"PK\x05\x06")
+    n, cd_size, cd_off = struct.unpack_from("<HII", raw, eocd + 10)
+    cd = bytes(raw[cd_off : cd_off + cd_size])
+    p = 0
+    entry = b""
+    while p < len(cd):
+        nlen, xlen, clen = struct.unpack_from("<HHH", cd, p + 28)
+        e = cd[p : p + 46 + nlen + xlen + clen]
+        if e[46 : 46 + nlen].endswith(b"/data/0"):
+            entry = e
+        p += len(e)
+    assert entry
+    new_cd = cd + entry * copies
+    total = n + copies
+    tail = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(total, 0xFFFF), min(total, 0xFFFF), len(new_cd), cd_off, 0)
+    with open(path, "wb") as f:
+        f.write(bytes(raw[:cd_off]) + new_cd + tail)
+
+
+def test_15_13_directory_validated_before_anything_is_allocated(tmp_path):
+    p = tmp_path / "overlap.pt"
+    _zip_with_overlapping_records(p, 3000)
+    code = textwrap.dedent(
+        f"""
+        import resource, fastpersist
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+        try:
+            fastpersist.read_state_dict({str(p)!r})
+        except fastpersist.CorruptCheckpointError as e:
+            print("CORRUPT", e)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "CORRUPT" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_15_14_verify_checks_what_a_load_checks(tmp_path):
+    # a pickle naming a storage the file does not hold
+    p = tmp_path / "absent.pt"
+    torch.save({"w": torch.arange(10.0)}, p)
+    import zipfile
+
+    with zipfile.ZipFile(p) as z:
+        names = z.namelist()
+        files = {n: z.read(n) for n in names}
+    q = tmp_path / "bad.pt"
+    with zipfile.ZipFile(q, "w", compression=zipfile.ZIP_STORED) as z:
+        for n in names:
+            if not n.endswith("/data/0"):
+                z.writestr(n, files[n])
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        fastpersist.read_state_dict(q)
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="does not hold"):
+        fastpersist.verify.verify_file(q)
+    # a record shorter than the pickle's numel
+    r = tmp_path / "short.pt"
+    with zipfile.ZipFile(r, "w", compression=zipfile.ZIP_STORED) as z:
+        for n in names:
+            z.writestr(n, files[n][:8] if n.endswith("/data/0") else files[n])
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        fastpersist.read_state_dict(r)
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="needs"):
+        fastpersist.verify.verify_file(r)
+
+
+# 17. Negative options.
+
+
+@pytest.mark.parametrize("opts", [{"block_size": -4096}, {"arena_bytes": -1}, {"queue_depth": -5}, {"arena_bytes": 0}])
+def test_15_17_negative_options_raise_value_error(tmp_path, opts):
+    with pytest.raises(ValueError, match=next(iter(opts))):
+        fastpersist.write_state_dict({"a": torch.ones(3)}, tmp_path / "x.pt", **opts)
+    assert not os.listdir(tmp_path)
+
+
+def test_15_17_negative_environment_options_name_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTPERSIST_QUEUE_DEPTH", "-5")
+    with pytest.raises(ValueError, match="FASTPERSIST_QUEUE_DEPTH"):
+        fastpersist.write_state_dict({"a": torch.ones(3)}, tmp_path / "x.pt")
+
+
+def test_15_6_huge_arena_is_an_error_not_a_crash(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import torch, fastpersist
+        try:
+            fastpersist.write_state_dict({{"a": torch.ones(3)}}, {str(tmp_path / "x.pt")!r}, arena_bytes=2**64 - 1)
+        except (ValueError, OSError) as e:
+            print("RAISED", type(e).__name__)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "RAISED" in r.stdout, (r.returncode, r.stderr)
+    env = {**os.environ, "FASTPERSIST_ARENA_BYTES": "0xffffffffffffffff"}
+    r = subprocess.run(
+        [sys.executable, "-c", code.replace(", arena_bytes=2**64 - 1", "")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert r.returncode == 0 and "RAISED" in r.stdout, (r.returncode, r.stderr)
+
+
+# The engine cache is bounded.
+
+
+def test_engine_cache_is_bounded(tmp_path):
+    from fastpersist.options import MAX_OPTION_SETS, cached_option_sets
+
+    for i in range(MAX_OPTION_SETS + 3):
+        fastpersist.write_state_dict({"a": torch.ones(3)}, tmp_path / "x.pt", queue_depth=8 + i)
+    assert len(cached_option_sets()) <= MAX_OPTION_SETS
