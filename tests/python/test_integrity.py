@@ -368,3 +368,34 @@ def test_engine_cache_is_bounded(tmp_path):
     for i in range(MAX_OPTION_SETS + 3):
         fastpersist.write_state_dict({"a": torch.ones(3)}, tmp_path / "x.pt", queue_depth=8 + i)
     assert len(cached_option_sets()) <= MAX_OPTION_SETS
+
+
+# 2. Reads while another process replaces the file atomically.
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_15_2_reads_while_the_file_is_replaced_see_one_save(tmp_path, verify):
+    p = tmp_path / "live.pt"
+    fastpersist.write_state_dict({"step": 0, "w": torch.full((1 << 18,), 0.0)}, p)
+    writer = textwrap.dedent(
+        f"""
+        import time, torch, fastpersist
+        t = time.time(); s = 1
+        while time.time() - t < 8:
+            fastpersist.write_state_dict({{"step": s, "w": torch.full((1 << 18,), float(s))}}, {str(p)!r})
+            s += 1
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", writer])
+    try:
+        n = 0
+        while proc.poll() is None and n < 150:
+            got = fastpersist.read_state_dict(p, verify=verify)
+            assert torch.all(got["w"] == got["step"]), got["step"]
+            n += 1
+        for name in ("inspect_file", "verify_file"):
+            getattr(fastpersist.verify, name)(p)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert n > 10
