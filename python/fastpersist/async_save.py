@@ -279,7 +279,8 @@ class AsyncSaver:
         self._inflight: List[CheckpointFuture] = []
         _savers.add(self)
         # A saver dropped without close(): its threads end once idle.
-        weakref.finalize(self, _stop_workers, self._snap, self._write)
+        fin = weakref.finalize(self, _stop_workers, self._snap, self._write)
+        fin.atexit = False  # at exit the threads just stay idle (waking them during finalization is unsafe)
 
     def save(self, obj: Any, path: PathLike, *, mode: str = "pipelined", **options: Any) -> CheckpointFuture:
         p = resolve_target(path)

@@ -12,7 +12,9 @@ def bits(t: torch.Tensor) -> bytes:
     t = t.detach()
     if t.is_sparse:
         return bits(t.coalesce().indices()) + bits(t.coalesce().values())
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    # A fresh, densely strided copy: contiguous() keeps odd strides of size-1 dims.
+    flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1))
+    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:
