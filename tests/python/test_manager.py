@@ -230,6 +230,7 @@ def test_retention_and_tiers_property(tmp_path_factory, scenario):
     ck = fastpersist.Checkpointer(local, every=1, keep_last=keep_last, keep_every=keep_every, stage_dir=shared)
     step = 0
     good = set()
+    corrupted = set()  # damaged local copies: they do not count toward keep_last
     for op in ops:
         if op == "save":
             step += 1
@@ -241,6 +242,7 @@ def test_retention_and_tiers_property(tmp_path_factory, scenario):
             torn.write_bytes(b"torn")
             os.utime(torn, (time.time() - 86400, time.time() - 86400))  # left by a save long ago
         elif op == "corrupt" and steps_in(local):
+            corrupted.add(max(steps_in(local)))
             victim = local / ckpt_name(max(steps_in(local)))
             raw = bytearray(victim.read_bytes())
             raw[-30] ^= 0xFF  # the central directory
@@ -254,7 +256,9 @@ def test_retention_and_tiers_property(tmp_path_factory, scenario):
     if good:
         newest = max(good)
         assert newest in loc and newest in steps_in(shared)  # never deleted, and staged
-        expect_local = set(sorted(good)[-keep_last:]) | {s for s in good if keep_every and s % keep_every == 0}
+        valid = sorted(good - corrupted)
+        cutoff = valid[-keep_last] if len(valid) >= keep_last else 0
+        expect_local = {s for s in good if s >= cutoff} | {s for s in good if keep_every and s % keep_every == 0}
         assert set(loc) == expect_local
         got = ck.load_latest()
         assert got is not None and got[1]["i"] == got[0]
