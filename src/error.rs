@@ -19,6 +19,9 @@ pub enum ErrorKind {
     /// fsync that makes the rename durable failed (has an errno): the new
     /// file IS in place at the target, its durability is not confirmed.
     NotDurable,
+    /// The caller refused to go on (a streamed write's `on_gathered`
+    /// callback failed): nothing was committed.
+    Cancelled,
 }
 
 #[derive(Debug)]
@@ -71,6 +74,16 @@ impl Error {
             context: "the new file IS in place at the target but its durability is not \
                       confirmed (directory fsync failed)"
                 .into(),
+        }
+    }
+
+    /// The caller's callback refused the commit (`why`).
+    pub fn cancelled(why: impl Into<String>) -> Self {
+        Error {
+            kind: ErrorKind::Cancelled,
+            errno: None,
+            path: None,
+            context: why.into(),
         }
     }
 

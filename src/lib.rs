@@ -7,6 +7,7 @@
 //! - [`layout`]: a file described as segments, and the hybrid alignment
 //!   partitioner that cuts it into block-aligned extents and balanced parts;
 //! - [`arena`]: aligned, locked staging memory;
+//! - [`guard`]: exclusive access to caller memory while it is gathered;
 //! - `sink` (crate-private): the io_uring ring and the `pwrite`/`pread`
 //!   fallback pool that take arena buffers to and from the kernel;
 //! - [`commit`]: the temporary file and the durable commit (fsync, rename,
@@ -28,6 +29,7 @@ pub mod arena;
 pub mod commit;
 pub mod engine;
 pub mod error;
+pub mod guard;
 pub mod layout;
 pub mod reader;
 pub(crate) mod sink;
@@ -38,6 +40,7 @@ mod python;
 
 pub use engine::{Engine, Options};
 pub use error::{Error, ErrorKind, Result};
+pub use guard::{with_guard, GatherGuard};
 pub use layout::{Extent, Layout, MemRef, Piece, Segment, Source};
 pub use reader::{MutMemRef, ReadReq, ReadStats};
 pub use sink::Fault;

@@ -10,12 +10,13 @@ use crate::align;
 use crate::commit::TempFile;
 use crate::engine::{Engine, Options};
 use crate::error::{Error, ErrorKind};
+use crate::guard::{with_guard, GatherGuard};
 use crate::layout::{Layout, MemRef, Segment, Source};
 use crate::reader::{MutMemRef, ReadReq, ReadStats};
 use crate::sink::Fault;
 use crate::writer::{Session, WriteStats};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyOSError, PyOverflowError, PyValueError};
+use pyo3::exceptions::{PyOSError, PyOverflowError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyMemoryView};
 use std::os::fd::RawFd;
@@ -58,7 +59,111 @@ fn to_py(e: Error) -> PyErr {
             }
         }
         ErrorKind::InvalidLayout | ErrorKind::InvalidOption => PyValueError::new_err(e.to_string()),
+        // The callback's own exception is raised instead (see `finish`).
+        ErrorKind::Cancelled => PyRuntimeError::new_err(e.to_string()),
     }
+}
+
+/// The GIL as a [`GatherGuard`]: caller memory (tensor storages) is read
+/// only while this thread holds the GIL, after `guard.check([crc_id])` (a
+/// `fastpersist.plan.MemoryGuard`) said the storage is as it was planned;
+/// no Python thread can resize a storage in between. Released whenever the
+/// engine waits for the device. The exception `check` raised is kept in
+/// `err` for the caller to raise.
+struct GilGuard {
+    guard: PyObject,
+    state: Option<pyo3::ffi::PyGILState_STATE>,
+    checked: std::collections::HashSet<u32>,
+    err: GuardErr,
+}
+
+impl GatherGuard for GilGuard {
+    fn lock(&mut self) -> Result<(), Error> {
+        if self.state.is_none() {
+            // SAFETY: paired with `PyGILState_Release` in `unlock` on this
+            // same thread (the guard is thread-local and `with_guard`
+            // unlocks before removing it); the thread has a Python thread
+            // state (it released the GIL in `allow_threads`).
+            self.state = Some(unsafe { pyo3::ffi::PyGILState_Ensure() });
+        }
+        Ok(())
+    }
+
+    fn check(&mut self, crc_id: u32) -> Result<(), Error> {
+        if self.checked.contains(&crc_id) {
+            return Ok(()); // checked since the GIL was taken: cannot have changed
+        }
+        Python::with_gil(|py| check_owner(self.guard.bind(py), crc_id)).map_err(|e| {
+            let msg = e.to_string();
+            if let Ok(mut slot) = self.err.lock() {
+                slot.get_or_insert(e);
+            }
+            Error::cancelled(msg)
+        })?;
+        self.checked.insert(crc_id);
+        Ok(())
+    }
+
+    fn unlock(&mut self) {
+        if let Some(state) = self.state.take() {
+            self.checked.clear();
+            // SAFETY: `state` came from `PyGILState_Ensure` on this thread.
+            unsafe { pyo3::ffi::PyGILState_Release(state) };
+        }
+    }
+}
+
+/// Whether the storage behind checksum `crc_id` of `guard` (a
+/// `MemoryGuard`: `_owners` maps ids to (storage, data pointer, size,
+/// name)) still has the pointer and size it was planned with. Runs no
+/// Python bytecode on the way (dict lookups and the storage's C methods),
+/// so the GIL cannot pass to another thread between this check and the
+/// read that follows it; a changed storage is reported by `guard.check`.
+fn check_owner(guard: &Bound<'_, PyAny>, crc_id: u32) -> PyResult<()> {
+    let owners = guard.getattr("_owners")?;
+    let Some(entry) = owners.downcast::<PyDict>()?.get_item(crc_id)? else {
+        return Ok(());
+    };
+    let storage = entry.get_item(0)?;
+    let ptr: usize = entry.get_item(1)?.extract()?;
+    let n: usize = entry.get_item(2)?.extract()?;
+    let now_ptr: usize = storage.call_method0("data_ptr")?.extract()?;
+    let now_n: usize = storage.call_method0("nbytes")?.extract()?;
+    if now_ptr == ptr && now_n == n {
+        return Ok(());
+    }
+    guard.call_method1("check", (vec![crc_id],))?; // raises StorageChangedError
+    Err(PyRuntimeError::new_err(format!(
+        "the storage of checksum {crc_id} changed while it was being saved"
+    )))
+}
+
+/// Where a [`GilGuard`] leaves the exception its check raised.
+type GuardErr = std::sync::Arc<Mutex<Option<PyErr>>>;
+
+/// Run an engine call (inside `allow_threads`) with the GIL guard of
+/// `guard` (a `MemoryGuard`, or None: no guard) installed.
+fn guarded<R>(guard: Option<PyObject>, err: &GuardErr, f: impl FnOnce() -> R) -> R {
+    match guard {
+        None => f(),
+        Some(g) => with_guard(
+            Box::new(GilGuard {
+                guard: g,
+                state: None,
+                checked: std::collections::HashSet::new(),
+                err: err.clone(),
+            }),
+            f,
+        ),
+    }
+}
+
+/// The exception a guard's check raised, else the engine's error.
+fn guard_err(err: &GuardErr, e: Error) -> PyErr {
+    err.lock()
+        .ok()
+        .and_then(|mut s| s.take())
+        .unwrap_or_else(|| to_py(e))
 }
 
 /// A Python int of any size, for an argument whose range is checked here:
@@ -277,6 +382,10 @@ impl PyEngine {
     /// Write a file and commit it. `blobs`: (offset, bytes); `regions`:
     /// (offset, address, length, checksum id or -1), memory the caller keeps
     /// alive and valid for the whole call; `slots`: (offset, checksum id).
+    /// With `guard` (a `MemoryGuard`), each region is read only while this
+    /// thread holds the GIL, after `guard.check([crc_id])` passed.
+    #[pyo3(signature = (path, blobs, regions, slots, file_len, guard=None))]
+    #[allow(clippy::too_many_arguments)]
     fn write_file<'py>(
         &self,
         py: Python<'py>,
@@ -285,10 +394,16 @@ impl PyEngine {
         regions: Vec<(u64, usize, usize, i64)>,
         slots: Vec<(u64, u32)>,
         file_len: u64,
+        guard: Option<PyObject>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let segments = build_segments(blobs, regions, slots)?;
-        let stats = py.allow_threads(|| self.engine()?.write_file(&path, segments, file_len));
-        stats_dict(py, &stats.map_err(to_py)?)
+        let err = GuardErr::default();
+        let stats = py.allow_threads(|| {
+            guarded(guard, &err, || {
+                self.engine()?.write_file(&path, segments, file_len)
+            })
+        });
+        stats_dict(py, &stats.map_err(|e| guard_err(&err, e))?)
     }
 
     /// Read records of `path` into caller memory: `reqs` is a list of
@@ -350,6 +465,7 @@ impl PyEngine {
     /// Write part `index` of `parts` of a file into the existing file `path`
     /// (see `Engine::write_part` in the core); checksum slots must already be
     /// filled in as bytes.
+    #[pyo3(signature = (path, blobs, regions, file_len, index, parts, guard=None))]
     #[allow(clippy::too_many_arguments)]
     fn write_part<'py>(
         &self,
@@ -360,13 +476,17 @@ impl PyEngine {
         file_len: u64,
         index: usize,
         parts: usize,
+        guard: Option<PyObject>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let segments = build_segments(blobs, regions, Vec::new())?;
+        let err = GuardErr::default();
         let st = py.allow_threads(|| {
-            self.engine()?
-                .write_part(&path, segments, file_len, (index, parts))
+            guarded(guard, &err, || {
+                self.engine()?
+                    .write_part(&path, segments, file_len, (index, parts))
+            })
         });
-        stats_dict(py, &st.map_err(to_py)?)
+        stats_dict(py, &st.map_err(|e| guard_err(&err, e))?)
     }
 
     /// Start a streamed write of `path` (see `WriteSession`).
@@ -405,32 +525,37 @@ struct PySession {
 #[pymethods]
 impl PySession {
     /// Add segments (at or after everything given so far) and write them.
+    /// `guard`: as for `Engine.write_file`.
+    #[pyo3(signature = (blobs, regions, slots, guard=None))]
     fn write<'py>(
         &self,
         py: Python<'py>,
         blobs: Vec<(u64, Bound<'py, PyBytes>)>,
         regions: Vec<(u64, usize, usize, i64)>,
         slots: Vec<(u64, u32)>,
+        guard: Option<PyObject>,
     ) -> PyResult<()> {
         let segments = build_segments(blobs, regions, slots)?;
         let engine = self.engine.get();
+        let err = GuardErr::default();
         py.allow_threads(|| {
-            let mut guard = self
+            let mut lock = self
                 .session
                 .lock()
                 .map_err(|_| Error::option("session poisoned"))?;
-            let session = guard
+            let session = lock
                 .as_mut()
                 .ok_or_else(|| Error::option("this write session is already finished"))?;
-            engine.engine()?.write(session, segments)
+            guarded(guard, &err, || engine.engine()?.write(session, segments))
         })
-        .map_err(to_py)
+        .map_err(|e| guard_err(&err, e))
     }
 
     /// Add the last segments, write the rest and commit the file. When
     /// given, `on_gathered()` is called (with the GIL) as soon as no caller
     /// memory will be read any more, before the writes complete.
-    #[pyo3(signature = (blobs, regions, slots, file_len, on_gathered=None))]
+    #[pyo3(signature = (blobs, regions, slots, file_len, on_gathered=None, guard=None))]
+    #[allow(clippy::too_many_arguments)]
     fn finish<'py>(
         &self,
         py: Python<'py>,
@@ -439,10 +564,12 @@ impl PySession {
         slots: Vec<(u64, u32)>,
         file_len: u64,
         on_gathered: Option<PyObject>,
+        guard: Option<PyObject>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let segments = build_segments(blobs, regions, slots)?;
         let engine = self.engine.get();
         let mut callback_err: Option<PyErr> = None;
+        let err = GuardErr::default();
         let stats = py.allow_threads(|| {
             let session = self
                 .session
@@ -451,22 +578,24 @@ impl PySession {
                 .take()
                 .ok_or_else(|| Error::option("this write session is already finished"))?;
             let mut notify = || {
-                if let Some(cb) = &on_gathered {
-                    Python::with_gil(|py| {
-                        if let Err(e) = cb.call0(py) {
-                            callback_err.get_or_insert(e);
-                        }
-                    });
-                }
+                let Some(cb) = &on_gathered else {
+                    return Ok(());
+                };
+                Python::with_gil(|py| cb.call0(py).map(drop)).map_err(|e| {
+                    callback_err.get_or_insert(e);
+                    Error::cancelled("on_gathered() raised: nothing was committed")
+                })
             };
-            engine
-                .engine()?
-                .finish_with(session, segments, file_len, &mut notify)
+            guarded(guard, &err, || {
+                engine
+                    .engine()?
+                    .finish_with(session, segments, file_len, &mut notify)
+            })
         });
         if let Some(e) = callback_err {
             return Err(e);
         }
-        stats_dict(py, &stats.map_err(to_py)?)
+        stats_dict(py, &stats.map_err(|e| guard_err(&err, e))?)
     }
 
     /// Give up: remove the temporary file. Idempotent.
@@ -829,24 +958,73 @@ fn dio_alignment(path: PathBuf) -> (u32, u32, usize, bool) {
     (a.mem_align, a.offset_align, a.block, a.from_statx)
 }
 
-/// CRC32 of each `(address, length)` range of memory (inside tensor
-/// storages the caller keeps alive); releases the GIL.
+/// CRC32 of each `(address, length, checksum id)` range of memory (inside
+/// tensor storages the caller keeps alive). Without `guard`, releases the
+/// GIL; with it (a `MemoryGuard`), holds the GIL and checks each range's
+/// storage just before reading it, so no Python thread can resize it in
+/// between.
 #[pyfunction]
-fn crc32_ranges(py: Python<'_>, ranges: Vec<(usize, usize)>) -> PyResult<Vec<u32>> {
-    if ranges.iter().any(|&(p, n)| p == 0 && n > 0) {
+#[pyo3(signature = (ranges, guard=None))]
+fn crc32_ranges(
+    py: Python<'_>,
+    ranges: Vec<(usize, usize, i64)>,
+    guard: Option<Bound<'_, PyAny>>,
+) -> PyResult<Vec<u32>> {
+    if ranges.iter().any(|&(p, n, _)| p == 0 && n > 0) {
         return Err(PyValueError::new_err("null address"));
     }
-    let refs: Vec<MemRef> = ranges
+    let refs: Vec<(MemRef, i64)> = ranges
         .into_iter()
         // SAFETY: the Python caller (fastpersist.distributed) passes ranges
-        // inside tensor storages it holds for the whole call.
-        .map(|(p, n)| unsafe { MemRef::new(p as *const u8, n) })
+        // inside tensor storages it holds for the whole call (and, with a
+        // guard, checked just before each is read, under the GIL).
+        .map(|(p, n, id)| (unsafe { MemRef::new(p as *const u8, n) }, id))
         .collect();
-    Ok(py.allow_threads(|| {
-        refs.iter()
-            .map(|m| crc32fast::hash(m.slice(0, m.len())))
-            .collect()
-    }))
+    let Some(guard) = guard else {
+        return Ok(py.allow_threads(|| {
+            refs.iter()
+                .map(|(m, _)| crc32fast::hash(m.slice(0, m.len())))
+                .collect()
+        }));
+    };
+    let mut out = Vec::with_capacity(refs.len());
+    for (m, id) in &refs {
+        if let Ok(id) = u32::try_from(*id) {
+            check_owner(&guard, id)?;
+        }
+        out.push(crc32fast::hash(m.slice(0, m.len())));
+    }
+    Ok(out)
+}
+
+/// Copy `n` bytes of checksum `crc_id`'s memory at address `src` to
+/// address `dst` (non-overlapping memory the caller holds), holding the
+/// GIL, right after checking with `guard` (a `MemoryGuard`) that the
+/// storage is as planned: no Python thread can resize it in between.
+#[pyfunction]
+fn copy_memory(
+    dst: usize,
+    src: usize,
+    n: usize,
+    guard: &Bound<'_, PyAny>,
+    crc_id: u32,
+) -> PyResult<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    if dst == 0 || src == 0 {
+        return Err(PyValueError::new_err("null address"));
+    }
+    if dst.max(src) - dst.min(src) < n {
+        return Err(PyValueError::new_err("the ranges overlap"));
+    }
+    check_owner(guard, crc_id)?;
+    // SAFETY: the caller (fastpersist.async_save, writer) passes two ranges
+    // of `n` bytes inside storages it holds, checked above not to overlap;
+    // the source storage was just checked and, with the GIL held, cannot be
+    // resized before the copy ends.
+    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, n) };
+    Ok(())
 }
 
 /// CRC32 of the concatenation A+B from crc(A), crc(B) and len(B).
@@ -930,6 +1108,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
     m.add_function(wrap_pyfunction!(crc32, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_memory, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_combine, m)?)?;
     m.add_function(wrap_pyfunction!(atomic_write, m)?)?;
     m.add_function(wrap_pyfunction!(split_ranges, m)?)?;

@@ -17,6 +17,7 @@ use crate::arena::Arena;
 use crate::commit::TempFile;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
+use crate::guard;
 use crate::layout::{Extent, Layout, Segment, Source};
 use crate::sink::{Job, Sink};
 use crc32fast::Hasher;
@@ -179,7 +180,7 @@ impl Engine {
     pub fn write(&mut self, session: &mut Session, segments: Vec<Segment>) -> Result<()> {
         session.append(segments)?;
         let upto = align::align_down(session.frontier, session.block as u64);
-        self.run(session, upto, session.frontier, &mut || {}, true)
+        self.run(session, upto, session.frontier, &mut || Ok(()), true)
     }
 
     /// Give up on `session`: wait for its writes in flight (their results
@@ -200,18 +201,20 @@ impl Engine {
         segments: Vec<Segment>,
         file_len: u64,
     ) -> Result<WriteStats> {
-        self.finish_with(session, segments, file_len, &mut || {})
+        self.finish_with(session, segments, file_len, &mut || Ok(()))
     }
 
     /// [`Engine::finish`], calling `on_gathered` as soon as every byte of
     /// the file has been copied into the arena (caller memory is no longer
     /// read from then on), before waiting for the writes and the commit.
+    /// When it fails, the writes are drained, nothing is committed, and its
+    /// error is returned.
     pub fn finish_with(
         &mut self,
         mut session: Session,
         segments: Vec<Segment>,
         file_len: u64,
-        on_gathered: &mut dyn FnMut(),
+        on_gathered: &mut dyn FnMut() -> Result<()>,
     ) -> Result<WriteStats> {
         session.append(segments)?;
         if file_len < session.frontier {
@@ -272,7 +275,7 @@ impl Engine {
         session: &mut Session,
         upto: u64,
         known: u64,
-        on_gathered: &mut dyn FnMut(),
+        on_gathered: &mut dyn FnMut() -> Result<()>,
         keep_in_flight: bool,
     ) -> Result<()> {
         if session.failed {
@@ -286,7 +289,14 @@ impl Engine {
             return Err(e);
         }
         if upto <= session.written {
-            on_gathered();
+            if let Err(e) = on_gathered() {
+                session.failed = true;
+                if self.streaming == Some(session.id) {
+                    // Its writes are in flight: settle them before failing.
+                    let _ = self.drain_in_flight();
+                }
+                return Err(e);
+            }
             if keep_in_flight || self.streaming.is_none() {
                 return Ok(());
             }
@@ -406,7 +416,7 @@ impl Engine {
                 },
                 (free, &mut 0),
                 &mut hashers,
-                &mut || {},
+                &mut || Ok(()),
             )
         });
         if let Err(mut e) = res {
@@ -496,19 +506,29 @@ fn pump(
     pacing: Pacing,
     (free, unflushed): (&mut Vec<usize>, &mut u64),
     hashers: &mut [Hasher],
-    on_gathered: &mut dyn FnMut(),
+    on_gathered: &mut dyn FnMut() -> Result<()>,
 ) -> Result<()> {
     let extents = layout.extents(range, arena.buf_size())?;
     for ext in extents {
         if pacing.flush_every > 0 && *unflushed >= pacing.flush_every {
+            guard::before_block();
             sink.submit_datasync(fd)?;
             *unflushed = 0;
         }
         *unflushed += ext.len as u64;
         while free.is_empty() || sink.inflight() >= pacing.qd {
+            guard::before_block();
             sink.reap(free, true)?;
         }
         let b = free.pop().expect("a free buffer");
+        guard::before_gather(|| {
+            layout.pieces(ext).into_iter().filter_map(|p| {
+                let seg = &layout.segments()[p.segment];
+                matches!(seg.source, Source::Mem(_))
+                    .then_some(seg.crc_id)
+                    .flatten()
+            })
+        })?;
         gather(layout, ext, &mut arena.buf_mut(b)[..ext.len], hashers);
         let job = Job {
             buf: b,
@@ -528,11 +548,14 @@ fn pump(
         unsafe { sink.submit(fd, job) }?;
         sink.reap(free, false)?;
     }
-    on_gathered();
+    guard::before_block();
+    let gathered = on_gathered();
     if pacing.keep_in_flight {
-        return Ok(());
+        return gathered;
     }
-    sink.drain_checked(free)
+    // A refused commit still waits for the writes it started.
+    sink.drain_checked(free)?;
+    gathered
 }
 
 /// Checksum-then-copy in cache-sized steps, so the copy reads what the

@@ -678,3 +678,36 @@ fn special_targets_are_refused_by_sessions() {
     assert_eq!(only(dir.path()), vec!["null"]);
     assert!(std::fs::symlink_metadata(&null).unwrap().is_symlink());
 }
+
+#[test]
+fn refused_on_gathered_commits_nothing_and_keeps_the_old_file() {
+    let big = pattern(300_000, 11);
+    let odd = pattern(5_003, 12);
+    for opts in combos() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("r.bin");
+        std::fs::write(&target, b"previous").unwrap();
+        let (segs, _, len) = sample(&big, &odd);
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        let mut s = eng.begin(&target, len).unwrap();
+        let mut segs = segs;
+        segs.sort_by_key(|s| s.offset);
+        let tail = segs.split_off(2);
+        eng.write(&mut s, segs).unwrap();
+        let mut calls = 0;
+        let e = eng
+            .finish_with(s, tail, len, &mut || {
+                calls += 1;
+                Err(fastpersist::Error::cancelled("refused"))
+            })
+            .unwrap_err();
+        assert_eq!(calls, 1, "{opts:?}");
+        assert_eq!(e.kind, fastpersist::ErrorKind::Cancelled, "{opts:?}");
+        assert_eq!(std::fs::read(&target).unwrap(), b"previous", "{opts:?}");
+        assert_eq!(only(d.path()), vec!["r.bin".to_string()], "{opts:?}");
+        // The engine is still usable.
+        let (segs, expect, len) = sample(&big, &odd);
+        eng.write_file(&target, segs, len).unwrap();
+        assert!(std::fs::read(&target).unwrap() == expect, "{opts:?}");
+    }
+}

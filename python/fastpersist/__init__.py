@@ -17,6 +17,7 @@ from .errors import (
     FallbackWarning,
     FastPersistError,
     SerializationError,
+    StorageChangedError,
     WriteError,
 )
 from .options import WriteStats, release_engines
@@ -44,6 +45,7 @@ __all__ = [
     "DistributedCheckpointError",
     "WriteError",
     "SerializationError",
+    "StorageChangedError",
     "FastPersistError",
     "FallbackWarning",
     "release_engines",

@@ -10,7 +10,7 @@ tuples works, and tuple subclasses (``NamedTuple``) are accepted as tuples.
 from collections.abc import Callable, Sequence
 from os import PathLike
 from types import TracebackType
-from typing import TypedDict, final
+from typing import Protocol, TypedDict, final
 
 from typing_extensions import Buffer, Self, TypeAlias
 
@@ -24,6 +24,12 @@ _Blob: TypeAlias = tuple[int, bytes]
 _Region: TypeAlias = tuple[int, int, int, int]
 # (file offset, checksum id) for a 4-byte little-endian CRC32 slot.
 _Slot: TypeAlias = tuple[int, int]
+
+class _Guard(Protocol):
+    """``fastpersist.plan.MemoryGuard``: raises when a storage changed."""
+
+    def check(self, crc_ids: list[int] | None = ...) -> None: ...
+
 # (file offset, destination address, length) of a record to read.
 _ReadRequest: TypeAlias = tuple[int, int, int]
 # (file offset, length) of a range to checksum.
@@ -42,6 +48,7 @@ __all__ = [
     "dio_alignment",
     "crc32",
     "crc32_ranges",
+    "copy_memory",
     "crc32_combine",
     "atomic_write",
     "split_ranges",
@@ -134,6 +141,7 @@ class Engine:
         regions: Sequence[_Region],
         slots: Sequence[_Slot],
         file_len: int,
+        guard: _Guard | None = None,
     ) -> RawWriteStats: ...
     def read_into(self, path: _StrPath, reqs: Sequence[_ReadRequest]) -> RawReadStats: ...
     def read_into_fd(self, fd: int, reqs: Sequence[_ReadRequest]) -> RawReadStats: ...
@@ -147,6 +155,7 @@ class Engine:
         file_len: int,
         index: int,
         parts: int,
+        guard: _Guard | None = None,
     ) -> RawWriteStats: ...
     def begin(self, path: _StrPath, size_hint: int = ...) -> WriteSession: ...
 
@@ -161,6 +170,7 @@ class WriteSession:
         blobs: Sequence[_Blob],
         regions: Sequence[_Region],
         slots: Sequence[_Slot],
+        guard: _Guard | None = None,
     ) -> None: ...
     def finish(
         self,
@@ -169,6 +179,7 @@ class WriteSession:
         slots: Sequence[_Slot],
         file_len: int,
         on_gathered: Callable[[], object] | None = None,
+        guard: _Guard | None = None,
     ) -> RawWriteStats: ...
     def abort(self) -> None: ...
 
@@ -220,7 +231,8 @@ def partition(
 ) -> list[tuple[tuple[int, int], list[tuple[int, int, list[tuple[int, int, int, int]]]]]]: ...
 def dio_alignment(path: _StrPath) -> tuple[int, int, int, bool]: ...
 def crc32(data: bytes) -> int: ...
-def crc32_ranges(ranges: Sequence[tuple[int, int]]) -> list[int]: ...
+def crc32_ranges(ranges: Sequence[tuple[int, int, int]], guard: _Guard | None = None) -> list[int]: ...
+def copy_memory(dst: int, src: int, n: int, guard: _Guard, crc_id: int) -> None: ...
 def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int: ...
 def atomic_write(path: _StrPath, data: Buffer, *, durable: bool = True) -> None: ...
 def split_ranges(file_len: int, block: int, parts: int) -> list[tuple[int, int]]: ...

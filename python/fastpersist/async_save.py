@@ -36,10 +36,12 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from . import _core
 from .collectives import checkpoint_group
 from .cuda_staging import ReadyEvents, active_devices, record_ready, side_streams
+from .errors import drop_frames
 from .options import EngineOptions, PathLike, WriteStats, env_int, note_pending, resolve_target, wait_for_earlier
-from .plan import Region
+from .plan import MemoryGuard, Region
 from .torch_zip import plan_torch_save
 from .writer import write_distributed, write_plan, write_torch_zip
 
@@ -83,6 +85,9 @@ class CheckpointFuture(concurrent.futures.Future):
             self._snapshot.set()
 
     def _fail(self, e: BaseException) -> None:
+        # The future may be kept (and its error) long after: the failed
+        # call's buffers and tensors must not live as long as it.
+        drop_frames(e)
         if not self._snapshot.is_set():
             self._snapshot_error = e
             self._snapshot.set()
@@ -114,6 +119,8 @@ class SnapshotPool:
         self._lock = threading.RLock()
         self._free: List[torch.Tensor] = []
         self._used: List[torch.Tensor] = []
+        # Buffers in use when release() was called: freed when put back.
+        self._stale: List[torch.Tensor] = []
 
     def acquire(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         with self._lock:
@@ -130,20 +137,37 @@ class SnapshotPool:
             return buf
 
     def put_back(self, buf: torch.Tensor) -> None:
+        """Return a buffer that nothing reads or writes any more (every copy
+        into it has completed)."""
         with self._lock:
+            if any(b is buf for b in self._stale):
+                _remove(self._stale, buf)
+                return
             _remove(self._used, buf)
             self._free.append(buf)
 
+    def discard(self, buf: torch.Tensor) -> None:
+        """Forget a buffer that may still be the target of copies (it is
+        freed once the last reference to it goes, never reused)."""
+        with self._lock:
+            for bufs in (self._stale, self._used):
+                if any(b is buf for b in bufs):
+                    _remove(bufs, buf)
+                    return
+
     def release(self) -> None:
-        """Free every buffer not in use by a save in flight."""
+        """Free every idle buffer now; those in use by saves in flight are
+        freed when their save ends instead of being kept."""
         with self._lock:
             self._free.clear()
+            self._stale += self._used
+            self._used = []
 
     @property
     def nbytes(self) -> int:
         """Host memory the pool holds (in use and free)."""
         with self._lock:
-            return sum(b.numel() for b in self._free + self._used)
+            return sum(b.numel() for b in self._free + self._used + self._stale)
 
 
 def _as_bytes(storage: Any) -> torch.Tensor:
@@ -161,7 +185,13 @@ class _CopyStreams:
         self.ready = ready
         self.streams: dict = {}
 
-    def copy(self, dst: torch.Tensor, storage: Any) -> None:
+    def copy(self, dst: torch.Tensor, storage: Any, guard: MemoryGuard, crc_id: int) -> None:
+        if storage.device.type == "cpu":
+            # Checked and copied with the GIL held: no Python thread can
+            # resize the storage in between.
+            ptr, n = guard.planned(crc_id)
+            _core.copy_memory(dst.data_ptr(), ptr, min(n, dst.numel()), guard, crc_id)
+            return
         if storage.device.type != "cuda":
             dst.copy_(_as_bytes(storage))
             return
@@ -330,6 +360,7 @@ class AsyncSaver:
             wait_for_earlier(path, fut)
             stats = write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot, ready=ready)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
+            obj = None  # this frame stays in the traceback
             fut._fail(e)
             return
         fut._succeed(stats)
@@ -353,6 +384,7 @@ class AsyncSaver:
             with side_streams(ready):
                 stats = write_distributed(obj, path, opts, group, sharded, "torch")
         except BaseException as e:  # noqa: BLE001
+            obj = None  # this frame stays in the traceback
             fut._fail(e)
             return
         fut._succeed(stats)
@@ -363,6 +395,7 @@ class AsyncSaver:
         if not fut.set_running_or_notify_cancel():
             return
         buf = None
+        streams: Optional[_CopyStreams] = None
         try:
             t0 = time.perf_counter()
             # Device storages stay where they are in the plan (plan.device):
@@ -378,13 +411,17 @@ class AsyncSaver:
             off = 0
             moved: List[int] = []
             streams = _CopyStreams(ready)
-            for storage in plan.keepalive:
+            for cid, storage in enumerate(plan.keepalive):
+                plan.guard.check([cid])
                 n = storage.nbytes()
                 if n:
-                    streams.copy(buf[off : off + n], storage)
+                    streams.copy(buf[off : off + n], storage, plan.guard, cid)
                 moved.append(base + off)
                 off += n
             streams.synchronize()
+            # The copies are ours from here on; the caller's storages may change.
+            plan.guard.check()
+            plan.guard = MemoryGuard()
             plan.regions = sorted(
                 [Region(fo, moved[cid], ln, cid) for fo, _, ln, cid in plan.regions]
                 + [Region(fo, moved[cid], ln, cid) for fo, _, ln, cid in plan.device]
@@ -395,7 +432,8 @@ class AsyncSaver:
             del obj
         except BaseException as e:  # noqa: BLE001
             if buf is not None:
-                self.pool.put_back(buf)
+                self._recover(buf, streams)
+            obj = plan = buf = streams = None  # noqa: F841 - this frame stays in the traceback
             fut._fail(e)
             return
 
@@ -416,6 +454,18 @@ class AsyncSaver:
         # (which may wait for this one to commit) queues behind it.
         self._write.submit(write)
         fut._mark_snapshot()
+
+    def _recover(self, buf: torch.Tensor, streams: Optional[_CopyStreams]) -> None:
+        """A failed snapshot's buffer goes back to the pool only once the
+        copies started into it have completed; if that cannot be confirmed,
+        it is never reused."""
+        try:
+            if streams is not None:
+                streams.synchronize()
+        except BaseException:  # noqa: BLE001 - the snapshot's own error is raised
+            self.pool.discard(buf)
+        else:
+            self.pool.put_back(buf)
 
     def pending(self) -> List[CheckpointFuture]:
         with self._lock:

@@ -43,7 +43,7 @@ import torch
 from . import _core
 from .options import EngineOptions, env_flag, env_int, read_with, use_engine
 from .pickling import LocationScan, MapLocation, find_storages
-from .plan import Batch, DeviceRegion
+from .plan import Batch, DeviceRegion, MemoryGuard
 
 __all__ = [
     "Staging",
@@ -89,6 +89,8 @@ class Staging:
         self.tensor = torch.frombuffer(raw, dtype=torch.uint8)
         self._registered = False
         self._next = 0
+        #: release_staging() generation it was handed out in.
+        self.generation = -1
         if register_cuda:
             rc = torch.cuda.cudart().cudaHostRegister(self._buf.ptr, n, 0)
             if int(rc) != 0:
@@ -129,24 +131,31 @@ class Staging:
 # One idle staging buffer per (chunk, registered), kept for the next call.
 _idle: Dict[Tuple[int, bool], List[Staging]] = {}
 _idle_lock = threading.RLock()  # re-entrant: signal handlers
+# Bumped by release_staging(): buffers handed out before it are freed when
+# their call ends instead of going back to the idle pool.
+_generation = 0
 
 
 def acquire_staging(chunk: int, register_cuda: bool) -> Staging:
     """A staging buffer for one call: a kept one when idle, else a new one."""
     with _idle_lock:
+        gen = _generation
         free = _idle.get((chunk, register_cuda))
-        if free:
-            return free.pop()
-    return Staging(chunk, register_cuda)
+        st = free.pop() if free else None
+    if st is None:
+        st = Staging(chunk, register_cuda)
+    st.generation = gen
+    return st
 
 
 def return_staging(st: Staging) -> None:
     """Keep ``st`` for the next call (one idle buffer per kind; extra ones,
-    left by concurrent calls, are freed)."""
+    left by concurrent calls, and those handed out before the last
+    :func:`release_staging`, are freed)."""
     key = (st.chunk, st._registered)
     with _idle_lock:
         free = _idle.setdefault(key, [])
-        if not free:
+        if not free and st.generation == _generation:
             free.append(st)
             return
     st.close()
@@ -155,8 +164,10 @@ def return_staging(st: Staging) -> None:
 def release_staging() -> int:
     """Free the idle staging buffers (unregistering them from CUDA); returns
     the bytes freed. Buffers in use by a call in flight are freed when it
-    ends."""
+    ends (not kept for reuse)."""
+    global _generation
     with _idle_lock:
+        _generation += 1
         bufs = [b for free in _idle.values() for b in free]
         _idle.clear()
     n = sum(b.nbytes for b in bufs)
@@ -482,24 +493,33 @@ def send(
     ctx: Optional[DeviceContext],
     file_len: Optional[int] = None,
     on_gathered: Optional[Callable[[], None]] = None,
+    guard: Optional[MemoryGuard] = None,
 ) -> Any:
     """Hand a batch to the session in file order, streaming its device
-    storages through the staging slots; with ``file_len``, finish the file."""
+    storages through the staging slots; with ``file_len``, finish the file.
+
+    With ``guard``, the engine reads caller memory only while holding the
+    GIL, right after the guard said its storage is as planned (no Python
+    thread can resize it in between); device storages are checked before
+    they are staged."""
+    g = guard if guard else None
     rest = batch
     for region in sorted(batch.device, key=lambda r: r.offset):
         assert ctx is not None and ctx.staging is not None
         before, rest = rest.split_at(region.offset)
         if before.blobs or before.regions or before.slots:
-            session.write(before.blobs, before.regions, before.slots)
+            session.write(before.blobs, before.regions, before.slots, g)
+        if g is not None:
+            g.check([region.crc_id])
         stream_device_region(
             lambda regs: session.write([], regs, []), region, ctx.staging, ctx.copier(region.storage.device)
         )
         _, rest = rest.split_at(region.offset + region.length)
         rest.device = []
     if file_len is None:
-        session.write(rest.blobs, rest.regions, rest.slots)
+        session.write(rest.blobs, rest.regions, rest.slots, g)
         return None
-    return session.finish(rest.blobs, rest.regions, rest.slots, file_len, on_gathered)
+    return session.finish(rest.blobs, rest.regions, rest.slots, file_len, on_gathered, g)
 
 
 def stage_chunk() -> int:

@@ -48,7 +48,7 @@ from .collectives import DistributedCheckpointError, checkpoint_group, describe_
 from .cuda_staging import staging_setup
 from .errors import CorruptCheckpointError
 from .options import EngineOptions, WriteStats, use_engine, write_stats
-from .plan import Plan, Region
+from .plan import MemoryGuard, Plan, Region, split_regions
 from .torch_zip import plan_torch_save
 
 __all__ = [
@@ -96,18 +96,28 @@ def _my_regions(plan: Plan, lo: int, hi: int) -> List[Region]:
     return regions
 
 
-def _combined_crcs(regions: List[Region], lo: int, hi: int, g: Any) -> Dict[int, int]:
+def _combined_crcs(regions: List[Region], lo: int, hi: int, g: Any, guard: MemoryGuard) -> Dict[int, int]:
     """Final CRC32 of every checksum id: each rank checksums the bytes of
-    its own range, and the partial CRCs are combined in file order."""
-    mine: List[Tuple[int, int, int]] = []  # (crc id, start, len)
-    ranges = []
+    its own range (caller memory in windows checked by ``guard``), and the
+    partial CRCs are combined in file order."""
+    pieces = []
     for fo, ptr, ln, cid in regions:
         a, b = max(fo, lo), min(fo + ln, hi)
         if a < b:
-            ranges.append((ptr + (a - fo), b - a))
-            mine.append((cid, a, b - a))
-    crcs = _core.crc32_ranges(ranges)
-    parts = [p for ps in gather([(c, a, n, v) for (c, a, n), v in zip(mine, crcs)], g) for p in ps]
+            pieces.append(Region(a, ptr + (a - fo), b - a, cid))
+    mine: List[Tuple[int, int, int, int]] = []  # (crc id, start, len, crc)
+    err: Optional[str] = None
+    try:
+        for run in split_regions(sorted(pieces)):
+            # With a guard: each range read under the GIL right after its
+            # storage is checked (no resize in between).
+            crcs = _core.crc32_ranges([(r.address, r.length, r.crc_id) for r in run], guard if guard else None)
+            mine += [(r.crc_id, r.offset, r.length, v) for r, v in zip(run, crcs)]
+    except BaseException as e:  # noqa: BLE001 - every rank must reach the collective
+        err = describe_error(e)
+    everyone = gather((err, mine), g)
+    fail_all([e for e, _ in everyone], "checksumming the checkpoint")
+    parts = [p for _, ps in everyone for p in ps]
     final: Dict[int, Tuple[int, int]] = {}
     for cid, _a, n, v in sorted(parts, key=lambda p: (p[0], p[1])):
         prev = final.get(cid)
@@ -159,13 +169,15 @@ def write_replicated(obj: Any, path: str, group: Any, opts: EngineOptions) -> Wr
         block = _core.dio_alignment(tmp_path)[2]
         lo, hi = _core.split_ranges(plan.file_len, block, world)[rank]
         regions = _my_regions(plan, lo, hi)
-        crcs = _combined_crcs(regions, lo, hi, g)
+        crcs = _combined_crcs(regions, lo, hi, g, plan.guard)
         blobs = list(plan.blobs) + [(off, struct.pack("<I", crcs.get(cid, 0))) for off, cid in plan.slots]
         raw = None
         err = None
         try:
             with use_engine(opts) as eng:
-                raw = eng.write_part(tmp_path, blobs, regions, plan.file_len, rank, world)
+                raw = eng.write_part(
+                    tmp_path, blobs, regions, plan.file_len, rank, world, plan.guard if plan.guard else None
+                )
         except BaseException as e:  # noqa: BLE001
             err = describe_error(e)
         statuses = gather(err, g)

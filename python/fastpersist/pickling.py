@@ -109,6 +109,21 @@ _PLAIN = frozenset(
 )
 
 
+def _check_extent(t: torch.Tensor) -> None:
+    """A tensor must lie inside its storage: one whose storage was resized
+    (or freed) under it would be saved as a file that no loader reads."""
+    if t.numel() == 0:
+        return
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    need = (last + 1) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    if need > have:
+        raise SerializationError(
+            f"a {tuple(t.shape)} {t.dtype} tensor needs {need} bytes of its storage, which holds {have}: "
+            "the storage was resized or freed under it"
+        )
+
+
 class _Pickler(pickle.Pickler):
     """torch.save's pickler (same persistent ids, same bytes), with a fast
     reducer for plain dense tensors: torch's generic ``__reduce_ex__`` costs
@@ -131,6 +146,7 @@ class _Pickler(pickle.Pickler):
             and not o.is_quantized
             and not o.__dict__
         ):
+            _check_extent(o)
             # Exactly what Tensor._reduce_ex_internal returns for this case.
             args: tuple = (
                 _StorageRef(o.untyped_storage(), o.dtype),

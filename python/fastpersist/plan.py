@@ -1,6 +1,6 @@
 """What the engine writes: a file described as pieces at file offsets.
 
-A leaf module (no fastpersist imports). Formats (:mod:`fastpersist.torch_zip`,
+A leaf module (it imports only :mod:`fastpersist.errors`). Formats (:mod:`fastpersist.torch_zip`,
 :mod:`fastpersist.safetensors_format`) produce :class:`Batch` and
 :class:`Plan` objects; writers hand their lists to the engine as they are
 (the named tuples below are plain tuples to the extension).
@@ -9,13 +9,31 @@ A leaf module (no fastpersist imports). Formats (:mod:`fastpersist.torch_zip`,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, NamedTuple, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
-__all__ = ["DATA_ALIGNMENT", "Blob", "Region", "Slot", "DeviceRegion", "Batch", "Plan"]
+from .errors import StorageChangedError
+
+__all__ = [
+    "DATA_ALIGNMENT",
+    "GUARD_WINDOW",
+    "Blob",
+    "Region",
+    "Slot",
+    "DeviceRegion",
+    "Batch",
+    "Plan",
+    "MemoryGuard",
+    "split_regions",
+]
 
 #: Alignment of tensor data in every format fastpersist writes (the page
 #: size and O_DIRECT block): the bulk of a file goes out from aligned buffers.
 DATA_ALIGNMENT = 4096
+
+
+#: Most bytes of caller memory gathered between two checks of the storages
+#: they come from (:meth:`MemoryGuard.windows`).
+GUARD_WINDOW = 64 << 20
 
 
 class Blob(NamedTuple):
@@ -49,6 +67,76 @@ class DeviceRegion(NamedTuple):
     storage: Any
     length: int
     crc_id: int
+
+
+class MemoryGuard:
+    """The storages that a plan's regions point into, as they were when the
+    plan was made (checksum id -> storage, its data pointer and size).
+
+    The plan holds the storage objects, so they cannot be freed; what holding
+    them cannot stop is ``storage.resize_()`` (or a tensor grown in place)
+    replacing their memory. So caller memory is read only under the GIL
+    (which any resize needs), right after the storage it lies in was found
+    unchanged: the engine does that for each extent it gathers (the
+    extension's GIL guard reads ``_owners`` without running Python code, so
+    the GIL cannot move in between), as do ``_core.copy_memory`` and
+    ``_core.crc32_ranges``. A changed storage raises
+    :class:`StorageChangedError`; the save is abandoned.
+    """
+
+    def __init__(self) -> None:
+        self._owners: Dict[int, Tuple[Any, int, int, str]] = {}
+
+    def watch(self, crc_id: int, storage: Any, name: str) -> None:
+        """Remember ``storage`` (anything with ``data_ptr()`` and
+        ``nbytes()``) as the memory behind checksum ``crc_id``."""
+        self._owners[crc_id] = (storage, storage.data_ptr(), storage.nbytes(), name)
+
+    def __bool__(self) -> bool:
+        return bool(self._owners)
+
+    def check(self, crc_ids: Optional[Iterable[int]] = None) -> None:
+        """Raise :class:`StorageChangedError` when a watched storage (those of
+        ``crc_ids``, or all of them when none are given) no longer has the
+        data pointer and size it had when planned."""
+        ids = self._owners.keys() if crc_ids is None else set(crc_ids)
+        for cid in ids:
+            owner = self._owners.get(cid)
+            if owner is None:
+                continue
+            storage, ptr, nbytes, name = owner
+            now_ptr, now_n = storage.data_ptr(), storage.nbytes()
+            if now_ptr != ptr or now_n != nbytes:
+                raise StorageChangedError(
+                    f"the storage of {name} changed while it was being saved ({nbytes} bytes at {ptr:#x}, "
+                    f"now {now_n} bytes at {now_ptr:#x}): it was resized or freed; tensors must stay as they "
+                    "are until the save has gathered them (the file was not written)"
+                )
+
+    def planned(self, crc_id: int) -> Tuple[int, int]:
+        """The data pointer and size that checksum ``crc_id``'s storage had
+        when planned."""
+        _, ptr, nbytes, _ = self._owners[crc_id]
+        return ptr, nbytes
+
+
+def split_regions(regions: Iterable[Region], window: int = GUARD_WINDOW) -> Iterator[List[Region]]:
+    """``regions`` (in file order) cut into runs of at most ``window`` bytes;
+    a region larger than that is split (its checksum runs on over the pieces,
+    which stay in order)."""
+    run: List[Region] = []
+    size = 0
+    for r in regions:
+        off, addr, length = r.offset, r.address, r.length
+        while length:
+            take = min(length, window - size)
+            run.append(Region(off, addr, take, r.crc_id))
+            off, addr, length, size = off + take, addr + take, length - take, size + take
+            if size == window:
+                yield run
+                run, size = [], 0
+    if run:
+        yield run
 
 
 @dataclass
@@ -92,6 +180,8 @@ class Plan(Batch):
     file_len: int = 0
     #: Storages the regions point into: kept alive until the write is over.
     keepalive: List[Any] = field(default_factory=list)
+    #: The same storages, checked before their memory is read.
+    guard: MemoryGuard = field(default_factory=MemoryGuard)
     #: Record names in file order, with (data offset, length).
     records: List[Tuple[str, int, int]] = field(default_factory=list)
     #: Storage keys in checksum-id order.

@@ -22,7 +22,7 @@ import torch
 
 from .cuda_staging import DeviceRead, device_for, read_staged, read_targets, staging_setup
 from .distributed import is_sharded_dir, read_sharded
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, drop_frames
 from .options import EngineOptions, PathLike, ReadReq, check_path, read_records
 from .pickling import MapLocation, restore_location, unpickle
 from .safetensors_format import is_safetensors, parse_header
@@ -122,6 +122,11 @@ def read_state_dict(
             obj, nbytes, nrec = _read_safetensors(fd, size, p, map_location, opts)
         else:
             obj, nbytes, nrec = _read_torch(fd, size, p, map_location, weights_only, verify, opts)
+    except BaseException as e:
+        # The storages allocated for the read (GPU memory) go now, not
+        # when the caller drops the exception.
+        drop_frames(e)
+        raise
     finally:
         os.close(fd)
     if stats is not None:

@@ -101,6 +101,7 @@ def plan_safetensors(tensors: Mapping[str, Any], metadata: Optional[Mapping[str,
     plan.blobs.append(Blob(0, struct.pack("<Q", len(body)) + body))
     for crc_id, (t_off, t, n) in enumerate(sources):
         plan.keepalive.append(t)
+        plan.guard.watch(crc_id, t.untyped_storage(), f"tensor {items[crc_id][0]!r}")
         plan.storage_keys.append(items[crc_id][0])
         if n:
             plan.regions.append(Region(data_start + t_off, t.data_ptr(), n, crc_id))

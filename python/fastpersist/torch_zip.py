@@ -28,7 +28,7 @@ from typing import Any, List, Optional, Tuple
 from . import _core
 from .errors import CorruptCheckpointError
 from .pickling import find_storages, pickle_obj
-from .plan import DATA_ALIGNMENT, Batch, Blob, DeviceRegion, Plan, Region, Slot
+from .plan import DATA_ALIGNMENT, Batch, Blob, DeviceRegion, MemoryGuard, Plan, Region, Slot
 
 __all__ = [
     "TorchZipLayout",
@@ -90,6 +90,8 @@ class TorchZipLayout:
         self.entries: List[Tuple[bytes, int, int, Optional[int], Optional[int]]] = []
         self.records: List[Tuple[str, int, int]] = []
         self.keepalive: List[Any] = []
+        #: What the regions point into, checked before it is read.
+        self.guard = MemoryGuard()
         self.storage_keys: List[str] = []
         self.storage_bytes = 0
         self._batch = Batch()
@@ -137,6 +139,7 @@ class TorchZipLayout:
             storage = storage.cpu()
         crc_id = len(self.storage_keys)
         self.keepalive.append(storage)
+        self.guard.watch(crc_id, storage, f"storage {key} ({storage.device.type})")
         self.storage_keys.append(key)
         n = storage.nbytes()
         self.storage_bytes += n
@@ -262,6 +265,7 @@ def plan_torch_save(obj: Any, stage: Optional[Any] = None) -> Plan:
     plan.extend(z.tail())
     plan.file_len = z.file_len
     plan.keepalive = z.keepalive
+    plan.guard = z.guard
     plan.records = z.records
     plan.storage_keys = z.storage_keys
     plan.storage_bytes = z.storage_bytes

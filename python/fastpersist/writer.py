@@ -18,7 +18,7 @@ import time
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import distributed
+from . import _core, distributed
 from .cuda_staging import DeviceContext, ReadyEvents, send, stage_chunk, staging_setup
 from .options import (
     EngineOptions,
@@ -31,7 +31,7 @@ from .options import (
     warn_fallback,
     write_stats,
 )
-from .plan import Plan
+from .plan import MemoryGuard, Plan, split_regions
 from .safetensors_format import plan_safetensors
 from .torch_zip import TorchZipLayout, plan_torch_save
 
@@ -48,7 +48,7 @@ __all__ = [
 FORMATS = ("torch", "safetensors")
 
 
-def _head_writer(session: Any, head: Any, ctx: Optional[DeviceContext]) -> Callable[[], None]:
+def _head_writer(session: Any, head: Any, ctx: Optional[DeviceContext], guard: MemoryGuard) -> Callable[[], None]:
     """Start writing ``head`` on a helper thread (the engine releases the
     GIL); the returned function joins it and raises its error."""
     if not (head.regions or head.blobs or head.device):
@@ -57,7 +57,7 @@ def _head_writer(session: Any, head: Any, ctx: Optional[DeviceContext]) -> Calla
 
     def write_head() -> None:
         try:
-            send(session, head, ctx)
+            send(session, head, ctx, guard=guard)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             failure.append(e)
 
@@ -103,7 +103,7 @@ def write_torch_zip(
         with use_engine(opts) as eng:
             session = eng.begin(path, head.end)
             try:
-                join = _head_writer(session, head, ctx)
+                join = _head_writer(session, head, ctx, layout.guard)
                 try:
                     tp = time.perf_counter()
                     tail = layout.tail()
@@ -112,7 +112,7 @@ def write_torch_zip(
                     join()
                 if tail.device and ctx is None:
                     ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)
-                raw = send(session, tail, ctx, layout.file_len, on_gathered)
+                raw = send(session, tail, ctx, layout.file_len, on_gathered, layout.guard)
             except BaseException:
                 session.abort()
                 raise
@@ -135,7 +135,8 @@ def write_plan(
     if is_special_file(path):
         return stream_plan(plan, path, plan_seconds, t0)
     with use_engine(opts) as eng:
-        raw = eng.write_file(path, plan.blobs, plan.regions, plan.slots, plan.file_len)
+        guard = plan.guard if plan.guard else None
+        raw = eng.write_file(path, plan.blobs, plan.regions, plan.slots, plan.file_len, guard)
     warn_fallback(raw["direct_note"], opts.direct)
     warn_fallback(raw["uring_note"], opts.io_uring)
     return write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, time.perf_counter() - t0)
@@ -148,7 +149,8 @@ def stream_plan(plan: Plan, path: str, plan_seconds: float = 0.0, t0: Optional[f
     bytes as they are written (a record's data comes before its slots)."""
     t0 = time.perf_counter() if t0 is None else t0
     pieces: List[Tuple[int, int, Any]] = [(b[0], 0, b[1]) for b in plan.blobs]
-    pieces += [(r.offset, 1, r) for r in plan.regions] + [(sl.offset, 2, sl.crc_id) for sl in plan.slots]
+    pieces += [(r.offset, 1, r) for run in split_regions(sorted(plan.regions)) for r in run]
+    pieces += [(sl.offset, 2, sl.crc_id) for sl in plan.slots]
     pieces.sort(key=lambda x: (x[0], x[1]))
     crcs: Dict[int, int] = {}
     tio = time.perf_counter()
@@ -160,7 +162,11 @@ def stream_plan(plan: Plan, path: str, plan_seconds: float = 0.0, t0: Optional[f
             if kind == 0:
                 data = what
             elif kind == 1:
-                data = memoryview((ctypes.c_char * what.length).from_address(what.address)).cast("B")
+                # Checked and copied with the GIL held: the storage cannot
+                # be resized in between.
+                data = bytearray(what.length)
+                dst = ctypes.addressof(ctypes.c_char.from_buffer(data))
+                _core.copy_memory(dst, what.address, what.length, plan.guard, what.crc_id)
                 crcs[what.crc_id] = zlib.crc32(data, crcs.get(what.crc_id, 0))
             else:
                 data = struct.pack("<I", crcs.get(what, 0))

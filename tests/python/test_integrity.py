@@ -399,3 +399,280 @@ def test_15_2_reads_while_the_file_is_replaced_see_one_save(tmp_path, verify):
         proc.kill()
         proc.wait()
     assert n > 10
+
+
+# 7. A storage resized or freed while a save reads it: raise, never crash.
+
+
+def _run(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (a crash there fails the test
+    instead of killing the test run)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_15_7_storage_freed_before_the_engine_reaches_it_raises_and_keeps_the_old_file(tmp_path):
+    # While the head (storages found up front) is being written by a helper
+    # thread, the pickler runs an object's __reduce__ that frees a storage
+    # the engine has not reached yet: the engine's check (under the GIL)
+    # refuses it, the previous file stays, no temp file is left.
+    p = tmp_path / "ckpt.pt"
+    r = _run(
+        f"""
+        import os, torch, fastpersist
+        p = {str(p)!r}
+        fastpersist.write_state_dict({{"x": torch.ones(4)}}, p)
+        before = open(p, "rb").read()
+        a = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB: freed with munmap
+
+        class Free:
+            def __reduce__(self):
+                a.untyped_storage().resize_(0)
+                return (int, (1,))
+
+        sd = {{"big": torch.ones(512 << 20, dtype=torch.uint8), "a": a, "free": Free()}}
+        try:
+            fastpersist.write_state_dict(sd, p)
+        except fastpersist.StorageChangedError as e:
+            assert "resized or freed" in str(e), e
+            print("RAISED")
+        assert open(p, "rb").read() == before
+        assert os.listdir(os.path.dirname(p)) == ["ckpt.pt"], os.listdir(os.path.dirname(p))
+        """
+    )
+    assert r.returncode == 0 and "RAISED" in r.stdout, (r.returncode, r.stdout, r.stderr[-3000:])
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_15_7_guard_refuses_a_changed_storage_before_reading_it(tmp_path, monkeypatch, fmt):
+    # The check itself, made deterministic: the storage gets new memory
+    # between planning and the engine's read (planning is wrapped to do it).
+    from fastpersist import torch_zip, writer
+
+    p = tmp_path / "ckpt.pt"
+    fastpersist.write_state_dict({"x": torch.ones(4)}, p, format=fmt)
+    before = p.read_bytes()
+    t = torch.ones(1 << 20, dtype=torch.uint8)
+    if fmt == "torch":
+        real_head = torch_zip.TorchZipLayout.head
+
+        def head(self):
+            batch = real_head(self)
+            t.untyped_storage().resize_(16)
+            return batch
+
+        monkeypatch.setattr(torch_zip.TorchZipLayout, "head", head)
+    else:
+        real_plan = writer.plan_safetensors
+
+        def plan(obj, metadata):
+            out = real_plan(obj, metadata)
+            t.untyped_storage().resize_(16)
+            return out
+
+        monkeypatch.setattr(writer, "plan_safetensors", plan)
+    with pytest.raises(fastpersist.StorageChangedError, match="resized or freed"):
+        fastpersist.write_state_dict({"t": t}, p, format=fmt)
+    assert p.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+
+
+def test_15_7_storage_resized_after_its_bytes_were_gathered_keeps_what_was_gathered(tmp_path):
+    # The resize comes after the storage was read (while the pickle is
+    # made): the file holds the bytes as they were gathered, whole.
+    p = tmp_path / "ckpt.pt"
+    t = torch.arange(1 << 20, dtype=torch.int32)
+    keep = t.clone()
+
+    class Late:
+        def __reduce__(self):
+            time.sleep(0.5)  # the head (t's bytes) is written meanwhile
+            t.untyped_storage().resize_(0)
+            return (int, (1,))
+
+    fastpersist.write_state_dict({"t": t, "late": Late()}, p)
+    assert torch.equal(torch.load(p, weights_only=False)["t"], keep)
+
+
+def test_15_7_queued_pipelined_save_of_a_freed_storage_raises(tmp_path):
+    # A pipelined save waits behind another (here one whose write is blocked
+    # on a FIFO with no reader); meanwhile the caller frees a tensor it gave:
+    # the save refuses the tensor that no longer fits its storage.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    p = tmp_path / "b.pt"
+    r = _run(
+        f"""
+        import os, torch, fastpersist
+        first = fastpersist.save_async({{"a": torch.ones(4)}}, {str(fifo)!r}, mode="snapshot")
+        t = torch.ones(64 << 20, dtype=torch.uint8)
+        second = fastpersist.save_async({{"t": t}}, {str(p)!r})
+        t.untyped_storage().resize_(0)
+        with open({str(fifo)!r}, "rb") as f:  # lets the first save go
+            f.read()
+        first.result(timeout=60)
+        try:
+            second.result(timeout=60)
+        except fastpersist.SerializationError as e:
+            assert "resized or freed" in str(e), e
+            print("RAISED")
+        assert not os.path.exists({str(p)!r})
+        """
+    )
+    assert r.returncode == 0 and "RAISED" in r.stdout, (r.returncode, r.stdout, r.stderr[-3000:])
+
+
+def test_15_7_racing_resizes_never_crash(tmp_path):
+    # Resizes at arbitrary moments (right after a pipelined save_async
+    # returns; from another thread during write_state_dict): every save
+    # either raises (StorageChangedError, or SerializationError when the
+    # tensor no longer fits its storage when planned) or writes exactly what
+    # it was given.
+    r = _run(
+        f"""
+        import os, threading, time, torch, fastpersist
+        d = {str(tmp_path)!r}
+        outcomes = []
+        for i in range(12):
+            p = os.path.join(d, f"c{{i}}.pt")
+            t = torch.full((48 << 20,), i % 7, dtype=torch.uint8)
+            keep = t.clone()
+            if i % 2:
+                h = fastpersist.save_async({{"t": t}}, p, mode="pipelined")
+                t.untyped_storage().resize_(0)
+                wait = h.result
+            else:
+                th = threading.Timer(0.002 * i, lambda: t.untyped_storage().resize_(0))
+                th.start()
+                wait = lambda: fastpersist.write_state_dict({{"t": t}}, p)
+            try:
+                wait()
+                outcomes.append("saved")
+                assert torch.equal(torch.load(p)["t"], keep)
+            except (fastpersist.StorageChangedError, fastpersist.SerializationError):
+                outcomes.append("raised")
+                assert not os.path.exists(p)
+        print(outcomes)
+        """
+    )
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-3000:])
+
+
+# 19. Memory left behind: staging released while in flight, snapshot
+# buffers reused before their copies end, failed reads holding storages.
+
+
+def test_15_19_release_staging_during_a_save_frees_its_buffer_afterwards(tmp_path, monkeypatch):
+    from fastpersist.cuda_staging import staging_bytes
+
+    monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")  # CPU storages take the staging path
+    fastpersist.release_staging()
+
+    class ReleaseNow:
+        def __reduce__(self):  # runs while the head is being staged
+            fastpersist.release_staging()
+            return (int, (1,))
+
+    sd = {"a": torch.ones(8 << 20), "r": ReleaseNow()}
+    fastpersist.write_state_dict(sd, tmp_path / "s.pt")
+    assert staging_bytes() == 0
+    assert torch.equal(torch.load(tmp_path / "s.pt", weights_only=False)["a"], sd["a"])
+    fastpersist.write_state_dict({"a": sd["a"]}, tmp_path / "t.pt")
+    assert staging_bytes() > 0  # kept for reuse when no release intervened
+    fastpersist.release_staging()
+
+
+def test_15_19_snapshot_pool_release_during_a_save_frees_the_buffer_afterwards(tmp_path):
+    saver = fastpersist.async_save.AsyncSaver()
+    try:
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        h = saver.save({"a": torch.ones(1 << 20)}, fifo, mode="snapshot")
+        h.wait_snapshot(timeout=60)
+        saver.pool.release()  # the buffer is in use by the write blocked on the FIFO
+        with open(fifo, "rb") as f:
+            f.read()
+        h.result(timeout=60)
+        assert saver.pool.nbytes == 0
+    finally:
+        saver.close()
+
+
+def test_15_19_failed_snapshot_buffer_is_not_reused_when_its_copies_may_run(tmp_path, monkeypatch):
+    from fastpersist import async_save
+
+    def broken(self):
+        raise RuntimeError("the copy stream failed")
+
+    monkeypatch.setattr(async_save._CopyStreams, "synchronize", broken)
+    saver = async_save.AsyncSaver()
+    try:
+        h = saver.save({"a": torch.ones(1 << 20)}, tmp_path / "s.pt", mode="snapshot")
+        with pytest.raises(RuntimeError, match="copy stream failed"):
+            h.result(timeout=60)
+        assert saver.pool.nbytes == 0  # dropped, not back in the pool
+        assert not (tmp_path / "s.pt").exists()
+    finally:
+        saver.close()
+
+
+def _held(exc: BaseException) -> list:
+    """Tensors and storages that fastpersist's frames in ``exc``'s traceback
+    (and in those of its cause and context) still hold."""
+    found, todo, seen = [], [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            if "fastpersist" not in tb.tb_frame.f_code.co_filename.replace("test_", ""):
+                tb = tb.tb_next  # the test's own frames, the standard library's
+                continue
+            for v in tb.tb_frame.f_locals.values():
+                items = list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple)) else [v]
+                for x in items:
+                    for y in x if isinstance(x, (list, tuple)) else [x]:
+                        n = (
+                            y.nbytes
+                            if isinstance(y, torch.Tensor)
+                            else y.nbytes()
+                            if isinstance(y, torch.UntypedStorage)
+                            else 0
+                        )
+                        if n >= 1 << 20:
+                            found.append((tb.tb_frame.f_code.co_name, type(y).__name__))
+            tb = tb.tb_next
+        todo += [e.__cause__, e.__context__]
+    return found
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_15_19_failed_read_does_not_hold_its_storages(tmp_path, monkeypatch, staged):
+    if staged:
+        monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")  # the device path, on the CPU
+    p = tmp_path / "c.pt"
+    fastpersist.write_state_dict({"a": torch.ones(4 << 20), "b": torch.ones(4 << 20)}, p)
+    with open(p, "r+b") as f:  # flip a byte of the last tensor's data
+        data = f.read()
+        f.seek(data.rindex(b"\x00\x00\x80\x3f") - 4096)
+        f.write(b"\x01")
+    with pytest.raises(fastpersist.CorruptCheckpointError) as info:
+        fastpersist.read_state_dict(p, map_location="cpu")
+    assert _held(info.value) == []
+    fastpersist.release_staging()
+
+
+def test_15_19_failed_save_future_does_not_hold_the_tensors(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle this")
+
+    sd = {"a": torch.ones(4 << 20), "boom": Boom()}
+    for mode in ("pipelined", "snapshot"):
+        h = fastpersist.save_async(sd, tmp_path / f"{mode}.pt", mode=mode)
+        with pytest.raises(Exception, match="cannot pickle"):
+            h.result(timeout=60)
+        assert _held(h.exception()) == [], mode

@@ -14,7 +14,7 @@ PKG = os.path.dirname(fastpersist.__file__)
 LAYERS = {
     "_core": 0,
     "errors": 1,
-    "plan": 1,
+    "plan": 2,
     "options": 2,
     "pickling": 2,
     "collectives": 2,

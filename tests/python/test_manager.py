@@ -231,12 +231,18 @@ def test_retention_and_tiers_property(tmp_path_factory, scenario):
     step = 0
     good = set()
     corrupted = set()  # damaged local copies: they do not count toward keep_last
+    expect_local: set = set()  # the model: retention runs when a save commits
     for op in ops:
         if op == "save":
             step += 1
             ck.save(step, state(step))
             ck.wait()
             good.add(step)
+            expect_local.add(step)
+            valid = sorted(expect_local - corrupted)
+            if len(valid) >= keep_last:
+                cutoff = valid[-keep_last]
+                expect_local = {s for s in expect_local if s >= cutoff or (keep_every and s % keep_every == 0)}
         elif op == "crash":  # a save that died half-way: only its temporary file is left
             torn = local / f".{ckpt_name(step + 1)}.999999999.7.fptmp"
             torn.write_bytes(b"torn")
@@ -256,9 +262,6 @@ def test_retention_and_tiers_property(tmp_path_factory, scenario):
     if good:
         newest = max(good)
         assert newest in loc and newest in steps_in(shared)  # never deleted, and staged
-        valid = sorted(good - corrupted)
-        cutoff = valid[-keep_last] if len(valid) >= keep_last else 0
-        expect_local = {s for s in good if s >= cutoff} | {s for s in good if keep_every and s % keep_every == 0}
         assert set(loc) == expect_local
         got = ck.load_latest()
         assert got is not None and got[1]["i"] == got[0]

@@ -1,0 +1,120 @@
+//! Exclusive access to caller memory while it is gathered.
+//!
+//! The engine copies caller memory (`Source::Mem`) into its arena. Memory
+//! that the caller's own runtime can free at any moment (a tensor storage
+//! that another thread resizes) must not change between a check that it is
+//! still there and the copy. A [`GatherGuard`] installed for the calling
+//! thread with [`with_guard`] is locked before each extent is gathered (for
+//! Python: the GIL, which any resize needs), asked to check every checksum
+//! id whose memory the extent reads, and unlocked before the engine blocks
+//! (waiting for the device), so the caller's other threads run while the
+//! disk works. Without a guard, gathering costs nothing extra.
+
+use std::cell::RefCell;
+
+use crate::error::Result;
+
+/// What the engine calls around gathers of caller memory; see the module doc.
+pub trait GatherGuard {
+    /// Take exclusive access (idempotent while held).
+    fn lock(&mut self) -> Result<()>;
+    /// With access held: is the memory of checksum `crc_id` still what the
+    /// caller planned? An error abandons the write.
+    fn check(&mut self, crc_id: u32) -> Result<()>;
+    /// Give access back (idempotent).
+    fn unlock(&mut self);
+}
+
+thread_local! {
+    static GUARD: RefCell<Option<Box<dyn GatherGuard>>> = const { RefCell::new(None) };
+}
+
+/// Run `f` with `guard` installed for this thread (the engine gathers on
+/// the calling thread); the guard is unlocked and removed afterwards, also
+/// when `f` panics.
+pub fn with_guard<R>(guard: Box<dyn GatherGuard>, f: impl FnOnce() -> R) -> R {
+    struct Remove;
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            if let Some(mut g) = GUARD.with(|c| c.borrow_mut().take()) {
+                g.unlock();
+            }
+        }
+    }
+    GUARD.with(|c| *c.borrow_mut() = Some(guard));
+    let _remove = Remove;
+    f()
+}
+
+/// Before gathering memory of the checksum ids that `ids()` lists (called
+/// only when a guard is installed): lock and check them.
+pub(crate) fn before_gather<I: Iterator<Item = u32>>(ids: impl FnOnce() -> I) -> Result<()> {
+    GUARD.with(|c| {
+        let mut slot = c.borrow_mut();
+        let Some(g) = slot.as_mut() else {
+            return Ok(());
+        };
+        g.lock()?;
+        for id in ids() {
+            if let Err(e) = g.check(id) {
+                // The engine now drains what is in flight: not while locked.
+                g.unlock();
+                return Err(e);
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Before the engine may block: give access back.
+pub(crate) fn before_block() {
+    GUARD.with(|c| {
+        if let Some(g) = c.borrow_mut().as_mut() {
+            g.unlock();
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Default)]
+    struct Log(Arc<Mutex<Vec<String>>>);
+
+    impl GatherGuard for Log {
+        fn lock(&mut self) -> Result<()> {
+            self.0.lock().unwrap().push("lock".into());
+            Ok(())
+        }
+        fn check(&mut self, crc_id: u32) -> Result<()> {
+            self.0.lock().unwrap().push(format!("check {crc_id}"));
+            if crc_id == 99 {
+                return Err(crate::Error::cancelled("changed"));
+            }
+            Ok(())
+        }
+        fn unlock(&mut self) {
+            self.0.lock().unwrap().push("unlock".into());
+        }
+    }
+
+    #[test]
+    fn installed_for_the_call_only() {
+        let log = Arc::new(Mutex::new(vec![]));
+        with_guard(Box::new(Log(log.clone())), || {
+            before_gather(|| [1, 2].into_iter()).unwrap();
+            before_block();
+            assert!(before_gather(|| [99].into_iter()).is_err());
+        });
+        // Removed (and unlocked) afterwards: no effect, no error.
+        before_gather(|| [99].into_iter()).unwrap();
+        before_block();
+        let got = log.lock().unwrap().clone();
+        assert_eq!(
+            got,
+            ["lock", "check 1", "check 2", "unlock", "lock", "check 99", "unlock", "unlock"]
+        );
+    }
+}
