@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from .common import BackgroundSaves, check_version, fsync_dir, routed, safe_save_file_via, sync_tree, torch_module_via
 
@@ -85,8 +85,8 @@ def latest_complete_checkpoint(output_dir: str) -> Optional[str]:
 class FastPersistTrainerMixin:
     """Put first in the bases: ``class MyTrainer(FastPersistTrainerMixin, Trainer)``."""
 
-    fastpersist_mode: str = "snapshot"
-    fastpersist_options: Dict[str, Any] = {}
+    fastpersist_mode: ClassVar[str] = "snapshot"
+    fastpersist_options: ClassVar[Dict[str, Any]] = {}
 
     def __init__(
         self,
@@ -125,8 +125,9 @@ class FastPersistTrainerMixin:
         state.save_to_json = save_to_json_later
         args.save_total_limit = None  # rotation runs after the commit
         try:
-            with routed(modeling_utils, safe_save_file=safe_save_file_via(saves)), routed(
-                trainer_mod, torch=torch_module_via(saves)
+            with (
+                routed(modeling_utils, safe_save_file=safe_save_file_via(saves)),
+                routed(trainer_mod, torch=torch_module_via(saves)),
             ):
                 super()._save_checkpoint(model, trial)  # type: ignore[misc]
         except BaseException:
