@@ -153,10 +153,20 @@ class BackgroundSaves:
                 self._saver = AsyncSaver(max_pending=self.max_pending)
             return self._saver
 
-    def save(self, obj: Any, path: Any, *, format: str = "torch", metadata: Optional[Dict[str, str]] = None) -> None:
-        """Save ``obj`` to ``path``; returns once its tensors may change.
-        An error found before that point is raised here; later ones at the
-        commit. The save belongs to the checkpoint :meth:`commit` closes."""
+    def save(
+        self,
+        obj: Any,
+        path: Any,
+        *,
+        format: str = "torch",
+        metadata: Optional[Dict[str, str]] = None,
+        fence: bool = True,
+    ) -> None:
+        """Save ``obj`` to ``path``; returns once its tensors may change
+        (with ``fence=False`` at once: the caller must not change them before
+        the checkpoint's :meth:`PendingCheckpoint.result`). An error found
+        before that point is raised here; later ones at the commit. The save
+        belongs to the checkpoint :meth:`commit` closes."""
         opts = dict(self.options)
         if format != "torch":
             opts["format"] = format
@@ -166,9 +176,16 @@ class BackgroundSaves:
             write_state_dict(obj, path, **opts)
             return
         fut = self._get_saver().save(obj, path, mode=self.mode, **opts)
-        fut.wait_snapshot()  # raises a failure of the snapshot phase (nothing is written then)
         with self._lock:
             self._current.append(fut)
+        if fence:
+            try:
+                fut.wait_snapshot()  # raises a failure of the snapshot phase (nothing is written then)
+            except BaseException:
+                with self._lock:
+                    if fut in self._current:
+                        self._current.remove(fut)  # reported here, not again at the commit
+                raise
 
     def commit(self, name: str, finalize: Optional[Callable[[], None]] = None) -> PendingCheckpoint:
         """Close the checkpoint made of the saves since the last commit;
