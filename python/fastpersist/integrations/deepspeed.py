@@ -63,7 +63,8 @@ def _base() -> type:
     except ImportError:
         check_version("deepspeed", deepspeed.__version__, TESTED, ["checkpoint_engine.CheckpointCommitInfo"])
         raise
-    missing = [f"CheckpointEngine.{n}" for n in ("commit", "is_decoupled", "get_commit_info") if not hasattr(CheckpointEngine, n)]
+    needed = ("commit", "is_decoupled", "get_commit_info")
+    missing = [f"CheckpointEngine.{n}" for n in needed if not hasattr(CheckpointEngine, n)]
     check_version("deepspeed", deepspeed.__version__, TESTED, missing)
     del CheckpointCommitInfo
     return CheckpointEngine
