@@ -50,7 +50,7 @@ from .common import BackgroundSaves, check_version
 __all__ = ["FastPersistCheckpointEngine", "use_fastpersist", "initialize", "CONFIG_KEY"]
 
 #: DeepSpeed versions this adapter is tested with (the extra pins them).
-TESTED = ">=0.17,<0.20"
+TESTED = ">=0.19,<0.20"
 #: The section of the DeepSpeed config that selects and configures this engine.
 CONFIG_KEY = "fastpersist"
 

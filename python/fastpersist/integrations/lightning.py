@@ -50,7 +50,7 @@ from .common import BackgroundSaves, IntegrationError
 __all__ = ["FastPersistCheckpointIO"]
 
 #: The Lightning versions this adapter is tested with (the extra pins them).
-TESTED = ">=2.0,<3"
+TESTED = ">=2.5,<3"
 
 
 def _bases() -> Tuple[type, ...]:
