@@ -94,3 +94,7 @@ examples: install
 	$(PY) examples/save_and_load.py
 	$(PY) examples/async_training_loop.py
 	$(PY) examples/distributed_save.py
+	$(PY) examples/lightning_checkpoint.py
+	$(PY) examples/transformers_trainer.py
+	$(PY) examples/accelerate_state.py
+	PATH="$(VENV)/bin:$$PATH" DS_ACCELERATOR=cpu $(PY) examples/deepspeed_engine.py
