@@ -12,11 +12,16 @@ BENCH_ARGS ?=
 
 all: test
 
-# One virtualenv, reused across runs (torch is several GB).
+# One virtualenv, reused across runs (torch is several GB). It also holds the
+# frameworks the adapters in fastpersist.integrations are tested against (the
+# extras' ranges in pyproject.toml); DeepSpeed is built against the torch
+# installed first, with its ops JIT-built on first use (ninja).
 $(VENV)/.deps-ok: pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch>=2.1" numpy safetensors "hypothesis>=6" "pytest>=7" "maturin>=1.5,<2" "ruff>=0.6" "mypy>=1.10"
+	$(PY) -m pip install -q "lightning>=2.5,<3" "pytorch_lightning>=2.5,<3" "transformers>=5.0,<6" "accelerate>=1.0,<2" ninja
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "deepspeed>=0.19,<0.20"
 	touch $@
 
 venv: $(VENV)/.deps-ok
@@ -89,3 +94,7 @@ examples: install
 	$(PY) examples/save_and_load.py
 	$(PY) examples/async_training_loop.py
 	$(PY) examples/distributed_save.py
+	$(PY) examples/lightning_checkpoint.py
+	$(PY) examples/transformers_trainer.py
+	$(PY) examples/accelerate_state.py
+	PATH="$(VENV)/bin:$$PATH" DS_ACCELERATOR=cpu $(PY) examples/deepspeed_engine.py

@@ -14,7 +14,9 @@ for all I/O).
   ``optimizer.step()``, and the write overlaps the next forward and backward.
 
 In both modes ``obj`` (its tensors and its containers) must not be changed
-until ``wait_snapshot()`` returns. Saves run in call order. The next
+until ``wait_snapshot()`` returns. ``format="safetensors"`` (with optional
+string ``metadata``) writes a flat ``{name: tensor}`` dict as a safetensors
+file, as :func:`~fastpersist.write_state_dict` does. Saves run in call order. The next
 ``save_async`` waits for the previous save's snapshot phase, and at most
 ``max_pending`` saves (default 2) are between their call and their commit,
 so staging memory is bounded by ``max_pending`` snapshots (snapshot mode) or
@@ -41,9 +43,10 @@ from .collectives import checkpoint_group
 from .cuda_staging import ReadyEvents, active_devices, record_ready, side_streams
 from .errors import drop_frames
 from .options import EngineOptions, PathLike, WriteStats, env_int, note_pending, resolve_target, wait_for_earlier
-from .plan import MemoryGuard, Region
+from .plan import MemoryGuard, Plan, Region
+from .safetensors_format import plan_safetensors
 from .torch_zip import plan_torch_save
-from .writer import write_distributed, write_plan, write_torch_zip
+from .writer import FORMATS, write_distributed, write_plan, write_safetensors, write_torch_zip
 
 __all__ = ["save_async", "CheckpointFuture", "SnapshotPool", "AsyncSaver", "wait_all", "MODES"]
 
@@ -174,6 +177,17 @@ def _as_bytes(storage: Any) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def _kept_bytes(kept: Any) -> Any:
+    """What a plan keeps alive, as the storage its region starts at (torch
+    zip plans keep storages), or a tensor's own bytes (safetensors plans
+    keep contiguous tensors, which may start inside their storage)."""
+    if not isinstance(kept, torch.Tensor):
+        return kept
+    n = kept.numel() * kept.element_size()
+    off = kept.storage_offset() * kept.element_size()
+    return _as_bytes(kept.untyped_storage())[off : off + n]
+
+
 class _CopyStreams:
     """Snapshot copies: host storages with a plain copy; device storages
     with non-blocking copies on a stream of their own per device, ordered
@@ -186,14 +200,15 @@ class _CopyStreams:
         self.streams: dict = {}
 
     def copy(self, dst: torch.Tensor, storage: Any, guard: MemoryGuard, crc_id: int) -> None:
-        if storage.device.type == "cpu":
+        src = storage if isinstance(storage, torch.Tensor) else _as_bytes(storage)
+        if src.device.type == "cpu":
             # Checked and copied with the GIL held: no Python thread can
-            # resize the storage in between.
-            ptr, n = guard.planned(crc_id)
-            _core.copy_memory(dst.data_ptr(), ptr, min(n, dst.numel()), guard, crc_id)
+            # resize the storage in between (a storage changed before the
+            # address was taken fails the check).
+            _core.copy_memory(dst.data_ptr(), src.data_ptr(), min(src.numel(), dst.numel()), guard, crc_id)
             return
         if storage.device.type != "cuda":
-            dst.copy_(_as_bytes(storage))
+            dst.copy_(src)
             return
         key = str(storage.device)
         stream = self.streams.get(key)
@@ -204,7 +219,7 @@ class _CopyStreams:
                 ev = record_ready([storage.device])[key]
             stream.wait_event(ev)
         with torch.cuda.stream(stream):
-            dst.copy_(_as_bytes(storage), non_blocking=dst.is_pinned())
+            dst.copy_(src, non_blocking=dst.is_pinned())
 
     def synchronize(self) -> None:
         for stream in self.streams.values():
@@ -318,6 +333,14 @@ class AsyncSaver:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         group = options.pop("group", None)
         sharded = options.pop("sharded", False)
+        fmt = options.pop("format", "torch")
+        metadata = options.pop("metadata", None)
+        if fmt not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, not {fmt!r}")
+        if fmt == "torch" and metadata is not None:
+            raise ValueError("metadata is only stored by format='safetensors'")
+        if fmt != "torch" and (group is not None or sharded):
+            raise ValueError("distributed saves write torch checkpoints (format='torch')")
         opts = EngineOptions.resolve(**options)
         if group is not None:
             checkpoint_group(group)  # collective: made here, on every rank's calling thread
@@ -342,7 +365,10 @@ class AsyncSaver:
         if group is not None:
             self._write.submit(self._distributed, obj, p, opts, fut, group, sharded, ready)
         elif mode == "snapshot":
-            self._snap.submit(self._snapshot_then_write, obj, p, opts, fut, ready)
+            planner = _planner(fmt, metadata)
+            self._snap.submit(self._snapshot_then_write, obj, p, opts, fut, ready, planner)
+        elif fmt == "safetensors":
+            self._write.submit(self._pipelined_safetensors, obj, p, opts, fut, metadata)
         else:
             self._write.submit(self._pipelined, obj, p, opts, fut, ready)
         return fut
@@ -361,6 +387,21 @@ class AsyncSaver:
             stats = write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot, ready=ready)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             obj = None  # this frame stays in the traceback
+            fut._fail(e)
+            return
+        fut._succeed(stats)
+
+    def _pipelined_safetensors(
+        self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture, metadata: Any
+    ) -> None:
+        # The tensors are written from where they are; the snapshot phase
+        # ends with the write.
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            wait_for_earlier(path, fut)
+            stats = write_safetensors(obj, path, opts, metadata)
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
             fut._fail(e)
             return
         fut._succeed(stats)
@@ -390,7 +431,13 @@ class AsyncSaver:
         fut._succeed(stats)
 
     def _snapshot_then_write(
-        self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture, ready: ReadyEvents
+        self,
+        obj: Any,
+        path: str,
+        opts: EngineOptions,
+        fut: CheckpointFuture,
+        ready: ReadyEvents,
+        planner: Callable[[Any], Plan],
     ) -> None:
         if not fut.set_running_or_notify_cancel():
             return
@@ -400,7 +447,7 @@ class AsyncSaver:
             t0 = time.perf_counter()
             # Device storages stay where they are in the plan (plan.device):
             # they are copied once, straight into the (pinned) pool.
-            plan = plan_torch_save(obj, stage=lambda st: st.device.type == "cuda")
+            plan = planner(obj)
             pin = bool(plan.device) and torch.cuda.is_available()
             buf = self.pool.acquire(plan.storage_bytes, pin=pin)
             # Copy every storage into the pool and point the plan there. A
@@ -411,9 +458,10 @@ class AsyncSaver:
             off = 0
             moved: List[int] = []
             streams = _CopyStreams(ready)
-            for cid, storage in enumerate(plan.keepalive):
+            for cid, kept in enumerate(plan.keepalive):
                 plan.guard.check([cid])
-                n = storage.nbytes()
+                storage = _kept_bytes(kept)
+                n = storage.numel() if isinstance(storage, torch.Tensor) else storage.nbytes()
                 if n:
                     streams.copy(buf[off : off + n], storage, plan.guard, cid)
                 moved.append(base + off)
@@ -482,6 +530,14 @@ class AsyncSaver:
         self.wait_all()
         self._snap.stop()
         self._write.stop()
+
+
+def _planner(fmt: str, metadata: Any) -> Callable[[Any], Plan]:
+    """The whole-file layout of a snapshot save. Torch: device storages stay
+    where they are in the plan (``plan.device``), to be copied once."""
+    if fmt == "safetensors":
+        return lambda obj: plan_safetensors(obj, metadata)
+    return lambda obj: plan_torch_save(obj, stage=lambda st: st.device.type == "cuda")
 
 
 _default: Optional[AsyncSaver] = None

@@ -113,12 +113,6 @@ class MemoryGuard:
                     "are until the save has gathered them (the file was not written)"
                 )
 
-    def planned(self, crc_id: int) -> Tuple[int, int]:
-        """The data pointer and size that checksum ``crc_id``'s storage had
-        when planned."""
-        _, ptr, nbytes, _ = self._owners[crc_id]
-        return ptr, nbytes
-
 
 def split_regions(regions: Iterable[Region], window: int = GUARD_WINDOW) -> Iterator[List[Region]]:
     """``regions`` (in file order) cut into runs of at most ``window`` bytes;

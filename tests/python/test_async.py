@@ -145,3 +145,24 @@ def test_niceness_from_environment_and_bad_values(monkeypatch):
     for bad in (-1, 20):
         with pytest.raises(ValueError, match="nice"):
             AsyncSaver(nice=bad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_safetensors_format(tmp_path, mode):
+    from safetensors.torch import load_file, safe_open
+
+    base = make((1000, 37), torch.float32, 2)
+    tensors = {"slice": base[3:10], "i16": torch.arange(5, dtype=torch.int16), "empty": torch.ones(0)}
+    expect = {k: v.clone() for k, v in tensors.items()}
+    f = fastpersist.save_async(
+        tensors, tmp_path / "m.safetensors", mode=mode, format="safetensors", metadata={"a": "b"}
+    )
+    f.wait_snapshot()
+    base.fill_(0.5)
+    f.result(timeout=120)
+    got = load_file(tmp_path / "m.safetensors")
+    assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in expect.items()}
+    with safe_open(tmp_path / "m.safetensors", "pt") as sf:
+        assert sf.metadata() == {"a": "b"}
+    with pytest.raises(ValueError, match="metadata"):
+        fastpersist.save_async(tensors, tmp_path / "x.pt", mode=mode, metadata={"a": "b"})

@@ -1,0 +1,208 @@
+"""Hugging Face Accelerate: ``save_state``/``load_state`` through fastpersist.
+
+>>> from fastpersist.integrations.accelerate import register
+>>> fp = register(accelerator)          # doctest: +SKIP
+>>> accelerator.save_state("ckpt")      # returns once the tensors may change
+>>> fp.wait()                           # durable (or raises the failure)
+
+``register`` installs a save-state pre-hook that writes each model's
+weights (``model.safetensors``, ``model_1.safetensors``, ...; or
+``pytorch_model*.bin`` with ``safe_serialization=False``) and a
+load-state pre-hook that reads them back with
+:func:`fastpersist.read_state_dict` (checksums verified). For the length of
+each ``save_state`` it also routes the optimizer, scheduler, sampler, scaler
+and RNG files that Accelerate writes through fastpersist. File names and
+formats are Accelerate's own: ``load_state`` works with or without the hooks.
+
+A ``save_state`` folder is one checkpoint: once every file is durable the
+whole folder is fsynced, in the background. The next ``save_state``,
+``load_state`` and ``end_training`` first wait for it and raise a failed
+save's error. With ``ProjectConfiguration(automatic_checkpoint_naming=True,
+total_limit=n)`` old folders are deleted only after the new one is durable
+(Accelerate itself deletes before it saves). FSDP, DeepSpeed and
+Megatron-LM models are saved by their own code paths, not by these hooks
+(use fastpersist's DeepSpeed checkpoint engine for DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Any, Callable, Dict, List, Optional
+
+from ..reader import read_state_dict
+from .common import BackgroundSaves, check_version, routed, sync_tree, torch_module_via
+
+__all__ = ["register", "FastPersistAccelerate"]
+
+#: accelerate versions this adapter is tested with (the extra pins them).
+TESTED = ">=1.0,<2"
+
+
+def _framework() -> Any:
+    import accelerate
+    from accelerate import checkpointing
+
+    missing = [
+        f"{m.__name__}.{n}"
+        for m, n in [
+            (checkpointing, "save"),
+            (checkpointing, "torch"),
+            (accelerate.Accelerator, "register_save_state_pre_hook"),
+            (accelerate.Accelerator, "register_load_state_pre_hook"),
+        ]
+        if not hasattr(m, n)
+    ]
+    check_version("accelerate", accelerate.__version__, TESTED, missing)
+    return checkpointing
+
+
+def _weights_name(i: int, safe: bool) -> str:
+    from accelerate.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
+
+    name = SAFE_WEIGHTS_NAME if safe else WEIGHTS_NAME
+    return name.replace(".", f"_{i}.") if i > 0 else name
+
+
+class FastPersistAccelerate:
+    """What :func:`register` installed on one ``Accelerator``."""
+
+    def __init__(self, accelerator: Any, mode: str = "snapshot", **engine_options: Any) -> None:
+        self.checkpointing = _framework()
+        self.accelerator = accelerator
+        self.saves = BackgroundSaves(mode, max_pending=64, **engine_options)
+        self._safe = True
+        self._orig: Dict[str, Callable[..., Any]] = {
+            n: getattr(accelerator, n) for n in ("save_state", "load_state", "end_training")
+        }
+        self._handles = [
+            accelerator.register_save_state_pre_hook(self._save_weights),
+            accelerator.register_load_state_pre_hook(self._load_weights),
+        ]
+        accelerator.save_state = self._save_state
+        accelerator.load_state = self._load_state
+        accelerator.end_training = self._end_training
+
+    # -- the wrapped methods -------------------------------------------------------
+
+    def _save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        self.saves.wait()  # the previous checkpoint is durable, or its failure is raised here
+        acc = self.accelerator
+        cfg = acc.project_configuration
+        limit = cfg.total_limit if cfg.automatic_checkpoint_naming else None
+        self._safe = safe_serialization
+        if limit is not None:
+            cfg.total_limit = None  # pruned after the commit
+        try:
+            with routed(self.checkpointing, save=self._save_file, torch=torch_module_via(self.saves)):
+                location = self._orig["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
+        except BaseException:
+            self.saves.commit(str(output_dir))
+            raise
+        finally:
+            if limit is not None:
+                cfg.total_limit = limit
+        folder = os.fspath(location)
+        prune = acc.is_main_process and limit is not None
+        parent = os.path.dirname(os.path.abspath(folder))
+
+        def finalize() -> None:
+            if os.path.isdir(folder):
+                sync_tree(folder)
+            if prune:
+                _prune(parent, limit)
+
+        self.saves.commit(folder, finalize)
+        return location
+
+    def _load_state(self, *args: Any, **kwargs: Any) -> Any:
+        self.saves.wait()
+        return self._orig["load_state"](*args, **kwargs)
+
+    def _end_training(self, *args: Any, **kwargs: Any) -> Any:
+        self.saves.wait()
+        return self._orig["end_training"](*args, **kwargs)
+
+    # -- hooks and routed saves --------------------------------------------------
+
+    def _writes_here(self, save_on_each_node: bool = False) -> bool:
+        acc = self.accelerator
+        return acc.is_local_main_process if save_on_each_node else acc.is_main_process
+
+    def _save_file(self, obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization: bool = False) -> None:
+        """``accelerate.utils.save``, through fastpersist."""
+        if not self._writes_here(save_on_each_node):
+            return
+        if safe_serialization:
+            from accelerate.utils import clean_state_dict_for_safetensors
+
+            self.saves.save(clean_state_dict_for_safetensors(obj), f, format="safetensors", metadata={"format": "pt"})
+        else:
+            self.saves.save(obj, f)
+
+    def _save_weights(self, models: List[Any], weights: List[Any], output_dir: str) -> None:
+        save_on_each_node = self.accelerator.project_configuration.save_on_each_node
+        for i, state in enumerate(weights):
+            path = os.path.join(output_dir, _weights_name(i, self._safe))
+            self._save_file(state, path, save_on_each_node, self._safe)
+        weights.clear()  # saved: Accelerate skips them
+
+    def _load_weights(self, models: List[Any], input_dir: str) -> None:
+        paths = [os.path.join(input_dir, _weights_name(i, True)) for i in range(len(models))]
+        if not models or not all(os.path.isfile(p) for p in paths):
+            return  # not ours (or another format): Accelerate loads them
+        for model, p in zip(models, paths):
+            _load_into(model, read_state_dict(p))
+        models.clear()  # loaded: Accelerate skips them
+
+    # -- control -----------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Wait until every ``save_state`` so far is durable; raise a failed save's error."""
+        self.saves.wait()
+
+    def unregister(self) -> None:
+        """Wait for saves in flight, then put the Accelerator back as it was."""
+        try:
+            self.saves.close()
+        finally:
+            for h in self._handles:
+                h.remove()
+            for n, fn in self._orig.items():
+                setattr(self.accelerator, n, fn)
+
+
+def _load_into(model: Any, state: Dict[str, Any]) -> None:
+    """``load_state_dict`` that accepts the keys safetensors files drop for
+    tied weights (they share storage with a key that is present)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing:
+        own = model.state_dict()
+        loaded = {own[k].untyped_storage().data_ptr() for k in state if k in own}
+        missing = [k for k in missing if own[k].untyped_storage().data_ptr() not in loaded]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+_NUMBERED = re.compile(r"([0-9]+)$")
+
+
+def _prune(parent: str, keep: int) -> None:
+    """Delete the oldest ``checkpoint_<n>`` folders beyond ``keep``."""
+    found = []
+    for name in os.listdir(parent):
+        m = _NUMBERED.search(name)
+        if m and os.path.isdir(os.path.join(parent, name)):
+            found.append((int(m.group(1)), os.path.join(parent, name)))
+    for _, p in sorted(found)[: max(0, len(found) - keep)]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def register(accelerator: Any, *, mode: str = "snapshot", **engine_options: Any) -> FastPersistAccelerate:
+    """Make ``accelerator.save_state``/``load_state`` write and read through
+    fastpersist (see the module doc). ``mode`` is that of
+    :func:`fastpersist.save_async`; ``engine_options`` those of
+    :func:`fastpersist.write_state_dict`. Returns a handle with ``wait()``
+    and ``unregister()``."""
+    return FastPersistAccelerate(accelerator, mode, **engine_options)

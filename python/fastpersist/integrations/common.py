@@ -1,0 +1,336 @@
+"""What the framework adapters share.
+
+* :class:`BackgroundSaves`: saves started through :func:`fastpersist.save_async`
+  that return once the tensors may change (the snapshot phase), grouped into
+  checkpoints (:meth:`BackgroundSaves.commit`: one file, or a folder of
+  files with a ``finalize`` step run once all of them are durable), with
+  defined points where a failed save surfaces (:meth:`~BackgroundSaves.check`
+  without waiting, :meth:`~BackgroundSaves.wait` after waiting).
+* :func:`sync_tree`: fsync every file of a folder written by a framework's
+  own code (configs, JSON), then the folders: a folder checkpoint is durable
+  as a whole.
+* :func:`routed`: replace, for the length of one call, the names a
+  framework's module saves through (``torch``, ``safe_save_file``) with
+  ones that write through fastpersist (:func:`torch_save_via`,
+  :func:`safe_save_file_via`). A name that is missing means a framework
+  version outside the tested range: a clear error, never a silent miss.
+
+No framework is imported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import types
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+
+from ..async_save import MODES, AsyncSaver, CheckpointFuture
+from ..options import EngineOptions
+from ..writer import write_state_dict
+
+__all__ = [
+    "BackgroundSaves",
+    "PendingCheckpoint",
+    "IntegrationError",
+    "sync_tree",
+    "fsync_dir",
+    "routed",
+    "torch_save_via",
+    "torch_module_via",
+    "safe_save_file_via",
+    "check_version",
+]
+
+log = logging.getLogger("fastpersist")
+
+
+class IntegrationError(RuntimeError):
+    """A framework adapter cannot work with the installed framework version."""
+
+
+def check_version(framework: str, version: str, tested: str, missing: List[str]) -> None:
+    """Raise :class:`IntegrationError` naming what is missing from
+    ``framework`` (its internals this adapter relies on), the installed
+    version and the tested range."""
+    if missing:
+        raise IntegrationError(
+            f"fastpersist's {framework} adapter needs {', '.join(missing)}, which {framework} {version} "
+            f"does not have; it is tested with {framework} {tested} (pip install 'fastpersist[{framework}]')"
+        )
+
+
+class PendingCheckpoint:
+    """The saves of one checkpoint. :meth:`result` waits for them and
+    raises the first failure; when they all commit, ``finalize`` (if any)
+    runs once, on a thread of its own that is not a daemon, so an exiting
+    interpreter still finishes it."""
+
+    def __init__(self, name: str, futures: List[CheckpointFuture], finalize: Optional[Callable[[], None]]) -> None:
+        self.name = name
+        self.futures = futures
+        self._error: Optional[BaseException] = None
+        self._done = threading.Event()
+        if finalize is None:
+            self._finalize = None
+            self._thread = None
+        else:
+            self._finalize = finalize
+            self._thread = threading.Thread(target=self._run, name="fastpersist-commit", daemon=False)
+            self._thread.start()
+
+    def _wait_saves(self) -> Optional[BaseException]:
+        first: Optional[BaseException] = None
+        for f in self.futures:
+            e = f.exception()
+            if e is not None and first is None:
+                first = e
+            elif e is not None:
+                log.error("fastpersist: %s: %s was not saved either: %r", self.name, f.path, e)
+        return first
+
+    def _run(self) -> None:
+        try:
+            self._error = self._wait_saves()
+            if self._error is None and self._finalize is not None:
+                self._finalize()
+        except BaseException as e:  # noqa: BLE001 - reported by result()
+            self._error = e
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        if self._thread is None:
+            return all(f.done() for f in self.futures)
+        return self._done.is_set()
+
+    def result(self) -> None:
+        """Wait until the checkpoint is committed; raise why it was not."""
+        if self._thread is None:
+            err = self._wait_saves()
+            if err is not None:
+                raise err
+            return
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+class BackgroundSaves:
+    """Background saves for an adapter, grouped into checkpoints.
+
+    ``mode`` is that of :func:`~fastpersist.save_async`; with
+    ``async_save=False`` every save is synchronous (:func:`write_state_dict`).
+    ``max_pending`` bounds saves between their call and their commit (and so
+    snapshot memory). ``engine_options`` are those of
+    :func:`~fastpersist.write_state_dict`, checked here.
+    """
+
+    def __init__(
+        self, mode: str = "snapshot", *, async_save: bool = True, max_pending: int = 2, **engine_options: Any
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        EngineOptions.resolve(**engine_options)  # bad options fail here, not at the first save
+        self.mode = mode
+        self.async_save = async_save
+        self.max_pending = max_pending
+        self.options = dict(engine_options)
+        #: Saves routed to ``torch.save`` because fastpersist cannot take them (file objects, custom picklers).
+        self.fallbacks = 0
+        self._saver: Optional[AsyncSaver] = None
+        self._lock = threading.Lock()
+        self._current: List[CheckpointFuture] = []
+        self._pending: List[PendingCheckpoint] = []
+
+    def _get_saver(self) -> AsyncSaver:
+        with self._lock:
+            if self._saver is None:
+                self._saver = AsyncSaver(max_pending=self.max_pending)
+            return self._saver
+
+    def save(
+        self,
+        obj: Any,
+        path: Any,
+        *,
+        format: str = "torch",
+        metadata: Optional[Dict[str, str]] = None,
+        fence: bool = True,
+    ) -> None:
+        """Save ``obj`` to ``path``; returns once its tensors may change
+        (with ``fence=False`` at once: the caller must not change them before
+        the checkpoint's :meth:`PendingCheckpoint.result`). An error found
+        before that point is raised here; later ones at the commit. The save
+        belongs to the checkpoint :meth:`commit` closes."""
+        opts = dict(self.options)
+        if format != "torch":
+            opts["format"] = format
+        if metadata is not None:
+            opts["metadata"] = metadata
+        if not self.async_save:
+            write_state_dict(obj, path, **opts)
+            return
+        fut = self._get_saver().save(obj, path, mode=self.mode, **opts)
+        with self._lock:
+            self._current.append(fut)
+        if fence:
+            try:
+                fut.wait_snapshot()  # raises a failure of the snapshot phase (nothing is written then)
+            except BaseException:
+                with self._lock:
+                    if fut in self._current:
+                        self._current.remove(fut)  # reported here, not again at the commit
+                raise
+
+    def commit(self, name: str, finalize: Optional[Callable[[], None]] = None) -> PendingCheckpoint:
+        """Close the checkpoint made of the saves since the last commit;
+        ``finalize`` runs once they are all durable (in the background)."""
+        with self._lock:
+            futures, self._current = self._current, []
+        pending = PendingCheckpoint(name, futures, finalize)
+        with self._lock:
+            self._pending.append(pending)
+        return pending
+
+    def in_flight(self) -> int:
+        """Checkpoints not yet committed (and not yet reported)."""
+        with self._lock:
+            return len(self._pending) + (1 if self._current else 0)
+
+    def check(self) -> None:
+        """Raise the error of a checkpoint that failed, without waiting
+        for those still in flight. Each failure is raised once."""
+        with self._lock:
+            finished = [p for p in self._pending if p.done()]
+            self._pending = [p for p in self._pending if not p.done()]
+        self._raise_first(finished)
+
+    def wait(self) -> None:
+        """Wait for every checkpoint in flight (saves not yet grouped by a
+        :meth:`commit` are committed as one); raise the first failure."""
+        if self._current:
+            self.commit("checkpoint")
+        with self._lock:
+            pending, self._pending = self._pending, []
+        self._raise_first(pending)
+
+    @staticmethod
+    def _raise_first(pending: List[PendingCheckpoint]) -> None:
+        first: Optional[BaseException] = None
+        for p in pending:
+            try:
+                p.result()
+            except BaseException as e:  # noqa: BLE001 - the first is raised, the rest logged
+                if first is None:
+                    first = e
+                else:
+                    log.error("fastpersist: checkpoint %s failed too: %r", p.name, e)
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        """Wait for everything (raising a failure), then end the threads."""
+        try:
+            self.wait()
+        finally:
+            with self._lock:
+                saver, self._saver = self._saver, None
+            if saver is not None:
+                saver.close()
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory (its entries are then durable)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(root: str) -> None:
+    """Make ``root`` and everything under it durable: every regular file
+    (whoever wrote it), every folder, and ``root``'s entry in its parent."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p) or not os.path.isfile(p):
+                continue
+            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+    fsync_dir(os.path.dirname(os.path.abspath(root)) or ".")
+
+
+def _is_path(f: Any) -> bool:
+    return isinstance(f, (str, os.PathLike))
+
+
+def torch_save_via(saves: BackgroundSaves) -> Callable[..., None]:
+    """A ``torch.save`` that writes paths through ``saves``; a file object
+    or a custom pickler goes to the real ``torch.save`` (counted in
+    ``saves.fallbacks``)."""
+    real = torch.save
+
+    def save(obj: Any, f: Any, pickle_module: Any = None, pickle_protocol: Any = None, **kwargs: Any) -> None:
+        zip_format = kwargs.pop("_use_new_zipfile_serialization", True)
+        if _is_path(f) and pickle_module is None and pickle_protocol is None and zip_format and not kwargs:
+            saves.save(obj, os.fspath(f))
+            return
+        saves.fallbacks += 1
+        extra: Dict[str, Any] = dict(kwargs, _use_new_zipfile_serialization=zip_format)
+        if pickle_module is not None:
+            extra["pickle_module"] = pickle_module
+        if pickle_protocol is not None:
+            extra["pickle_protocol"] = pickle_protocol
+        real(obj, f, **extra)
+
+    return save
+
+
+def safe_save_file_via(saves: BackgroundSaves) -> Callable[..., None]:
+    """A ``safetensors.torch.save_file`` that writes through ``saves``."""
+
+    def save_file(tensors: Dict[str, torch.Tensor], filename: Any, metadata: Optional[Dict[str, str]] = None) -> None:
+        saves.save(tensors, os.fspath(filename), format="safetensors", metadata=metadata)
+
+    return save_file
+
+
+class _TorchWithSave(types.ModuleType):
+    """``torch`` as one framework module sees it, with its own ``save``."""
+
+    def __init__(self, save: Callable[..., None]) -> None:
+        super().__init__("torch")
+        self.save = save
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def torch_module_via(saves: BackgroundSaves) -> types.ModuleType:
+    """A stand-in for a module's ``torch`` global whose ``save`` writes
+    through ``saves`` (everything else is torch's)."""
+    return _TorchWithSave(torch_save_via(saves))
+
+
+@contextlib.contextmanager
+def routed(module: types.ModuleType, **names: Any) -> Iterator[None]:
+    """Within the block, ``module.<name>`` is ``names[name]``. Not for
+    concurrent use of the same module from other threads."""
+    old = {n: getattr(module, n) for n in names}
+    try:
+        for n, v in names.items():
+            setattr(module, n, v)
+        yield
+    finally:
+        for n, v in old.items():
+            setattr(module, n, v)

@@ -1,0 +1,187 @@
+"""DeepSpeed: a checkpoint engine.
+
+Selected from the DeepSpeed config (a ``"fastpersist"`` section, read by
+:func:`initialize`, a drop-in for ``deepspeed.initialize``)::
+
+    config = {..., "fastpersist": {"mode": "snapshot", "decoupled": true}}
+    engine, optimizer, _, _ = fastpersist.integrations.deepspeed.initialize(model=model, config=config, ...)
+
+or set on an engine: ``use_fastpersist(engine, mode="pipelined")``.
+
+:class:`FastPersistCheckpointEngine` implements DeepSpeed's
+``CheckpointEngine`` (``create``, ``save``, ``load``, ``commit``):
+
+* ``save`` starts a background save and returns once the tensors may change
+  (``mode="snapshot"``: copied into reusable host buffers), or at once
+  (``mode="pipelined"``: the live tensors are streamed out while the next
+  forward and backward run; nothing may change them before the commit,
+  which holds for parameters and optimizer state, not for tensors that a
+  forward pass updates in place such as BatchNorm's running statistics).
+* ``commit`` is where every file of the tag is durable: it waits for the
+  tag's saves, then all ranks agree (a failure on any rank raises
+  :class:`fastpersist.DistributedCheckpointError` on every rank), then rank 0
+  writes ``latest`` atomically and durably. DeepSpeed writes ``latest``
+  only after ``commit`` returns, so ``latest`` never names a tag that is not
+  durable. A failed save raises its error from ``commit``.
+* ``decoupled=True`` (default) makes DeepSpeed call ``commit`` at the next
+  ``engine.step()``, before the optimizer step (as its own
+  ``DecoupledCheckpointEngine`` does): the write overlaps the next forward
+  and backward. With ``decoupled=False``, ``save_checkpoint`` commits before
+  it returns. ``engine.destroy()`` (or :meth:`~FastPersistCheckpointEngine.cleanup`)
+  commits a checkpoint still pending.
+* ``load`` reads with :func:`fastpersist.read_state_dict` (checksums
+  verified; DeepSpeed checkpoints hold Python objects, so
+  ``weights_only=False``: load only checkpoints you trust); files in
+  torch's legacy (non-zip) format, which DeepSpeed's default engine
+  writes, are read with ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+from .. import _core
+from ..collectives import checkpoint_group, describe_error, fail_all, gather
+from ..errors import CorruptCheckpointError
+from ..reader import detect_format, read_state_dict
+from .common import BackgroundSaves, check_version
+
+__all__ = ["FastPersistCheckpointEngine", "use_fastpersist", "initialize", "CONFIG_KEY"]
+
+#: DeepSpeed versions this adapter is tested with (the extra pins them).
+TESTED = ">=0.19,<0.20"
+#: The section of the DeepSpeed config that selects and configures this engine.
+CONFIG_KEY = "fastpersist"
+
+
+def _base() -> type:
+    import deepspeed
+
+    try:
+        from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+    except ImportError:
+        check_version("deepspeed", deepspeed.__version__, TESTED, ["checkpoint_engine.CheckpointCommitInfo"])
+        raise
+    needed = ("commit", "is_decoupled", "get_commit_info")
+    missing = [f"CheckpointEngine.{n}" for n in needed if not hasattr(CheckpointEngine, n)]
+    check_version("deepspeed", deepspeed.__version__, TESTED, missing)
+    del CheckpointCommitInfo
+    return CheckpointEngine
+
+
+def _section(config_params: Any) -> Dict[str, Any]:
+    raw = getattr(config_params, "_param_dict", None) or {}
+    sec = raw.get(CONFIG_KEY) or {}
+    if not isinstance(sec, dict):
+        raise ValueError(f"the DeepSpeed config's {CONFIG_KEY!r} section must be an object, not {sec!r}")
+    return dict(sec)
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
+    """A DeepSpeed ``CheckpointEngine`` that writes through fastpersist (see
+    the module doc). Options come from the config's ``"fastpersist"``
+    section, overridden by keyword arguments: ``mode`` (``"snapshot"``),
+    ``decoupled`` (True), and engine options of
+    :func:`fastpersist.write_state_dict`."""
+
+    def __init__(
+        self, config_params: Any = None, *, mode: Optional[str] = None, decoupled: Optional[bool] = None, **options: Any
+    ) -> None:
+        super().__init__(config_params)
+        sec = _section(config_params)
+        sec_mode = sec.pop("mode", "snapshot")
+        sec_decoupled = sec.pop("decoupled", True)
+        self.name = "FastPersistCheckpointEngine"
+        self.mode = mode or sec_mode
+        self.decoupled = bool(sec_decoupled if decoupled is None else decoupled)
+        self.saves = BackgroundSaves(self.mode, max_pending=64, **{**sec, **options})
+        self.commit_info: Any = None
+
+    def create(self, info: Any) -> None:
+        if self.commit_info is not None:  # a tag saved and never committed: commit it first
+            self.commit(self.commit_info)
+        self.commit_info = info
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        # Pipelined and decoupled: the fence is the commit, before the optimizer step.
+        self.saves.save(state_dict, path, fence=not (self.decoupled and self.mode == "pipelined"))
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        self.saves.wait()
+        try:
+            detect_format(path)
+        except CorruptCheckpointError:
+            import torch
+
+            return torch.load(path, map_location=map_location, weights_only=False)  # torch's legacy format
+        return read_state_dict(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: Any) -> bool:
+        """Every file of ``info.tag`` is durable on every rank when this
+        returns; then rank 0 has written ``latest`` (if ``info.save_latest``)."""
+        err: Optional[BaseException] = None
+        try:
+            self.saves.commit(str(info.tag)).result()
+        except BaseException as e:  # noqa: BLE001 - agreed on by all ranks below
+            err = e
+        self.commit_info = None
+        dist = _dist()
+        if dist is not None and dist.get_world_size() > 1:
+            statuses = gather(describe_error(err) if err is not None else None, checkpoint_group(None))
+            try:
+                fail_all(statuses, f"checkpoint {info.tag}")
+            except BaseException as agreed:
+                raise agreed from err
+        elif err is not None:
+            raise err
+        if info.save_latest and (dist is None or dist.get_rank() == 0):
+            _core.atomic_write(os.path.join(info.save_dir, "latest"), str(info.tag).encode(), durable=True)
+        return True
+
+    def is_decoupled(self) -> bool:
+        return self.decoupled
+
+    def get_commit_info(self) -> Any:
+        return self.commit_info
+
+    def cleanup(self) -> None:
+        """Commit a checkpoint still pending (``engine.destroy()`` calls this)."""
+        if self.commit_info is not None:
+            self.commit(self.commit_info)
+        self.saves.wait()
+
+    def preserves_storage_sharing(self) -> bool:
+        return True  # torch.save's format: views keep sharing their storage
+
+
+def use_fastpersist(engine: Any, **options: Any) -> FastPersistCheckpointEngine:
+    """Make ``engine.save_checkpoint``/``load_checkpoint`` use fastpersist
+    (options as for :class:`FastPersistCheckpointEngine`)."""
+    old = getattr(engine, "checkpoint_engine", None)
+    if old is not None and old.is_decoupled():
+        old.cleanup()
+    new = FastPersistCheckpointEngine(getattr(engine, "_config", None), **options)
+    engine.checkpoint_engine = new
+    return new
+
+
+def initialize(*args: Any, **kwargs: Any) -> Any:
+    """``deepspeed.initialize``, then :func:`use_fastpersist` when the config
+    has a ``"fastpersist"`` section. Returns what ``deepspeed.initialize`` does."""
+    import deepspeed
+
+    out = deepspeed.initialize(*args, **kwargs)
+    engine = out[0]
+    if CONFIG_KEY in (getattr(engine._config, "_param_dict", None) or {}):
+        use_fastpersist(engine)
+    return out

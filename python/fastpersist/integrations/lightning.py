@@ -1,0 +1,169 @@
+"""Lightning: a ``CheckpointIO`` plugin.
+
+>>> from fastpersist.integrations.lightning import FastPersistCheckpointIO
+>>> trainer = Trainer(plugins=[FastPersistCheckpointIO()])  # doctest: +SKIP
+
+or, from a LightningCLI config::
+
+    trainer:
+      plugins:
+        - class_path: fastpersist.integrations.lightning.FastPersistCheckpointIO
+          init_args: {mode: snapshot}
+
+One class serves both import trees: it is a ``CheckpointIO`` of
+``lightning`` (``lightning.fabric``) and of ``pytorch_lightning``
+(``lightning_fabric``), whichever are installed.
+
+* ``save_checkpoint`` returns once the tensors may change: in
+  ``"snapshot"`` mode once they are copied into reusable host buffers (on
+  fastpersist's thread, no new allocation per save), in ``"pipelined"``
+  mode once every byte is streamed out; the write and its durable commit
+  continue in the background.
+* ``remove_checkpoint`` (``ModelCheckpoint``'s top-k and ``save_last``)
+  first waits for every save in flight, so an older checkpoint is deleted
+  only once the newer one is durable; if that save failed, its error is
+  raised there and nothing is deleted.
+* A failed save is raised at the first of: the next ``save_checkpoint``
+  (if it has finished by then), ``remove_checkpoint``,
+  ``load_checkpoint``, :meth:`FastPersistCheckpointIO.wait` and
+  ``teardown`` (end of ``fit``), which waits for everything.
+* ``load_checkpoint`` reads with :func:`fastpersist.read_state_dict`
+  (checksums verified), honouring ``map_location`` (default: CPU, as
+  Lightning's ``TorchCheckpointIO``) and ``weights_only`` (``None``: torch's
+  default, True).
+
+Lightning's FSDP (sharded), ModelParallel and DeepSpeed strategies save
+through ``torch.distributed.checkpoint`` or DeepSpeed, not CheckpointIO;
+use fastpersist's DeepSpeed checkpoint engine for the latter.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Dict, Optional, Tuple
+
+from ..reader import read_state_dict
+from ..writer import write_state_dict
+from .common import BackgroundSaves, IntegrationError
+
+__all__ = ["FastPersistCheckpointIO"]
+
+#: The Lightning versions this adapter is tested with (the extra pins them).
+TESTED = ">=2.5,<3"
+
+
+def _bases() -> Tuple[type, ...]:
+    bases = []
+    try:
+        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as A
+
+        bases.append(A)
+    except ImportError:
+        pass
+    try:
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as B
+
+        bases.append(B)
+    except ImportError:
+        pass
+    if not bases:
+        raise IntegrationError(
+            "fastpersist.integrations.lightning needs lightning or pytorch_lightning "
+            f"{TESTED} (pip install 'fastpersist[lightning]')"
+        )
+    return tuple(bases)
+
+
+def _weights_only_default() -> bool:
+    # torch's own default for weights_only=None (True since torch 2.6).
+    flag = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "")
+    return flag.strip().lower() not in ("1", "true", "yes", "on")
+
+
+class _FastPersistIO:
+    """The logic; :class:`FastPersistCheckpointIO` adds Lightning's bases."""
+
+    def __init__(
+        self,
+        *,
+        async_save: bool = True,
+        mode: str = "snapshot",
+        max_pending: int = 2,
+        block_size: Optional[int] = None,
+        arena_bytes: Optional[int] = None,
+        queue_depth: Optional[int] = None,
+        direct: Optional[bool] = None,
+        io_uring: Optional[bool] = None,
+        durable: bool = True,
+    ) -> None:
+        super().__init__()
+        engine: Dict[str, Any] = {
+            "block_size": block_size,
+            "arena_bytes": arena_bytes,
+            "queue_depth": queue_depth,
+            "direct": direct,
+            "io_uring": io_uring,
+            "durable": durable,
+        }
+        self.saves = BackgroundSaves(
+            mode, async_save=async_save, max_pending=max_pending, **{k: v for k, v in engine.items() if v is not None}
+        )
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        """Start saving ``checkpoint`` to ``path``; returns once its tensors
+        may change. ``storage_options`` may be a dict of engine options for
+        this save."""
+        self.saves.check()
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict of fastpersist engine options, not {storage_options!r}")
+        p = os.fspath(path)
+        os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
+        if storage_options:
+            # Other engine options for this one: saved now, after those in flight.
+            self.saves.wait()
+            write_state_dict(checkpoint, p, **{**self.saves.options, **storage_options})
+            return
+        self.saves.save(checkpoint, p)
+        self.saves.commit(p)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> Dict[str, Any]:
+        self.saves.wait()
+        p = os.fspath(path)
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"Checkpoint file not found: {p}")
+        return read_state_dict(
+            p,
+            map_location="cpu" if map_location is None else map_location,
+            weights_only=_weights_only_default() if weights_only is None else weights_only,
+        )
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete a checkpoint once every save in flight is durable (a
+        failed one raises here and nothing is deleted)."""
+        self.saves.wait()
+        p = os.fspath(path)
+        if os.path.islink(p) or os.path.isfile(p):
+            os.unlink(p)
+        elif os.path.isdir(p):
+            shutil.rmtree(p)
+
+    def wait(self) -> None:
+        """Wait until every checkpoint saved so far is durable; raise a
+        failed save's error."""
+        self.saves.wait()
+
+    def teardown(self) -> None:
+        """Wait for every save (Lightning calls this at the end of a
+        stage); raise a failed save's error."""
+        self.saves.wait()
+
+
+class FastPersistCheckpointIO(_FastPersistIO, *_bases()):
+    """A Lightning ``CheckpointIO`` that writes through fastpersist (see the
+    module doc). ``mode``: ``"snapshot"`` (default) or ``"pipelined"``;
+    ``async_save=False`` saves synchronously; ``max_pending`` bounds
+    checkpoints between call and commit (and so snapshot memory); the rest
+    are engine options of :func:`fastpersist.write_state_dict`."""

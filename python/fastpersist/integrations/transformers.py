@@ -1,0 +1,181 @@
+"""Hugging Face ``Trainer`` (and TRL's trainers, which subclass it).
+
+>>> from transformers import Trainer
+>>> from fastpersist.integrations.transformers import FastPersistTrainerMixin
+>>> class MyTrainer(FastPersistTrainerMixin, Trainer):  # doctest: +SKIP
+...     pass
+
+The Trainer has no writer hook, so the mixin routes, for the length of each
+``_save_checkpoint``, the calls the Trainer's own code saves through: the
+model's safetensors shards (``save_pretrained``'s ``safe_save_file``),
+``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth`` and
+``training_args.bin`` (the Trainer's ``torch.save``). The folder layout,
+index files and names are the Trainer's own; the files are the ones
+``torch.load``/``safetensors`` read.
+
+A checkpoint folder is committed as a whole: the saves return once the
+tensors may change and training goes on; in the background, once every file
+is durable, the whole folder is fsynced and only then is
+``trainer_state.json`` put in place (written to a temporary name and
+renamed). A folder without ``trainer_state.json`` is an incomplete one:
+``train(resume_from_checkpoint=True)`` resumes from the newest complete
+checkpoint, and an explicit path to an incomplete one is refused.
+Rotation (``save_total_limit``) runs after that commit, so an older
+checkpoint is deleted only once a newer one is durable. A failed save is
+raised at the next checkpoint, at the end of ``train`` (which waits for the
+last one), or by :meth:`FastPersistTrainerMixin.fastpersist_wait`.
+
+Options: class attributes ``fastpersist_mode`` (``"snapshot"``) and
+``fastpersist_options`` (engine options), or the keyword arguments of the
+same names to the trainer's constructor.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
+
+from .common import BackgroundSaves, check_version, fsync_dir, routed, safe_save_file_via, sync_tree, torch_module_via
+
+__all__ = ["FastPersistTrainerMixin", "latest_complete_checkpoint"]
+
+#: transformers versions this adapter is tested with (the extra pins them).
+TESTED = ">=5.0,<6"
+STATE_NAME = "trainer_state.json"
+_PENDING_STATE = ".trainer_state.json.fastpersist-pending"
+_CKPT = re.compile(r"^checkpoint-([0-9]+)$")
+
+
+def _framework() -> Tuple[Any, Any, Any]:
+    import transformers
+    from transformers import modeling_utils, trainer, trainer_utils
+
+    missing = [
+        f"{m.__name__}.{n}"
+        for m, n in [
+            (modeling_utils, "safe_save_file"),
+            (trainer, "torch"),
+            (trainer_utils, "rotate_checkpoints"),
+            (trainer_utils, "PREFIX_CHECKPOINT_DIR"),
+            (trainer.Trainer, "_save_checkpoint"),
+            (trainer.Trainer, "_get_output_dir"),
+            (trainer.Trainer, "_finalize_training"),
+        ]
+        if not hasattr(m, n)
+    ]
+    check_version("transformers", transformers.__version__, TESTED, missing)
+    return modeling_utils, trainer, trainer_utils
+
+
+def latest_complete_checkpoint(output_dir: str) -> Optional[str]:
+    """The newest ``checkpoint-<step>`` folder of ``output_dir`` that holds
+    ``trainer_state.json`` (committed), or None."""
+    if not os.path.isdir(output_dir):
+        return None
+    found = []
+    for name in os.listdir(output_dir):
+        m = _CKPT.match(name)
+        p = os.path.join(output_dir, name)
+        if m and os.path.isfile(os.path.join(p, STATE_NAME)):
+            found.append((int(m.group(1)), p))
+    return max(found)[1] if found else None
+
+
+class FastPersistTrainerMixin:
+    """Put first in the bases: ``class MyTrainer(FastPersistTrainerMixin, Trainer)``."""
+
+    fastpersist_mode: ClassVar[str] = "snapshot"
+    fastpersist_options: ClassVar[Dict[str, Any]] = {}
+
+    def __init__(
+        self,
+        *args: Any,
+        fastpersist_mode: Optional[str] = None,
+        fastpersist_options: Optional[Dict[str, Any]] = None,
+        **kwargs: Any,
+    ) -> None:
+        _framework()
+        super().__init__(*args, **kwargs)
+        mode = fastpersist_mode or self.fastpersist_mode
+        options = dict(self.fastpersist_options if fastpersist_options is None else fastpersist_options)
+        # A folder is one checkpoint: its saves are all in flight together.
+        self._fastpersist = BackgroundSaves(mode, max_pending=64, **options)
+
+    # -- saving ----------------------------------------------------------------
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        modeling_utils, trainer_mod, trainer_utils = _framework()
+        saves: BackgroundSaves = self._fastpersist
+        saves.wait()  # the previous checkpoint is committed, or its failure is raised here
+        args: Any = self.args  # type: ignore[attr-defined]
+        state: Any = self.state  # type: ignore[attr-defined]
+        run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+        folder = os.path.join(run_dir, f"{trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        limit = args.save_total_limit
+        deferred: List[Tuple[str, str]] = []
+        real_save_to_json = state.save_to_json
+
+        def save_to_json_later(json_path: str) -> None:
+            # The commit marker: written now under another name, put in place once the rest is durable.
+            pending = os.path.join(os.path.dirname(json_path), _PENDING_STATE)
+            real_save_to_json(pending)
+            deferred.append((pending, json_path))
+
+        state.save_to_json = save_to_json_later
+        args.save_total_limit = None  # rotation runs after the commit
+        try:
+            with (
+                routed(modeling_utils, safe_save_file=safe_save_file_via(saves)),
+                routed(trainer_mod, torch=torch_module_via(saves)),
+            ):
+                super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        except BaseException:
+            saves.commit(folder)  # what was started is still waited for (and its error not lost)
+            raise
+        finally:
+            del state.save_to_json
+            args.save_total_limit = limit
+        should_save = bool(args.should_save)
+        best = state.best_model_checkpoint
+
+        def finalize() -> None:
+            if os.path.isdir(folder):
+                sync_tree(folder)
+            for pending, final in deferred:
+                os.replace(pending, final)
+                fsync_dir(os.path.dirname(final))
+            if should_save and limit:
+                trainer_utils.rotate_checkpoints(
+                    output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=False
+                )
+
+        saves.commit(folder, finalize)
+
+    def fastpersist_wait(self) -> None:
+        """Wait until every checkpoint saved so far is committed; raise a
+        failed save's error."""
+        self._fastpersist.wait()
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        # Before the best model is loaded or the last checkpoints pruned.
+        self._fastpersist.wait()
+        return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
+
+    # -- resuming --------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._fastpersist.wait()
+        if resume_from_checkpoint is True:
+            out = self.args.output_dir  # type: ignore[attr-defined]
+            resume_from_checkpoint = latest_complete_checkpoint(out)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint found in output directory ({out})")
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            p = os.fspath(resume_from_checkpoint)
+            if os.path.isdir(p) and not os.path.isfile(os.path.join(p, STATE_NAME)):
+                raise ValueError(
+                    f"{p} has no {STATE_NAME}: the checkpoint is incomplete (its save did not finish); "
+                    "resume from an older one"
+                )
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]

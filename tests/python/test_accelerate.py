@@ -1,0 +1,116 @@
+"""The Accelerate save_state/load_state hooks, driven by a real Accelerator (CPU)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import zipfile
+
+import fastpersist
+import pytest
+import torch
+from helpers import bits
+
+accelerate = pytest.importorskip(
+    "accelerate", reason="accelerate is not installed (pip install 'fastpersist[accelerate]')"
+)
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import ProjectConfiguration, set_seed  # noqa: E402
+from fastpersist.integrations.accelerate import register  # noqa: E402
+
+STEPS = 8
+
+
+def setup(project_dir, limit=2):
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(
+            project_dir=str(project_dir), automatic_checkpoint_naming=True, total_limit=limit
+        ),
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    return acc, model, opt, sched
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(16, 8, generator=g)
+    return x, x.sum(1, keepdim=True).sin()
+
+
+def train(acc, model, opt, sched, steps, save_every=None):
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        acc.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if save_every and step % save_every == 0:
+            acc.save_state()
+    return losses
+
+
+def written_by_fastpersist(path) -> bool:
+    with zipfile.ZipFile(path) as z:
+        names = [n for n in z.namelist() if n.endswith("/.storage_alignment")]
+        return bool(names) and z.read(names[0]) == b"4096"
+
+
+def test_resume_matches_a_run_that_never_stopped(tmp_path):
+    set_seed(0)
+    ref = setup(tmp_path / "ref")
+    want = train(*ref, range(1, STEPS + 1))
+
+    set_seed(0)
+    acc, *rest = setup(tmp_path / "run")
+    fp = register(acc)
+    first = train(acc, *rest, range(1, 5), save_every=2)
+    fp.wait()
+    ck = tmp_path / "run" / "checkpoints"
+    assert sorted(os.listdir(ck)) == ["checkpoint_0", "checkpoint_1"]
+    names = set(os.listdir(ck / "checkpoint_1"))
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= names, names
+    for n in ["optimizer.bin", "scheduler.bin", "random_states_0.pkl"]:
+        assert written_by_fastpersist(ck / "checkpoint_1" / n), n
+    assert fp.saves.fallbacks == 0
+    fp.unregister()
+
+    set_seed(123)  # the checkpoint's RNG state must win
+    acc2, model2, opt2, sched2 = setup(tmp_path / "run")
+    fp2 = register(acc2)
+    acc2.load_state()  # the newest: checkpoint_1 (step 4)
+    acc2.project_configuration.iteration = 2
+    second = train(acc2, model2, opt2, sched2, range(5, STEPS + 1), save_every=2)
+    acc2.end_training()
+    assert first + second == want
+    for (k, a), (_, b) in zip(ref[1].state_dict().items(), model2.state_dict().items()):
+        assert bits(a) == bits(b), k
+    assert sorted(os.listdir(ck)) == ["checkpoint_2", "checkpoint_3"]  # total_limit, after the commits
+    fp2.unregister()
+
+
+def test_disk_full_surfaces_at_the_next_save_and_the_previous_survives(tmp_path, engine_fault):
+    acc, model, opt, sched = setup(tmp_path / "run", limit=1)
+    fp = register(acc)
+    train(acc, model, opt, sched, range(1, 3), save_every=2)
+    fp.wait()
+    engine_fault(0, errno.ENOSPC)
+    train(acc, model, opt, sched, range(3, 5), save_every=2)  # returns: the write fails in the background
+    with pytest.raises(fastpersist.WriteError) as ei:
+        acc.save_state()
+    assert ei.value.errno == errno.ENOSPC
+    ck = tmp_path / "run" / "checkpoints"
+    assert "checkpoint_0" in os.listdir(ck)  # total_limit=1 did not delete it for a failed save
+    fastpersist.verify.verify_file(ck / "checkpoint_0" / "optimizer.bin")
+    fp.unregister()

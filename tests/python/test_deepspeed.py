@@ -1,0 +1,101 @@
+"""The DeepSpeed checkpoint engine: through DeepSpeed's CheckpointEngine
+interface in this process, and through a real ``deepspeed.initialize``
+engine (CPU accelerator, one gloo rank) in a process of its own."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import fastpersist
+import pytest
+import torch
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'fastpersist[deepspeed]')")
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine  # noqa: E402
+from fastpersist.integrations.deepspeed import FastPersistCheckpointEngine  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def info(d, tag, latest=True):
+    return CheckpointCommitInfo(tag=tag, save_dir=str(d), save_latest=latest)
+
+
+def test_engine_interface_latest_only_after_every_file_is_durable(tmp_path):
+    eng = FastPersistCheckpointEngine()
+    assert isinstance(eng, CheckpointEngine) and eng.is_decoupled()
+    i = info(tmp_path, "global_step2")
+    eng.create(i)
+    eng.makedirs(tmp_path / "global_step2", exist_ok=True)
+    big = torch.randn(8 << 20)
+    want = big.clone()
+    eng.save({"module": {"w": big}, "step": 2}, str(tmp_path / "global_step2" / "model.pt"))
+    big.zero_()  # snapshot mode: save returned after the copy
+    assert not (tmp_path / "latest").exists()
+    assert eng.get_commit_info() == i
+    assert eng.commit(i) is True
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    fastpersist.verify.verify_file(tmp_path / "global_step2" / "model.pt")
+    got = eng.load(str(tmp_path / "global_step2" / "model.pt"), map_location="cpu")
+    assert got["step"] == 2 and torch.equal(got["module"]["w"], want)
+
+
+def test_engine_interface_failed_save_raises_at_commit_and_latest_stays(tmp_path, engine_fault):
+    eng = FastPersistCheckpointEngine(decoupled=False)
+    eng.create(info(tmp_path, "a"))
+    eng.save({"w": torch.ones(100)}, str(tmp_path / "a.pt"))
+    eng.commit(info(tmp_path, "a"))
+    engine_fault(0, errno.ENOSPC)
+    eng.create(info(tmp_path, "b"))
+    eng.save({"w": torch.ones(100)}, str(tmp_path / "b.pt"))
+    with pytest.raises(fastpersist.WriteError) as ei:
+        eng.commit(info(tmp_path, "b"))
+    assert ei.value.errno == errno.ENOSPC
+    assert (tmp_path / "latest").read_text() == "a"
+    assert not (tmp_path / "b.pt").exists()
+
+
+def test_reads_torch_legacy_format(tmp_path):
+    p = tmp_path / "old.pt"
+    torch.save({"w": torch.arange(3)}, p, _use_new_zipfile_serialization=False)
+    assert torch.equal(FastPersistCheckpointEngine().load(str(p))["w"], torch.arange(3))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_deepspeed_engine_on_cpu(tmp_path):
+    if shutil.which("ninja") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ninja")):
+        pytest.skip("DeepSpeed's CPU accelerator JIT-builds its comm op with ninja, which is not installed")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(_free_port()))
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "ds_worker.py"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-5000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    for mode in ("snapshot", "pipelined"):
+        assert out[f"{mode}_engine"] == "FastPersistCheckpointEngine"
+        assert out[f"{mode}_latest"] == "global_step4"
+        assert out[f"{mode}_files_ours"]
+        assert out[f"{mode}_losses"] == out["ref_losses"], mode
+        assert out[f"{mode}_digest"] == out["ref_digest"], mode
+    assert out["sync_latest"] == "global_step1" and out["sync_loaded_step"]
+    assert out["full_error"] == errno.ENOSPC
+    assert out["full_latest"] == "global_step2"
+    assert out["full_loaded"] == "global_step2"
+    assert out["engine_class_ok"]

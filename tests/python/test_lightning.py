@@ -1,0 +1,210 @@
+"""The Lightning CheckpointIO plugin, driven by a real Trainer (CPU)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import fastpersist
+import pytest
+import torch
+from fastpersist.verify import verify_file
+from helpers import bits
+
+pl = pytest.importorskip(
+    "lightning.pytorch", reason="lightning is not installed (pip install 'fastpersist[lightning]')"
+)
+from fastpersist.integrations.lightning import FastPersistCheckpointIO  # noqa: E402
+
+BATCHES = 4  # per epoch
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.losses: list = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(BATCHES * 16, 8, generator=g)
+        ds = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+        return torch.utils.data.DataLoader(ds, batch_size=16, shuffle=False)
+
+
+def trainer(tmp_path, io, callbacks=(), **kw):
+    kw.setdefault("max_epochs", 3)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[io],
+        callbacks=list(callbacks),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        deterministic=True,
+        **kw,
+    )
+
+
+class Recording(FastPersistCheckpointIO):
+    """Records, after each removal by ModelCheckpoint, the checkpoints on
+    disk that verify."""
+
+    def __init__(self, directory, **kw) -> None:
+        super().__init__(**kw)
+        self.directory = directory
+        self.valid_after_remove: list = []
+
+    def remove_checkpoint(self, path) -> None:
+        super().remove_checkpoint(path)
+        self.valid_after_remove.append(sum(1 for p in ckpts(self.directory) if _verifies(p)))
+
+
+def ckpts(d):
+    return sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".ckpt")) if os.path.isdir(d) else []
+
+
+def _verifies(p) -> bool:
+    try:
+        verify_file(p)
+        return True
+    except Exception:
+        return False
+
+
+def top_k(d, k, **kw):
+    return pl.callbacks.ModelCheckpoint(
+        dirpath=d, every_n_train_steps=1, save_top_k=k, monitor="step", mode="max", **kw
+    )
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "pipelined"])
+def test_topk_fit_then_resume_matches_a_run_that_never_stopped(tmp_path, mode):
+    ref = Tiny()
+    trainer(tmp_path / "ref", FastPersistCheckpointIO(mode=mode)).fit(ref)
+
+    d = str(tmp_path / "ck")
+    io = Recording(d, mode=mode)
+    first = Tiny()
+    trainer(tmp_path / "a", io, [top_k(d, 2)], max_epochs=1).fit(first)
+    files = ckpts(d)
+    assert len(files) == 2 and all(_verifies(p) for p in files)
+    assert io.valid_after_remove and min(io.valid_after_remove) >= 1  # top-k never left zero
+    assert not [n for n in os.listdir(d) if n.endswith(".fptmp")]
+
+    newest = max(files, key=lambda p: torch.load(p, weights_only=True)["global_step"])
+    resumed = Tiny()
+    trainer(tmp_path / "b", FastPersistCheckpointIO(mode=mode)).fit(resumed, ckpt_path=newest)
+    assert first.losses + resumed.losses == ref.losses
+    for (k, a), (_, b) in zip(ref.state_dict().items(), resumed.state_dict().items()):
+        assert bits(a) == bits(b), k
+
+
+def test_checkpoint_is_what_torch_load_reads_and_lightning_loads(tmp_path):
+    d = str(tmp_path / "ck")
+    m = Tiny()
+    trainer(tmp_path, FastPersistCheckpointIO(), [top_k(d, 1)], max_epochs=1).fit(m)
+    (path,) = ckpts(d)
+    got = torch.load(path, weights_only=True)
+    assert got["global_step"] == BATCHES and set(got["state_dict"]) == set(m.state_dict())
+    # Lightning's own loader reads it too.
+    again = Tiny.load_from_checkpoint(path, weights_only=True)
+    for k, v in m.state_dict().items():
+        assert bits(again.state_dict()[k]) == bits(v)
+
+
+def test_disk_full_surfaces_at_remove_and_the_previous_checkpoint_survives(tmp_path, engine_fault):
+    d = str(tmp_path / "ck")
+
+    class FillDisk(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            # Lightning runs ModelCheckpoint after the other callbacks: at
+            # step 3 the checkpoints of steps 1 and 2 are on disk (top-2) and
+            # the step-3 save, which would remove step 1's, is next.
+            if trainer.global_step == 3:
+                io.wait()
+                engine_fault(0, errno.ENOSPC)
+
+    io = FastPersistCheckpointIO()
+    t = trainer(tmp_path, io, [top_k(d, 2), FillDisk()], max_epochs=1)
+    with pytest.raises(fastpersist.WriteError) as ei:
+        t.fit(Tiny())
+    assert ei.value.errno == errno.ENOSPC
+    files = ckpts(d)
+    steps = sorted(torch.load(p, weights_only=True)["global_step"] for p in files)
+    assert steps == [1, 2]  # nothing was deleted for the failed step-3 save
+    assert all(_verifies(p) for p in files)
+    assert not [n for n in os.listdir(d) if n.endswith(".fptmp")]
+
+
+def test_teardown_raises_a_failed_save(tmp_path, engine_fault):
+    io = FastPersistCheckpointIO()
+    engine_fault(0, errno.ENOSPC)
+    io.save_checkpoint({"w": torch.ones(1000)}, tmp_path / "a.ckpt")
+    with pytest.raises(fastpersist.WriteError):
+        io.teardown()
+    io.teardown()  # reported once
+    assert not os.path.exists(tmp_path / "a.ckpt")
+
+
+def test_remove_waits_for_the_save_in_flight(tmp_path):
+    io = FastPersistCheckpointIO()
+    old = tmp_path / "old.ckpt"
+    io.save_checkpoint({"w": torch.zeros(10)}, old)
+    io.wait()
+    big = torch.randn(16 << 20)  # 64 MiB: still being written when remove is called
+    io.save_checkpoint({"w": big}, tmp_path / "new.ckpt")
+    big.fill_(0)  # allowed: save_checkpoint returned after the snapshot
+    io.remove_checkpoint(old)
+    assert not old.exists()
+    verify_file(tmp_path / "new.ckpt")  # durable and whole before the old one went
+    assert not torch.load(tmp_path / "new.ckpt", weights_only=True)["w"].eq(0).all()
+
+
+def test_load_honours_map_location_and_weights_only(tmp_path):
+    io = FastPersistCheckpointIO(async_save=False)
+    p = tmp_path / "a.ckpt"
+    io.save_checkpoint({"w": torch.arange(4.0), "obj": torch.nn.Identity()}, p)
+    with pytest.raises(Exception, match="weights_only|Unsupported|not allowed|WeightsUnpickler"):
+        io.load_checkpoint(p)  # None is torch's default: True
+    seen = []
+
+    def where(storage, loc):
+        seen.append(loc)
+        return storage
+
+    got = io.load_checkpoint(p, map_location=where, weights_only=False)
+    assert seen and isinstance(got["obj"], torch.nn.Identity) and torch.equal(got["w"], torch.arange(4.0))
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+
+
+def test_both_import_trees():
+    from lightning.fabric.plugins import CheckpointIO
+
+    assert isinstance(FastPersistCheckpointIO(), CheckpointIO)
+    fabric = pytest.importorskip("lightning_fabric.plugins", reason="pytorch_lightning is not installed")
+    assert isinstance(FastPersistCheckpointIO(), fabric.CheckpointIO)
+    ptl = pytest.importorskip("pytorch_lightning", reason="pytorch_lightning is not installed")
+    t = ptl.Trainer(accelerator="cpu", plugins=[FastPersistCheckpointIO()], logger=False)
+    assert isinstance(t.strategy.checkpoint_io, FastPersistCheckpointIO)
+
+
+def test_bad_options_fail_at_construction():
+    with pytest.raises(ValueError):
+        FastPersistCheckpointIO(mode="later")
+    with pytest.raises(ValueError):
+        FastPersistCheckpointIO(block_size=0)

@@ -1,0 +1,134 @@
+"""The Hugging Face Trainer mixin, driven by a real Trainer with a tiny GPT-2 (CPU)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import zipfile
+
+import fastpersist
+import pytest
+import torch
+from helpers import bits
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'fastpersist[transformers]')"
+)
+pytest.importorskip("accelerate", reason="the Trainer needs accelerate")
+from fastpersist.integrations.transformers import FastPersistTrainerMixin, latest_complete_checkpoint  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+STEPS = 8
+
+
+class FPTrainer(FastPersistTrainerMixin, Trainer):
+    pass
+
+
+def model():
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.1)
+    return GPT2LMHeadModel(cfg)
+
+
+def data():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (64, 16), generator=g)
+    return [{"input_ids": x, "labels": x} for x in ids]
+
+
+def args(out, **kw):
+    base = dict(
+        output_dir=str(out),
+        max_steps=STEPS,
+        save_steps=2,
+        save_total_limit=2,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def written_by_fastpersist(path) -> bool:
+    """fastpersist's torch zip files place storages at 4096-byte boundaries."""
+    with zipfile.ZipFile(path) as z:
+        (name,) = [n for n in z.namelist() if n.endswith("/.storage_alignment")] or [None]
+        return name is not None and z.read(name) == b"4096"
+
+
+def losses(trainer):
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def test_resume_matches_a_run_that_never_stopped_and_rotation_keeps_the_limit(tmp_path):
+    ref = FPTrainer(model=model(), args=args(tmp_path / "ref", save_strategy="no"), train_dataset=data())
+    ref.train()
+
+    out = tmp_path / "run"
+    a = FPTrainer(model=model(), args=args(out), train_dataset=data(), callbacks=[StopAt(4)])
+    a.train()
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4"]
+    ck = out / "checkpoint-4"
+    names = set(os.listdir(ck))
+    for n in ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"]:
+        assert n in names, names
+    assert not [n for n in names if "fptmp" in n or "pending" in n]
+    for n in ["optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"]:
+        assert written_by_fastpersist(ck / n), n
+    assert (ck / "model.safetensors").read_bytes()[8:4096].endswith(b" ")  # header padded to 4096: ours
+    assert a._fastpersist.fallbacks == 0
+    assert torch.load(ck / "optimizer.pt", weights_only=True)["state"]
+
+    b = FPTrainer(model=model(), args=args(out), train_dataset=data())
+    b.train(resume_from_checkpoint=True)
+    assert sorted(os.listdir(out)) == ["checkpoint-6", "checkpoint-8"]  # rotated to the limit
+    want, got = losses(ref), {**losses(a), **losses(b)}
+    assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
+    for (k, x), (_, y) in zip(ref.model.state_dict().items(), b.model.state_dict().items()):
+        assert bits(x) == bits(y), k
+
+
+def test_disk_full_surfaces_and_the_previous_checkpoint_survives(tmp_path, engine_fault):
+    class FillDisk(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 4:  # before the Trainer saves step 4
+                t.fastpersist_wait()
+                engine_fault(0, errno.ENOSPC)
+
+    out = tmp_path / "run"
+    t = FPTrainer(model=model(), args=args(out, save_total_limit=1), train_dataset=data(), callbacks=[FillDisk()])
+    with pytest.raises(fastpersist.WriteError) as ei:
+        t.train()
+    assert ei.value.errno == errno.ENOSPC
+    # checkpoint-2 is complete and was not rotated away; checkpoint-4 never got its trainer_state.json.
+    assert latest_complete_checkpoint(str(out)) == str(out / "checkpoint-2")
+    assert not (out / "checkpoint-4" / "trainer_state.json").exists()
+    engine_fault_cleared = FPTrainer(model=model(), args=args(out), train_dataset=data())
+    with pytest.raises(ValueError, match="incomplete"):
+        engine_fault_cleared.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+
+
+def test_files_are_the_ones_the_trainer_reads_without_fastpersist(tmp_path):
+    out = tmp_path / "run"
+    FPTrainer(model=model(), args=args(out, max_steps=2), train_dataset=data()).train()
+    plain = Trainer(model=model(), args=args(out, max_steps=4), train_dataset=data())
+    plain.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert plain.state.global_step == 4
