@@ -85,8 +85,8 @@ def save_ranks(rank: int, world: int, port: int, path: str, fail_rank: int) -> N
             sd2 = sharded(mesh, save_layout(), {k: v + 1 for k, v in full.items()})
             try:
                 dcp.save(sd2, storage_writer=FastPersistWriter(path))
-            except Exception:
-                pass
+            except dcp.CheckpointException as e:
+                assert "Input/output error" in str(e), str(e)
             else:
                 raise AssertionError("the save with a failing rank succeeded")
             finally:

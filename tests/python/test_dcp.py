@@ -424,7 +424,12 @@ def test_reshard_across_rank_counts(tmp_path, save_world, load_world):
     path = str(tmp_path / "ckpt")
     # a second save, in which rank 1 fails half-way, must leave the first
     dcp_cases.spawn(dcp_cases.save_ranks, save_world, path, 1)
-    assert len([n for n in os.listdir(path) if n.endswith(".distcp")]) == save_world
+    md = pickle.load(open(os.path.join(path, ".metadata"), "rb"))
+    used = {v.relative_path for v in md.storage_data.values()}
+    assert len(used) == save_world
+    # the ranks that did not fail committed their files; nothing names them
+    # (the next successful save removes them)
+    assert len(set(os.listdir(path)) - used - {".metadata", sidecar_name(md.storage_meta.save_id)}) == save_world - 1
     dcp_cases.spawn(dcp_cases.load_ranks, load_world, path)
     # and a full (unsharded) load in one process
     full = dcp_cases.full_tensors()
