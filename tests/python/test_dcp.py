@@ -179,6 +179,28 @@ def test_checkpoint_id_and_reuse(tmp_path):
         assert_equal(out, sd)
 
 
+def test_device_storages_through_the_staging_path(tmp_path, monkeypatch):
+    """The path CUDA tensors take (chunks through the staging slots), run on
+    the CPU with the test hook that stages CPU storages."""
+    monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    monkeypatch.delenv("FASTPERSIST_TEST_STAGE_CPU")
+    for reader in (dcp.FileSystemReader(tmp_path), FastPersistReader(tmp_path)):
+        assert_equal(load(tmp_path, reader, sd), sd, type(reader).__name__)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_round_trip(tmp_path):
+    sd = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in state().items() if k != "nested"}
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    for reader in (dcp.FileSystemReader(tmp_path), FastPersistReader(tmp_path)):
+        out = load(tmp_path, reader, sd)
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                assert out[k].is_cuda and torch.equal(out[k], v), k
+
+
 # ---------------------------------------------------------------------------
 # Commit, replacement, failures
 
