@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DIST ?= target/wheels
 BENCH_ARGS ?=
 
-.PHONY: all venv wheel install test test-rust lint test-python bench bench-read bench-train bench-smoke clean
+.PHONY: all venv wheel install test test-rust lint test-python bench bench-read bench-train bench-dcp bench-smoke clean
 
 all: test
 
@@ -63,11 +63,15 @@ bench-read: install
 bench-train: install
 	$(PY) benches/train_bench.py $(BENCH_ARGS)
 
+bench-dcp: install
+	$(PY) benches/dcp_bench.py $(BENCH_ARGS)
+
 # Under a minute: keeps the benchmarks working, measures nothing worth quoting.
 bench-smoke: install
 	$(PY) benches/write_bench.py --size 64MiB --rounds 1 --small-count 200 --small-size 16MiB
 	$(PY) benches/read_bench.py --size 64MiB --rounds 1 --settle 0
 	$(PY) benches/train_bench.py --layers 1 --dim 64 --heads 2 --vocab 512 --ctx 32 --iters 3 --rounds 1
+	$(PY) benches/dcp_bench.py --size 64MiB --small-count 200 --small-size 16MiB --ranks 1,2 --rounds 1 --settle 0 --no-fio
 
 clean:
 	cargo clean

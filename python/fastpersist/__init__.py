@@ -51,3 +51,13 @@ __all__ = [
     "release_engines",
     "release_staging",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # ``fastpersist.dcp`` is imported on first use: it imports
+    # torch.distributed.checkpoint, which ``import fastpersist`` does not need.
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module(".dcp", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -79,10 +79,15 @@ class TorchZipLayout:
     pickle, storages found only by the pickler, the small records and the
     central directory). Between the two, the head can be written."""
 
-    def __init__(self, obj: Any, stage: Optional[Any] = None) -> None:
+    def __init__(self, obj: Any, stage: Optional[Any] = None, alignment: int = STORAGE_ALIGNMENT) -> None:
         """``stage(storage)`` says which storages are copied from a device
-        through the staging path (default: CUDA storages)."""
+        through the staging path (default: CUDA storages). ``alignment``:
+        of the ``data/<key>`` records (a power of two, at least 64; recorded
+        in ``.storage_alignment``)."""
+        if alignment < SMALL_ALIGNMENT or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two >= {SMALL_ALIGNMENT}, not {alignment}")
         self.obj = obj
+        self.alignment = alignment
         self.stage = stage if stage is not None else (lambda st: st.device.type == "cuda")
         self.cursor = 0
         self.file_len = 0
@@ -113,7 +118,7 @@ class TorchZipLayout:
                 self._add_storage(key, storage)
         self._add("data.pkl", len(data_pkl), SMALL_ALIGNMENT, data=data_pkl)
         self._add(".format_version", 1, SMALL_ALIGNMENT, data=b"1")
-        align_b = str(STORAGE_ALIGNMENT).encode()
+        align_b = str(self.alignment).encode()
         self._add(".storage_alignment", len(align_b), SMALL_ALIGNMENT, data=align_b)
         order = sys.byteorder.encode()
         self._add("byteorder", len(order), SMALL_ALIGNMENT, data=order)
@@ -144,7 +149,7 @@ class TorchZipLayout:
         n = storage.nbytes()
         self.storage_bytes += n
         self._add(
-            f"data/{key}", n, STORAGE_ALIGNMENT, region=(storage.data_ptr(), crc_id), device=storage if staged else None
+            f"data/{key}", n, self.alignment, region=(storage.data_ptr(), crc_id), device=storage if staged else None
         )
 
     def _blob(self, data: bytes) -> None:
@@ -254,12 +259,12 @@ class TorchZipLayout:
         self._blob(_EOCD.pack(0x06054B50, 0, 0, min(n, _U16), min(n, _U16), min(cd_size, _U32), min(cd_start, _U32), 0))
 
 
-def plan_torch_save(obj: Any, stage: Optional[Any] = None) -> Plan:
+def plan_torch_save(obj: Any, stage: Optional[Any] = None, alignment: int = STORAGE_ALIGNMENT) -> Plan:
     """Describe the whole ``torch.save`` file of ``obj`` at once. Without
     ``stage`` every storage is in host memory (device storages are copied to
     the host); with it, the storages it selects are left on their device, in
-    ``plan.device``."""
-    z = TorchZipLayout(obj, stage=stage or (lambda st: False))
+    ``plan.device``. ``alignment``: of the storage records (4096 by default)."""
+    z = TorchZipLayout(obj, stage=stage or (lambda st: False), alignment=alignment)
     plan = Plan()
     plan.extend(z.head())
     plan.extend(z.tail())

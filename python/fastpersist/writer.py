@@ -128,15 +128,38 @@ def write_torch_zip(
 
 
 def write_plan(
-    plan: Plan, path: str, opts: EngineOptions, plan_seconds: float = 0.0, t0: Optional[float] = None
+    plan: Plan,
+    path: str,
+    opts: EngineOptions,
+    plan_seconds: float = 0.0,
+    t0: Optional[float] = None,
+    index: int = 0,
 ) -> WriteStats:
-    """Write a whole :class:`~fastpersist.plan.Plan` and commit it."""
+    """Write a whole :class:`~fastpersist.plan.Plan` and commit it. Its
+    device storages (``plan.device``) are streamed through the staging slots
+    (:mod:`fastpersist.cuda_staging`); ``index`` picks one of several engines
+    for the same options (files written at once from several threads)."""
     t0 = time.perf_counter() if t0 is None else t0
-    if is_special_file(path):
+    if is_special_file(path) and not plan.device:
         return stream_plan(plan, path, plan_seconds, t0)
-    with use_engine(opts) as eng:
-        guard = plan.guard if plan.guard else None
-        raw = eng.write_file(path, plan.blobs, plan.regions, plan.slots, plan.file_len, guard)
+    guard = plan.guard if plan.guard else None
+    if plan.device:
+        _, kind = staging_setup()
+        devices = sorted({r.storage.device for r in plan.device}, key=str)
+        ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk())
+        try:
+            with use_engine(opts, index) as eng:
+                session = eng.begin(path, plan.file_len)
+                try:
+                    raw = send(session, plan, ctx, plan.file_len, guard=guard)
+                except BaseException:
+                    session.abort()
+                    raise
+        finally:
+            ctx.close()
+    else:
+        with use_engine(opts, index) as eng:
+            raw = eng.write_file(path, plan.blobs, plan.regions, plan.slots, plan.file_len, guard)
     warn_fallback(raw["direct_note"], opts.direct)
     warn_fallback(raw["uring_note"], opts.io_uring)
     return write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, time.perf_counter() - t0)

@@ -31,7 +31,12 @@ LAYERS = {
     "bench": 8,
     "cli": 9,
     "__init__": 10,
+    # Public names of adapters (imported on demand, never by __init__).
+    "dcp": 11,
 }
+
+#: Modules that re-export an adapter under a public name.
+ADAPTER_ALIASES = {"dcp": "integrations.dcp"}
 
 
 def _modules() -> dict:
@@ -96,8 +101,20 @@ def test_lower_modules_import_only_lower_ones() -> None:
         assert m in LAYERS, f"{m} has no layer: add it to LAYERS in {__file__}"
         for i in _imports(p, m):
             if i.startswith("integrations"):
+                if ADAPTER_ALIASES.get(m) == i:
+                    continue
                 raise AssertionError(f"{m} imports the adapter {i}")
             assert LAYERS[i] < LAYERS[m], f"{m} (layer {LAYERS[m]}) imports {i} (layer {LAYERS[i]})"
+
+
+def test_adapters_are_not_imported_by_the_package() -> None:
+    """``import fastpersist`` imports no adapter (nor its framework)."""
+    import subprocess
+    import sys
+
+    code = "import sys, fastpersist; print(sorted(m for m in sys.modules if m.startswith(('fastpersist.integrations', 'fastpersist.dcp', 'torch.distributed.checkpoint'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 def test_no_private_names_cross_modules() -> None:

@@ -1,0 +1,991 @@
+"""fastpersist as the storage layer of PyTorch Distributed Checkpoint (DCP).
+
+DCP (``torch.distributed.checkpoint``) plans sharded saves and reshards on
+load; this module gives it fastpersist's engine as storage::
+
+    import torch.distributed.checkpoint as dcp
+    from fastpersist.dcp import FastPersistReader, FastPersistWriter
+
+    dcp.save(state_dict, storage_writer=FastPersistWriter("ckpt/step-100"))
+    dcp.load(state_dict, storage_reader=FastPersistReader("ckpt/step-100"))
+
+The checkpoint is the one DCP's ``FileSystemWriter`` writes, so the stock
+``FileSystemReader`` (where fastpersist is not installed) loads it: the same
+``.metadata`` (stock ``_StorageInfo(relative_path, offset, length)`` per
+item), each tensor item a ``torch.save`` blob, byte items raw. What differs:
+
+* one file per rank (``thread_count`` files with ``thread_count`` threads),
+  written by the engine (io_uring, O_DIRECT, CRC32 while copying); the data
+  record of every tensor of 64 KiB or more starts on a 4096-byte boundary of
+  the file (smaller ones are packed at 64 bytes, as torch.save does);
+* data file names carry the save's id (``__<rank>_<n>.<id>.distcp``), so a
+  save never overwrites the files the previous checkpoint at that path uses;
+* the commit: every data file is committed by the engine (temporary file,
+  fsync, rename, directory fsync) before ``write_data`` returns; then the
+  coordinator writes the CRC32 sidecar (``.fastpersist-<id>.crc32``, which
+  stock readers never open) and ``.metadata`` last, each durably, and only
+  then removes the files of the checkpoint it replaced. A failed save leaves
+  the previous checkpoint loadable.
+
+:class:`FastPersistReader` reads with the engine (O_DIRECT, many reads in
+flight, straight into destination tensors where the layout allows, GPU
+destinations through the staging slots) and checks every item's CRC32
+(:class:`~fastpersist.CorruptCheckpointError` names the item). It also
+reads checkpoints written by the stock writer (without CRCs).
+
+:func:`install` makes DCP pick fastpersist for plain local paths when the
+caller names no storage (``dcp.save(sd, checkpoint_id=path)``);
+:func:`uninstall` undoes it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import struct
+import threading
+import uuid
+import weakref
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from .. import _core
+from ..async_save import SnapshotPool
+from ..cuda_staging import read_staged, staging_setup
+from ..errors import CorruptCheckpointError
+from ..options import EngineOptions, read_with, use_engine
+from ..plan import Blob, DeviceRegion, Plan, Region, Slot
+from ..torch_zip import SMALL_ALIGNMENT, STORAGE_ALIGNMENT, plan_torch_save
+from ..writer import write_plan
+
+__all__ = [
+    "FastPersistWriter",
+    "FastPersistReader",
+    "CorruptCheckpointError",
+    "install",
+    "uninstall",
+    "installed",
+    "METADATA",
+    "sidecar_name",
+]
+
+log = logging.getLogger("fastpersist")
+
+#: DCP's metadata file (committed last).
+METADATA = ".metadata"
+SUFFIX = ".distcp"
+#: Tensors of at least this many bytes get their data at a 4096-byte
+#: boundary of the file; smaller ones are packed at 64 bytes.
+ALIGN_ABOVE = 64 << 10
+SIDECAR_FORMAT = "fastpersist.dcp.crc32"
+_TAG_LEN = 16
+#: Data files this module names: ``__<rank>_<n>.<save tag>.distcp``.
+_OWN_DATA = re.compile(rf"__(\d+)_\d+\.([0-9a-f]{{{_TAG_LEN}}})\.distcp")
+_OWN_SIDECAR = re.compile(rf"\.fastpersist-([0-9a-f]{{{_TAG_LEN}}})\.crc32")
+#: Bytes of temporary buffers one read call fills at most.
+READ_BATCH_BYTES = 256 << 20
+
+
+def _tag(save_id: Optional[str]) -> str:
+    return (save_id or "").replace("-", "")[:_TAG_LEN]
+
+
+def sidecar_name(save_id: Optional[str]) -> str:
+    """The CRC32 sidecar of the save ``save_id`` (``metadata.storage_meta.save_id``)."""
+    return f".fastpersist-{_tag(save_id)}.crc32"
+
+
+def _dir(path: Any) -> str:
+    if hasattr(path, "write") or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"a DCP checkpoint is a directory path (str or os.PathLike), not {type(path).__name__}")
+    p = os.fsdecode(os.fspath(path))
+    if not p:
+        raise ValueError("empty checkpoint path")
+    return p
+
+
+def _not_a_directory(path: str) -> NotADirectoryError:
+    return NotADirectoryError(f"{path} exists and is not a directory (a DCP checkpoint is a directory)")
+
+
+# ---------------------------------------------------------------------------
+# Writing: each rank's items laid out in one file for the engine.
+
+
+class _Template(NamedTuple):
+    """The ``torch.save`` blob of a tensor of one dtype and shape, relative
+    to the blob's start: everything but the data and its CRC32."""
+
+    head: bytes  # bytes before the data record
+    data_len: int
+    tail: List[Tuple[int, bytes]]  # (offset after the data, bytes), between the CRC slots
+    slots: List[int]  # offsets after the data of the CRC32 slots
+    tail_zero: bytes  # the bytes after the data, slots zero
+    length: int
+    head_crc: int
+    align: int
+
+    @property
+    def data_off(self) -> int:
+        return len(self.head)
+
+
+def _make_template(t: torch.Tensor, align: int) -> _Template:
+    """Lay out ``torch.save(t)`` once (its bytes do not depend on values)."""
+    plan = plan_torch_save(t, alignment=align)
+    data = [r for r in plan.records if r[0].startswith("data/")]
+    if len(data) != 1:
+        raise AssertionError(f"a tensor's torch.save blob has {len(data)} storage records")
+    _, data_off, data_len = data[0]
+    end = data_off + data_len
+    head = bytearray(data_off)
+    tail = bytearray(plan.file_len - end)
+    for off, b in plan.blobs:
+        if off < data_off:
+            head[off : off + len(b)] = b
+        else:
+            tail[off - end : off - end + len(b)] = b
+    slots = sorted(off - end for off, _ in plan.slots)
+    pieces: List[Tuple[int, bytes]] = []
+    pos = 0
+    for s in [*slots, len(tail)]:
+        if s > pos:
+            pieces.append((pos, bytes(tail[pos:s])))
+        pos = s + 4
+    return _Template(bytes(head), data_len, pieces, slots, bytes(tail), plan.file_len, _core.crc32(bytes(head)), align)
+
+
+class _Templates:
+    """Templates by (dtype, shape, alignment), for plain tensors (the
+    blob of a tensor subclass or a tensor with extra state is made for it)."""
+
+    def __init__(self) -> None:
+        self._cache: Dict[Tuple[Any, ...], _Template] = {}
+
+    def get(self, t: torch.Tensor, align: int) -> _Template:
+        if type(t) is not torch.Tensor or t.is_conj() or t.is_neg() or t.is_quantized:
+            return _make_template(t, align)
+        key = (t.dtype, tuple(t.shape), align)
+        tpl = self._cache.get(key)
+        if tpl is None:
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            tpl = self._cache[key] = _make_template(torch.empty(t.shape, dtype=t.dtype), align)
+        return tpl
+
+
+_templates = _Templates()
+
+
+class _ItemInfo(NamedTuple):
+    """What a rank reports for one item (turned into a stock ``_StorageInfo``
+    plus a sidecar entry by the coordinator)."""
+
+    relative_path: str
+    offset: int
+    length: int
+    crc32: int
+    data_offset: int  # of the tensor data inside the item; -1 for byte items
+    data_length: int
+
+
+def _exact(t: torch.Tensor) -> bool:
+    """``t``'s storage is exactly its data, in order (its bytes are the record)."""
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        and t.layout == torch.strided
+    )
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class _FileLayout:
+    """One data file: byte items, then tensors, each placed in the plan."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.plan = Plan()
+        self.cursor = 0
+        # (write item, offset, length, template or None, crc id or -1, crc for bytes)
+        self.items: List[Tuple[WriteItem, int, int, Optional[_Template], int, int]] = []
+        self.stage, _ = staging_setup()
+
+    def add_bytes(self, item: WriteItem, data: Any) -> None:
+        b = bytes(data.getbuffer()) if isinstance(data, io.BytesIO) else bytes(data)
+        off = self.cursor = _align(self.cursor, SMALL_ALIGNMENT)
+        if b:
+            self.plan.blobs.append(Blob(off, b))
+        self.cursor += len(b)
+        self.items.append((item, off, len(b), None, -1, _core.crc32(b)))
+
+    def add_tensor(self, item: WriteItem, t: torch.Tensor) -> None:
+        t = t.detach()
+        staged = self._staged(t)
+        if not staged and t.device.type != "cpu":
+            t = t.cpu()
+        if not _exact(t):
+            t = t.clone(memory_format=torch.contiguous_format)
+        nbytes = t.numel() * t.element_size()
+        align = STORAGE_ALIGNMENT if nbytes >= ALIGN_ABOVE else SMALL_ALIGNMENT
+        tpl = _templates.get(t, align)
+        base = self.cursor = _align(self.cursor, align)
+        cid = len(self.plan.storage_keys)
+        self.plan.storage_keys.append(str(cid))
+        self.plan.blobs.append(Blob(base, tpl.head))
+        data_at = base + tpl.data_off
+        if nbytes:
+            storage = t.untyped_storage()
+            if staged:
+                self.plan.device.append(DeviceRegion(data_at, storage, nbytes, cid))
+            else:
+                self.plan.regions.append(Region(data_at, storage.data_ptr(), nbytes, cid))
+            self.plan.keepalive.append(storage)
+            self.plan.guard.watch(cid, storage, f"DCP item {item.index.fqn!r}")
+            self.plan.storage_bytes += nbytes
+        end = data_at + nbytes
+        self.plan.blobs.extend(Blob(end + o, b) for o, b in tpl.tail)
+        self.plan.slots.extend(Slot(end + s, cid) for s in tpl.slots)
+        self.cursor = base + tpl.length
+        self.items.append((item, base, tpl.length, tpl, cid, 0))
+
+    def _staged(self, t: torch.Tensor) -> bool:
+        if t.device.type == "cuda":
+            return True
+        return self.stage is not None and t.numel() > 0 and bool(self.stage(t.untyped_storage()))
+
+    def finish(self) -> Plan:
+        self.plan.file_len = self.cursor
+        return self.plan
+
+    def results(self, crcs: Dict[str, int]) -> List[WriteResult]:
+        out = []
+        for item, off, length, tpl, cid, byte_crc in self.items:
+            crc = byte_crc
+            data_off = data_len = -1
+            if tpl is not None:
+                d = crcs.get(str(cid), 0) if tpl.data_len else 0
+                tail = bytearray(tpl.tail_zero)
+                for s in tpl.slots:
+                    struct.pack_into("<I", tail, s, d)
+                crc = _core.crc32_combine(tpl.head_crc, d, tpl.data_len)
+                crc = _core.crc32_combine(crc, _core.crc32(bytes(tail)), len(tail))
+                data_off, data_len = tpl.data_off, tpl.data_len
+            info = _ItemInfo(self.name, off, length, crc, data_off, data_len)
+            out.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _FileNames:
+    """A rank's data file names: ``<prefix><n>.<tag>.distcp``."""
+
+    prefix: str
+    tag: str
+
+    def name(self, n: int) -> str:
+        return f"{self.prefix}{n}.{self.tag}{SUFFIX}"
+
+
+def _item_size(item: WriteItem) -> int:
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    n = 1
+    for s in item.tensor_data.size:
+        n *= s
+    return n * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+
+
+def _buckets(items: Sequence[WriteItem], n: int) -> List[List[WriteItem]]:
+    """``n`` files of balanced tensor bytes; byte items spread round-robin."""
+    if n <= 1:
+        return [list(items)]
+    out: List[List[WriteItem]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    byte_items = [it for it in items if it.type == WriteItemType.BYTE_IO]
+    for i, it in enumerate(byte_items):
+        out[i % n].append(it)
+    for it in sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=_item_size, reverse=True):
+        k = min(range(n), key=sizes.__getitem__)
+        out[k].append(it)
+        sizes[k] += _item_size(it)
+    return [b for b in out if b]
+
+
+def _referenced(directory: str, metadata_file: str) -> Tuple[set, Optional[str]]:
+    """Files the checkpoint committed at ``directory`` uses (data files and
+    its sidecar), or nothing when there is none or it cannot be read."""
+    try:
+        with open(os.path.join(directory, metadata_file), "rb") as f:
+            md = pickle.load(f)
+        files = {getattr(v, "relative_path", None) for v in (md.storage_data or {}).values()}
+        save_id = getattr(getattr(md, "storage_meta", None), "save_id", None)
+        return {f for f in files if isinstance(f, str)}, (sidecar_name(save_id) if save_id else None)
+    except Exception:  # noqa: BLE001 - no usable previous checkpoint: nothing is removed on its account
+        return set(), None
+
+
+# ---------------------------------------------------------------------------
+# Staging for dcp.async_save: copies into the writer's reusable pool.
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    """``obj`` with every tensor (DTensor local shards, ShardedTensor local
+    shards included) replaced by ``fn(tensor)``; other leaves copied."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return DTensor(fn(obj._local_tensor), obj._spec, requires_grad=False)
+    sharded = _sharded_tensor_type()
+    if sharded is not None and isinstance(obj, sharded):
+        from torch.distributed._shard.sharded_tensor import Shard
+
+        shards = [Shard(fn(s.tensor), s.metadata) for s in obj.local_shards()]
+        return sharded._init_from_local_shards_and_global_metadata(
+            shards, obj.metadata(), process_group=obj._process_group
+        )
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_map_tensors(v, fn) for v in obj)
+    if obj is None or isinstance(obj, (int, float, str, bytes, bool)):
+        return obj
+    return copy.deepcopy(obj)
+
+
+def _sharded_tensor_type() -> Any:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except Exception:  # noqa: BLE001 - not in every build
+        return None
+    return ShardedTensor
+
+
+class _Stager:
+    """Copies of a state dict's tensors in one buffer of a
+    :class:`~fastpersist.SnapshotPool` (pinned when CUDA tensors are
+    staged); the buffer goes back to the pool once the staged state dict
+    (every tensor of it) is gone, i.e. once DCP is done with it."""
+
+    def __init__(self) -> None:
+        self.pool = SnapshotPool()
+
+    def stage(self, state_dict: Any) -> Any:
+        sizes: List[int] = []
+        cuda = [False]
+
+        def measure(t: torch.Tensor) -> torch.Tensor:
+            sizes.append(_align(t.numel() * t.element_size(), SMALL_ALIGNMENT))
+            cuda[0] |= t.device.type == "cuda"
+            return t
+
+        _map_tensors(state_dict, measure)
+        pin = cuda[0] and torch.cuda.is_available()
+        buf = self.pool.acquire(max(sum(sizes), 1), pin=pin)
+        # A tensor of its own (not a view) over the buffer: every staged
+        # tensor is a view of it, so it lives exactly as long as they do.
+        lease = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
+        weakref.finalize(lease, self.pool.put_back, buf)
+        pos = [0]
+
+        def copy_one(t: torch.Tensor) -> torch.Tensor:
+            n = t.numel() * t.element_size()
+            dst = lease[pos[0] : pos[0] + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
+            pos[0] += _align(n, SMALL_ALIGNMENT)
+            if n:
+                dst.copy_(t.detach(), non_blocking=pin and t.device.type == "cuda")
+            return dst
+
+        staged = _map_tensors(state_dict, copy_one)
+        if pin:
+            torch.cuda.synchronize()
+        return staged
+
+    def close(self) -> None:
+        self.pool.release()
+
+
+# ---------------------------------------------------------------------------
+# The writer
+
+
+class FastPersistWriter(StorageWriter, AsyncStager):
+    """A DCP ``StorageWriter`` (and ``AsyncStager``) that writes with
+    fastpersist's engine. See the module documentation for the files.
+
+    ``single_file_per_rank``: one file per rank (else one per item);
+    ``sync_files``: data, sidecar and ``.metadata`` durable (fsync of files
+    and directory; leave it on); ``thread_count``: files per rank written at
+    once (default 1: one file saturates a disk); ``overwrite``: replace a
+    checkpoint at the path (else refuse, like DCP's ``overwrite=False``);
+    ``engine_options``: those of :func:`fastpersist.write_state_dict`
+    (``block_size``, ``arena_bytes``, ``queue_depth``, ``direct``,
+    ``io_uring``). Engines are made on first use in the process that
+    writes, so the writer pickles (DCP's process-based ``async_save``).
+    """
+
+    _synchronize_after_execute: bool = True
+
+    def __init__(
+        self,
+        path: Any,
+        *,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: Optional[int] = None,
+        overwrite: bool = True,
+        **engine_options: Any,
+    ) -> None:
+        super().__init__()
+        self.path = _dir(path)
+        self.single_file_per_rank = bool(single_file_per_rank)
+        self.sync_files = bool(sync_files)
+        self.thread_count = 1 if thread_count is None else int(thread_count)
+        if self.thread_count < 1:
+            raise ValueError(f"thread_count must be at least 1, not {thread_count}")
+        self.overwrite = bool(overwrite)
+        self.engine_options = dict(engine_options)
+        self.opts = EngineOptions.resolve(**engine_options, durable=self.sync_files)  # ValueError now, not mid-save
+        self.save_id = str(uuid.uuid4())
+        self.rank: Optional[int] = None
+        self.is_coordinator = False
+        self.use_collectives = True
+        self._stager: Optional[_Stager] = None
+        #: The :class:`fastpersist.WriteStats` of this rank's files in the last save.
+        self.last_stats: List[Any] = []
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_stager"] = None  # the pool stays with the process that staged
+        state["last_stats"] = []
+        return state
+
+    # -- StorageWriter ------------------------------------------------------
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id:
+            self.path = _dir(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def _metadata_file(self) -> str:
+        if not self.use_collectives and self.rank is not None:
+            return f"__{self.rank}{METADATA}"
+        return METADATA
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise _not_a_directory(self.path)
+        os.makedirs(self.path, exist_ok=True)
+        if not self.overwrite and os.path.exists(os.path.join(self.path, self._metadata_file())):
+            raise RuntimeError(f"a checkpoint exists at {self.path} and overwrite=False")
+        if not self.use_collectives and self.rank is not None:
+            plan = dataclasses.replace(plan, storage_data=_FileNames(f"__{self.rank}_", _tag(self.save_id)))
+        return plan
+
+    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+        tag = _tag(self.save_id)
+        return [
+            dataclasses.replace(p, storage_data=_FileNames(f"__{i}_", tag)) if p.storage_data is None else p
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        names: _FileNames = plan.storage_data
+        if self.single_file_per_rank:
+            groups = _buckets(plan.items, self.thread_count)
+        else:
+            groups = [[it] for it in plan.items]
+        results: List[List[WriteResult]] = [[] for _ in groups]
+        stats: List[Any] = [None] * len(groups)
+        errors: List[BaseException] = []
+        lock = threading.Lock()
+        queue = list(enumerate(groups))
+
+        def worker(engine_index: int) -> None:
+            while True:
+                with lock:
+                    if errors or not queue:
+                        return
+                    n, items = queue.pop(0)
+                try:
+                    results[n], stats[n] = self._write_file(names.name(n), items, planner, engine_index)
+                except BaseException as e:  # noqa: BLE001 - raised on the calling thread
+                    with lock:
+                        errors.append(e)
+                    return
+
+        threads = [
+            threading.Thread(target=worker, args=(i,), name=f"fastpersist-dcp-{i}", daemon=True)
+            for i in range(1, min(self.thread_count, len(groups)))
+        ]
+        for t in threads:
+            t.start()
+        worker(0)
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        self.last_stats = [s for s in stats if s is not None]
+        fut: Future = Future()
+        fut.set_result([r for rs in results for r in rs])
+        return fut
+
+    def _write_file(
+        self, name: str, items: List[WriteItem], planner: SavePlanner, engine_index: int
+    ) -> Tuple[List[WriteResult], Any]:
+        layout = _FileLayout(name)
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                layout.add_bytes(item, planner.resolve_data(item))
+        for item in items:
+            if item.type != WriteItemType.BYTE_IO:
+                layout.add_tensor(item, planner.resolve_data(item))
+        plan = layout.finish()
+        try:
+            st = write_plan(plan, os.path.join(self.path, name), self.opts, index=engine_index)
+        finally:
+            del plan.keepalive[:]
+        return layout.results(st.crc32), st
+
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        """The commit: CRC sidecar, then ``.metadata`` (each written to a
+        temporary file, fsynced, renamed, directory fsynced); then the files
+        of the checkpoint this one replaces are removed."""
+        from torch.distributed.checkpoint import filesystem
+
+        storage_md: Dict[MetadataIndex, Any] = {}
+        files: Dict[str, List[List[int]]] = {}
+        for wr in (w for ws in results for w in ws):
+            info = wr.storage_data
+            storage_md[wr.index] = _StorageInfo(info.relative_path, info.offset, info.length)
+            files.setdefault(info.relative_path, []).append(
+                [info.offset, info.length, info.crc32, info.data_offset, info.data_length]
+            )
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        if hasattr(filesystem, "CURRENT_DCP_VERSION"):
+            metadata.version = filesystem.CURRENT_DCP_VERSION
+        md_file = self._metadata_file()
+        old_files, old_sidecar = _referenced(self.path, md_file)
+        sidecar = {"format": SIDECAR_FORMAT, "version": 1, "save_id": self.save_id, "files": files}
+        _core.atomic_write(
+            os.path.join(self.path, sidecar_name(self.save_id)),
+            json.dumps(sidecar, separators=(",", ":")).encode(),
+            durable=self.sync_files,
+        )
+        _core.atomic_write(os.path.join(self.path, md_file), pickle.dumps(metadata), durable=self.sync_files)
+        self._remove_replaced(old_files, old_sidecar, set(files))
+
+    def _remove_replaced(self, old_files: set, old_sidecar: Optional[str], keep: set) -> None:
+        """After the commit: the replaced checkpoint's files, and data files
+        and sidecars of saves that failed before their commit (named by this
+        module, not in use by a writer)."""
+        mine = _tag(self.save_id)
+        rank_only = None if self.use_collectives or self.rank is None else f"__{self.rank}_"
+        doomed = {f for f in old_files if os.sep not in f and f not in keep}
+        if old_sidecar and old_sidecar != sidecar_name(self.save_id):
+            doomed.add(old_sidecar)
+        try:
+            names = os.listdir(self.path)
+        except OSError:
+            names = []
+        for n in names:
+            m = _OWN_DATA.fullmatch(n)
+            if m and m.group(2) != mine and n not in keep and (rank_only is None or n.startswith(rank_only)):
+                doomed.add(n)
+            s = _OWN_SIDECAR.fullmatch(n)
+            if s and s.group(1) != mine and rank_only is None:
+                doomed.add(n)
+        for n in sorted(doomed):
+            try:
+                os.unlink(os.path.join(self.path, n))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("fastpersist: could not remove %s of a replaced checkpoint: %s", n, e)
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return _local_path(checkpoint_id)
+
+    # -- AsyncStager ----------------------------------------------------------
+
+    def stage(self, state_dict: Any) -> Any:
+        """A copy of ``state_dict`` in the writer's reusable staging pool
+        (pinned host memory when CUDA tensors are staged): training may
+        change the tensors once this returns. The pool's buffer is reused by
+        the next stage once DCP has dropped this copy."""
+        if self._stager is None:
+            self._stager = _Stager()
+        return self._stager.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Staging is complete when :meth:`stage` returns."""
+
+    def close(self) -> None:
+        """Free the staging pool's buffers not in use."""
+        if self._stager is not None:
+            self._stager.close()
+
+
+def _local_path(checkpoint_id: Any) -> bool:
+    """A plain local path whose nearest existing parent is writable."""
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return False
+    p = os.fsdecode(os.fspath(checkpoint_id))
+    if "://" in p or not p:
+        return False
+    return FileSystemWriter.validate_checkpoint_id(p)
+
+
+# ---------------------------------------------------------------------------
+# The reader
+
+
+class _Pending(NamedTuple):
+    """A read item whose bytes are being read in the current batch."""
+
+    req: Any
+    info: Any  # _StorageInfo
+    crc: Optional[List[int]]  # sidecar entry
+    parts: List[int]  # request indexes whose CRCs make the item's
+    lengths: List[int]
+    target: Any  # tensor read into, or a byte buffer
+    direct: bool  # read straight into the destination
+
+
+class FastPersistReader(StorageReader):
+    """A DCP ``StorageReader`` that reads with fastpersist's engine and, with
+    ``verify`` (the default), checks each item's CRC32 against the sidecar
+    the writer committed (checkpoints without one, e.g. from DCP's own
+    writer, are read unchecked). ``engine_options`` as for the writer."""
+
+    def __init__(self, path: Any, *, verify: bool = True, **engine_options: Any) -> None:
+        super().__init__()
+        self.path = _dir(path)
+        self.verify = bool(verify)
+        self.opts = EngineOptions.resolve(**engine_options)
+        self.load_id = str(uuid.uuid4())
+        self.storage_data: Dict[Any, Any] = {}
+        self.crcs: Dict[Tuple[str, int], List[int]] = {}
+        self.chunks: Dict[Tuple[str, Tuple[int, ...]], Tuple[Tuple[int, ...], torch.dtype]] = {}
+        #: Whether the last load checked CRC32s (a sidecar was found).
+        self.verified = False
+        self.rank: Optional[int] = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.storage_data = {}
+        self.crcs = {}
+        self.chunks = {}
+        if checkpoint_id:
+            self.path = _dir(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    def _check_dir(self) -> None:
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(f"no checkpoint at {self.path}")
+        if not os.path.isdir(self.path):
+            raise _not_a_directory(self.path)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self._check_dir()
+        rank = kwargs.get("rank")
+        name = METADATA if rank is None else f"__{rank}{METADATA}"
+        path = os.path.join(self.path, name)
+        try:
+            with open(path, "rb") as f:
+                md = pickle.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.path} is not a DCP checkpoint: {name} is missing") from None
+        except Exception as e:
+            raise CorruptCheckpointError(f"{path}: damaged or unknown DCP metadata ({type(e).__name__}: {e})") from e
+        if not isinstance(md, Metadata) or not isinstance(getattr(md, "storage_data", None), dict):
+            raise CorruptCheckpointError(f"{path}: not DCP metadata (a {type(md).__name__})")
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.rank = kwargs.get("rank")
+        self.storage_data = metadata.storage_data
+        self.chunks = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            for ch in getattr(md, "chunks", ()):
+                self.chunks[(fqn, tuple(ch.offsets))] = (tuple(ch.sizes), md.properties.dtype)
+        self.crcs = self._load_sidecar(getattr(metadata.storage_meta, "save_id", None))
+        self.verified = self.verify and bool(self.crcs)
+
+    def _load_sidecar(self, save_id: Optional[str]) -> Dict[Tuple[str, int], List[int]]:
+        if not save_id:
+            return {}
+        path = os.path.join(self.path, sidecar_name(save_id))
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return {}
+        try:
+            doc = json.loads(raw)
+            if doc.get("format") != SIDECAR_FORMAT or doc.get("save_id") != save_id:
+                raise ValueError("not this checkpoint's sidecar")
+            return {(rel, int(e[0])): [int(x) for x in e] for rel, es in doc["files"].items() for e in es}
+        except Exception as e:
+            raise CorruptCheckpointError(f"{path}: damaged CRC32 sidecar ({e})") from e
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        return plans
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return FileSystemReader.validate_checkpoint_id(checkpoint_id) if _local_path(checkpoint_id) else False
+
+    # -- reading --------------------------------------------------------------
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        per_file: Dict[str, List[Any]] = {}
+        for req in plan.items:
+            info = self.storage_data.get(req.storage_index)
+            if info is None:
+                raise CorruptCheckpointError(f"{self.path}: .metadata has no storage entry for {req.storage_index}")
+            rel = info.relative_path
+            if not isinstance(rel, str) or os.path.isabs(rel) or os.path.normpath(rel).startswith(".."):
+                raise CorruptCheckpointError(f"{self.path}: item {req.storage_index.fqn} names a file outside it")
+            per_file.setdefault(rel, []).append(req)
+        for rel, reqs in per_file.items():
+            self._read_file(rel, sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset), planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_file(self, rel: str, reqs: List[Any], planner: LoadPlanner) -> None:
+        path = os.path.join(self.path, rel)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: data file missing (named by {self.path}/{METADATA})") from None
+        try:
+            size = os.fstat(fd).st_size
+            batch: List[Tuple[Any, Any, Optional[List[int]]]] = []
+            pending_bytes = 0
+            for req in reqs:
+                info = self.storage_data[req.storage_index]
+                if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+                    raise CorruptCheckpointError(
+                        f"{path}: item {_name(req)} ({info.length} bytes at {info.offset}) lies outside the file "
+                        f"({size} bytes): truncated?"
+                    )
+                crc = self.crcs.get((rel, info.offset))
+                batch.append((req, info, crc))
+                pending_bytes += info.length
+                if pending_bytes >= READ_BATCH_BYTES:
+                    self._read_batch(fd, path, batch, planner)
+                    batch, pending_bytes = [], 0
+            if batch:
+                self._read_batch(fd, path, batch, planner)
+        finally:
+            os.close(fd)
+
+    def _read_batch(self, fd: int, path: str, batch: List[Tuple[Any, Any, Optional[List[int]]]], planner: Any) -> None:
+        reqs: List[Tuple[int, int, int]] = []
+        staged: List[Tuple[int, Any, int]] = []
+        pending: List[_Pending] = []
+        keep: List[Any] = []
+
+        def add(off: int, n: int, addr: Optional[int] = None) -> int:
+            if addr is None:
+                buf = torch.empty(n, dtype=torch.uint8)
+                keep.append(buf)
+                addr = buf.data_ptr()
+            reqs.append((off, addr, n))
+            return len(reqs) - 1
+
+        for req, info, crc in batch:
+            if crc is not None and crc[1] != info.length:
+                raise CorruptCheckpointError(f"{path}: item {_name(req)}: sidecar and .metadata disagree on its size")
+            fast = self._fast_target(req, crc, planner) if req.type != LoadItemType.BYTE_IO else None
+            if fast is None:
+                buf = torch.empty(info.length, dtype=torch.uint8)
+                i = add(info.offset, info.length, buf.data_ptr() if info.length else None)
+                keep.append(buf)
+                pending.append(_Pending(req, info, crc, [i], [info.length], buf, False))
+                continue
+            target, direct = fast
+            assert crc is not None
+            data_off, data_len = crc[3], crc[4]
+            tail = info.length - data_off - data_len
+            parts = [add(info.offset, data_off)]
+            if target.device.type == "cpu":
+                parts.append(add(info.offset + data_off, data_len, target.data_ptr() if data_len else None))
+            else:
+                staged.append((info.offset + data_off, target.untyped_storage(), data_len))
+                parts.append(-len(staged))  # a staged read's CRC, by its index
+            parts.append(add(info.offset + data_off + data_len, tail))
+            pending.append(_Pending(req, info, crc, parts, [data_off, data_len, tail], target, direct))
+        with use_engine(self.opts) as eng:
+            sent = [r for r in reqs if r[2]]
+            crcs = iter(read_with(eng, fd, sent) if sent else [])
+        # zero-length requests are not sent: theirs is the CRC of nothing
+        got = [next(crcs) if r[2] else 0 for r in reqs]
+        staged_crcs = read_staged(fd, [s for s in staged if s[2]], self.opts) if staged else []
+        it = iter(staged_crcs)
+        staged_got = [next(it) if s[2] else 0 for s in staged]
+        for p in pending:
+            self._finish_item(path, p, got, staged_got, planner)
+
+    def _fast_target(self, req: Any, crc: Optional[List[int]], planner: Any) -> Optional[Tuple[torch.Tensor, bool]]:
+        """Where an item's tensor data is read to without parsing its blob
+        (the sidecar says where the data lies): the destination itself when
+        the item is all of it, dense, of the same dtype (``True``); else a
+        fresh tensor of the saved chunk on the destination's device."""
+        if crc is None or crc[3] < 0:
+            return None
+        chunk = self.chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        if chunk is None:
+            return None
+        sizes, dtype = chunk
+        n = 1
+        for s in sizes:
+            n *= s
+        if n * torch.empty((), dtype=dtype).element_size() != crc[4] or crc[3] + crc[4] > crc[1]:
+            return None
+        whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == sizes
+        dest = planner.resolve_tensor(req).detach() if whole else None
+        if dest is not None and dest.dtype == dtype and tuple(dest.shape) == sizes:
+            if dest.device.type == "cpu" and dest.is_contiguous():
+                return dest, True
+            if dest.device.type == "cuda" and _exact(dest):
+                return dest, True
+        device = dest.device if dest is not None and dest.device.type == "cuda" else torch.device("cpu")
+        return torch.empty(sizes, dtype=dtype, device=device), False
+
+    def _finish_item(self, path: str, p: _Pending, got: List[int], staged_crcs: List[int], planner: Any) -> None:
+        crc_parts = [staged_crcs[-i - 1] if i < 0 else got[i] for i in p.parts]
+        if p.crc is not None and self.verify:
+            crc = crc_parts[0]
+            for c, n in zip(crc_parts[1:], p.lengths[1:]):
+                crc = _core.crc32_combine(crc, c, n)
+            if crc != p.crc[2]:
+                raise CorruptCheckpointError(
+                    f"{path}: item {_name(p.req)} ({p.info.length} bytes at {p.info.offset}): CRC32 {crc:#010x}, "
+                    f"the checkpoint recorded {p.crc[2]:#010x}"
+                )
+        req = p.req
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(p.target.numpy().tobytes()))
+            return
+        if p.direct:
+            planner.commit_tensor(req, p.target)
+            return
+        if len(p.parts) == 1:  # the whole blob, parsed by torch
+            try:
+                t = torch.load(io.BytesIO(p.target.numpy().tobytes()), map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise CorruptCheckpointError(f"{path}: item {_name(req)} is not a readable tensor ({e})") from e
+        else:
+            t = p.target
+        t = _narrow(t, req.storage_offsets, req.lengths)
+        dest = planner.resolve_tensor(req).detach()
+        if dest.size() != t.size():
+            raise CorruptCheckpointError(
+                f"{path}: item {_name(req)} has size {tuple(t.size())}, expected {tuple(dest.size())}"
+            )
+        dest.copy_(t)
+        planner.commit_tensor(req, dest)
+
+
+def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+        if o != 0 or n != t.size(dim):
+            t = t.narrow(dim, o, n)
+    return t
+
+
+def _name(req: Any) -> str:
+    idx = req.storage_index
+    off = tuple(idx.offset) if idx.offset is not None else ()
+    return f"{idx.fqn!r}" + (f" (chunk at {list(off)})" if off else "")
+
+
+# ---------------------------------------------------------------------------
+# install / uninstall
+
+
+_installed: Dict[str, Any] = {}
+
+
+def install() -> None:
+    """Make DCP pick fastpersist (:class:`FastPersistWriter`,
+    :class:`FastPersistReader`) for plain local paths when the caller passes
+    only ``checkpoint_id`` (as torchtitan and Lightning's FSDP and
+    ModelParallel strategies do). Idempotent; :func:`uninstall` undoes it."""
+    from torch.distributed.checkpoint import _storage_utils
+
+    if _installed:
+        return
+    _installed["FileSystemWriter"] = _storage_utils.FileSystemWriter
+    _installed["FileSystemReader"] = _storage_utils.FileSystemReader
+    _storage_utils.FileSystemWriter = FastPersistWriter  # type: ignore[misc,assignment]
+    _storage_utils.FileSystemReader = FastPersistReader  # type: ignore[misc,assignment]
+
+
+def uninstall() -> None:
+    """Give DCP its own file system storage back."""
+    from torch.distributed.checkpoint import _storage_utils
+
+    if not _installed:
+        return
+    _storage_utils.FileSystemWriter = _installed.pop("FileSystemWriter")  # type: ignore[misc]
+    _storage_utils.FileSystemReader = _installed.pop("FileSystemReader")  # type: ignore[misc]
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return bool(_installed)

@@ -1,0 +1,465 @@
+"""fastpersist as PyTorch Distributed Checkpoint's storage (fastpersist.dcp):
+real torch.distributed (a one-process gloo group here, spawned gloo ranks
+for resharding), the stock reader on fastpersist's files, commit and
+failure behaviour, CRC checks, async saves."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import re
+import socket
+from typing import Any, Dict, Iterator
+
+import pytest
+import torch
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available in this build", allow_module_level=True)
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+import dcp_cases  # noqa: E402
+import fastpersist  # noqa: E402
+from fastpersist.dcp import CorruptCheckpointError, FastPersistReader, FastPersistWriter, sidecar_name  # noqa: E402
+from fastpersist.options import EngineOptions, get_engine  # noqa: E402
+from helpers import make  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    """A real one-process gloo group for the module (DCP then runs its
+    collectives, coordinator included, through it)."""
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def state() -> Dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(10_000, generator=g)
+    return {
+        "w": torch.randn(300, 301, generator=g),
+        "big": torch.randn(512, 256, generator=g),  # 512 KiB: data on a 4096 boundary
+        "bf16": torch.randn(77, generator=g).to(torch.bfloat16),
+        "i8": make((5, 9), torch.int8, seed=1),
+        "view": base[17:4000],  # a view into a larger storage
+        "t": torch.randn(20, 30, generator=g).t(),  # not contiguous
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(2.5),
+        "nested": {"x": torch.arange(9, dtype=torch.int64), "lst": [torch.ones(3), 4]},
+        "step": 11,
+        "name": "run-1",
+    }
+
+
+def blank(sd: Any) -> Any:
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    if isinstance(sd, dict):
+        return {k: blank(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [blank(v) for v in sd]
+    return None
+
+
+def assert_equal(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.cpu(), b.cpu()), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def load(path: Any, reader: Any, like: Any) -> Any:
+    out = blank(like)
+    dcp.load(out, storage_reader=reader)
+    return out
+
+
+@contextlib.contextmanager
+def raises(exc: type, match: str) -> Iterator[None]:
+    """``exc`` matching ``match``, raised as it is or, from inside DCP's
+    collective steps, reported (its message) in the CheckpointException DCP
+    raises."""
+    try:
+        yield
+    except dcp.CheckpointException as e:
+        assert re.search(match, str(e)), str(e)
+    except exc as e:
+        assert re.search(match, str(e)), str(e)
+    else:
+        raise AssertionError(f"{exc.__name__} not raised")
+
+
+def sidecar(path: Any) -> Dict[str, Any]:
+    md = pickle.load(open(os.path.join(path, ".metadata"), "rb"))
+    return json.load(open(os.path.join(path, sidecar_name(md.storage_meta.save_id))))
+
+
+# ---------------------------------------------------------------------------
+# Files and round trips
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_round_trip_both_readers(tmp_path, threads):
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path, thread_count=threads))
+    data = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
+    assert len(data) == threads
+    for reader in (dcp.FileSystemReader(tmp_path), FastPersistReader(tmp_path)):
+        assert_equal(load(tmp_path, reader, sd), sd, type(reader).__name__)
+
+
+def test_metadata_is_stock(tmp_path):
+    """.metadata holds DCP's own _StorageInfo (relative path, offset,
+    length): it unpickles where fastpersist is not installed."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    dcp.save(state(), storage_writer=FastPersistWriter(tmp_path))
+    raw = open(tmp_path / ".metadata", "rb").read()
+    assert b"fastpersist" not in raw
+    md = pickle.loads(raw)
+    assert all(type(v) is _StorageInfo for v in md.storage_data.values())
+
+
+def test_large_tensor_data_is_page_aligned(tmp_path):
+    dcp.save(state(), storage_writer=FastPersistWriter(tmp_path))
+    entries = [e for es in sidecar(tmp_path)["files"].values() for e in es]
+    big = [e for e in entries if e[4] >= 64 << 10]
+    assert big
+    for offset, length, _crc, data_off, data_len in big:
+        assert (offset + data_off) % 4096 == 0
+        assert data_off + data_len <= length
+
+
+def test_fastpersist_reads_stock_checkpoints(tmp_path):
+    sd = state()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path))
+    reader = FastPersistReader(tmp_path)
+    assert_equal(load(tmp_path, reader, sd), sd)
+    assert not reader.verified  # no sidecar: read unchecked
+
+
+def test_full_load_without_a_group(tmp_path):
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    out = blank(sd)
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path), no_dist=True)
+    assert_equal(out, sd)
+
+
+def test_checkpoint_id_and_reuse(tmp_path):
+    """One writer and one reader for several checkpoints (DCP's reset)."""
+    w, r = FastPersistWriter(tmp_path / "unused"), FastPersistReader(tmp_path / "unused")
+    sds = []
+    for i in range(2):
+        sd = {"x": torch.full((100,), float(i))}
+        dcp.save(sd, checkpoint_id=tmp_path / f"c{i}", storage_writer=w)
+        sds.append(sd)
+    for i, sd in enumerate(sds):
+        out = blank(sd)
+        dcp.load(out, checkpoint_id=tmp_path / f"c{i}", storage_reader=r)
+        assert_equal(out, sd)
+
+
+def test_device_storages_through_the_staging_path(tmp_path, monkeypatch):
+    """The path CUDA tensors take (chunks through the staging slots), run on
+    the CPU with the test hook that stages CPU storages."""
+    monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    monkeypatch.delenv("FASTPERSIST_TEST_STAGE_CPU")
+    for reader in (dcp.FileSystemReader(tmp_path), FastPersistReader(tmp_path)):
+        assert_equal(load(tmp_path, reader, sd), sd, type(reader).__name__)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_round_trip(tmp_path):
+    sd = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in state().items() if k != "nested"}
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    for reader in (dcp.FileSystemReader(tmp_path), FastPersistReader(tmp_path)):
+        out = load(tmp_path, reader, sd)
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                assert out[k].is_cuda and torch.equal(out[k], v), k
+
+
+# ---------------------------------------------------------------------------
+# Commit, replacement, failures
+
+
+def test_second_save_replaces_first_and_removes_its_files(tmp_path):
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    first = set(os.listdir(tmp_path))
+    sd["w"] += 1
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    second = set(os.listdir(tmp_path))
+    assert first & second == {".metadata"}
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+    # a stock checkpoint at the path is replaced the same way
+    d = tmp_path / "stock"
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(d))
+    dcp.save(sd, storage_writer=FastPersistWriter(d))
+    assert not [n for n in os.listdir(d) if n.endswith(".distcp") and n.count(".") == 1]
+
+
+def test_failed_write_keeps_previous_checkpoint(tmp_path):
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    before = sorted(os.listdir(tmp_path))
+    _, eng = get_engine(EngineOptions.resolve())
+    eng.set_fault(8192, 5)
+    try:
+        with raises(OSError, "Input/output error"):
+            dcp.save({k: v for k, v in sd.items() if k != "step"}, storage_writer=FastPersistWriter(tmp_path))
+    finally:
+        eng.set_fault(None)
+    assert sorted(os.listdir(tmp_path)) == before  # no data file, no temporary file left
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+    assert_equal(load(tmp_path, dcp.FileSystemReader(tmp_path), sd), sd)
+
+
+def test_failed_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    """The new data files are durable, but .metadata could not be written:
+    the previous checkpoint still loads; the next save sweeps the leftovers."""
+    from fastpersist import _core
+
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    real = _core.atomic_write
+
+    def fail_metadata(path, data, **kw):
+        if os.path.basename(path) == ".metadata":
+            raise OSError(28, "No space left on device", path)
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(_core, "atomic_write", fail_metadata)
+    sd2 = {**sd, "w": sd["w"] * 2}
+    with raises(OSError, "No space left"):
+        dcp.save(sd2, storage_writer=FastPersistWriter(tmp_path))
+    monkeypatch.setattr(_core, "atomic_write", real)
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+    dcp.save(sd2, storage_writer=FastPersistWriter(tmp_path))
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".distcp")]) == 1
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".crc32")]) == 1
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd2), sd2)
+
+
+def test_overwrite_false_refuses(tmp_path):
+    dcp.save(state(), storage_writer=FastPersistWriter(tmp_path))
+    with raises(RuntimeError, "overwrite=False"):
+        dcp.save(state(), storage_writer=FastPersistWriter(tmp_path, overwrite=False))
+
+
+# ---------------------------------------------------------------------------
+# Integrity and bad input
+
+
+def _flip(path: Any, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("where", ["data", "header", "tail"])
+def test_crc_detects_a_flipped_byte(tmp_path, where):
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    rel, entries = next(iter(sidecar(tmp_path)["files"].items()))
+    offset, length, _crc, data_off, data_len = max(entries, key=lambda e: e[4])  # the largest tensor
+    at = {"data": data_off + data_len // 2, "header": 10, "tail": data_off + data_len + 20}[where]
+    _flip(tmp_path / rel, offset + at)
+    with raises(CorruptCheckpointError, "'big'.*CRC32"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+    load(tmp_path, FastPersistReader(tmp_path, verify=False), sd) if where == "data" else None
+
+
+def test_crc_detects_a_flipped_byte_in_a_byte_item(tmp_path):
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    rel, entries = next(iter(sidecar(tmp_path)["files"].items()))
+    offset, length, *_ = next(e for e in entries if e[3] < 0)
+    _flip(tmp_path / rel, offset + length // 2)
+    with raises(CorruptCheckpointError, "CRC32"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+
+
+def test_damaged_and_unknown_metadata(tmp_path):
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    md = tmp_path / ".metadata"
+    good = md.read_bytes()
+    md.write_bytes(good[: len(good) // 2])
+    with raises(CorruptCheckpointError, "damaged"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+    md.write_bytes(pickle.dumps({"not": "metadata"}))
+    with raises(CorruptCheckpointError, "not DCP metadata"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+    md.write_bytes(good)
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)  # nothing was deleted
+
+
+def test_missing_rank_file(tmp_path):
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    data = next(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
+    os.rename(tmp_path / data, tmp_path / "elsewhere")
+    with raises(FileNotFoundError, "data file missing"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+    assert (tmp_path / ".metadata").exists()
+
+
+def test_truncated_rank_file(tmp_path):
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    data = next(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
+    os.truncate(tmp_path / data, os.path.getsize(tmp_path / data) // 2)
+    with raises(CorruptCheckpointError, "outside the file"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+
+
+def test_path_that_is_not_a_directory(tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"keep me")
+    with raises(NotADirectoryError, "not a directory"):
+        dcp.save(state(), storage_writer=FastPersistWriter(f))
+    with raises(NotADirectoryError, "not a directory"):
+        load(f, FastPersistReader(f), state())
+    with raises(FileNotFoundError, "no checkpoint"):
+        load(tmp_path / "nothing", FastPersistReader(tmp_path / "nothing"), state())
+    assert f.read_bytes() == b"keep me"
+    with pytest.raises(TypeError):
+        FastPersistWriter(open(f, "rb"))
+    with pytest.raises(ValueError):
+        FastPersistWriter(tmp_path, queue_depth=0)
+
+
+# ---------------------------------------------------------------------------
+# Async saves
+
+
+def test_async_save_with_fastpersist_stager(tmp_path):
+    sd = state()
+    expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+    w = FastPersistWriter(tmp_path)
+    fut = dcp.async_save(sd, storage_writer=w)
+    sd["w"].add_(1)  # after stage(): not in the checkpoint
+    fut.result()
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), expected), expected)
+    pool = w._stager.pool
+    held = pool.nbytes
+    assert held > 0
+    for _ in range(2):  # the staging buffer is reused, not grown
+        dcp.async_save(sd, storage_writer=w).result()
+    assert pool.nbytes == held
+    w.close()
+
+
+def test_async_save_with_dcp_stager(tmp_path):
+    staging = pytest.importorskip("torch.distributed.checkpoint.staging")
+    if not hasattr(staging, "DefaultStager"):
+        pytest.skip("this torch has no DefaultStager")
+    sd = state()
+    expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+    stager = staging.DefaultStager(staging.StagingOptions(False, False, False, False))
+    try:
+        fut = dcp.async_save(sd, storage_writer=FastPersistWriter(tmp_path), async_stager=stager)
+        fut.result()
+    finally:
+        stager.close()
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), expected), expected)
+
+
+def test_writer_pickles_without_engines_or_pool(tmp_path):
+    w = FastPersistWriter(tmp_path, block_size=1 << 20)
+    w.stage({"x": torch.ones(10)})
+    w2 = pickle.loads(pickle.dumps(w))
+    assert w2._stager is None and w2.path == w.path and w2.opts == w.opts
+    sd = {"x": torch.arange(10.0)}
+    dcp.save(sd, storage_writer=w2)
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+
+
+def test_async_save_process_based(tmp_path):
+    from torch.distributed.checkpoint import state_dict_saver
+
+    kind = getattr(state_dict_saver, "AsyncCheckpointerType", None)
+    if kind is None or not hasattr(kind, "PROCESS"):
+        pytest.skip("this torch has no process-based async_save")
+    sd = {"w": torch.randn(100, 100), "step": 3}
+    fut = dcp.async_save(sd, storage_writer=FastPersistWriter(tmp_path), async_checkpointer_type=kind.PROCESS)
+    fut.result(timeout=300)
+    assert os.path.exists(
+        os.path.join(tmp_path, sidecar_name(pickle.load(open(tmp_path / ".metadata", "rb")).storage_meta.save_id))
+    )
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+
+
+# ---------------------------------------------------------------------------
+# install()
+
+
+def test_install_picks_fastpersist_for_plain_paths(tmp_path):
+    sd = state()
+    fastpersist.dcp.install()
+    try:
+        assert fastpersist.dcp.installed()
+        dcp.save(sd, checkpoint_id=tmp_path / "a")
+        assert any(n.endswith(".crc32") for n in os.listdir(tmp_path / "a"))
+        out = blank(sd)
+        dcp.load(out, checkpoint_id=tmp_path / "a")
+        assert_equal(out, sd)
+    finally:
+        fastpersist.dcp.uninstall()
+    assert not fastpersist.dcp.installed()
+    dcp.save(sd, checkpoint_id=tmp_path / "b")
+    assert not any(n.endswith(".crc32") for n in os.listdir(tmp_path / "b"))
+
+
+# ---------------------------------------------------------------------------
+# Several ranks: save with N, load with M and another placement
+
+
+@pytest.mark.parametrize("save_world,load_world", [(4, 2)])
+def test_reshard_across_rank_counts(tmp_path, save_world, load_world):
+    pytest.importorskip("torch.distributed.tensor")
+    path = str(tmp_path / "ckpt")
+    # a second save, in which rank 1 fails half-way, must leave the first
+    dcp_cases.spawn(dcp_cases.save_ranks, save_world, path, 1)
+    md = pickle.load(open(os.path.join(path, ".metadata"), "rb"))
+    used = {v.relative_path for v in md.storage_data.values()}
+    assert len(used) == save_world
+    # the ranks that did not fail committed their files; nothing names them
+    # (the next successful save removes them)
+    assert len(set(os.listdir(path)) - used - {".metadata", sidecar_name(md.storage_meta.save_id)}) == save_world - 1
+    dcp_cases.spawn(dcp_cases.load_ranks, load_world, path)
+    # and a full (unsharded) load in one process
+    full = dcp_cases.full_tensors()
+    out: Dict[str, Any] = {k: torch.zeros_like(v) for k, v in full.items()}
+    out["step"] = 0
+    reader = FastPersistReader(path)
+    dcp.load(out, storage_reader=reader)
+    assert reader.verified
+    for k, v in full.items():
+        assert torch.equal(out[k], v), k
+    assert out["step"] == 7
