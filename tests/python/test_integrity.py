@@ -676,3 +676,90 @@ def test_15_19_failed_save_future_does_not_hold_the_tensors(tmp_path):
         with pytest.raises(Exception, match="cannot pickle"):
             h.result(timeout=60)
         assert _held(h.exception()) == [], mode
+
+
+# Directory-level attacks, fuzzed, under a memory limit: records outside the
+# file, overlapping and duplicated records, lying zip64 fields, huge counts.
+
+
+def _cd_entries(raw: bytes) -> tuple:
+    """(EOCD offset, central directory offset, [(entry offset, entry bytes)])."""
+    eocd = raw.rfind(b"PK\x05\x06")
+    _n, cd_size, cd_off = struct.unpack_from("<HII", raw, eocd + 10)
+    out, p = [], cd_off
+    while p < cd_off + cd_size:
+        nlen, xlen, clen = struct.unpack_from("<HHH", raw, p + 28)
+        out.append((p, raw[p : p + 46 + nlen + xlen + clen]))
+        p += 46 + nlen + xlen + clen
+    return eocd, cd_off, out
+
+
+def _attack(raw: bytes, kind: str, k: int, value: int, copies: int) -> bytes:
+    eocd, cd_off, entries = _cd_entries(raw)
+    p, entry = entries[k % len(entries)]
+    b = bytearray(raw)
+    if kind == "offset":  # a record's local header anywhere, past the end included
+        struct.pack_into("<I", b, p + 42, value & 0xFFFFFFFF)
+    elif kind == "sizes":  # sizes that lie (0xFFFFFFFF without a zip64 field too)
+        struct.pack_into("<II", b, p + 20, value & 0xFFFFFFFF, value & 0xFFFFFFFF)
+    elif kind == "zip64":  # a zip64 field claiming 2^40..2^64 bytes, appended to the entry
+        nlen, xlen, clen = struct.unpack_from("<HHH", entry, 28)
+        big = (value % (1 << 24)) << 40
+        extra = struct.pack("<HHQQQ", 1, 24, big, big, big)
+        e = bytearray(entry[: 46 + nlen + xlen] + extra + entry[46 + nlen + xlen :])
+        struct.pack_into("<II", e, 20, 0xFFFFFFFF, 0xFFFFFFFF)
+        struct.pack_into("<I", e, 42, 0xFFFFFFFF)
+        struct.pack_into("<H", e, 30, xlen + len(extra))
+        b = bytearray(raw[:p] + bytes(e) + raw[p + len(entry) :])
+        eocd += len(extra)
+        cd_size = struct.unpack_from("<I", b, eocd + 12)[0] + len(extra)
+        struct.pack_into("<I", b, eocd + 12, cd_size)
+    elif kind == "duplicate":  # one entry listed many more times: overlapping records
+        cd_end = entries[-1][0] + len(entries[-1][1])
+        b = bytearray(raw[:cd_end] + entry * copies + raw[cd_end:])
+        eocd += len(entry) * copies
+        n = len(entries) + copies
+        struct.pack_into("<HHI", b, eocd + 8, min(n, 0xFFFF), min(n, 0xFFFF), cd_end - cd_off + len(entry) * copies)
+    elif kind == "counts":  # the end record claims other counts, sizes, offsets
+        struct.pack_into("<HHII", b, eocd + 8, value & 0xFFFF, (value >> 16) & 0xFFFF, value & 0xFFFFFFFF, copies)
+    return bytes(b)
+
+
+def test_15_directory_level_attacks_fuzzed_under_a_memory_limit(tmp_path):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    base = tmp_path / "base.pt"
+    fastpersist.write_state_dict({"a": torch.arange(3000.0), "b": torch.ones(4096), "c": [torch.zeros(7)]}, base)
+    raw = base.read_bytes()
+    made = []
+
+    @given(
+        kind=st.sampled_from(["offset", "sizes", "zip64", "duplicate", "counts"]),
+        k=st.integers(0, 20),
+        value=st.one_of(st.integers(0, 1 << 32), st.sampled_from([0, 1, len(raw), 0xFFFFFFFF, 0xFFFF])),
+        copies=st.integers(1, 5000),
+    )
+    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def make(kind, k, value, copies):
+        f = tmp_path / f"h{len(made)}.pt"
+        f.write_bytes(_attack(raw, kind, k, value, copies))
+        made.append(str(f))
+
+    make()
+    code = textwrap.dedent(
+        f"""
+        import resource, fastpersist
+        from fastpersist.verify import verify_file
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+        for f in {made!r}:
+            for call in (lambda: fastpersist.read_state_dict(f), lambda: verify_file(f)):
+                try:
+                    call()
+                except fastpersist.CorruptCheckpointError:
+                    pass
+        print("ALL", len({made!r}))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ALL" in r.stdout, (r.stdout, r.stderr[-3000:])
