@@ -22,7 +22,7 @@ import tempfile
 import time
 from datetime import timedelta
 
-from fastpersist.bench import fio_limit, gpt_state_dict, median, parse_size
+from fastpersist.bench import Limit, gpt_state_dict, median, parse_size
 
 
 def worker(rank: int, world: int, port: str, size: int, path: str, out: str) -> None:
@@ -86,15 +86,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fastpersist-dbench-", dir=args.dir or os.getcwd()) as d:
         slots = ["fio"] + ranks
         res = {k: [] for k in slots}
+        limit = Limit()
         for r in range(args.rounds):
             order = slots[r % len(slots) :] + slots[: r % len(slots)]
             for k in order:
                 os.sync()
                 time.sleep(1)
                 if k == "fio":
-                    bw = fio_limit(d, file_size)
-                    if bw:
-                        res[k].append(bw)
+                    runs = limit.measure(d, file_size)
+                    if runs:
+                        res[k].append(max(runs.values()))
                 else:
                     res[k].append(run(k, size, d))
             print(
@@ -103,7 +104,8 @@ def main() -> None:
                 + " GB/s",
                 flush=True,
             )
-        lim = median(res["fio"])
+        lim = limit.gbps
+        print(limit.note())
         print(f"{'writers':<12} {'GB/s':>6} {'share of limit':>15}")
         print(f"{'fio (limit)':<12} {lim:>6.2f} {1.0:>15.2f}")
         for k in ranks:

@@ -5,7 +5,8 @@ read back to the GPU, against the D2H/H2D copy limits and the disk limits.
 In one run, for each size (default 2 GiB and 8 GiB), medians of ``--rounds``:
 
 * D2H limit: pinned device-to-host copy bandwidth of the same bytes;
-* disk write limit: fio O_DIRECT io_uring 4 MiB x 16 on the same directory;
+* disk write limit: the best of fio's configurations (``fastpersist.bench.FIO_CONFIGS``:
+  4 MiB x 16 and 1 MiB x 32, normal and huge-page buffers) on the same directory;
 * fastpersist.write_state_dict from GPU tensors (each writer writes a new
   file, as fio does: the old one is removed before the timing);
 * torch.save + fsync from GPU tensors;

@@ -6,8 +6,9 @@ Every reader's file is evicted from the page cache first (fsync, then
 posix_fadvise DONTNEED). In one run, alternating rounds (the order rotates),
 medians of ``--rounds``:
 
-* the read limit: fio, O_DIRECT, io_uring, 4 MiB blocks, queue depth 16, a
-  file of the same size in the same directory;
+* the read limit: the best of several fio configurations (O_DIRECT,
+  io_uring; 4 MiB x 16 and 1 MiB x 32, normal and huge-page buffers), a
+  file of the same size in the same directory, the winner named;
 * fastpersist.read_state_dict of its own file (CRC32 verified) and of a
   safetensors file;
 * torch.load; torch.load(mmap=True) touching every byte (each tensor cloned);
@@ -28,8 +29,8 @@ from typing import Callable, Dict, List
 import fastpersist
 import torch
 from fastpersist.bench import (
+    Limit,
     drop_cache,
-    fio_limit,
     gpt_state_dict,
     median,
     nbytes,
@@ -77,29 +78,34 @@ def main() -> None:
         )
         slots = ["fio (limit)"] + list(readers)
         times: Dict[str, List[float]] = {k: [] for k in readers}
-        limit: List[float] = []
+        limit = Limit()
         for r in range(args.rounds):
             order = slots[r % len(slots) :] + slots[: r % len(slots)]
             for name in order:
                 os.sync()
                 time.sleep(args.settle)
                 if name == "fio (limit)":
-                    bw = fio_limit(d, size, rw="read")
-                    if bw is not None:
-                        limit.append(bw)
+                    limit.measure(d, size, rw="read")
                     continue
                 drop_cache(files.get(name, fp_file))
                 times[name].append(timed(readers[name]))
             print(
                 f"  round {r + 1}: "
                 + "  ".join(f"{k}={size / v[-1] / 1e9:.2f}" for k, v in times.items() if v)
-                + f"  fio={limit[-1] if limit else float('nan'):.2f} GB/s",
+                + f"  fio best so far={limit.gbps:.2f} GB/s",
                 flush=True,
             )
-        lim = median(limit)
+        lim = limit.gbps
+        print(f"  {limit.note()}")
         print(f"  {'reader':<32} {'GB/s':>7} {'share of limit':>15}")
         print(f"  {'fio (limit)':<32} {lim:>7.2f} {1.0:>15.2f}")
-        res = {"bytes": size, "limit_gbps": lim, "readers": {}}
+        res = {
+            "bytes": size,
+            "limit_gbps": lim,
+            "limit_config": limit.config,
+            "fio_medians": limit.medians(),
+            "readers": {},
+        }
         for k, v in times.items():
             g = size / median(v) / 1e9
             res["readers"][k] = {"gbps": g, "share": g / lim, "seconds": v}

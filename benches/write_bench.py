@@ -4,8 +4,10 @@
 In one run, alternating rounds (the order rotates each round), medians of
 ``--rounds`` runs, every writer durable (data fsynced):
 
-* the device limit: fio, O_DIRECT, io_uring, 4 MiB blocks, queue depth 16,
-  on the same directory;
+* the device limit: the best of several fio configurations (O_DIRECT,
+  io_uring; 4 MiB x 16 and 1 MiB x 32, each from normal and from huge-page
+  buffers; ``fastpersist.bench.FIO_CONFIGS``), on the same directory, each
+  configuration's median over the rounds, the winner named;
 * fastpersist.write_state_dict;
 * torch.save + fsync;
 * safetensors save_file + fsync;
@@ -33,9 +35,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 from fastpersist.bench import (
+    Limit,
     MiB,
     clear,
-    fio_limit,
     fsync_path,
     fsync_tree,
     gpt_state_dict,
@@ -151,7 +153,7 @@ def run_workload(name: str, sd, directory: str, rounds: int, writers: Dict[str, 
     size = nbytes(sd)
     print(f"\n== {name}: {len(sd)} tensors, {size / 2**30:.2f} GiB, {rounds} rounds ==", flush=True)
     times: Dict[str, List[float]] = {k: [] for k in writers}
-    limit: List[float] = []
+    limit = Limit()
     names = list(writers)
     slots = [FIO] + names
     for r in range(rounds):
@@ -160,9 +162,7 @@ def run_workload(name: str, sd, directory: str, rounds: int, writers: Dict[str, 
         for w in order:
             settle(settle_s)
             if w == FIO:
-                bw = fio_limit(directory, size)
-                if bw is not None:
-                    limit.append(bw)
+                limit.measure(directory, size)
                 continue
             path = os.path.join(directory, f"bench-{w.replace(' ', '_')}.out")
             try:
@@ -171,9 +171,18 @@ def run_workload(name: str, sd, directory: str, rounds: int, writers: Dict[str, 
                 print(f"  {w}: failed: {type(e).__name__}: {e}", flush=True)
             clear(path)
         line = "  ".join(f"{w}={size / times[w][-1] / 1e9:.2f}" for w in names if times[w])
-        print(f"  round {r + 1}: fio={limit[-1] if limit else float('nan'):.2f}  {line} GB/s", flush=True)
-    lim = median(limit)
-    res = {"workload": name, "bytes": size, "tensors": len(sd), "limit_gbps": lim, "writers": {}}
+        print(f"  round {r + 1}: fio best so far={limit.gbps:.2f}  {line} GB/s", flush=True)
+    lim = limit.gbps
+    print(f"  {limit.note()}")
+    res = {
+        "workload": name,
+        "bytes": size,
+        "tensors": len(sd),
+        "limit_gbps": lim,
+        "limit_config": limit.config,
+        "fio_medians": limit.medians(),
+        "writers": {},
+    }
     print(f"  {'writer':<14} {'GB/s':>7} {'share of limit':>15}")
     print(f"  {'fio (limit)':<14} {lim:>7.2f} {1.0:>15.2f}")
     for w in names:

@@ -381,7 +381,10 @@ impl TempFile {
 
     /// Reserve `len` bytes so the write cannot fail half-way for lack of
     /// space, and fails early instead (ENOSPC). File systems without
-    /// fallocate are fine.
+    /// fallocate are fine. Where fallocate would write every byte itself
+    /// (memory-backed and extent-less file systems: see [`zero_fills`]),
+    /// the space is only checked (statfs), not reserved: zero-filling the
+    /// file first would cost as much as the write.
     pub fn preallocate(&self, len: u64) -> Result<()> {
         if len == 0 {
             return Ok(());
@@ -393,8 +396,19 @@ impl TempFile {
                 Some(&self.tmp),
             ));
         };
+        let fd = self.fd();
+        if let Some(avail) = zero_fills(fd) {
+            if avail < len {
+                return Err(Error::os(
+                    libc::ENOSPC,
+                    format!("cannot reserve {len} bytes: {avail} bytes free"),
+                    Some(&self.tmp),
+                ));
+            }
+            return Ok(());
+        }
         // SAFETY: fallocate on our own open fd; no memory is passed.
-        let rc = unsafe { libc::fallocate(self.fd(), 0, 0, off_len) };
+        let rc = unsafe { libc::fallocate(fd, 0, 0, off_len) };
         if rc != 0 {
             let e = std::io::Error::last_os_error();
             match e.raw_os_error() {
@@ -625,6 +639,35 @@ pub fn fsync_dir(dir: &Path) -> Result<()> {
         .map_err(|e| Error::from_io(&e, "directory fsync failed", Some(dir)))
 }
 
+/// File systems on which `fallocate` writes the reserved bytes itself
+/// instead of recording unwritten extents: tmpfs and hugetlbfs (it
+/// allocates and zeroes every page), and FAT/exFAT (no unwritten extents,
+/// clusters are zeroed). statfs magic numbers from `linux/magic.h`.
+const ZERO_FILLING_FS: [i64; 4] = [0x0102_1994, 0x9584_58f6, 0x4d44, 0x2011_bab0];
+
+/// For a file on a file system where fallocate zero-fills (see
+/// [`ZERO_FILLING_FS`]): the bytes free to unprivileged users (`u64::MAX`
+/// when unknown). `None` elsewhere: fallocate is cheap there and used.
+pub(crate) fn zero_fills(fd: RawFd) -> Option<u64> {
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: fstatfs fills the struct we pass (sized for it) on success.
+    if unsafe { libc::fstatfs(fd, st.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: fstatfs succeeded, so the struct is initialised.
+    let st = unsafe { st.assume_init() };
+    // f_type's and f_bavail's types vary by target.
+    #[allow(clippy::useless_conversion, clippy::unnecessary_cast)]
+    let kind = st.f_type as i64;
+    if !ZERO_FILLING_FS.contains(&kind) {
+        return None;
+    }
+    #[allow(clippy::useless_conversion)]
+    let blocks = u64::try_from(st.f_bavail).unwrap_or(u64::MAX);
+    let bsize = u64::try_from(st.f_bsize).unwrap_or(0);
+    Some(blocks.saturating_mul(bsize))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -662,6 +705,37 @@ mod tests {
         t.commit(Some(3), true).unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"new");
         assert_eq!(names(d.path()), vec!["ckpt.pt"]);
+    }
+
+    fn blocks(t: &TempFile) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        t.file().unwrap().metadata().unwrap().blocks()
+    }
+
+    #[test]
+    fn preallocate_reserves_on_disk_but_only_checks_on_tmpfs() {
+        // A disk-backed directory (the test's working directory): fallocate
+        // records the extent (blocks counted, nothing written).
+        let d = tempfile::tempdir_in(".").unwrap();
+        let (t, _) = TempFile::create(&d.path().join("a.pt"), false).unwrap();
+        let disk_zero_fills = zero_fills(t.fd()).is_some();
+        t.preallocate(8 << 20).unwrap();
+        if !disk_zero_fills {
+            assert!(blocks(&t) >= (8 << 20) / 512, "fallocate reserved nothing");
+        }
+        // tmpfs: fallocate would allocate and zero every page; it is skipped
+        // (no pages used), and a size beyond the free space fails at once.
+        let Ok(shm) = tempfile::tempdir_in("/dev/shm") else {
+            return;
+        };
+        let (t, _) = TempFile::create(&shm.path().join("b.pt"), false).unwrap();
+        let Some(avail) = zero_fills(t.fd()) else {
+            return; // /dev/shm is not tmpfs here
+        };
+        t.preallocate(64 << 20).unwrap();
+        assert_eq!(blocks(&t), 0, "tmpfs pages were allocated");
+        let e = t.preallocate(u64::MAX / 4).unwrap_err();
+        assert_eq!(e.errno, Some(libc::ENOSPC), "{e} (free: {avail:?})");
     }
 
     #[test]

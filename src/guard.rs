@@ -7,10 +7,12 @@
 //! thread with [`with_guard`] is locked before each extent is gathered (for
 //! Python: the GIL, which any resize needs), asked to check every checksum
 //! id whose memory the extent reads, and unlocked before the engine blocks
-//! (waiting for the device), so the caller's other threads run while the
-//! disk works. Without a guard, gathering costs nothing extra.
+//! (waiting for the device) and after each [`SLICE`] of gathering, so the
+//! caller's other threads run while the disk works and while the engine
+//! copies. Without a guard, gathering costs nothing extra.
 
 use std::cell::RefCell;
+use std::time::{Duration, Instant};
 
 use crate::error::Result;
 
@@ -25,8 +27,22 @@ pub trait GatherGuard {
     fn unlock(&mut self);
 }
 
+/// The longest a guard is held across gathers before it is given back and
+/// taken again. For the GIL: while the engine holds it, the caller's other
+/// threads (pickling the rest of the same checkpoint, the training loop)
+/// cannot run; giving it back after each extent would instead pace the
+/// gather by the interpreter's switch interval (5 ms per re-take while
+/// another thread runs Python). A slice of a few extents lets both go on.
+pub const SLICE: Duration = Duration::from_millis(2);
+
+struct Installed {
+    guard: Box<dyn GatherGuard>,
+    /// When the guard was taken, while it is held.
+    since: Option<Instant>,
+}
+
 thread_local! {
-    static GUARD: RefCell<Option<Box<dyn GatherGuard>>> = const { RefCell::new(None) };
+    static GUARD: RefCell<Option<Installed>> = const { RefCell::new(None) };
 }
 
 /// Run `f` with `guard` installed for this thread (the engine gathers on
@@ -37,28 +53,35 @@ pub fn with_guard<R>(guard: Box<dyn GatherGuard>, f: impl FnOnce() -> R) -> R {
     impl Drop for Remove {
         fn drop(&mut self) {
             if let Some(mut g) = GUARD.with(|c| c.borrow_mut().take()) {
-                g.unlock();
+                g.guard.unlock();
             }
         }
     }
-    GUARD.with(|c| *c.borrow_mut() = Some(guard));
+    GUARD.with(|c| *c.borrow_mut() = Some(Installed { guard, since: None }));
     let _remove = Remove;
     f()
 }
 
 /// Before gathering memory of the checksum ids that `ids()` lists (called
-/// only when a guard is installed): lock and check them.
+/// only when a guard is installed): lock (giving the guard back first when
+/// it has been held for a [`SLICE`]) and check them.
 pub(crate) fn before_gather<I: Iterator<Item = u32>>(ids: impl FnOnce() -> I) -> Result<()> {
     GUARD.with(|c| {
         let mut slot = c.borrow_mut();
-        let Some(g) = slot.as_mut() else {
+        let Some(inst) = slot.as_mut() else {
             return Ok(());
         };
-        g.lock()?;
+        if inst.since.is_some_and(|t| t.elapsed() >= SLICE) {
+            inst.guard.unlock();
+            inst.since = None;
+        }
+        inst.guard.lock()?;
+        inst.since.get_or_insert_with(Instant::now);
         for id in ids() {
-            if let Err(e) = g.check(id) {
+            if let Err(e) = inst.guard.check(id) {
                 // The engine now drains what is in flight: not while locked.
-                g.unlock();
+                inst.guard.unlock();
+                inst.since = None;
                 return Err(e);
             }
         }
@@ -69,8 +92,9 @@ pub(crate) fn before_gather<I: Iterator<Item = u32>>(ids: impl FnOnce() -> I) ->
 /// Before the engine may block: give access back.
 pub(crate) fn before_block() {
     GUARD.with(|c| {
-        if let Some(g) = c.borrow_mut().as_mut() {
-            g.unlock();
+        if let Some(inst) = c.borrow_mut().as_mut() {
+            inst.guard.unlock();
+            inst.since = None;
         }
     });
 }
@@ -115,6 +139,22 @@ mod tests {
         assert_eq!(
             got,
             ["lock", "check 1", "check 2", "unlock", "lock", "check 99", "unlock", "unlock"]
+        );
+    }
+
+    #[test]
+    fn given_back_after_a_slice() {
+        let log = Arc::new(Mutex::new(vec![]));
+        with_guard(Box::new(Log(log.clone())), || {
+            before_gather(|| [1].into_iter()).unwrap();
+            before_gather(|| [2].into_iter()).unwrap(); // same slice: kept
+            std::thread::sleep(SLICE + Duration::from_millis(1));
+            before_gather(|| [3].into_iter()).unwrap(); // slice over
+        });
+        let got = log.lock().unwrap().clone();
+        assert_eq!(
+            got,
+            ["lock", "check 1", "lock", "check 2", "unlock", "lock", "check 3", "unlock"]
         );
     }
 }
