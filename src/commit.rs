@@ -42,6 +42,13 @@
 //!   file is already at the target: the error is
 //!   [`ErrorKind::NotDurable`](crate::ErrorKind::NotDurable), not a plain
 //!   write failure.
+//! - **The replaced file**: a regular target of 16 MiB or more is held
+//!   (an `O_PATH` descriptor) across the rename, so the rename only drops
+//!   its name, and the descriptor is closed on a thread of its own: the
+//!   file system frees (and discards) the old blocks there, not inside the
+//!   save. Nothing is left in the directory; a process that dies first
+//!   closes it with its other descriptors. A save that then finds the disk
+//!   full waits for those frees and tries once more.
 
 use crate::error::{Error, Result};
 use std::ffi::{CStr, CString, OsStr};
@@ -397,7 +404,10 @@ impl TempFile {
             ));
         };
         let fd = self.fd();
-        if let Some(avail) = zero_fills(fd) {
+        if let Some(mut avail) = zero_fills(fd) {
+            if avail < len && wait_for_frees(FREE_WAIT) {
+                avail = zero_fills(fd).unwrap_or(avail);
+            }
             if avail < len {
                 return Err(Error::os(
                     libc::ENOSPC,
@@ -408,7 +418,15 @@ impl TempFile {
             return Ok(());
         }
         // SAFETY: fallocate on our own open fd; no memory is passed.
-        let rc = unsafe { libc::fallocate(fd, 0, 0, off_len) };
+        let mut rc = unsafe { libc::fallocate(fd, 0, 0, off_len) };
+        if rc != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSPC)
+            && wait_for_frees(FREE_WAIT)
+        {
+            // Space of replaced files was still being freed: try again.
+            // SAFETY: as above.
+            rc = unsafe { libc::fallocate(fd, 0, 0, off_len) };
+        }
         if rc != 0 {
             let e = std::io::Error::last_os_error();
             match e.raw_os_error() {
@@ -497,6 +515,10 @@ impl TempFile {
             )
         })?;
         let dirfd = self.dir.as_raw_fd();
+        // Hold the file being replaced, so the rename only drops its name
+        // and its blocks are freed when this reference goes, off the
+        // caller's path (see `free_later`).
+        let replaced = hold_replaced(&self.dir, &self.target_name);
         // SAFETY: both names are NUL-terminated and relative to our open
         // directory; no other memory is passed.
         let rc = unsafe { libc::renameat(dirfd, name.as_ptr(), dirfd, self.target_name.as_ptr()) };
@@ -505,6 +527,9 @@ impl TempFile {
                 "cannot rename onto the target",
                 Some(&self.target),
             ));
+        }
+        if let Some(fd) = replaced {
+            free_later(fd);
         }
         // The rename happened: the temporary name is gone. Closing the file
         // now releases its lock.
@@ -639,6 +664,96 @@ pub fn fsync_dir(dir: &Path) -> Result<()> {
         .map_err(|e| Error::from_io(&e, "directory fsync failed", Some(dir)))
 }
 
+/// Files smaller than this are freed in place (a thread would cost more).
+const FREE_LATER_MIN: i64 = 16 << 20;
+
+/// How long a save that finds the disk full waits for replaced files that
+/// are still being freed.
+const FREE_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Replaced files whose blocks are being freed: (count, its condition).
+static FREEING: (std::sync::Mutex<usize>, std::sync::Condvar) =
+    (std::sync::Mutex::new(0), std::sync::Condvar::new());
+
+/// A reference to the regular file at `name` in `dir` (none for anything
+/// else, a missing or a small file). While it is held, a rename onto
+/// `name` only unlinks the old name: the file system frees the old file's
+/// blocks (and discards them, with online discard: 0.3 s for 2 GiB) when
+/// the last reference goes. An `O_PATH` descriptor needs no permission on
+/// the file and cannot read or write it.
+fn hold_replaced(dir: &File, name: &CStr) -> Option<OwnedFd> {
+    // SAFETY: a NUL-terminated name relative to our open directory.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` was just opened and is owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: `stat` is plain old data; all-zero is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat on our own descriptor into a stat buffer that lives
+    // across the call.
+    let ok = unsafe { libc::fstat(fd.as_raw_fd(), &raw mut st) } == 0;
+    let big = ok
+        && st.st_mode & libc::S_IFMT == libc::S_IFREG
+        && st.st_nlink == 1
+        && st.st_size >= FREE_LATER_MIN;
+    big.then_some(fd)
+}
+
+/// Drop `fd` (the last reference to a replaced file) on a thread of its
+/// own, so freeing the file's blocks does not delay the save. A process
+/// that dies first closes it anyway; the kernel frees the file then
+/// (an unlinked, still-open file is on the file system's orphan list,
+/// which a crash leaves for the next mount to clean). Nothing is left in
+/// the directory either way.
+fn free_later(fd: OwnedFd) {
+    let (count, _) = &FREEING;
+    *count
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
+    let spawned = std::thread::Builder::new()
+        .name("fastpersist-free".into())
+        .spawn(move || {
+            drop(fd);
+            freed();
+        });
+    if spawned.is_err() {
+        // No thread: the descriptor was dropped with the closure; free now.
+        freed();
+    }
+}
+
+fn freed() {
+    let (count, done) = &FREEING;
+    let mut n = count
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    *n = n.saturating_sub(1);
+    done.notify_all();
+}
+
+/// Wait (at most `timeout`) until every replaced file handed to a
+/// background thread is freed. Returns whether any was pending (so a
+/// caller that ran out of space knows a retry may now succeed).
+pub fn wait_for_frees(timeout: std::time::Duration) -> bool {
+    let (count, done) = &FREEING;
+    let n = count
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if *n == 0 {
+        return false;
+    }
+    let _ = done.wait_timeout_while(n, timeout, |n| *n > 0);
+    true
+}
+
 /// File systems on which `fallocate` writes the reserved bytes itself
 /// instead of recording unwritten extents: tmpfs and hugetlbfs (it
 /// allocates and zeroes every page), and FAT/exFAT (no unwritten extents,
@@ -736,6 +851,46 @@ mod tests {
         assert_eq!(blocks(&t), 0, "tmpfs pages were allocated");
         let e = t.preallocate(u64::MAX / 4).unwrap_err();
         assert_eq!(e.errno, Some(libc::ENOSPC), "{e} (free: {avail:?})");
+    }
+
+    #[test]
+    fn replaced_file_is_freed_off_the_commit() {
+        use std::os::unix::fs::FileExt;
+        let d = tempfile::tempdir_in(".").unwrap();
+        let target = d.path().join("big.pt");
+        std::fs::write(&target, vec![7u8; 32 << 20]).unwrap();
+        let small = d.path().join("small.pt");
+        std::fs::write(&small, b"tiny").unwrap();
+        let dir = File::open(d.path()).unwrap();
+        let name = CString::new("big.pt").unwrap();
+        // Small files, missing files and directories are not held.
+        assert!(hold_replaced(&dir, &CString::new("small.pt").unwrap()).is_none());
+        assert!(hold_replaced(&dir, &CString::new("none.pt").unwrap()).is_none());
+        // Held: the rename only unlinks the name; the old file keeps its
+        // blocks until the reference goes.
+        let held = hold_replaced(&dir, &name).expect("a big regular file is held");
+        let (t, _) = TempFile::create(&target, false).unwrap();
+        t.file().unwrap().write_all_at(b"new", 0).unwrap();
+        std::fs::rename(t.temp_path(), &target).unwrap();
+        let st = File::from(held.try_clone().unwrap()).metadata().unwrap();
+        assert_eq!(st.nlink(), 0);
+        assert!(st.blocks() >= (32 << 20) / 512, "freed inside the rename");
+        drop(held);
+        drop(t);
+        // Through commit: the content is in place at once, and the old file
+        // is gone (nothing left in the directory) once the frees are done.
+        std::fs::write(&target, vec![1u8; 32 << 20]).unwrap();
+        let (t, _) = TempFile::create(&target, false).unwrap();
+        t.file().unwrap().write_all_at(b"newer", 0).unwrap();
+        t.commit(Some(5), true).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"newer");
+        wait_for_frees(std::time::Duration::from_secs(30));
+        assert_eq!(names(d.path()), vec!["big.pt", "small.pt"]);
+        let deleted = std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+            .any(|l| l.to_string_lossy().contains("big.pt (deleted)"));
+        assert!(!deleted, "the replaced file is still held");
     }
 
     #[test]

@@ -853,6 +853,19 @@ fn temp_file_in_use(py: Python<'_>, path: PathBuf) -> PyResult<bool> {
         .map_err(to_py)
 }
 
+/// Wait (at most `timeout` seconds) until the files that commits replaced
+/// are freed (their blocks are released on background threads). Returns
+/// whether any was still being freed.
+#[pyfunction]
+fn wait_for_frees(py: Python<'_>, timeout: f64) -> PyResult<bool> {
+    let t = std::time::Duration::try_from_secs_f64(timeout).map_err(|_| {
+        PyValueError::new_err(format!(
+            "timeout must be a number of seconds >= 0, got {timeout}"
+        ))
+    })?;
+    Ok(py.allow_threads(|| crate::commit::wait_for_frees(t)))
+}
+
 /// Whether `name` (a file name, not a path) has exactly the form of a
 /// temporary file name, `.<part>.<pid>.<n>.fptmp` (see the core's `commit`
 /// module docs).
@@ -1114,6 +1127,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(split_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(temp_file_in_use, m)?)?;
     m.add_function(wrap_pyfunction!(is_temp_name, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_for_frees, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
     add_stats_types(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

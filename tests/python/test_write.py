@@ -196,3 +196,26 @@ def test_concurrent_saves_from_threads(tmp_path):
         list(ex.map(lambda i: fastpersist.write_state_dict(sds[i], tmp_path / f"{i}.pt"), range(8)))
     for i in range(8):
         assert_same(sds[i], torch.load(tmp_path / f"{i}.pt"))
+
+
+def test_overwrite_leaves_only_the_new_file_and_frees_the_old(tmp_path):
+    """A big replaced checkpoint is freed on a background thread (held across
+    the rename): the new file is in place when the call returns, nothing
+    else is left in the directory, and the old file's blocks are released."""
+    p = tmp_path / "ckpt.pt"
+    sd = {"w": torch.arange(8 << 20, dtype=torch.float32)}  # 32 MiB
+    fastpersist.write_state_dict(sd, p)
+    sd2 = {"w": sd["w"] + 1}
+    fastpersist.write_state_dict(sd2, p)
+    assert torch.equal(torch.load(p)["w"], sd2["w"])
+    fastpersist._core.wait_for_frees(30.0)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    assert [h for h in held if h.startswith(str(tmp_path))] == [], held
+    with pytest.raises(ValueError, match="timeout"):
+        fastpersist._core.wait_for_frees(-1.0)
