@@ -1010,6 +1010,20 @@ fn crc32_ranges(
     Ok(out)
 }
 
+/// Advise transparent huge pages for, and fault in now, the memory at
+/// `addr..addr+nbytes`: a fresh host buffer (one the caller owns, private
+/// and anonymous, such as a new CPU tensor's) that is about to be filled,
+/// so the fill does not fault page by page. The bytes are not changed.
+#[pyfunction]
+fn prepare_memory(py: Python<'_>, addr: IntArg, nbytes: IntArg) -> PyResult<()> {
+    let addr: usize = addr.get("addr")?;
+    let nbytes: usize = nbytes.get("nbytes")?;
+    // SAFETY: the caller hands over memory it owns, private and anonymous
+    // (see the doc above); the call only advises and populates it.
+    py.allow_threads(|| unsafe { crate::arena::prepare_memory(addr, nbytes) });
+    Ok(())
+}
+
 /// Copy `n` bytes of checksum `crc_id`'s memory at address `src` to
 /// address `dst` (non-overlapping memory the caller holds), holding the
 /// GIL, right after checking with `guard` (a `MemoryGuard`) that the
@@ -1128,6 +1142,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(temp_file_in_use, m)?)?;
     m.add_function(wrap_pyfunction!(is_temp_name, m)?)?;
     m.add_function(wrap_pyfunction!(wait_for_frees, m)?)?;
+    m.add_function(wrap_pyfunction!(prepare_memory, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
     add_stats_types(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -134,10 +134,26 @@ class SnapshotPool:
             else:
                 if self._free:  # too small: replace rather than grow the pool
                     _remove(self._free, max(self._free, key=lambda b: b.numel()))
-                size = max(1 << 20, -(-nbytes // (1 << 20)) * (1 << 20))
-                buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+                buf = _new_buffer(nbytes, pin)
             self._used.append(buf)
             return buf
+
+    def reserve(self, nbytes: int, pin: bool = False) -> None:
+        """Make sure an idle buffer of at least ``nbytes`` is ready (made
+        now, on huge pages where the kernel gives them, and faulted in), so
+        the next snapshot of that size does not allocate on its critical
+        path. A smaller idle buffer is replaced."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, not {nbytes}")
+        with self._lock:
+            if any(b.numel() >= nbytes and (not pin or b.is_pinned()) for b in self._free):
+                return
+        buf = _new_buffer(nbytes, pin)  # outside the lock: it can take a while
+        with self._lock:
+            small = [b for b in self._free if b.numel() < nbytes]
+            if small:
+                _remove(self._free, max(small, key=lambda b: b.numel()))
+            self._free.append(buf)
 
     def put_back(self, buf: torch.Tensor) -> None:
         """Return a buffer that nothing reads or writes any more (every copy
@@ -171,6 +187,17 @@ class SnapshotPool:
         """Host memory the pool holds (in use and free)."""
         with self._lock:
             return sum(b.numel() for b in self._free + self._used + self._stale)
+
+
+def _new_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A pool buffer of at least ``nbytes`` (whole MiB). A pageable one is
+    advised for huge pages and faulted in at once: the first snapshot into
+    it then copies at memory speed instead of faulting 4 KiB at a time."""
+    size = max(1 << 20, -(-nbytes // (1 << 20)) * (1 << 20))
+    buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    if not pin:  # pinned memory is allocated resident
+        _core.prepare_memory(buf.data_ptr(), size)
+    return buf
 
 
 def _as_bytes(storage: Any) -> torch.Tensor:
@@ -326,6 +353,31 @@ class AsyncSaver:
         # A saver dropped without close(): its threads end once idle.
         fin = weakref.finalize(self, _stop_workers, self._snap, self._write)
         fin.atexit = False  # at exit the threads just stay idle (waking them during finalization is unsafe)
+
+    def prepare(
+        self, obj: Any, *, format: str = "torch", metadata: Optional[Any] = None, background: bool = False
+    ) -> Optional[concurrent.futures.Future]:
+        """Get ready for snapshot saves of ``obj`` (or of objects with the
+        same tensors): the staging buffer its snapshot needs is made now,
+        on huge pages where the kernel gives them, and faulted in, so the
+        first ``save(..., mode="snapshot")`` blocks no longer than later
+        ones. Call it once the state exists (after the model and optimizer
+        are built, before the training loop). ``background=True`` does it
+        on the snapshot thread (ahead of any later snapshot) and returns
+        its future. Pipelined saves need no staging buffer."""
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
+        planner = _planner(format, metadata)
+
+        def run() -> None:
+            plan = planner(obj)
+            pin = bool(plan.device) and torch.cuda.is_available()
+            self.pool.reserve(plan.storage_bytes, pin=pin)
+
+        if background:
+            return self._snap.submit(run)
+        run()
+        return None
 
     def save(self, obj: Any, path: PathLike, *, mode: str = "pipelined", **options: Any) -> CheckpointFuture:
         p = resolve_target(path)

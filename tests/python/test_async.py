@@ -166,3 +166,88 @@ def test_safetensors_format(tmp_path, mode):
         assert sf.metadata() == {"a": "b"}
     with pytest.raises(ValueError, match="metadata"):
         fastpersist.save_async(tensors, tmp_path / "x.pt", mode=mode, metadata={"a": "b"})
+
+
+def _resident_fraction(t: torch.Tensor) -> float:
+    """Share of ``t``'s whole pages that are resident (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel()) // page * page
+    n = (end - start) // page
+    vec = (ctypes.c_ubyte * n)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0
+    return sum(b & 1 for b in vec) / n
+
+
+def test_prepare_makes_the_first_snapshot_use_a_ready_buffer(tmp_path):
+    """21.7: AsyncSaver.prepare(state) makes the snapshot buffer ahead of the
+    first save (faulted in); the first snapshot save uses it, allocating
+    nothing on its critical path."""
+    sd = {"a": make((3 << 20,), torch.float32), "b": make((1000,), torch.bfloat16)}
+    saver = AsyncSaver()
+    try:
+        assert saver.pool.nbytes == 0
+        assert saver.prepare(sd) is None
+        held = saver.pool.nbytes
+        assert held >= (3 << 20) * 4
+        (buf,) = saver.pool._free
+        assert _resident_fraction(buf) > 0.99
+        saver.save(sd, tmp_path / "p.pt", mode="snapshot").result()
+        assert saver.pool.nbytes == held  # the prepared buffer, reused
+        assert saver.pool._free == [buf] or saver.pool._free[0] is buf
+        got = fastpersist.read_state_dict(tmp_path / "p.pt")
+        assert bits(got["a"]) == bits(sd["a"]) and bits(got["b"]) == bits(sd["b"])
+        # In the background: a future; a bigger state replaces the buffer.
+        big = {"a": make((5 << 20,), torch.float32)}
+        fut = saver.prepare(big, background=True)
+        fut.result(timeout=60)
+        assert saver.pool.nbytes >= (5 << 20) * 4 and len(saver.pool._free) == 1
+        with pytest.raises(ValueError, match="format"):
+            saver.prepare(sd, format="zip")
+        with pytest.raises(ValueError, match="nbytes"):
+            saver.pool.reserve(-1)
+    finally:
+        saver.close()
+
+
+def test_new_pool_buffers_are_faulted_in():
+    """21.7: a buffer the pool makes on demand is resident at once (huge-page
+    advice and MADV_POPULATE_WRITE), not faulted page by page by the copy."""
+    pool = fastpersist.SnapshotPool()
+    buf = pool.acquire(16 << 20)
+    assert _resident_fraction(buf) > 0.99
+    pool.put_back(buf)
+
+
+def test_checkpointer_prepare_in_snapshot_mode(tmp_path):
+    sd = {"w": make((1 << 20,), torch.float32)}
+    ck = fastpersist.Checkpointer(tmp_path / "c", mode="snapshot", every=1)
+    try:
+        ck.prepare(sd, background=False)
+        assert ck._saver.pool.nbytes >= (1 << 20) * 4
+        held = ck._saver.pool.nbytes
+        ck.save(1, sd).result()
+        assert ck._saver.pool.nbytes == held
+    finally:
+        ck.close()
+    ck = fastpersist.Checkpointer(tmp_path / "d")  # pipelined: nothing to stage
+    try:
+        ck.prepare(sd)
+        assert ck._saver.pool.nbytes == 0
+    finally:
+        ck.close()
+
+
+def test_checkpointer_step_prepares_in_the_background(tmp_path):
+    sd = {"w": make((1 << 20,), torch.float32)}
+    ck = fastpersist.Checkpointer(tmp_path / "c", mode="snapshot", every=1000)
+    try:
+        assert ck.step(0, sd) is None  # no checkpoint yet, but the buffer is being made
+        ck._saver._snap.submit(lambda: None).result(timeout=60)  # behind the preparation
+        assert ck._saver.pool.nbytes >= (1 << 20) * 4
+    finally:
+        ck.close()
