@@ -38,6 +38,10 @@ pub struct Options {
     pub lock_memory: bool,
     /// Threads of the pwrite fallback pool.
     pub pool_threads: usize,
+    /// Threads that gather (copy into the arena and checksum) each write;
+    /// 1 gathers on the calling thread. Default: the cores this process
+    /// may use, at most 8 ([`crate::gather::default_gather_threads`]).
+    pub gather_threads: usize,
     /// Start an fdatasync after every this many bytes (0: only at the end),
     /// so the device flushes its cache while the save goes on and the final
     /// fsync has little left to do.
@@ -62,6 +66,7 @@ impl Default for Options {
             register_buffers: true,
             lock_memory: true,
             pool_threads: 4,
+            gather_threads: crate::gather::default_gather_threads(),
             flush_every: 256 << 20,
             durable: true,
             fault: None,
@@ -102,6 +107,12 @@ impl Options {
                 self.queue_depth
             )));
         }
+        if self.gather_threads == 0 || self.gather_threads > MAX_GATHER_THREADS {
+            return Err(Error::option(format!(
+                "gather_threads must be in 1..={MAX_GATHER_THREADS}, got {}",
+                self.gather_threads
+            )));
+        }
         if self.pool_threads > MAX_POOL_THREADS {
             return Err(Error::option(format!(
                 "pool_threads must be at most {MAX_POOL_THREADS}, got {}",
@@ -114,6 +125,8 @@ impl Options {
 
 /// More fallback threads than any machine has use for.
 const MAX_POOL_THREADS: usize = 1024;
+/// More gather threads than any machine has use for.
+const MAX_GATHER_THREADS: usize = 256;
 
 /// A reusable writer and reader: the arena, the ring and the fallback pool
 /// live across saves, so a save allocates nothing proportional to the

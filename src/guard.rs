@@ -89,6 +89,12 @@ pub(crate) fn before_gather<I: Iterator<Item = u32>>(ids: impl FnOnce() -> I) ->
     })
 }
 
+/// Whether a guard is installed for this thread (caller memory must then
+/// be read on this thread, under the guard).
+pub(crate) fn installed() -> bool {
+    GUARD.with(|c| c.borrow().is_some())
+}
+
 /// Before the engine may block: give access back.
 pub(crate) fn before_block() {
     GUARD.with(|c| {

@@ -29,6 +29,7 @@ pub mod arena;
 pub mod commit;
 pub mod engine;
 pub mod error;
+pub mod gather;
 pub mod guard;
 pub mod layout;
 pub mod reader;

@@ -297,7 +297,8 @@ impl PyEngine {
     #[new]
     #[pyo3(signature = (*, block_size=IntArg(1<<20), arena_bytes=IntArg(32<<20),
         queue_depth=IntArg(32), direct=true, io_uring=true, register_buffers=true,
-        lock_memory=true, pool_threads=IntArg(4), durable=true, flush_every=IntArg(256<<20)))]
+        lock_memory=true, pool_threads=IntArg(4), durable=true, flush_every=IntArg(256<<20),
+        gather_threads=None))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)] // the Python signature
     fn new(
         block_size: IntArg,
@@ -310,8 +311,14 @@ impl PyEngine {
         pool_threads: IntArg,
         durable: bool,
         flush_every: IntArg,
+        gather_threads: Option<IntArg>,
     ) -> PyResult<Self> {
+        let gather_threads = match gather_threads {
+            Some(n) => n.get("gather_threads")?,
+            None => crate::gather::default_gather_threads(),
+        };
         let opts = Options {
+            gather_threads,
             block_size: block_size.get("block_size")?,
             arena_bytes: arena_bytes.get("arena_bytes")?,
             queue_depth: queue_depth.get("queue_depth")?,

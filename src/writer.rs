@@ -321,6 +321,7 @@ impl Engine {
             0
         };
         let qd = self.opts.queue_depth;
+        let threads = self.opts.gather_threads;
         // Only io_uring keeps writes in flight past the call: it holds its
         // own reference to the file, while the pwrite pool works on the fd
         // number, which a dropped session would close under it.
@@ -338,6 +339,7 @@ impl Engine {
                     qd,
                     flush_every,
                     keep_in_flight: keep,
+                    threads,
                 },
                 (free, &mut session.unflushed),
                 &mut session.hashers,
@@ -400,6 +402,7 @@ impl Engine {
         let layout = Layout::new(segments, file_len, dio.block)?;
         let range = layout.split(parts)[index].clone();
         let qd = self.opts.queue_depth;
+        let threads = self.opts.gather_threads;
         let mut hashers = vec![Hasher::new(); layout.crc_ids() as usize];
         let t_io = Instant::now();
         let res = self.with_buffers(|sink, arena, free| {
@@ -413,6 +416,7 @@ impl Engine {
                     qd,
                     flush_every: 0,
                     keep_in_flight: false,
+                    threads,
                 },
                 (free, &mut 0),
                 &mut hashers,
@@ -491,6 +495,8 @@ struct Pacing {
     flush_every: u64,
     /// Return without waiting for the last writes.
     keep_in_flight: bool,
+    /// Gather threads (1: on the calling thread; see [`crate::gather`]).
+    threads: usize,
 }
 
 /// Gather every extent into arena buffers (taken from `free`) and hand them
@@ -508,7 +514,25 @@ fn pump(
     hashers: &mut [Hasher],
     on_gathered: &mut dyn FnMut() -> Result<()>,
 ) -> Result<()> {
-    let extents = layout.extents(range, arena.buf_size())?;
+    let extents: Vec<Extent> = layout.extents(range, arena.buf_size())?.collect();
+    if pacing.threads > 1 && extents.len() >= crate::gather::MIN_PARALLEL_EXTENTS {
+        crate::gather::pump_parallel(
+            layout,
+            &extents,
+            arena,
+            sink,
+            pacing.threads,
+            &mut crate::gather::Pumping {
+                fd,
+                qd: pacing.qd,
+                flush_every: pacing.flush_every,
+                free,
+                unflushed,
+                hashers,
+            },
+        )?;
+        return gathered_then_drain(sink, free, pacing, on_gathered);
+    }
     for ext in extents {
         if pacing.flush_every > 0 && *unflushed >= pacing.flush_every {
             guard::before_block();
@@ -548,6 +572,17 @@ fn pump(
         unsafe { sink.submit(fd, job) }?;
         sink.reap(free, false)?;
     }
+    gathered_then_drain(sink, free, pacing, on_gathered)
+}
+
+/// Every extent is gathered: ask `on_gathered` whether to go on, then wait
+/// for the writes (unless they stay in flight past the call).
+fn gathered_then_drain(
+    sink: &mut dyn Sink,
+    free: &mut Vec<usize>,
+    pacing: Pacing,
+    on_gathered: &mut dyn FnMut() -> Result<()>,
+) -> Result<()> {
     guard::before_block();
     let gathered = on_gathered();
     if pacing.keep_in_flight {

@@ -9,15 +9,19 @@ fn combos() -> Vec<Options> {
     for io_uring in [true, false] {
         for direct in [true, false] {
             for register_buffers in [true, false] {
-                v.push(Options {
-                    io_uring,
-                    direct,
-                    register_buffers,
-                    block_size: 64 << 10,
-                    arena_bytes: 256 << 10,
-                    queue_depth: 3,
-                    ..Options::default()
-                });
+                // One gather thread (on the caller) and three workers.
+                for gather_threads in [1, 3] {
+                    v.push(Options {
+                        io_uring,
+                        direct,
+                        register_buffers,
+                        block_size: 64 << 10,
+                        arena_bytes: 256 << 10,
+                        queue_depth: 3,
+                        gather_threads,
+                        ..Options::default()
+                    });
+                }
             }
         }
     }

@@ -118,6 +118,7 @@ class Engine:
         pool_threads: int = ...,
         durable: bool = True,
         flush_every: int = ...,
+        gather_threads: int | None = None,
     ) -> Self: ...
     @property
     def arena_ptr(self) -> int: ...

@@ -10,6 +10,8 @@ Environment variables set the defaults (a parameter wins over them):
 ``FASTPERSIST_ARENA_BYTES``    staging memory, bytes (default 32 MiB)
 ``FASTPERSIST_BLOCK_SIZE``     bytes per write (default 1 MiB)
 ``FASTPERSIST_QUEUE_DEPTH``    writes in flight (default 32)
+``FASTPERSIST_GATHER_THREADS`` threads copying into the staging memory and
+                               checksumming (default: the usable cores, at most 8)
 
 Engines (staging arena + io_uring ring) are expensive to make and cheap to
 reuse, so one per distinct option set is kept per process; the cache holds
@@ -97,6 +99,15 @@ def _count(name: str, given: Optional[int], env: str, default: int) -> int:
     return value
 
 
+def default_gather_threads() -> int:
+    """The cores this process may use, at most 8 (the core's default)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """The options an engine is made with (see :func:`write_state_dict`)."""
@@ -107,6 +118,7 @@ class EngineOptions:
     direct: bool
     io_uring: bool
     durable: bool
+    gather_threads: int = 1
 
     @classmethod
     def resolve(
@@ -117,6 +129,7 @@ class EngineOptions:
         direct: Optional[bool] = None,
         io_uring: Optional[bool] = None,
         durable: bool = True,
+        gather_threads: Optional[int] = None,
     ) -> EngineOptions:
         """Parameters where given, else the environment, else the defaults.
         Raises ValueError for values no engine can take (negative, zero)."""
@@ -127,6 +140,9 @@ class EngineOptions:
             direct=direct if direct is not None else env_flag("FASTPERSIST_DIRECT", True),
             io_uring=io_uring if io_uring is not None else env_flag("FASTPERSIST_IO_URING", True),
             durable=bool(durable),
+            gather_threads=_count(
+                "gather_threads", gather_threads, "FASTPERSIST_GATHER_THREADS", default_gather_threads()
+            ),
         )
 
 
@@ -174,6 +190,7 @@ def _new_engine(opts: EngineOptions) -> _core.Engine:
         direct=opts.direct,
         io_uring=opts.io_uring,
         durable=opts.durable,
+        gather_threads=opts.gather_threads,
     )
 
 

@@ -246,6 +246,7 @@ def write_state_dict(
     direct: Optional[bool] = None,
     io_uring: Optional[bool] = None,
     durable: bool = True,
+    gather_threads: Optional[int] = None,
 ) -> WriteStats:
     """Save ``obj`` to ``path`` like ``torch.save``, at the speed of the disk.
 
@@ -267,7 +268,9 @@ def write_state_dict(
     ``block_size`` bytes per write, ``arena_bytes`` staging memory (bounded,
     independent of the checkpoint's size), ``queue_depth`` writes in flight,
     ``direct`` O_DIRECT, ``io_uring`` the io_uring back end, ``durable``
-    fsync file and directory (leave it on for checkpoints).
+    fsync file and directory (leave it on for checkpoints),
+    ``gather_threads`` threads that copy into the staging memory and
+    checksum (default: the usable cores, at most 8).
 
     Raises :class:`~fastpersist.SerializationError` for objects that cannot
     be saved, :class:`~fastpersist.WriteError` (an ``OSError`` with
@@ -277,7 +280,7 @@ def write_state_dict(
     p = resolve_target(path)
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
-    opts = EngineOptions.resolve(block_size, arena_bytes, queue_depth, direct, io_uring, durable)
+    opts = EngineOptions.resolve(block_size, arena_bytes, queue_depth, direct, io_uring, durable, gather_threads)
     wait_for_earlier(p)
     if group is not None or sharded:
         return write_distributed(obj, p, opts, group, sharded, format)

@@ -219,3 +219,39 @@ def test_overwrite_leaves_only_the_new_file_and_frees_the_old(tmp_path):
     assert [h for h in held if h.startswith(str(tmp_path))] == [], held
     with pytest.raises(ValueError, match="timeout"):
         fastpersist._core.wait_for_frees(-1.0)
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_gather_threads_write_the_same_file(tmp_path, monkeypatch, guarded):
+    """21.3: gathering on several threads (copies and checksums spread over
+    workers; under the GIL guard only the checksums) writes exactly the file
+    one thread writes, for many records with their CRC slots."""
+    g = torch.Generator().manual_seed(3)
+    sd = {f"t{i}": torch.randn(int(torch.randint(1, 300_000, (1,), generator=g)), generator=g) for i in range(40)}
+    sd["big"] = torch.randn(3 << 20, generator=g)
+    if not guarded:
+        from fastpersist import plan
+
+        monkeypatch.setattr(plan.MemoryGuard, "__bool__", lambda self: False)
+    files = []
+    for n in (1, 2, 5):
+        p = tmp_path / f"g{n}.pt"
+        st = fastpersist.write_state_dict(sd, p, gather_threads=n, block_size=256 << 10, arena_bytes=2 << 20)
+        files.append(p.read_bytes())
+        assert st.crc32 == fastpersist.write_state_dict(sd, tmp_path / "ref.pt", gather_threads=1).crc32
+    assert files[0] == files[1] == files[2]
+    got = torch.load(tmp_path / "g5.pt")
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+    fastpersist.read_state_dict(tmp_path / "g5.pt")  # every CRC verified
+
+
+def test_gather_threads_option_is_checked(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="gather_threads must be positive"):
+        fastpersist.write_state_dict({"a": torch.ones(3)}, tmp_path / "a.pt", gather_threads=0)
+    monkeypatch.setenv("FASTPERSIST_GATHER_THREADS", "-2")
+    with pytest.raises(ValueError, match="FASTPERSIST_GATHER_THREADS"):
+        fastpersist.write_state_dict({"a": torch.ones(3)}, tmp_path / "a.pt")
+    monkeypatch.setenv("FASTPERSIST_GATHER_THREADS", "3")
+    fastpersist.write_state_dict({"a": torch.ones(3)}, tmp_path / "a.pt")
+    with pytest.raises(ValueError, match="gather_threads must be in 1..=256"):
+        fastpersist.write_state_dict({"a": torch.ones(3)}, tmp_path / "a.pt", gather_threads=1000)

@@ -1,0 +1,398 @@
+//! Gathering on several threads.
+//!
+//! One thread gathering (copying segment bytes into arena buffers and
+//! checksumming them) runs at a few GB/s: less than a RAM-backed file
+//! system or an array of NVMe drives takes. [`pump_parallel`] spreads the
+//! per-byte work of one write over `gather_threads` workers:
+//!
+//! - a worker copies an extent's pieces into its arena buffer (gaps
+//!   zeroed, checksum slots left for later) and checksums the checksummed
+//!   pieces *from the buffer* (the bytes that go to disk), one partial
+//!   CRC32 per piece;
+//! - the calling thread hands out extents, and then, in file order,
+//!   combines each extent's partial checksums into the running ones, fills
+//!   the extent's checksum slots (a slot comes after every byte it covers,
+//!   which [`Layout::new`] checks) and submits the buffer.
+//!
+//! Under a [`crate::guard`] (caller memory that the caller's runtime may
+//! free, read only while the guard is held) the calling thread does the
+//! copies itself under the guard, and the workers only checksum: the copy
+//! stays one memory-speed pass on one thread, the checksum leaves it.
+//!
+//! Workers are scoped to the call: every one has finished with its buffer
+//! before the call returns, also on an error.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc;
+use std::sync::Mutex;
+
+use crc32fast::Hasher;
+
+use crate::arena::Arena;
+use crate::error::{Error, Result};
+use crate::guard;
+use crate::layout::{Extent, Layout, Source};
+use crate::sink::{Job, Sink};
+
+/// Fewer extents than this are gathered on the calling thread (starting
+/// workers would cost more than they save).
+pub(crate) const MIN_PARALLEL_EXTENTS: usize = 4;
+
+/// The default number of gather threads: the cores this process may use,
+/// at most 8.
+pub fn default_gather_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+}
+
+/// Copy the pieces of `ext` into `buf` (its length), zeroing the gaps and
+/// leaving checksum slots zero.
+pub(crate) fn copy_extent(layout: &Layout, ext: Extent, buf: &mut [u8]) {
+    debug_assert_eq!(buf.len(), ext.len);
+    let mut pos = 0;
+    for p in layout.pieces(ext) {
+        buf[pos..p.buf_offset].fill(0);
+        let seg = &layout.segments()[p.segment];
+        let dst = &mut buf[p.buf_offset..p.buf_offset + p.len];
+        let so = p.seg_offset as usize;
+        match &seg.source {
+            Source::Bytes(b) => dst.copy_from_slice(&b[so..so + p.len]),
+            Source::Mem(m) => dst.copy_from_slice(m.slice(so, p.len)),
+            Source::Crc32(_) => dst.fill(0),
+        }
+        pos = p.buf_offset + p.len;
+    }
+    buf[pos..].fill(0);
+}
+
+/// The checksum of each checksummed piece of `ext`, read from `buf` (the
+/// extent, already copied), in file order.
+pub(crate) fn checksum_extent(layout: &Layout, ext: Extent, buf: &[u8]) -> Vec<(u32, Hasher)> {
+    let mut out = Vec::new();
+    for p in layout.pieces(ext) {
+        let seg = &layout.segments()[p.segment];
+        if let (Some(id), Source::Bytes(_) | Source::Mem(_)) = (seg.crc_id, &seg.source) {
+            let mut h = Hasher::new();
+            h.update(&buf[p.buf_offset..p.buf_offset + p.len]);
+            out.push((id, h));
+        }
+    }
+    out
+}
+
+/// In file order: fold `partials` (of `ext`) into `hashers`, then fill the
+/// extent's checksum slots in `buf`.
+pub(crate) fn finish_extent(
+    layout: &Layout,
+    ext: Extent,
+    buf: &mut [u8],
+    partials: &[(u32, Hasher)],
+    hashers: &mut [Hasher],
+) {
+    for (id, h) in partials {
+        hashers[*id as usize].combine(h);
+    }
+    for p in layout.pieces(ext) {
+        if let Source::Crc32(id) = layout.segments()[p.segment].source {
+            let v = hashers[id as usize].clone().finalize().to_le_bytes();
+            let so = p.seg_offset as usize;
+            buf[p.buf_offset..p.buf_offset + p.len].copy_from_slice(&v[so..so + p.len]);
+        }
+    }
+}
+
+/// One extent for a worker: its arena buffer (index and address), and
+/// whether the worker copies it (else it is already copied).
+struct Task {
+    seq: usize,
+    buf: usize,
+    addr: usize,
+    copy: bool,
+}
+
+/// A worker's result: the extent's partial checksums.
+struct Gathered {
+    seq: usize,
+    buf: usize,
+    partials: Vec<(u32, Hasher)>,
+}
+
+/// What [`pump_parallel`] needs from the writer, grouped.
+pub(crate) struct Pumping<'a> {
+    pub fd: i32,
+    pub qd: usize,
+    pub flush_every: u64,
+    pub free: &'a mut Vec<usize>,
+    pub unflushed: &'a mut u64,
+    pub hashers: &'a mut [Hasher],
+}
+
+/// Gather and submit `extents` (in file order) with `threads` workers; see
+/// the module docs. On return (also on an error) no worker touches any
+/// buffer any more; buffers of submitted writes are the sink's.
+pub(crate) fn pump_parallel(
+    layout: &Layout,
+    extents: &[Extent],
+    arena: &mut Arena,
+    sink: &mut dyn Sink,
+    threads: usize,
+    p: &mut Pumping<'_>,
+) -> Result<()> {
+    let guarded = guard::installed();
+    let (task_tx, task_rx) = mpsc::channel::<Task>();
+    let task_rx = Mutex::new(task_rx);
+    let (done_tx, done_rx) = mpsc::channel::<Gathered>();
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            let (rx, tx) = (&task_rx, done_tx.clone());
+            scope.spawn(move || worker(layout, extents, rx, &tx));
+        }
+        drop(done_tx);
+        let res = coordinate(
+            layout,
+            extents,
+            arena,
+            sink,
+            p,
+            (guarded, threads * 2),
+            &task_tx,
+            &done_rx,
+        );
+        // Workers finish the task they hold and end; the scope joins them
+        // before this function returns.
+        drop(task_tx);
+        res
+    })
+}
+
+/// A gather thread: tasks until the calling thread stops handing them out.
+fn worker(
+    layout: &Layout,
+    extents: &[Extent],
+    rx: &Mutex<mpsc::Receiver<Task>>,
+    tx: &mpsc::Sender<Gathered>,
+) {
+    loop {
+        let task = match rx.lock() {
+            Ok(rx) => rx.recv(),
+            Err(_) => return,
+        };
+        let Ok(t) = task else {
+            return; // the calling thread is done handing out work
+        };
+        let ext = extents[t.seq];
+        // SAFETY: buffer `t.buf` (at `t.addr`, at least `ext.len` bytes:
+        // an extent is at most one buffer) was taken off the free list for
+        // this task alone; the calling thread does not touch it until this
+        // worker sends it back, and the arena outlives the scope.
+        let buf = unsafe { std::slice::from_raw_parts_mut(t.addr as *mut u8, ext.len) };
+        if t.copy {
+            copy_extent(layout, ext, buf);
+        }
+        let partials = checksum_extent(layout, ext, buf);
+        let done = Gathered {
+            seq: t.seq,
+            buf: t.buf,
+            partials,
+        };
+        if tx.send(done).is_err() {
+            return;
+        }
+    }
+}
+
+/// The calling thread's part of [`pump_parallel`].
+#[allow(clippy::too_many_arguments)] // private; split out of pump_parallel
+fn coordinate(
+    layout: &Layout,
+    extents: &[Extent],
+    arena: &mut Arena,
+    sink: &mut dyn Sink,
+    p: &mut Pumping<'_>,
+    (guarded, window): (bool, usize),
+    task_tx: &mpsc::Sender<Task>,
+    done_rx: &mpsc::Receiver<Gathered>,
+) -> Result<()> {
+    let n = extents.len();
+    let (mut next, mut fin, mut outstanding) = (0usize, 0usize, 0usize);
+    let mut ready: BTreeMap<usize, Gathered> = BTreeMap::new();
+    let lost = || Error::layout("a gather thread ended early");
+    while fin < n {
+        // Hand out work while there are buffers and room in the window.
+        while next < n && outstanding < window && !p.free.is_empty() {
+            let ext = extents[next];
+            let b = p.free.pop().expect("a free buffer");
+            if guarded {
+                guard::before_gather(|| {
+                    layout.pieces(ext).into_iter().filter_map(|pc| {
+                        let seg = &layout.segments()[pc.segment];
+                        matches!(seg.source, Source::Mem(_))
+                            .then_some(seg.crc_id)
+                            .flatten()
+                    })
+                })?;
+                copy_extent(layout, ext, &mut arena.buf_mut(b)[..ext.len]);
+            }
+            let task = Task {
+                seq: next,
+                buf: b,
+                addr: arena.buf_ptr(b) as usize,
+                copy: !guarded,
+            };
+            task_tx.send(task).map_err(|_| lost())?;
+            next += 1;
+            outstanding += 1;
+        }
+        // Finish, in file order, what the workers have done.
+        while let Ok(d) = done_rx.try_recv() {
+            ready.insert(d.seq, d);
+        }
+        let mut progressed = false;
+        while let Some(d) = ready.remove(&fin) {
+            outstanding -= 1;
+            submit(layout, extents[fin], &d, arena, sink, p)?;
+            fin += 1;
+            progressed = true;
+        }
+        if progressed || fin >= n {
+            continue;
+        }
+        // Nothing to finish yet: wait for a worker, or for the device.
+        guard::before_block();
+        if outstanding > 0 {
+            let d = done_rx.recv().map_err(|_| lost())?;
+            ready.insert(d.seq, d);
+        } else if p.free.is_empty() {
+            sink.reap(p.free, true)?;
+        }
+    }
+    Ok(())
+}
+
+/// Fold an extent's checksums, fill its slots and submit it, keeping at
+/// most `qd` writes in flight and starting an fdatasync every
+/// `flush_every` bytes.
+fn submit(
+    layout: &Layout,
+    ext: Extent,
+    d: &Gathered,
+    arena: &mut Arena,
+    sink: &mut dyn Sink,
+    p: &mut Pumping<'_>,
+) -> Result<()> {
+    if p.flush_every > 0 && *p.unflushed >= p.flush_every {
+        guard::before_block();
+        sink.submit_datasync(p.fd)?;
+        *p.unflushed = 0;
+    }
+    *p.unflushed += ext.len as u64;
+    while sink.inflight() >= p.qd {
+        guard::before_block();
+        sink.reap(p.free, true)?;
+    }
+    finish_extent(
+        layout,
+        ext,
+        &mut arena.buf_mut(d.buf)[..ext.len],
+        &d.partials,
+        p.hashers,
+    );
+    let job = Job {
+        buf: d.buf,
+        ptr: arena.buf_ptr(d.buf),
+        len: ext.len,
+        offset: ext.offset,
+        read: false,
+    };
+    // SAFETY: buffer `d.buf` came off the free list for this extent and its
+    // worker is done with it; it goes back only when the sink returns it
+    // (reap) or has drained; the arena outlives the sink's use of it (the
+    // engine drains on every error path and drops the sink first). `fd` is
+    // open for the whole call (see `writer::pump`).
+    unsafe { sink.submit(p.fd, job) }?;
+    sink.reap(p.free, false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{MemRef, Segment};
+    use proptest::prelude::*;
+
+    /// Records of random sizes, each followed by its checksum slot (as in a
+    /// torch zip's data descriptors), some from memory, some from bytes,
+    /// some not checksummed, at random gaps; all slots again at the end (the
+    /// central directory).
+    fn records(sizes: &[(usize, u8, u8)], mem: &[Vec<u8>]) -> (Vec<Segment>, u64) {
+        let mut segs = vec![];
+        let mut off = 0u64;
+        let mut ids = vec![];
+        for (i, &(_, gap, kind)) in sizes.iter().enumerate() {
+            off += u64::from(gap);
+            let id = u32::try_from(i).unwrap();
+            let data = &mem[i];
+            let source = if kind % 2 == 0 {
+                // SAFETY: `mem` outlives every use of the segments.
+                Source::Mem(unsafe { MemRef::new(data.as_ptr(), data.len()) })
+            } else {
+                Source::Bytes(data.clone())
+            };
+            let crc_id = (kind % 3 != 0).then_some(id);
+            segs.push(Segment {
+                offset: off,
+                source,
+                crc_id,
+            });
+            off += data.len() as u64;
+            if crc_id.is_some() {
+                segs.push(Segment {
+                    offset: off,
+                    source: Source::Crc32(id),
+                    crc_id: None,
+                });
+                off += 4;
+                ids.push(id);
+            }
+        }
+        for id in ids {
+            off += 3;
+            segs.push(Segment {
+                offset: off,
+                source: Source::Crc32(id),
+                crc_id: None,
+            });
+            off += 4;
+        }
+        (segs, off + 5)
+    }
+
+    proptest! {
+        #[test]
+        fn split_gather_equals_the_one_thread_gather(
+            sizes in proptest::collection::vec((0usize..20_000, 0u8..200, 0u8..6), 1..30),
+            block_pow in 9u32..13,
+            bufs in 1usize..5,
+        ) {
+            let mem: Vec<Vec<u8>> = sizes.iter().enumerate()
+                .map(|(i, &(n, _, _))| (0..n).map(|j| (j * 7 + i * 13) as u8).collect())
+                .collect();
+            let (segs, file_len) = records(&sizes, &mem);
+            let block = 1usize << block_pow;
+            let layout = Layout::new(segs, file_len, block).unwrap();
+            let ids = layout.crc_ids() as usize;
+            let (mut h1, mut h2) = (vec![Hasher::new(); ids], vec![Hasher::new(); ids]);
+            let buf_len = block * bufs;
+            for ext in layout.extents(0..layout.padded_len(), buf_len).unwrap() {
+                let mut a = vec![0xEEu8; ext.len];
+                crate::writer::gather(&layout, ext, &mut a, &mut h1);
+                let mut b = vec![0xDDu8; ext.len];
+                copy_extent(&layout, ext, &mut b);
+                let partials = checksum_extent(&layout, ext, &b);
+                finish_extent(&layout, ext, &mut b, &partials, &mut h2);
+                prop_assert!(a == b, "extent at {} differs", ext.offset);
+            }
+            let f1: Vec<u32> = h1.into_iter().map(Hasher::finalize).collect();
+            let f2: Vec<u32> = h2.into_iter().map(Hasher::finalize).collect();
+            prop_assert_eq!(f1, f2);
+        }
+    }
+}
