@@ -222,7 +222,8 @@ def _read_safetensors(
         shape = torch_shape(e)
         if shape is None or e.dtype is None:
             raise torch_dtype_error(e, path)
-    for e in entries:
+    # In file order, as safetensors' load_file gives them.
+    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
         t = torch.empty(torch_shape(e), dtype=e.dtype, device=dev)  # type: ignore[arg-type]
         out[e.name] = t
         if e.end > e.begin:
