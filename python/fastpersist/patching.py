@@ -152,8 +152,8 @@ def torch_save_route(save: Callable[..., Any], args: tuple, kwargs: dict) -> Tup
     align = _config("save", "storage_alignment", 64)
     if not isinstance(align, int) or align <= 0 or _ALIGNMENT % align:
         return None, f"storage_alignment={align!r}"
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        return None, "no such directory"  # torch's own error
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))) or os.path.isdir(path):
+        return None, "no such directory, or a directory"  # torch's own error
     return (ba.arguments["obj"], path), ""
 
 
@@ -233,8 +233,8 @@ def _save_file_route(save_file: Callable[..., Any], args: tuple, kwargs: dict) -
         # fastpersist writes a non-contiguous tensor's copy; safetensors refuses it.
         if not isinstance(v, torch.Tensor) or v.layout is not torch.strided or not v.is_contiguous():
             return None, "a value safetensors refuses"
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        return None, "no such directory"
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))) or os.path.isdir(path):
+        return None, "no such directory, or a directory"
     return {"obj": tensors, "path": path, "metadata": ba.arguments.get("metadata")}, ""
 
 

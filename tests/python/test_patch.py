@@ -158,9 +158,11 @@ def test_torch_errors_stay_torch_errors(tmp_path):
             torch.save({"a": 1}, tmp_path / "missing" / "x.pt")
         with pytest.raises(FileNotFoundError):
             torch.load(tmp_path / "nothing.pt")
+        with pytest.raises(RuntimeError):
+            torch.save({"a": 1}, tmp_path)  # a directory
         with pytest.raises(TypeError):
             torch.save({"a": 1})  # a missing argument: the original's TypeError
-    assert stats.routed == 0 and stats.fallbacks == 3
+    assert stats.routed == 0 and stats.fallbacks == 4
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # TorchScript is deprecated in newer torch
