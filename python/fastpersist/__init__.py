@@ -17,10 +17,13 @@ from .errors import (
     FallbackWarning,
     FastPersistError,
     SerializationError,
+    SharedTensorsError,
     StorageChangedError,
+    UnsupportedDtypeError,
     WriteError,
 )
 from .options import WriteStats, release_engines
+from .patching import Patch, PatchStats, patch
 from .reader import ReadStats, detect_format, read_state_dict
 from .resume import ResumableSampler, capture_rng_state, restore_rng_state
 from .writer import write_state_dict
@@ -50,6 +53,11 @@ __all__ = [
     "FallbackWarning",
     "release_engines",
     "release_staging",
+    "patch",
+    "Patch",
+    "PatchStats",
+    "SharedTensorsError",
+    "UnsupportedDtypeError",
 ]
 
 

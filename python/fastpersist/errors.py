@@ -60,3 +60,18 @@ def drop_frames(exc: BaseException) -> None:
             seen.add(id(e))
             traceback.clear_frames(e.__traceback__)
             todo += [e.__cause__, e.__context__]
+
+
+class SharedTensorsError(SerializationError, RuntimeError):
+    """``format="safetensors"`` was given tensors that share memory (a tied
+    weight, a view of another entry). safetensors stores each name as its
+    own copy, so the tie would be lost on reload: refused, as
+    ``safetensors.torch.save_file`` refuses it (a ``RuntimeError``). The
+    message names the groups."""
+
+
+class UnsupportedDtypeError(FastPersistError, TypeError):
+    """A valid file holds a tensor whose dtype this torch cannot represent
+    (safetensors' ``F6_E2M3``/``F6_E3M2``, a dtype newer than the installed
+    torch, ``F4`` with an odd last dimension). ``inspect``/``verify`` still
+    read the file; loading it into torch tensors cannot."""

@@ -25,7 +25,7 @@ from .distributed import is_sharded_dir, read_sharded
 from .errors import CorruptCheckpointError, drop_frames
 from .options import EngineOptions, PathLike, ReadReq, check_path, read_records
 from .pickling import MapLocation, restore_location, unpickle
-from .safetensors_format import is_safetensors, parse_header
+from .safetensors_format import is_safetensors, parse_header, torch_dtype_error, torch_shape
 from .torch_zip import ZipRecord, read_zip_directory
 
 __all__ = ["read_state_dict", "ReadStats", "detect_format", "detect", "MapLocation"]
@@ -218,14 +218,19 @@ def _read_safetensors(
     staged: List[DeviceRead] = []
     _, kind = staging_setup()
     dev = torch.device("cpu") if kind == "cpu" else device_for(map_location, "cpu")
-    for name, dtype, shape, begin, end in entries:
-        t = torch.empty(shape, dtype=dtype, device=dev)
-        out[name] = t
-        if end > begin:
+    for e in entries:
+        shape = torch_shape(e)
+        if shape is None or e.dtype is None:
+            raise torch_dtype_error(e, path)
+    # In file order, as safetensors' load_file gives them.
+    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
+        t = torch.empty(torch_shape(e), dtype=e.dtype, device=dev)  # type: ignore[arg-type]
+        out[e.name] = t
+        if e.end > e.begin:
             if dev is not None:
-                staged.append((data_start + begin, t.untyped_storage(), end - begin))
+                staged.append((data_start + e.begin, t.untyped_storage(), e.end - e.begin))
             else:
-                reqs.append((data_start + begin, t.data_ptr(), end - begin))
+                reqs.append((data_start + e.begin, t.data_ptr(), e.end - e.begin))
     try:
         read_records(fd, reqs, opts)
         if staged:

@@ -2,47 +2,75 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header
 (name -> dtype, shape, data_offsets; optional ``__metadata__`` of strings)
-and the tensors' bytes back to back. We pad the header with spaces so the
-data starts at a 4096-byte boundary (the O_DIRECT bulk is then aligned), and
-order tensors by decreasing element size, as safetensors does, so every
-tensor is aligned to its dtype.
+and the tensors' bytes back to back, covering the data area exactly. We
+write what ``safetensors.torch.save_file`` writes, byte for byte, except the
+header padding: safetensors pads the header with spaces to a multiple of 8,
+we pad it so the data starts at a 4096-byte boundary (the O_DIRECT bulk is
+then aligned). Tensors are in safetensors' order (its dtype order, widest
+first, then by name), so every tensor is aligned to its dtype; names and
+metadata are raw UTF-8. Reading accepts exactly what safetensors accepts.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from collections import defaultdict
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
-from .errors import CorruptCheckpointError, SerializationError
+from .errors import CorruptCheckpointError, SerializationError, SharedTensorsError, UnsupportedDtypeError
 from .plan import DATA_ALIGNMENT, Blob, Plan, Region
 
-__all__ = ["plan_safetensors", "parse_header", "is_safetensors", "DTYPES"]
+__all__ = [
+    "plan_safetensors",
+    "parse_header",
+    "is_safetensors",
+    "torch_shape",
+    "torch_dtype_error",
+    "shared_groups",
+    "Entry",
+    "DTYPES",
+    "BITS",
+]
 
-_NAMES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "C64": "complex64",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
+#: safetensors' dtype codes in the order of its ``Dtype`` enum (files list
+#: tensors by decreasing position here, then by name), each with its bits
+#: per element and the torch dtype it maps to (None: torch has none). F4 is
+#: torch's ``float4_e2m1fn_x2``: one torch element is two F4 values, so the
+#: header's last dimension is twice torch's.
+_CODES: Tuple[Tuple[str, int, Optional[str]], ...] = (
+    ("BOOL", 8, "bool"),
+    ("F4", 4, "float4_e2m1fn_x2"),
+    ("F6_E2M3", 6, None),
+    ("F6_E3M2", 6, None),
+    ("U8", 8, "uint8"),
+    ("I8", 8, "int8"),
+    ("F8_E5M2", 8, "float8_e5m2"),
+    ("F8_E4M3", 8, "float8_e4m3fn"),
+    ("F8_E8M0", 8, "float8_e8m0fnu"),
+    ("F8_E4M3FNUZ", 8, "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", 8, "float8_e5m2fnuz"),
+    ("I16", 16, "int16"),
+    ("U16", 16, "uint16"),
+    ("F16", 16, "float16"),
+    ("BF16", 16, "bfloat16"),
+    ("I32", 32, "int32"),
+    ("U32", 32, "uint32"),
+    ("F32", 32, "float32"),
+    ("C64", 64, "complex64"),
+    ("F64", 64, "float64"),
+    ("I64", 64, "int64"),
+    ("U64", 64, "uint64"),
+)
+#: safetensors dtype code -> bits per element (every code of the format).
+BITS: Dict[str, int] = {code: bits for code, bits, _ in _CODES}
+_RANK = {code: i for i, (code, _, _) in enumerate(_CODES)}
+#: safetensors dtype code -> torch dtype (those this torch has).
+DTYPES: Dict[str, torch.dtype] = {
+    code: getattr(torch, name) for code, _, name in _CODES if name is not None and hasattr(torch, name)
 }
-#: safetensors dtype name -> torch dtype (those this torch has).
-DTYPES: Dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in _NAMES.items() if hasattr(torch, v)}
 _BY_DTYPE = {v: k for k, v in DTYPES.items()}
 #: Largest header we accept when reading (safetensors' own limit is 100 MB).
 MAX_HEADER = 100_000_000
@@ -56,11 +84,81 @@ def _check_entry(name: Any, t: Any) -> None:
     if not isinstance(t, torch.Tensor):
         raise SerializationError(f"[{name!r}]: safetensors holds only tensors, not {type(t).__name__}")
     if t.layout is not torch.strided:
-        raise SerializationError(f"[{name!r}]: safetensors cannot hold {t.layout} tensors")
+        raise SerializationError(
+            f"[{name!r}]: safetensors cannot hold {t.layout} tensors (make it dense with .to_dense() first)"
+        )
     if t.device.type == "meta":
         raise SerializationError(f"[{name!r}]: a tensor on the meta device has no data to save")
     if t.dtype not in _BY_DTYPE:
         raise SerializationError(f"[{name!r}]: safetensors has no dtype for {t.dtype}")
+    if _BY_DTYPE[t.dtype] == "F4" and t.dim() == 0:
+        raise SerializationError(
+            f"[{name!r}]: a 0-dim {t.dtype} tensor has no safetensors shape (F4 counts the two values of "
+            "each element along the last dimension); reshape it to (1,)"
+        )
+
+
+def _check_metadata(metadata: Any) -> Optional[Dict[str, str]]:
+    """The metadata as safetensors takes it: None, or a dict of str to str
+    (``{}`` is written, as safetensors writes it). TypeError otherwise."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise SerializationError(f"safetensors metadata must be a dict of str to str, not {type(metadata).__name__}")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise SerializationError(
+                f"safetensors metadata must map str to str; got {k!r}: {type(v).__name__} (convert values with str())"
+            )
+    return dict(metadata)
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to the end of its last one."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def shared_groups(tensors: Mapping[str, torch.Tensor]) -> List[List[str]]:
+    """Groups of names whose tensors' bytes overlap (a tie, a view of
+    another entry), sorted; tensors of one storage that do not overlap are
+    not shared (as safetensors decides). Empty tensors share nothing."""
+    by_storage: Dict[Tuple[str, int], List[Tuple[int, int, str]]] = defaultdict(list)
+    for name, t in tensors.items():
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        st = t.untyped_storage()
+        if st.nbytes() == 0:
+            continue
+        start = t.data_ptr()
+        by_storage[(str(t.device), st.data_ptr())].append((start, start + _span(t), name))
+    groups: List[List[str]] = []
+    for spans in by_storage.values():
+        spans.sort()
+        group: List[str] = []
+        end = 0
+        for b, e, name in spans:
+            if group and b < end:
+                group.append(name)
+                end = max(end, e)
+                continue
+            if len(group) > 1:
+                groups.append(sorted(group))
+            group, end = [name], e
+        if len(group) > 1:
+            groups.append(sorted(group))
+    return sorted(groups)
+
+
+def _refuse_shared(tensors: Mapping[str, torch.Tensor]) -> None:
+    groups = shared_groups(tensors)
+    if groups:
+        raise SharedTensorsError(
+            f"some tensors share memory: {groups}. A safetensors file stores each name as its own copy, so the "
+            "sharing (a tied weight) would be lost on reload, and safetensors refuses it too. Keep one name per "
+            "group and tie them again after loading (safetensors.torch.save_model/load_model do this for a "
+            "module), .clone() the ones meant to be independent, or save with format='torch', which keeps sharing."
+        )
 
 
 def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -70,30 +168,43 @@ def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _header_shape(code: str, shape: torch.Size) -> List[int]:
+    out = list(shape)
+    if code == "F4":
+        out[-1] *= 2
+    return out
+
+
 def plan_safetensors(tensors: Mapping[str, Any], metadata: Optional[Mapping[str, str]] = None) -> Plan:
-    """Describe the safetensors file of a flat ``{name: tensor}`` dict."""
+    """Describe the safetensors file of a flat ``{name: tensor}`` dict:
+    safetensors' own bytes but for the header padding. Refuses what
+    safetensors refuses (except non-contiguous tensors, written as their
+    contiguous copy), with :class:`SerializationError` (and
+    :class:`SharedTensorsError` for tensors that share memory)."""
     if not isinstance(tensors, Mapping):
         raise SerializationError(f"format='safetensors' takes a flat dict of tensors, not {type(tensors).__name__}")
     for name, t in tensors.items():
         _check_entry(name, t)
+    _refuse_shared(tensors)
+    meta = _check_metadata(metadata)
     items: List[Tuple[str, torch.Tensor]] = list(tensors.items())
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise SerializationError("safetensors metadata must map str to str")
-    items.sort(key=lambda kv: (-kv[1].element_size(), kv[0]))
+    items.sort(key=lambda kv: (-_RANK[_BY_DTYPE[kv[1].dtype]], kv[0]))
 
     plan = Plan()
     header: Dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
+    if meta is not None:
+        header["__metadata__"] = meta
     sources = []
     off = 0
     for name, given in items:
         t = _host_contiguous(given)
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": _BY_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        code = _BY_DTYPE[t.dtype]
+        header[name] = {"dtype": code, "shape": _header_shape(code, t.shape), "data_offsets": [off, off + n]}
         sources.append((off, t, n))
         off += n
-    body = json.dumps(header, separators=(",", ":")).encode()
+    # serde_json's text: raw UTF-8, the same escapes as json's with ensure_ascii off.
+    body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     start = 8 + len(body)
     pad = (-start) % DATA_ALIGNMENT
     body += b" " * pad
@@ -133,13 +244,54 @@ def _int(x: Any, what: str) -> int:
     return x
 
 
-def _entry(name: str, info: Any, data_len: int, where: str) -> Tuple[str, torch.dtype, List[int], int, int]:
+class Entry(NamedTuple):
+    """One tensor of a safetensors header, checked."""
+
+    name: str
+    #: safetensors dtype code (``"F32"``, ``"F6_E2M3"``...).
+    code: str
+    #: The torch dtype, None where this torch has none.
+    dtype: Optional[torch.dtype]
+    #: The header's shape (F4: in 4-bit values).
+    shape: List[int]
+    #: Offsets relative to the start of the data area.
+    begin: int
+    end: int
+
+
+def torch_shape(e: Entry) -> Optional[List[int]]:
+    """The shape of the torch tensor for ``e`` (F4: two values per
+    element), None where torch cannot represent it."""
+    if e.dtype is None:
+        return None
+    if e.code == "F4":
+        if not e.shape or e.shape[-1] % 2:
+            return None
+        return [*e.shape[:-1], e.shape[-1] // 2]
+    return e.shape
+
+
+def torch_dtype_error(e: Entry, path: str = "") -> UnsupportedDtypeError:
+    """Why tensor ``e`` of a valid file cannot be made a torch tensor."""
+    where = f"{path}: " if path else ""
+    if e.dtype is None:
+        why = f"torch {torch.__version__} has no dtype for safetensors' {e.code}"
+    else:
+        why = f"{e.dtype} packs two F4 values per element, so the last dimension of {e.shape} must be even"
+    return UnsupportedDtypeError(
+        f"{where}tensor {e.name!r}: {why} (safetensors' torch binding cannot load it either); "
+        "fastpersist.verify.inspect_file lists it, safetensors' numpy or raw byte APIs read it"
+    )
+
+
+def _entry(name: str, info: Any, data_len: int, where: str) -> Entry:
     """One tensor's header entry, checked: every value of the right type
     and range, and its offsets exactly its bytes inside the data area."""
     try:
         if not isinstance(info, dict):
             raise TypeError("the entry is not a JSON object")
-        dtype = DTYPES[info["dtype"]]
+        code = info["dtype"]
+        bits = BITS[code]
         shape_raw, offsets = info["shape"], info["data_offsets"]
         if not isinstance(shape_raw, list) or not isinstance(offsets, list) or len(offsets) != 2:
             raise TypeError("shape must be a list and data_offsets a list of two integers")
@@ -150,7 +302,9 @@ def _entry(name: str, info: Any, data_len: int, where: str) -> Tuple[str, torch.
     numel = 1
     for d in shape:
         numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if numel * bits % 8:
+        raise CorruptCheckpointError(f"{where}tensor {name!r}: {numel} {code} values are not a whole number of bytes")
+    nbytes = numel * bits // 8
     if not (0 <= begin <= end <= data_len) or end - begin != nbytes:
         raise CorruptCheckpointError(
             f"{where}tensor {name!r}: data_offsets [{begin}, {end}] do not match its "
@@ -158,15 +312,43 @@ def _entry(name: str, info: Any, data_len: int, where: str) -> Tuple[str, torch.
         )
     if numel == 0 and any(d > (1 << 40) for d in shape):
         raise CorruptCheckpointError(f"{where}tensor {name!r}: shape {shape} is not one torch can make")
-    return name, dtype, shape, begin, end
+    return Entry(name, code, DTYPES.get(code), shape, begin, end)
 
 
-def parse_header(
-    raw: bytes, file_len: int, path: str = ""
-) -> Tuple[int, List[Tuple[str, torch.dtype, List[int], int, int]], Dict[str, str]]:
-    """Validate a safetensors header: returns (data start, entries as
-    (name, dtype, shape, begin, end) relative to the data start, metadata).
-    Raises :class:`CorruptCheckpointError` naming the problem."""
+def _metadata(header: Dict[str, Any], where: str) -> Optional[Dict[str, str]]:
+    meta = header.pop("__metadata__", None)
+    if meta is None:
+        return None
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(f"{where}safetensors __metadata__ is not a JSON object")
+    for k, v in meta.items():
+        if not isinstance(v, str):
+            raise CorruptCheckpointError(f"{where}safetensors __metadata__ value of {k!r} is not a string: {v!r}")
+    return meta
+
+
+def _check_coverage(entries: List[Entry], data_len: int, where: str) -> None:
+    """The tensors cover the data area back to back, as the format requires
+    (safetensors refuses holes, overlaps and bytes after the last tensor)."""
+    pos = 0
+    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if e.begin != pos:
+            what = "leaving a hole before it" if e.begin > pos else "overlapping the tensor before it"
+            raise CorruptCheckpointError(
+                f"{where}tensor {e.name!r}: data_offsets [{e.begin}, {e.end}] start at {e.begin}, not at {pos}, "
+                f"{what} (tensors must cover the data area back to back)"
+            )
+        pos = e.end
+    if pos != data_len:
+        raise CorruptCheckpointError(
+            f"{where}{data_len - pos} bytes after the last tensor: a safetensors data area holds only its tensors"
+        )
+
+
+def parse_header(raw: bytes, file_len: int, path: str = "") -> Tuple[int, List[Entry], Optional[Dict[str, str]]]:
+    """Validate a safetensors header as safetensors does: returns (data
+    start, entries with offsets relative to the data start, metadata or
+    None). Raises :class:`CorruptCheckpointError` naming the problem."""
     where = f"{path}: " if path else ""
     if len(raw) < 8:
         raise CorruptCheckpointError(f"{where}file too short for a safetensors header")
@@ -179,14 +361,9 @@ def parse_header(
         raise CorruptCheckpointError(f"{where}safetensors header is not valid JSON: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}safetensors header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise CorruptCheckpointError(f"{where}safetensors __metadata__ is not a JSON object")
+    meta = _metadata(header, where)
     data_start = 8 + n
     data_len = file_len - data_start
     entries = [_entry(name, info, data_len, where) for name, info in header.items()]
-    spans = sorted((b, e, nm) for nm, _, _, b, e in entries if e > b)
-    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise CorruptCheckpointError(f"{where}tensors {n0!r} and {n1!r} overlap")
+    _check_coverage(entries, data_len, where)
     return data_start, entries, meta

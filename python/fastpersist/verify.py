@@ -19,7 +19,7 @@ from .errors import CorruptCheckpointError
 from .options import EngineOptions, PathLike, check_path, checksums
 from .pickling import LocationScan, storage_element_size
 from .reader import detect
-from .safetensors_format import parse_header
+from .safetensors_format import parse_header, torch_shape
 from .torch_zip import read_zip_directory
 
 __all__ = ["RecordInfo", "inspect_file", "verify_file"]
@@ -58,8 +58,16 @@ def _inspect_fd(fd: int, size: int, path: str) -> Tuple[str, List[RecordInfo]]:
     (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
     start, entries, _ = parse_header(os.pread(fd, 8 + min(n, size), 0), size, path)
     return fmt, [
-        RecordInfo(name, start + b, e - b, None, _alignment(start + b), str(dt).replace("torch.", ""), tuple(shape))
-        for name, dt, shape, b, e in sorted(entries, key=lambda x: x[3])
+        RecordInfo(
+            e.name,
+            start + e.begin,
+            e.end - e.begin,
+            None,
+            _alignment(start + e.begin),
+            str(e.dtype).replace("torch.", "") if e.dtype is not None else e.code,
+            tuple(torch_shape(e) or e.shape),
+        )
+        for e in sorted(entries, key=lambda x: x.begin)
     ]
 
 

@@ -31,6 +31,7 @@ import torch
 
 from ..async_save import MODES, AsyncSaver, CheckpointFuture
 from ..options import EngineOptions
+from ..patching import torch_save_route
 from ..writer import write_state_dict
 
 __all__ = [
@@ -270,28 +271,20 @@ def sync_tree(root: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(root)) or ".")
 
 
-def _is_path(f: Any) -> bool:
-    return isinstance(f, (str, os.PathLike))
-
-
 def torch_save_via(saves: BackgroundSaves) -> Callable[..., None]:
-    """A ``torch.save`` that writes paths through ``saves``; a file object
-    or a custom pickler goes to the real ``torch.save`` (counted in
-    ``saves.fallbacks``)."""
+    """A ``torch.save`` that writes paths through ``saves``; what
+    fastpersist cannot write as torch.save would (a file object, a custom
+    pickler, :func:`fastpersist.patching.torch_save_route`) goes to the real
+    ``torch.save`` (counted in ``saves.fallbacks``)."""
     real = torch.save
 
-    def save(obj: Any, f: Any, pickle_module: Any = None, pickle_protocol: Any = None, **kwargs: Any) -> None:
-        zip_format = kwargs.pop("_use_new_zipfile_serialization", True)
-        if _is_path(f) and pickle_module is None and pickle_protocol is None and zip_format and not kwargs:
-            saves.save(obj, os.fspath(f))
+    def save(*args: Any, **kwargs: Any) -> None:
+        target, _ = torch_save_route(real, args, kwargs)  # the decision fastpersist.patch() makes
+        if target is not None:
+            saves.save(*target)
             return
         saves.fallbacks += 1
-        extra: Dict[str, Any] = dict(kwargs, _use_new_zipfile_serialization=zip_format)
-        if pickle_module is not None:
-            extra["pickle_module"] = pickle_module
-        if pickle_protocol is not None:
-            extra["pickle_protocol"] = pickle_protocol
-        real(obj, f, **extra)
+        real(*args, **kwargs)
 
     return save
 

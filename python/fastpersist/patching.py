@@ -1,0 +1,483 @@
+"""``fastpersist.patch()``: route ``torch.save``/``torch.load`` and
+``safetensors.torch.save_file``/``load_file`` through fastpersist, for code
+that cannot be edited (a trainer calling ``torch.save``).
+
+While a patch is active, the module attributes ``torch.save``,
+``torch.serialization.save``, ``torch.load``, ``torch.serialization.load``
+and, when safetensors is installed, ``safetensors.torch.save_file`` and
+``load_file`` are wrappers. A call fastpersist can carry out exactly as the
+original would (a path, the default pickler and protocol, the zip format;
+for loads no ``mmap``, no pickle arguments, a torch zip or safetensors file)
+is *routed*: written with :func:`~fastpersist.write_state_dict` or read with
+:func:`~fastpersist.read_state_dict`, giving what the original gives (a
+routed ``torch.save`` file is one ``torch.load`` reads). Any other call
+falls back to the original function, unchanged; so does an object
+fastpersist refuses before writing anything (its refusal is then the
+original's). :class:`PatchStats` counts both, with the reasons.
+
+Names bound before the patch (``from torch import save``) keep the
+original. Patches nest: the attributes are restored when the last active
+patch ends, on any exit; calls made by fastpersist itself while it carries
+out a routed call go to the originals.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import pickle
+import threading
+import zipfile
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .errors import CorruptCheckpointError, FastPersistError, SerializationError, UnsupportedDtypeError
+from .options import EngineOptions
+from .reader import detect_format, read_state_dict
+from .writer import write_state_dict
+
+__all__ = ["patch", "Patch", "PatchStats", "torch_save_route"]
+
+#: The data of fastpersist's torch files is aligned to this (torch's own
+#: ``storage_alignment`` must divide it for a routed file to be torch's).
+_ALIGNMENT = 4096
+
+
+@dataclass
+class PatchStats:
+    """What an active patch did. Counted under a lock (calls from any thread)."""
+
+    #: Calls carried out by fastpersist, by function (``"torch.save"``,
+    #: ``"torch.load"``, ``"safetensors.torch.save_file"``, ``"safetensors.torch.load_file"``).
+    routed_calls: Counter = field(default_factory=Counter)
+    #: Calls passed to the original function, by function.
+    fallback_calls: Counter = field(default_factory=Counter)
+    #: Why calls fell back (``"torch.load: mmap=True"``), with counts.
+    reasons: Counter = field(default_factory=Counter)
+
+    @property
+    def routed(self) -> int:
+        """Calls carried out by fastpersist."""
+        return sum(self.routed_calls.values())
+
+    @property
+    def fallbacks(self) -> int:
+        """Calls passed to the original function."""
+        return sum(self.fallback_calls.values())
+
+
+# --- which calls fastpersist carries out ---------------------------------------------------------
+
+
+@functools.cache
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def _bind(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[inspect.BoundArguments]:
+    try:
+        ba = _signature(fn).bind(*args, **kwargs)
+    except TypeError:
+        return None  # the original raises its own TypeError
+    ba.apply_defaults()
+    return ba
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def _non_default(fn: Callable[..., Any], ba: inspect.BoundArguments, handled: Tuple[str, ...]) -> Optional[str]:
+    """The first argument not in ``handled`` that differs from ``fn``'s default."""
+    for name, p in _signature(fn).parameters.items():
+        if name in handled:
+            continue
+        value = ba.arguments.get(name)
+        if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            if value:
+                return f"{name}={value!r}"
+        elif not _is_default(value, p.default):
+            return f"{name}={value!r}"
+    return None
+
+
+def _path(f: Any) -> Optional[str]:
+    if not isinstance(f, (str, os.PathLike)):
+        return None
+    p = os.fspath(f)
+    return p if isinstance(p, str) else None
+
+
+def _torch_state() -> Optional[str]:
+    """A torch mode under which serialization behaves differently."""
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    if tls is not None and getattr(tls, "skip_data", False):
+        return "torch.serialization.skip_data is active"
+    active_fake = getattr(getattr(torch, "_guards", None), "active_fake_mode", None)
+    if active_fake is not None and active_fake() is not None:
+        return "a FakeTensorMode is active"
+    return None
+
+
+def _config(section: str, name: str, default: Any) -> Any:
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return default
+    return getattr(getattr(config, section, None), name, default)
+
+
+def torch_save_route(save: Callable[..., Any], args: tuple, kwargs: dict) -> Tuple[Optional[Tuple[Any, str]], str]:
+    """For a call ``save(*args, **kwargs)`` of ``torch.save`` (``save`` is
+    the function it would run): ``((obj, path), "")`` when fastpersist
+    writes what it would (a path in an existing directory; every other
+    argument at torch's default: pickle module, protocol, zip format, byte
+    order record), else ``(None, why)``."""
+    ba = _bind(save, args, kwargs)
+    if ba is None or "obj" not in ba.arguments or "f" not in ba.arguments:
+        return None, "arguments torch.save does not take"
+    path = _path(ba.arguments["f"])
+    if path is None:
+        return None, "a file object"
+    odd = _non_default(save, ba, ("obj", "f"))
+    if odd is not None:
+        return None, odd
+    odd = _torch_state()
+    if odd is not None:
+        return None, odd
+    align = _config("save", "storage_alignment", 64)
+    if not isinstance(align, int) or align <= 0 or _ALIGNMENT % align:
+        return None, f"storage_alignment={align!r}"
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))) or os.path.isdir(path):
+        return None, "no such directory, or a directory"  # torch's own error
+    return (ba.arguments["obj"], path), ""
+
+
+_ENV_WEIGHTS_ONLY = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+
+
+def _torch_load_route(load: Callable[..., Any], args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, Any]], str]:
+    """For a call of ``torch.load``: read_state_dict's arguments, or why not."""
+    ba = _bind(load, args, kwargs)
+    if ba is None or "f" not in ba.arguments:
+        return None, "arguments torch.load does not take"
+    path = _path(ba.arguments["f"])
+    if path is None:
+        return None, "a file object"
+    a = ba.arguments
+    if a.get("mmap") or (a.get("mmap") is None and _config("load", "mmap", False)):
+        return None, "mmap=True"
+    pickle_module = a.get("pickle_module")
+    if pickle_module is not None and pickle_module is not pickle:
+        return None, "a custom pickle_module"
+    odd = _non_default(load, ba, ("f", "map_location", "pickle_module", "weights_only", "mmap"))
+    if odd is not None:
+        return None, odd
+    if any(os.environ.get(v) for v in _ENV_WEIGHTS_ONLY):
+        return None, "TORCH_FORCE_(NO_)WEIGHTS_ONLY_LOAD is set"
+    weights_only = a.get("weights_only")
+    if weights_only is None:
+        default = getattr(torch.serialization, "_default_to_weights_only", None)
+        if default is None:
+            return None, "this torch's weights_only default is unknown"
+        weights_only = bool(default(pickle_module))
+    if weights_only and pickle_module is not None:
+        return None, "weights_only with a pickle_module"  # torch refuses it
+    map_location = a.get("map_location")
+    if not (map_location is None or isinstance(map_location, (str, torch.device, dict)) or callable(map_location)):
+        return None, f"map_location={map_location!r}"
+    odd = _torch_state()
+    if odd is not None:
+        return None, odd
+    if path.endswith(".safetensors") or not _starts_with(path, b"PK\x03\x04"):
+        return None, "not a torch zip file"
+    return {"path": path, "map_location": map_location, "weights_only": weights_only}, ""
+
+
+def _starts_with(path: str, magic: bytes) -> bool:
+    try:
+        if not os.path.isfile(path):
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
+def _is_torchscript(path: str) -> bool:
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n == "constants.pkl" or n.endswith("/constants.pkl") for n in z.namelist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+
+
+def _save_file_route(save_file: Callable[..., Any], args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, Any]], str]:
+    ba = _bind(save_file, args, kwargs)
+    if ba is None or "tensors" not in ba.arguments or "filename" not in ba.arguments:
+        return None, "arguments save_file does not take"
+    path = _path(ba.arguments["filename"])
+    if path is None:
+        return None, "not a path"
+    odd = _non_default(save_file, ba, ("tensors", "filename", "metadata"))
+    if odd is not None:
+        return None, odd
+    tensors = ba.arguments["tensors"]
+    if not isinstance(tensors, dict):
+        return None, "not a dict"
+    for v in tensors.values():
+        # fastpersist writes a non-contiguous tensor's copy; safetensors refuses it.
+        if not isinstance(v, torch.Tensor) or v.layout is not torch.strided or not v.is_contiguous():
+            return None, "a value safetensors refuses"
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))) or os.path.isdir(path):
+        return None, "no such directory, or a directory"
+    return {"obj": tensors, "path": path, "metadata": ba.arguments.get("metadata")}, ""
+
+
+def _device(device: Any) -> Optional[str]:
+    """safetensors' ``device`` as a map_location, None if not CPU or CUDA."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return f"cuda:{device}" if device >= 0 else None
+    if isinstance(device, (str, torch.device)):
+        try:
+            d = torch.device(device)
+        except RuntimeError:
+            return None
+        return str(d) if d.type in ("cpu", "cuda") else None
+    return None
+
+
+def _load_file_route(load_file: Callable[..., Any], args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, Any]], str]:
+    ba = _bind(load_file, args, kwargs)
+    if ba is None or "filename" not in ba.arguments:
+        return None, "arguments load_file does not take"
+    path = _path(ba.arguments["filename"])
+    if path is None:
+        return None, "not a path"
+    if ba.arguments.get("backend", "mmap") not in ("mmap", "pread"):
+        return None, f"backend={ba.arguments['backend']!r}"
+    odd = _non_default(load_file, ba, ("filename", "device", "backend"))
+    if odd is not None:
+        return None, odd
+    device = _device(ba.arguments.get("device", "cpu"))
+    if device is None:
+        return None, f"device={ba.arguments.get('device')!r}"
+    try:
+        if not os.path.isfile(path) or detect_format(path) != "safetensors":
+            return None, "not a safetensors file"
+    except (OSError, CorruptCheckpointError):
+        return None, "not a safetensors file"
+    return {"path": path, "map_location": device}, ""
+
+
+# --- the routed calls --------------------------------------------------------------------------------
+
+
+class _Fallback(Exception):
+    """Raised by a routed call that the original must carry out instead."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def _torch_save(original: Callable[..., Any], args: tuple, kwargs: dict, options: Dict[str, Any]) -> None:
+    target, why = torch_save_route(original, args, kwargs)
+    if target is None:
+        raise _Fallback(why)
+    try:
+        write_state_dict(target[0], target[1], **options)
+    except SerializationError as e:  # raised before any file exists: torch.save may take it
+        raise _Fallback(f"fastpersist cannot write it ({type(e).__name__})") from None
+
+
+def _torch_load(original: Callable[..., Any], args: tuple, kwargs: dict, options: Dict[str, Any]) -> Any:
+    call, why = _torch_load_route(original, args, kwargs)
+    if call is None:
+        raise _Fallback(why)
+    try:
+        return read_state_dict(
+            call["path"], map_location=call["map_location"], weights_only=call["weights_only"], **_read(options)
+        )
+    except FastPersistError:  # a file fastpersist does not read, or a damaged one
+        if _is_torchscript(call["path"]):
+            raise _Fallback("a TorchScript archive") from None
+        raise
+
+
+def _save_file(original: Callable[..., Any], args: tuple, kwargs: dict, options: Dict[str, Any]) -> None:
+    call, why = _save_file_route(original, args, kwargs)
+    if call is None:
+        raise _Fallback(why)
+    try:
+        write_state_dict(call["obj"], call["path"], format="safetensors", metadata=call["metadata"], **options)
+    except (SerializationError, UnicodeEncodeError) as e:  # safetensors gives its own refusal
+        raise _Fallback(f"fastpersist cannot write it ({type(e).__name__})") from None
+
+
+def _load_file(original: Callable[..., Any], args: tuple, kwargs: dict, options: Dict[str, Any]) -> Any:
+    call, why = _load_file_route(original, args, kwargs)
+    if call is None:
+        raise _Fallback(why)
+    try:
+        return read_state_dict(call["path"], map_location=call["map_location"], **_read(options))
+    except (CorruptCheckpointError, UnsupportedDtypeError) as e:  # safetensors gives its own error
+        raise _Fallback(f"fastpersist cannot read it ({type(e).__name__})") from None
+
+
+def _read(options: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in options.items() if k in ("direct", "io_uring")}
+
+
+# --- installing the wrappers -------------------------------------------------------------------------
+
+_lock = threading.RLock()
+#: Active patches, oldest first; the newest one's options are used.
+_active: List[Patch] = []
+#: (module, attribute, original, wrapper) while installed.
+_installed: List[Tuple[Any, str, Any, Any]] = []
+_local = threading.local()
+
+
+def _targets() -> List[Tuple[Any, str, str, Callable[..., Any]]]:
+    out: List[Tuple[Any, str, str, Callable[..., Any]]] = [
+        (torch, "save", "torch.save", _torch_save),
+        (torch.serialization, "save", "torch.save", _torch_save),
+        (torch, "load", "torch.load", _torch_load),
+        (torch.serialization, "load", "torch.load", _torch_load),
+    ]
+    try:
+        import safetensors.torch as st
+    except ImportError:
+        return out
+    return [
+        *out,
+        (st, "save_file", "safetensors.torch.save_file", _save_file),
+        (st, "load_file", "safetensors.torch.load_file", _load_file),
+    ]
+
+
+def _count(name: str, why: Optional[str]) -> None:
+    with _lock:
+        for p in _active:
+            if why is None:
+                p.stats.routed_calls[name] += 1
+            else:
+                p.stats.fallback_calls[name] += 1
+                p.stats.reasons[f"{name}: {why}"] += 1
+
+
+def _wrap(name: str, original: Callable[..., Any], route: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _lock:
+            options = dict(_active[-1].options) if _active else None
+        if options is None or getattr(_local, "busy", False):
+            return original(*args, **kwargs)
+        _local.busy = True
+        try:
+            result = route(original, args, kwargs, options)
+        except _Fallback as e:
+            why = e.why
+        except BaseException:
+            _count(name, None)  # carried out by fastpersist, and failed there
+            raise
+        else:
+            _count(name, None)
+            return result
+        finally:
+            _local.busy = False
+        _count(name, why)
+        return original(*args, **kwargs)
+
+    wrapper.__fastpersist_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _install() -> None:
+    made: Dict[int, Any] = {}
+    for module, attr, name, route in _targets():
+        current = getattr(module, attr)
+        if id(current) not in made:  # torch.save is torch.serialization.save: one wrapper
+            made[id(current)] = _wrap(name, current, route)
+        setattr(module, attr, made[id(current)])
+        _installed.append((module, attr, current, made[id(current)]))
+
+
+def _uninstall() -> None:
+    while _installed:
+        module, attr, original, wrapper = _installed.pop()
+        # Patched again on top of ours (a mock): left alone; ours then calls through.
+        if getattr(module, attr) is wrapper:
+            setattr(module, attr, original)
+
+
+class Patch:
+    """An active routing of torch's and safetensors' save/load functions
+    through fastpersist (see :func:`patch`). ``undo()`` ends it (again:
+    nothing); as a context manager it ends at the block's exit, whatever
+    the exit, and ``with`` gives its :class:`PatchStats`."""
+
+    def __init__(self, options: Dict[str, Any]) -> None:
+        EngineOptions.resolve(**options)  # bad options fail here, not at the first save
+        self.options = dict(options)
+        #: What this patch routed and passed on while it was active.
+        self.stats = PatchStats()
+
+    @property
+    def active(self) -> bool:
+        with _lock:
+            return self in _active
+
+    def start(self) -> Patch:
+        """Make the patch active (again); returns it."""
+        with _lock:
+            if self not in _active:
+                if not _active:
+                    _install()
+                _active.append(self)
+        return self
+
+    def undo(self) -> None:
+        """End the patch; the original functions are back once no patch is active."""
+        with _lock:
+            if self in _active:
+                _active.remove(self)
+                if not _active:
+                    _uninstall()
+
+    def __enter__(self) -> PatchStats:
+        self.start()
+        return self.stats
+
+    def __exit__(self, *exc: Any) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        s, state = self.stats, "active" if self.active else "undone"
+        return f"<fastpersist.Patch {state}: {s.routed} routed, {s.fallbacks} fallbacks>"
+
+
+def patch(**options: Any) -> Patch:
+    """Route ``torch.save``, ``torch.load`` and safetensors' ``save_file`` and
+    ``load_file`` through fastpersist, from now until ``undo()`` or the end
+    of a ``with`` block::
+
+        with fastpersist.patch() as stats:
+            trainer.train()                 # its torch.save calls write through fastpersist
+        print(stats.routed, stats.fallbacks, stats.reasons)
+
+        p = fastpersist.patch()
+        ...
+        p.undo()
+
+    ``options`` are :func:`~fastpersist.write_state_dict`'s engine options
+    (``durable``, ``direct``, ...; ``direct`` and ``io_uring`` also for
+    loads). Calls fastpersist cannot carry out exactly as the original
+    (file objects, ``mmap=True``, custom pickle modules, the legacy format,
+    other arguments) go to the original function."""
+    return Patch(options).start()

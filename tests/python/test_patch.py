@@ -1,0 +1,288 @@
+"""fastpersist.patch(): torch.save/torch.load and safetensors' save_file/load_file
+routed through fastpersist, checked against real calls of both libraries."""
+
+from __future__ import annotations
+
+import inspect
+import io
+import pickle
+import struct
+import zipfile
+
+import fastpersist
+import pytest
+import torch
+from helpers import assert_same, make
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+# The originals, bound before any patch (as "from torch import save" would be).
+SAVE, LOAD = torch.save, torch.load
+SAVE_FILE, LOAD_FILE = safetensors_torch.save_file, safetensors_torch.load_file
+TORCH_READS_SAFETENSORS = ".safetensors" in inspect.getsource(LOAD)
+
+
+@pytest.fixture(autouse=True)
+def no_patch_left():
+    yield
+    assert torch.save is SAVE and torch.serialization.save is SAVE
+    assert torch.load is LOAD and torch.serialization.load is LOAD
+    assert safetensors_torch.save_file is SAVE_FILE and safetensors_torch.load_file is LOAD_FILE
+
+
+def state() -> dict:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    base = make((6, 5), torch.float32, 1)
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "views": [base, base[2:4], base.t()],  # one storage
+        "half": make((7,), torch.bfloat16, 2),
+        "step": 12,
+        "name": "run",
+    }
+
+
+def ours_wrote(path) -> bool:
+    """fastpersist's torch files put every data record at a multiple of 4096."""
+    with zipfile.ZipFile(path) as z:
+        offs = []
+        for info in z.infolist():
+            if "/data/" in info.filename:
+                with open(path, "rb") as f:
+                    f.seek(info.header_offset + 26)
+                    n, m = struct.unpack("<HH", f.read(4))
+                offs.append(info.header_offset + 30 + n + m)
+    return bool(offs) and all(o % 4096 == 0 for o in offs)
+
+
+def test_torch_save_and_load_are_routed(tmp_path):
+    sd = state()
+    SAVE(sd, tmp_path / "torch.pt")
+    with fastpersist.patch() as stats:
+        torch.save(sd, tmp_path / "fp.pt")
+        got_torch_file = torch.load(tmp_path / "torch.pt")
+        got_fp_file = torch.serialization.load(str(tmp_path / "fp.pt"), map_location="cpu")
+    assert stats.routed_calls == {"torch.save": 1, "torch.load": 2} and stats.fallbacks == 0, stats
+    assert ours_wrote(tmp_path / "fp.pt") and not ours_wrote(tmp_path / "torch.pt")
+    ref = LOAD(tmp_path / "torch.pt")
+    assert_same(LOAD(tmp_path / "fp.pt"), ref)  # the original reads a routed save
+    assert_same(got_torch_file, ref)
+    assert_same(got_fp_file, ref)
+    views = got_fp_file["views"]
+    assert views[1].untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(views, sd["views"]))
+    assert type(got_fp_file["optim"]["state"][0]["exp_avg"]) is torch.Tensor
+
+
+def test_map_location_and_weights_only_as_torch(tmp_path):
+    SAVE({"t": make((4,), torch.float32), "n": 3}, tmp_path / "a.pt")
+    for loc in (None, "cpu", torch.device("cpu"), {"cpu": "cpu"}, lambda s, _: s):
+        with fastpersist.patch() as stats:
+            got = torch.load(tmp_path / "a.pt", map_location=loc)
+        assert stats.routed == 1
+        assert_same(got, LOAD(tmp_path / "a.pt", map_location=loc))
+
+    # An object weights_only refuses: refused the same way by default, loaded with weights_only=False.
+    SAVE({"obj": Thing(5)}, tmp_path / "obj.pt")
+    try:
+        LOAD(tmp_path / "obj.pt")
+        expected = None
+    except Exception as e:  # noqa: BLE001 - torch's own refusal, whatever this version raises
+        expected = type(e)
+    with fastpersist.patch() as stats:
+        if expected is None:
+            assert torch.load(tmp_path / "obj.pt")["obj"].v == 5
+        else:
+            with pytest.raises(expected):
+                torch.load(tmp_path / "obj.pt")
+        assert torch.load(tmp_path / "obj.pt", weights_only=False)["obj"].v == 5
+    assert stats.routed == 2
+
+
+class Thing:
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+
+class _PickleLike:
+    """A custom pickle module (what dill would be)."""
+
+    Pickler = pickle.Pickler
+    Unpickler = pickle.Unpickler
+    load = staticmethod(pickle.load)
+    loads = staticmethod(pickle.loads)
+    dump = staticmethod(pickle.dump)
+    __name__ = "pickle_like"
+
+
+def test_what_fastpersist_does_not_carry_out_falls_back(tmp_path):
+    sd = {"t": make((5,), torch.float32), "k": "v"}
+    SAVE(sd, tmp_path / "zip.pt")
+    with fastpersist.patch() as stats:
+        buf = io.BytesIO()
+        torch.save(sd, buf)  # a file object
+        assert_same(LOAD(io.BytesIO(buf.getvalue())), sd)
+        assert_same(torch.load(io.BytesIO(buf.getvalue())), sd)
+        torch.save(sd, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+        assert_same(torch.load(tmp_path / "legacy.pt"), sd)  # not a zip: torch's legacy reader
+        torch.save(sd, tmp_path / "p4.pt", pickle_protocol=4)
+        torch.save(sd, tmp_path / "custom.pt", pickle_module=_PickleLike)
+        assert_same(torch.load(tmp_path / "custom.pt", pickle_module=_PickleLike, weights_only=False), sd)
+        mapped = torch.load(tmp_path / "zip.pt", mmap=True)
+        assert_same(mapped, sd)
+        assert_same(torch.load(tmp_path / "zip.pt", weights_only=False, encoding="latin1"), sd)
+        torch.save(sd, str(tmp_path / "explicit.pt"), pickle_module=pickle, pickle_protocol=2)  # the defaults
+    reasons = " | ".join(stats.reasons)
+    for why in (
+        "a file object",
+        "_use_new_zipfile_serialization=False",
+        "pickle_protocol=4",
+        "pickle_module=",
+        "mmap=True",
+    ):
+        assert why in reasons, (why, reasons)
+    assert "encoding" in reasons and "not a torch zip file" in reasons
+    assert stats.routed_calls == {"torch.save": 1}, stats  # only the call with explicit defaults
+    assert stats.fallback_calls == {"torch.save": 4, "torch.load": 5}, stats
+    assert_same(LOAD(tmp_path / "p4.pt", weights_only=False), sd)
+    assert not ours_wrote(tmp_path / "p4.pt") and ours_wrote(tmp_path / "explicit.pt")
+
+
+def test_torch_errors_stay_torch_errors(tmp_path):
+    with fastpersist.patch() as stats:
+        with pytest.raises(RuntimeError, match="does not exist"):
+            torch.save({"a": 1}, tmp_path / "missing" / "x.pt")
+        with pytest.raises(FileNotFoundError):
+            torch.load(tmp_path / "nothing.pt")
+        with pytest.raises(RuntimeError):
+            torch.save({"a": 1}, tmp_path)  # a directory
+        with pytest.raises(TypeError):
+            torch.save({"a": 1})  # a missing argument: the original's TypeError
+    assert stats.routed == 0 and stats.fallbacks == 4
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # TorchScript is deprecated in newer torch
+def test_torchscript_archive_goes_to_torch(tmp_path):
+    m = torch.jit.script(torch.nn.Linear(2, 2))
+    torch.jit.save(m, str(tmp_path / "ts.pt"))
+    with fastpersist.patch() as stats, pytest.warns(UserWarning, match="TorchScript"):
+        got = torch.load(tmp_path / "ts.pt", weights_only=False)
+    assert isinstance(got, torch.jit.ScriptModule)
+    assert stats.fallback_calls == {"torch.load": 1} and "TorchScript" in " ".join(stats.reasons)
+
+
+def test_objects_fastpersist_refuses_are_saved_by_torch(tmp_path):
+    sd = {"m": torch.empty(3, device="meta"), "t": torch.ones(2)}
+    with fastpersist.patch() as stats:
+        torch.save(sd, tmp_path / "meta.pt")
+    assert stats.routed + stats.fallbacks == 1
+    got = LOAD(tmp_path / "meta.pt")
+    assert got["m"].device.type == "meta" and got["m"].shape == (3,) and torch.equal(got["t"], sd["t"])
+
+
+def test_safetensors_save_file_and_load_file_are_routed(tmp_path):
+    sd = {
+        "w": make((16, 8), torch.bfloat16),
+        "b": make((8,), torch.float32, 1),
+        "i": make((3,), torch.int64, 2),
+        "e": torch.empty(0, 2),
+    }
+    SAVE_FILE(sd, tmp_path / "st.safetensors", metadata={"k": "v"})
+    with fastpersist.patch() as stats:
+        safetensors_torch.save_file(sd, tmp_path / "fp.safetensors", metadata={"k": "v"})
+        got_st = safetensors_torch.load_file(tmp_path / "st.safetensors")
+        got_fp = safetensors_torch.load_file(str(tmp_path / "fp.safetensors"), device="cpu")
+        # Newer torch hands *.safetensors paths to load_file itself.
+        via_torch = torch.load(tmp_path / "st.safetensors") if TORCH_READS_SAFETENSORS else None
+    ref = LOAD_FILE(tmp_path / "st.safetensors")
+    assert_same(got_st, ref)
+    assert list(got_st) == list(ref)  # in file order, as safetensors gives them
+    assert_same(got_fp, ref)
+    assert_same(LOAD_FILE(tmp_path / "fp.safetensors"), ref)
+    assert all(type(t) is torch.Tensor for t in got_fp.values())
+    raw_st, raw_fp = (open(tmp_path / f"{n}.safetensors", "rb").read() for n in ("st", "fp"))
+    (n_st,), (n_fp,) = struct.unpack("<Q", raw_st[:8]), struct.unpack("<Q", raw_fp[:8])
+    assert (8 + n_fp) % 4096 == 0 and raw_fp[8 + n_fp :] == raw_st[8 + n_st :]
+    assert raw_fp[8 : 8 + n_fp].rstrip(b" ") == raw_st[8 : 8 + n_st].rstrip(b" ")
+    assert stats.routed_calls["safetensors.torch.save_file"] == 1
+    assert stats.routed_calls["safetensors.torch.load_file"] == (3 if via_torch is not None else 2)
+    if via_torch is not None:
+        assert_same(via_torch, ref)
+
+
+def test_safetensors_refusals_are_safetensors_own(tmp_path):
+    base = torch.ones(4, 4)
+    cases = [
+        ({"t": base.t()}, None, ValueError, "non contiguous"),
+        ({"a": base, "b": base[0]}, None, RuntimeError, "share memory"),
+        ({"a": base}, {"k": 1}, TypeError, None),
+        ({"a": 1}, None, ValueError, "expected torch.Tensor"),
+    ]
+    with fastpersist.patch() as stats:
+        for sd, meta, exc, match in cases:
+            with pytest.raises(exc, match=match):
+                safetensors_torch.save_file(sd, tmp_path / "x.safetensors", metadata=meta)
+        SAVE({"a": base}, tmp_path / "zip.pt")
+        with pytest.raises(Exception) as e:  # noqa: B017 - safetensors' own error for a zip file
+            safetensors_torch.load_file(tmp_path / "zip.pt")
+        assert type(e.value).__module__.startswith("safetensors") or "header" in str(e.value).lower()
+    assert stats.routed == 0 and stats.fallbacks == len(cases) + 1
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_function_form_nesting_and_exceptions(tmp_path):
+    p = fastpersist.patch()
+    assert p.active and torch.save is not SAVE and torch.save is torch.serialization.save
+    with fastpersist.patch() as inner:
+        torch.save({"a": torch.ones(1)}, tmp_path / "a.pt")
+    assert torch.save is not SAVE  # the outer patch is still active
+    torch.save({"a": torch.ones(1)}, tmp_path / "b.pt")
+    assert inner.routed == 1 and p.stats.routed == 2
+    p.undo()
+    p.undo()  # again: nothing
+    assert torch.save is SAVE and not p.active
+    with pytest.raises(KeyError):
+        with fastpersist.patch():
+            raise KeyError("boom")
+    assert torch.save is SAVE
+    # Ended out of order.
+    a, b = fastpersist.patch(), fastpersist.patch()
+    a.undo()
+    assert torch.save is not SAVE
+    b.undo()
+    assert "undone" in repr(b)
+    with pytest.raises(ValueError, match="queue_depth"):
+        fastpersist.patch(queue_depth=-1)
+
+
+def test_names_bound_before_the_patch_are_not_affected(tmp_path):
+    from torch import save as bound
+
+    with fastpersist.patch() as stats:
+        bound({"a": torch.ones(1)}, tmp_path / "a.pt")
+    assert stats.routed == stats.fallbacks == 0 and not ours_wrote(tmp_path / "a.pt")
+
+
+class _SavesWhilePickled:
+    """Pickling it calls torch.save (a nested call during a routed save)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        torch.save({"inner": torch.ones(2)}, self.path)
+        return (_SavesWhilePickled, (self.path,))
+
+
+def test_calls_made_while_routing_go_to_the_originals(tmp_path):
+    inner = str(tmp_path / "inner.pt")
+    with fastpersist.patch() as stats:
+        torch.save({"x": _SavesWhilePickled(inner), "t": torch.zeros(3)}, tmp_path / "outer.pt")
+    assert stats.routed_calls == {"torch.save": 1} and stats.fallbacks == 0
+    assert ours_wrote(tmp_path / "outer.pt") and not ours_wrote(inner)
+    assert torch.equal(LOAD(inner)["inner"], torch.ones(2))
+    assert LOAD(tmp_path / "outer.pt", weights_only=False)["x"].path == inner
