@@ -26,6 +26,7 @@ from .options import WriteStats, release_engines
 from .patching import Patch, PatchStats, patch
 from .reader import ReadStats, detect_format, read_state_dict
 from .resume import ResumableSampler, capture_rng_state, restore_rng_state
+from .tiers import TierError, upload
 from .writer import write_state_dict
 
 __all__ = [
@@ -54,6 +55,8 @@ __all__ = [
     "release_engines",
     "release_staging",
     "patch",
+    "upload",
+    "TierError",
     "Patch",
     "PatchStats",
     "SharedTensorsError",

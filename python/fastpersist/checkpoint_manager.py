@@ -27,7 +27,11 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
   checked (CRCs, structure) once for files it did not write.
 * With ``stage_dir``, committed checkpoints are copied in the background to
   that (shared) directory with the same temp/fsync/rename/fsync commit, with
-  retention on each tier; ``latest()`` prefers a valid local copy.
+  retention on each tier; ``latest()`` prefers a valid local copy. A
+  ``stage_dir`` URL (``s3://bucket/prefix``, any fsspec URL) is an object
+  store tier (:mod:`fastpersist.tiers`): uploads in the background, data
+  first and a commit marker last; a checkpoint missing or damaged locally is
+  downloaded (CRCs verified) by ``latest()``/``load_latest()``.
 * Telemetry per checkpoint (stall, write time, bytes, GB/s) goes to the
   ``fastpersist`` logger and to ``checkpoints.jsonl`` in the directory.
 """
@@ -50,6 +54,7 @@ from . import _core
 from .async_save import AsyncSaver, CheckpointFuture
 from .errors import CorruptCheckpointError
 from .reader import read_state_dict
+from .tiers import ObjectStore, is_url
 from .verify import verify_file
 
 __all__ = ["Checkpointer", "CheckpointInfo", "FrequencyTuner", "list_checkpoints", "clean_temp_files", "ckpt_name"]
@@ -87,7 +92,9 @@ class CheckpointInfo:
     step: int
     #: Where it is.
     path: str
-    #: ``"local"`` (the Checkpointer's directory) or ``"shared"`` (``stage_dir``).
+    #: ``"local"`` (the Checkpointer's directory), ``"shared"`` (a
+    #: ``stage_dir`` directory) or ``"object"`` (a ``stage_dir`` URL; ``path``
+    #: is then the object's URL).
     tier: str
     #: Its size in bytes.
     bytes: int
@@ -135,9 +142,27 @@ def _copy_durably(src: str, dst: str) -> None:
         tmp.commit(size, durable=True)
 
 
-def list_checkpoints(directory: str, stage_dir: Optional[str] = None) -> List[Tuple[int, List[CheckpointInfo]]]:
-    """Committed checkpoints by step (newest first), each with its copies."""
-    local, shared = _scan(directory, "local"), _scan(stage_dir, "shared")
+def _scan_store(store: Optional[ObjectStore]) -> Dict[int, CheckpointInfo]:
+    out: Dict[int, CheckpointInfo] = {}
+    if store is None:
+        return out
+    for name, size in store.committed().items():
+        step = _parse_ckpt(name)
+        if step is not None:
+            out[step] = CheckpointInfo(step, store.url_of(name), "object", size)
+    return out
+
+
+def list_checkpoints(
+    directory: str, stage_dir: Optional[str] = None, storage_options: Optional[Dict[str, Any]] = None
+) -> List[Tuple[int, List[CheckpointInfo]]]:
+    """Committed checkpoints by step (newest first), each with its copies.
+    ``stage_dir`` may be an object store URL (only checkpoints whose upload
+    completed are listed)."""
+    if stage_dir is not None and is_url(stage_dir):
+        local, shared = _scan(directory, "local"), _scan_store(ObjectStore(stage_dir, storage_options))
+    else:
+        local, shared = _scan(directory, "local"), _scan(stage_dir, "shared")
     steps = sorted(set(local) | set(shared), reverse=True)
     return [(s, [c for c in (local.get(s), shared.get(s)) if c is not None]) for s in steps]
 
@@ -339,6 +364,7 @@ class Checkpointer:
         stage_dir: Optional[str] = None,
         mode: str = "pipelined",
         clock: Callable[[], float] = time.perf_counter,
+        storage_options: Optional[Dict[str, Any]] = None,
         **options: Any,
     ) -> None:
         if keep_last < 1:
@@ -346,6 +372,11 @@ class Checkpointer:
         if keep_every is not None and keep_every < 1:
             raise ValueError("keep_every must be a positive int")
         self.directory = os.path.abspath(os.fspath(directory))
+        #: The object store tier, when ``stage_dir`` is a URL.
+        self.store = ObjectStore(os.fspath(stage_dir), storage_options) if stage_dir and is_url(stage_dir) else None
+        self.stage_url = self.store.url if self.store is not None else None
+        if self.store is not None:
+            stage_dir = None
         self.stage_dir = os.path.abspath(os.fspath(stage_dir)) if stage_dir is not None else None
         os.makedirs(self.directory, exist_ok=True)
         if self.stage_dir:
@@ -358,17 +389,30 @@ class Checkpointer:
         self.tuner = FrequencyTuner(every, max_overhead)
         self._saver = AsyncSaver(max_pending=2)
         self._prepared = False
-        self._stager = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-stage") if self.stage_dir else None
+        staged = self.stage_dir or self.store is not None
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-stage") if staged else None
         self._lock = threading.RLock()
         self._inflight: Optional[_InFlight] = None
         self._last_step_at: Optional[float] = None
         self._staged: set = set(_scan(self.stage_dir, "shared"))
+        if self.store is not None:
+            try:
+                self._staged = set(_scan_store(self.store))
+            except OSError as e:
+                log.error("fastpersist: cannot list %s: %s", self.stage_url, e)
         self._stage_futures: List[Any] = []
         #: File identity (dev, ino, size, mtime_ns) -> whether it verified.
         self._valid: Dict[Tuple[int, int, int, int], bool] = {}
         for d in filter(None, (self.directory, self.stage_dir)):
             for name in clean_temp_files(d):
                 log.warning("fastpersist: removed %s, left by a save that did not finish", os.path.join(d, name))
+        if self._stager is not None:
+            # Catch up: local checkpoints newer than any staged one (an upload
+            # or copy cut short by a crash) are staged again, newest last.
+            newest = max(self._staged, default=-1)
+            for step, info in sorted(_scan(self.directory, "local").items()):
+                if step > newest:
+                    self._stage_futures.append(self._stager.submit(self._stage, step, info.path))
 
     # -- the training loop -------------------------------------------------
 
@@ -504,20 +548,35 @@ class Checkpointer:
     # -- staging and retention ----------------------------------------------
 
     def _stage(self, step: int, src: str) -> None:
-        assert self.stage_dir is not None
-        dst = os.path.join(self.stage_dir, ckpt_name(step))
         t0 = time.perf_counter()
+        where = self.stage_url or self.stage_dir
         try:
-            _copy_durably(src, dst)
+            if self.store is not None:
+                dst = self.store.upload(src, ckpt_name(step)).url
+            else:
+                assert self.stage_dir is not None
+                dst = os.path.join(self.stage_dir, ckpt_name(step))
+                _copy_durably(src, dst)
         except BaseException as e:  # noqa: BLE001 - logged; the local copy stays
-            log.error("fastpersist: staging step %d to %s failed: %r", step, self.stage_dir, e)
+            log.error("fastpersist: staging step %d to %s failed: %r", step, where, e)
             self._log_event({"event": "stage_failed", "step": step, "error": repr(e)})
             return
         with self._lock:
             self._staged.add(step)
-            self._mark_valid(dst)
+            if self.store is None:
+                self._mark_valid(dst)
+        seconds = time.perf_counter() - t0
+        size = os.path.getsize(src) if os.path.exists(src) else None
         self._log_event(
-            {"event": "staged", "step": step, "path": dst, "seconds": time.perf_counter() - t0, "tier": "shared"}
+            {
+                "event": "staged",
+                "step": step,
+                "path": dst,
+                "seconds": seconds,
+                "bytes": size,
+                "gbps": size / seconds / 1e9 if size and seconds > 0 else None,
+                "tier": "object" if self.store is not None else "shared",
+            }
         )
         self._retain()
 
@@ -561,7 +620,9 @@ class Checkpointer:
         valid = 0
         cutoff: Optional[int] = None
         for s in sorted(infos, reverse=True):
-            if self._is_valid(infos[s].path):
+            # An object is listed only once its upload completed, and only a
+            # verified file is uploaded.
+            if infos[s].tier == "object" or self._is_valid(infos[s].path):
                 valid += 1
                 if valid == self.keep_last:
                     cutoff = s
@@ -579,17 +640,31 @@ class Checkpointer:
             staged = set(self._staged)
             # With staging, a local copy goes only once it (or a newer
             # checkpoint) has reached the shared tier.
-            local_ok = (lambda s: any(x >= s for x in staged)) if self.stage_dir else (lambda s: True)
+            tiered = self.stage_dir or self.store is not None
+            local_ok = (lambda s: any(x >= s for x in staged)) if tiered else (lambda s: True)
             for info in self._doomed(_scan(self.directory, "local"), local_ok):
                 self._delete(info)
             if self.stage_dir:
                 for info in self._doomed(_scan(self.stage_dir, "shared"), lambda s: True):
                     self._delete(info)
                     self._staged.discard(info.step)
+            if self.store is not None:
+                try:
+                    remote = _scan_store(self.store)
+                except OSError as e:
+                    log.warning("fastpersist: retention cannot list %s: %s", self.stage_url, e)
+                    remote = {}
+                for info in self._doomed(remote, lambda s: True):
+                    self._delete(info)
+                    self._staged.discard(info.step)
 
     def _delete(self, info: CheckpointInfo) -> None:
         try:
-            os.unlink(info.path)
+            if info.tier == "object":
+                assert self.store is not None
+                self.store.delete(ckpt_name(info.step))  # marker first, then data
+            else:
+                os.unlink(info.path)
         except FileNotFoundError:
             return
         except OSError as e:
@@ -601,6 +676,10 @@ class Checkpointer:
 
     def checkpoints(self) -> List[Tuple[int, List[CheckpointInfo]]]:
         """Committed checkpoints by step (newest first), each with its copies."""
+        if self.store is not None:
+            local, remote = _scan(self.directory, "local"), _scan_store(self.store)
+            steps = sorted(set(local) | set(remote), reverse=True)
+            return [(s, [c for c in (local.get(s), remote.get(s)) if c is not None]) for s in steps]
         return list_checkpoints(self.directory, self.stage_dir)
 
     def _first_good(self, attempt: Callable[[CheckpointInfo], Any]) -> Any:
@@ -630,6 +709,8 @@ class Checkpointer:
         first, else the shared one); damaged copies are skipped."""
 
         def attempt(c: CheckpointInfo) -> Optional[CheckpointInfo]:
+            if c.tier == "object":
+                return self._fetch(c)
             if not verify:
                 if not os.path.exists(c.path):
                     raise FileNotFoundError(c.path)
@@ -650,6 +731,11 @@ class Checkpointer:
         or None when there is none."""
 
         def attempt(c: CheckpointInfo) -> Optional[Tuple[int, Any]]:
+            if c.tier == "object":
+                got = self._fetch(c)
+                if got is None:
+                    return None
+                c = got
             try:
                 payload = read_state_dict(c.path, map_location=map_location, weights_only=weights_only)
                 return int(payload["step"]), payload["state"]
@@ -660,6 +746,31 @@ class Checkpointer:
                 return None
 
         return self._first_good(attempt)
+
+    def _fetch(self, c: CheckpointInfo) -> Optional[CheckpointInfo]:
+        """Download an object-tier checkpoint into the local directory (its
+        CRCs verified before it replaces a damaged local copy); the local
+        copy's info, or None when the download fails or is damaged."""
+        assert self.store is not None
+        local = os.path.join(self.directory, ckpt_name(c.step))
+        try:
+            st = self.store.download(ckpt_name(c.step), local)
+        except (CorruptCheckpointError, OSError) as e:
+            log.warning("fastpersist: cannot restore %s: %s", c.path, e)
+            return None
+        with self._lock:
+            self._mark_valid(local)
+        self._log_event(
+            {
+                "event": "fetched",
+                "step": c.step,
+                "path": c.path,
+                "bytes": st.bytes,
+                "seconds": st.seconds,
+                "tier": "object",
+            }
+        )
+        return CheckpointInfo(c.step, local, "local", st.bytes)
 
     # -- telemetry -----------------------------------------------------------
 

@@ -104,11 +104,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return status
 
 
+def _ls_store(url: str) -> int:
+    """The checkpoints whose upload completed under an object store prefix
+    (credentials from the usual fsspec/boto configuration)."""
+    from .tiers import ObjectStore, TierError
+
+    try:
+        rows = ObjectStore(url).committed()
+    except TierError as e:
+        print(f"fastpersist: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{'size':>12}  name")
+    for name, size in sorted(rows.items()):
+        print(f"{size:>12}  {url.rstrip('/')}/{name}")
+    return EXIT_OK
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from .checkpoint_manager import LOG_NAME, list_checkpoints
     from .errors import CorruptCheckpointError
     from .verify import verify_file
 
+    from .tiers import is_url
+
+    if is_url(args.dir):
+        return _ls_store(args.dir)
     if not os.path.isdir(args.dir):
         print(f"fastpersist: {args.dir}: not a directory", file=sys.stderr)
         return EXIT_USAGE
@@ -215,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every CRC32 and the structure")
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.set_defaults(fn=cmd_verify)
-    p = sub.add_parser("ls", help="list the checkpoints of a Checkpointer directory")
-    p.add_argument("dir")
+    p = sub.add_parser("ls", help="list the checkpoints of a Checkpointer directory or an object store URL")
+    p.add_argument("dir", help="a Checkpointer directory, or a URL (s3://bucket/prefix): committed uploads")
     p.add_argument("--stage-dir", default=None, help="the shared tier, if staging is used")
     p.add_argument("--verify", action="store_true", help="check every checkpoint's CRC32s")
     p.set_defaults(fn=cmd_ls)

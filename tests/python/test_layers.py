@@ -27,6 +27,7 @@ LAYERS = {
     "verify": 7,
     "async_save": 7,
     "resume": 7,
+    "tiers": 7.5,
     "checkpoint_manager": 8,
     "bench": 8,
     "cli": 9,
