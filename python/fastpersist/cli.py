@@ -123,9 +123,8 @@ def _ls_store(url: str) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     from .checkpoint_manager import LOG_NAME, list_checkpoints
     from .errors import CorruptCheckpointError
-    from .verify import verify_file
-
     from .tiers import is_url
+    from .verify import verify_file
 
     if is_url(args.dir):
         return _ls_store(args.dir)
