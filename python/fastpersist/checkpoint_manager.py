@@ -575,6 +575,9 @@ class Checkpointer:
                 "seconds": seconds,
                 "bytes": size,
                 "gbps": size / seconds / 1e9 if size and seconds > 0 else None,
+                # How far this tier is behind: steps from this checkpoint to
+                # the newest one committed locally when it got there.
+                "lag_steps": max(_scan(self.directory, "local"), default=step) - step,
                 "tier": "object" if self.store is not None else "shared",
             }
         )

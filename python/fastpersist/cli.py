@@ -131,7 +131,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.dir):
         print(f"fastpersist: {args.dir}: not a directory", file=sys.stderr)
         return EXIT_USAGE
-    events = {}
+    events: dict = {}
+    staged: dict = {}
     log_path = os.path.join(args.dir, LOG_NAME)
     if os.path.exists(log_path):
         with open(log_path) as f:
@@ -142,16 +143,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     continue
                 if ev.get("event") == "commit":
                     events[ev["step"]] = ev
+                elif ev.get("event") == "staged":
+                    staged[ev["step"]] = ev
     rows = list_checkpoints(args.dir, args.stage_dir)
     temps = [n for n in os.listdir(args.dir) if n.endswith(".fptmp")]
-    print(f"{'step':>12} {'size':>10} {'tier':<13} {'status':<10} {'stall ms':>9} {'write s':>8} {'GB/s':>6}")
+    print(
+        f"{'step':>12} {'size':>10} {'tier':<13} {'status':<10} {'stall ms':>9} {'write s':>8} {'GB/s':>6}"
+        f" {'staged s':>9} {'GB/s':>6} {'lag':>5}"
+    )
     status_rc = EXIT_OK
     for step, copies in rows:
         tiers = "+".join(c.tier for c in copies)
         status = "committed"
-        if args.verify:
+        files = [c for c in copies if c.tier != "object"]
+        if args.verify and files:
             try:
-                verify_file(copies[0].path)
+                verify_file(files[0].path)
                 status = "verified"
             except CorruptCheckpointError:
                 status = "CORRUPT"
@@ -160,7 +167,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         stall = f"{ev['stall_s'] * 1e3:.1f}" if "stall_s" in ev else "-"
         write = f"{ev['write_s']:.3f}" if "write_s" in ev else "-"
         gbps = f"{ev['gbps']:.2f}" if "gbps" in ev else "-"
-        print(f"{step:>12} {_human(copies[0].bytes):>10} {tiers:<13} {status:<10} {stall:>9} {write:>8} {gbps:>6}")
+        sv = staged.get(step, {})
+        st_s = f"{sv['seconds']:.3f}" if sv.get("seconds") is not None else "-"
+        st_g = f"{sv['gbps']:.2f}" if sv.get("gbps") is not None else "-"
+        lag = str(sv["lag_steps"]) if sv.get("lag_steps") is not None else "-"
+        print(
+            f"{step:>12} {_human(copies[0].bytes):>10} {tiers:<13} {status:<10} {stall:>9} {write:>8} {gbps:>6}"
+            f" {st_s:>9} {st_g:>6} {lag:>5}"
+        )
     for _ in temps:
         print(f"{'-':>12} {'-':>10} {'local':<13} {'temporary (an unfinished save)'}")
     if not rows:

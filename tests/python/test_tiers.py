@@ -224,3 +224,28 @@ def test_cli_ls_lists_committed_uploads(tmp_path, s3):
     assert r.returncode == 0, r.stderr
     assert f"s3://ckpts/cli/{ckpt_name(3)}" in r.stdout and ckpt_name(4) not in r.stdout
     assert str(p.stat().st_size) in r.stdout
+
+
+def test_ls_shows_the_tiers_and_their_telemetry(tmp_path, s3):
+    url = "s3://ckpts/tele"
+    local = tmp_path / "local"
+    with fastpersist.Checkpointer(local, stage_dir=url, storage_options=s3["opts"], every=1) as ck:
+        for step in (1, 2):
+            ck.save(step, _state(step))
+            ck.wait()
+    import json
+
+    staged = [json.loads(x) for x in (local / "checkpoints.jsonl").read_text().splitlines() if '"staged"' in x]
+    assert [e["step"] for e in staged] == [1, 2]
+    assert all(e["tier"] == "object" and e["bytes"] > 0 and e["gbps"] > 0 and e["lag_steps"] == 0 for e in staged)
+    env = {**os.environ, "AWS_ENDPOINT_URL": s3["url"]}
+    r = subprocess.run(
+        [cli_exe(), "ls", str(local), "--stage-dir", url, "--verify"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if x.strip().startswith(("1 ", "2 "))]
+    assert len(lines) == 2 and all("local+object" in x and "verified" in x for x in lines), r.stdout
