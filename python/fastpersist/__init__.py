@@ -18,6 +18,7 @@ from .errors import (
     FastPersistError,
     SerializationError,
     StorageChangedError,
+    UnsupportedFormatError,
     WriteError,
 )
 from .options import WriteStats, release_engines
@@ -46,6 +47,7 @@ __all__ = [
     "WriteError",
     "SerializationError",
     "StorageChangedError",
+    "UnsupportedFormatError",
     "FastPersistError",
     "FallbackWarning",
     "release_engines",
