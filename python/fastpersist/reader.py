@@ -78,9 +78,7 @@ def detect(head: bytes, size: int, path: str) -> str:
         return "safetensors"
     if is_legacy_torch(head):
         return "torch-legacy"
-    raise CorruptCheckpointError(
-        f"{path}: neither a torch checkpoint (zip or legacy) nor a safetensors file"
-    )
+    raise CorruptCheckpointError(f"{path}: neither a torch checkpoint (zip or legacy) nor a safetensors file")
 
 
 def read_state_dict(
@@ -233,7 +231,8 @@ def _read_torch(
     order = _small_record(fd, order_rec, path)
     unrecorded: Set[str] = set()
     if verify:
-        own = written_by_fastpersist(_small_record(fd, by_name.get(prefix + ".data/serialization_id"), path), pkl, records)
+        sid = _small_record(fd, by_name.get(prefix + ".data/serialization_id"), path)
+        own = written_by_fastpersist(sid, pkl, records)
         unrecorded = unrecorded_crcs(records, own)
         small = [(pkl_rec, zlib.crc32(pkl))] + ([(order_rec, zlib.crc32(order))] if order_rec and order else [])
         unchecked += check_crcs(small, unrecorded, path)
@@ -249,9 +248,7 @@ def _read_torch(
     return unpickle(pkl, storages, path, map_location, weights_only, placed), nbytes, len(records)
 
 
-def _read_legacy(
-    fd: int, size: int, path: str, map_location: MapLocation, weights_only: bool
-) -> Tuple[Any, int, int]:
+def _read_legacy(fd: int, size: int, path: str, map_location: MapLocation, weights_only: bool) -> Tuple[Any, int, int]:
     """torch's format before 1.6 (``_use_new_zipfile_serialization=False``):
     read by torch.load itself (its legacy path, same ``weights_only`` rules
     and messages), from the file already open. It has no checksums."""

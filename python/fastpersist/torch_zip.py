@@ -271,7 +271,7 @@ def serialization_id(data_pkl: bytes, storages: int, storage_bytes: int) -> str:
     return f"{_core.crc32(data_pkl):020d}{storages * 1000003 + storage_bytes:020d}"
 
 
-def written_by_fastpersist(sid: Optional[bytes], data_pkl: bytes, records: List["ZipRecord"]) -> bool:
+def written_by_fastpersist(sid: Optional[bytes], data_pkl: bytes, records: List[ZipRecord]) -> bool:
     """Whether a torch zip file is one fastpersist wrote: its serialization
     id is the one :func:`serialization_id` derives from its pickle and its
     ``data/`` records (a torch-written id, random, matches by chance with
@@ -283,7 +283,7 @@ def written_by_fastpersist(sid: Optional[bytes], data_pkl: bytes, records: List[
     return sid == serialization_id(data_pkl, len(data), sum(r.size for r in data)).encode()
 
 
-def unrecorded_crcs(records: List["ZipRecord"], own: bool) -> set:
+def unrecorded_crcs(records: List[ZipRecord], own: bool) -> set:
     """Names of the records whose CRC field may mean "not computed": a CRC
     of 0 in a file fastpersist did not write. torch writes 0 when it skips
     the CRC: ``torch.serialization.set_crc32_options(False)``, the data
@@ -406,7 +406,9 @@ def _central_entries(cd: bytes, n: int, where: str) -> List[Tuple[str, int, int,
         )
     if compressed:
         name, method = compressed[0]
-        raise _corrupt(f"{where}record {name!r} is compressed (method {method}); checkpoints store records uncompressed")
+        raise _corrupt(
+            f"{where}record {name!r} is compressed (method {method}); checkpoints store records uncompressed"
+        )
     return entries
 
 

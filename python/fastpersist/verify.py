@@ -33,7 +33,7 @@ class VerifyResult(Tuple[str, int]):
 
     unchecked: Tuple[str, ...]
 
-    def __new__(cls, fmt: str, records: int, unchecked: Iterable[str] = ()) -> "VerifyResult":
+    def __new__(cls, fmt: str, records: int, unchecked: Iterable[str] = ()) -> VerifyResult:
         self = super().__new__(cls, (fmt, records))
         self.unchecked = tuple(unchecked)
         return self
@@ -149,7 +149,9 @@ def _check_legacy(fd: int, size: int, path: str) -> int:
             scan = LocationScan(os.pread(fd, end - start, start))
             scan.load()
         except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
-            raise CorruptCheckpointError(f"{path}: not a well-formed legacy torch file: {type(e).__name__}: {e}") from None
+            raise CorruptCheckpointError(
+                f"{path}: not a well-formed legacy torch file: {type(e).__name__}: {e}"
+            ) from None
         for key in keys:
             if str(key) not in scan.storages:
                 raise CorruptCheckpointError(f"{path}: storage {key!r} is not named by the pickle")
