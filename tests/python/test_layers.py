@@ -30,6 +30,7 @@ LAYERS = {
     "checkpoint_manager": 8,
     "bench": 8,
     "cli": 9,
+    "testing": 9,
     "__init__": 10,
     # Public names of adapters (imported on demand, never by __init__).
     "dcp": 11,
