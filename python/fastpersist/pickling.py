@@ -501,13 +501,17 @@ def _unwrap(fn: Any) -> Any:
     return fn
 
 
-_wo_message = _torch_wo_message()
+#: torch's message function, found on first use (None: not found).
+_wo_message: Any = ...
 
 
 def weights_only_message(message: str) -> str:
     """The message ``torch.load`` gives when its ``weights_only`` unpickler
     refuses a file with ``message`` ("Weights only load failed. ..." and
     torch's guidance)."""
+    global _wo_message
+    if _wo_message is ...:
+        _wo_message = _torch_wo_message()
     if _wo_message is not None:
         return str(_wo_message(message))
     unsafe = getattr(torch.serialization, "UNSAFE_MESSAGE", "")

@@ -54,7 +54,9 @@ def saveable_dtypes() -> List[torch.dtype]:
     """Every dtype of the installed torch whose plain tensors torch.save
     writes and torch.load reads back bit for bit (quantized dtypes, which
     need quantization parameters, and the sub-byte ``int1``..``uint7``,
-    which torch.save refuses, are left out). Probed once."""
+    which torch.save refuses, are left out). Probed once. torch cannot
+    make or load tensors of some experimental dtypes (bits16, bcomplex32)
+    while ``torch.use_deterministic_algorithms(True)`` is in force."""
     global _saveable
     if _saveable is None:
         found = {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}

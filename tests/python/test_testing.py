@@ -18,6 +18,18 @@ from fastpersist.testing import (
 )
 from hypothesis import HealthCheck, given, settings
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _nondeterministic():
+    """torch cannot make or load tensors of some experimental dtypes
+    (bits16, bcomplex32) with deterministic algorithms on, and an earlier
+    test (Lightning's ``deterministic=True``) may have left them on."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    yield
+    torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
 _FAST = {"durable": False}  # no fsync: these files are thrown away
 _SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 
