@@ -20,6 +20,7 @@ from .errors import (
     SharedTensorsError,
     StorageChangedError,
     UnsupportedDtypeError,
+    UnsupportedFormatError,
     WriteError,
 )
 from .options import WriteStats, release_engines
@@ -50,6 +51,7 @@ __all__ = [
     "WriteError",
     "SerializationError",
     "StorageChangedError",
+    "UnsupportedFormatError",
     "FastPersistError",
     "FallbackWarning",
     "release_engines",

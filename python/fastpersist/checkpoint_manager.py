@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _core
 from .async_save import AsyncSaver, CheckpointFuture
-from .errors import CorruptCheckpointError
+from .errors import FastPersistError
 from .reader import read_state_dict
 from .tiers import ObjectStore, is_url
 from .verify import verify_file
@@ -608,7 +608,7 @@ class Checkpointer:
             try:
                 verify_file(path)
                 ok = True
-            except (CorruptCheckpointError, OSError) as e:
+            except (FastPersistError, OSError) as e:  # damaged, or not a checkpoint we read
                 log.warning("fastpersist: %s is damaged; retention keeps newer valid checkpoints: %s", path, e)
                 ok = False
             self._valid[ident] = ok
@@ -723,7 +723,7 @@ class Checkpointer:
                 return c
             except FileNotFoundError:
                 raise
-            except (CorruptCheckpointError, OSError) as e:
+            except (FastPersistError, OSError) as e:
                 log.warning("fastpersist: skipping damaged checkpoint %s: %s", c.path, e)
                 return None
 
@@ -744,7 +744,7 @@ class Checkpointer:
                 return int(payload["step"]), payload["state"]
             except FileNotFoundError:
                 raise
-            except (CorruptCheckpointError, OSError, KeyError, TypeError, IndexError) as e:
+            except (FastPersistError, OSError, KeyError, TypeError, IndexError) as e:
                 log.warning("fastpersist: skipping damaged checkpoint %s: %s", c.path, e)
                 return None
 
@@ -758,7 +758,7 @@ class Checkpointer:
         local = os.path.join(self.directory, ckpt_name(c.step))
         try:
             st = self.store.download(ckpt_name(c.step), local)
-        except (CorruptCheckpointError, OSError) as e:
+        except (FastPersistError, OSError) as e:
             log.warning("fastpersist: cannot restore %s: %s", c.path, e)
             return None
         with self._lock:

@@ -84,22 +84,37 @@ def _torch_tensors(path: str) -> list:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .errors import CorruptCheckpointError
+    from .errors import CorruptCheckpointError, UnsupportedFormatError
     from .verify import verify_file
 
     status = EXIT_OK
     for path in args.paths:
         try:
-            fmt, n = verify_file(path)
+            res = verify_file(path)
         except CorruptCheckpointError as e:
             print(f"CORRUPT {e}")
             status = max(status, EXIT_CORRUPT)
+            continue
+        except UnsupportedFormatError as e:
+            print(f"ERROR   {e}")
+            status = EXIT_USAGE
             continue
         except OSError as e:
             print(f"ERROR   {path}: {e.strerror or e}")
             status = EXIT_USAGE
             continue
+        fmt, n = res
+        if fmt == "torch-legacy":
+            print(f"OK      {path}: {fmt}, {n} storages (no checksums in this format: structure only)")
+            continue
         note = "" if fmt == "torch" else " (safetensors has no checksums: structure and readability only)"
+        if res.unchecked:
+            note += (
+                f"; {len(res.unchecked)} records NOT CHECKED (the writer recorded no CRC32: "
+                + ", ".join(res.unchecked[:5])
+                + (", ..." if len(res.unchecked) > 5 else "")
+                + ")"
+            )
         print(f"OK      {path}: {fmt}, {n} records verified{note}")
     return status
 

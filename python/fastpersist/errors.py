@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import traceback
 
 from ._core import WriteError
@@ -9,7 +10,10 @@ from ._core import WriteError
 __all__ = [
     "FastPersistError",
     "SerializationError",
+    "NoDataError",
+    "UnpicklableError",
     "CorruptCheckpointError",
+    "UnsupportedFormatError",
     "StorageChangedError",
     "WriteError",
     "FallbackWarning",
@@ -21,16 +25,45 @@ class FastPersistError(Exception):
     """Base class of fastpersist's own (non-OS) errors."""
 
 
-class SerializationError(FastPersistError, TypeError):
+class SerializationError(FastPersistError, TypeError, ValueError, RuntimeError, pickle.PicklingError):
     """The object cannot be written in the requested format (an object that
-    cannot be pickled, a tensor on the meta device, ...). Raised before any
-    file is created."""
+    cannot be pickled, one storage viewed as two dtypes, a tensor larger
+    than its storage, a value safetensors cannot hold, ...). Raised before
+    any file is created.
+
+    Catchable as what ``torch.save`` and safetensors raise in the same
+    situations: ``RuntimeError`` (torch: two dtypes over one storage;
+    safetensors: non-contiguous or sparse tensors), ``TypeError`` and
+    ``pickle.PicklingError`` (objects pickle refuses), ``ValueError``
+    (safetensors: non-tensor values, non-dicts)."""
 
 
-class CorruptCheckpointError(FastPersistError, ValueError):
+class NoDataError(SerializationError, NotImplementedError):
+    """A storage on the ``meta`` device saved as such (not a meta tensor,
+    which is saved as torch.save saves it: shape and dtype, no data). A
+    ``NotImplementedError``, as torch.save's."""
+
+
+class UnpicklableError(SerializationError, AttributeError):
+    """pickle refused an object of the state with an ``AttributeError``
+    (a local function or class: "Can't pickle local object"), which is
+    what torch.save raises there. Other refusals are plain
+    :class:`SerializationError` (a ``TypeError`` and ``PicklingError``, as
+    pickle's)."""
+
+
+class CorruptCheckpointError(FastPersistError, ValueError, RuntimeError):
     """The file is not a readable checkpoint: truncated, a bad header, a
     record outside the file, a CRC32 that does not match. The message names
-    the record. Never raised for a file that reads correctly."""
+    the record. Never raised for a file that reads correctly. A
+    ``RuntimeError`` too, as torch.load's errors for damaged zip files."""
+
+
+class UnsupportedFormatError(FastPersistError, ValueError, RuntimeError):
+    """The file is valid but not one fastpersist reads: a TorchScript
+    archive (``torch.jit.save``; read it with ``torch.jit.load``). The
+    message says what the file is. A ``RuntimeError``, as torch.load's
+    refusal of such files with ``weights_only=True``."""
 
 
 class StorageChangedError(FastPersistError, RuntimeError):

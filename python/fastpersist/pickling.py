@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .errors import CorruptCheckpointError, SerializationError
+from .errors import CorruptCheckpointError, NoDataError, SerializationError, UnpicklableError
 
 __all__ = [
     "PICKLE_PROTOCOL",
@@ -35,6 +36,10 @@ __all__ = [
     "LocationScan",
     "restore_location",
     "storage_element_size",
+    "weights_only_message",
+    "is_legacy_torch",
+    "LEGACY_MAGIC",
+    "load_plain",
 ]
 
 #: torch.save's default pickle protocol.
@@ -71,8 +76,28 @@ def find_path(obj: Any, pred: Any, prefix: str = "") -> Optional[str]:
     return None
 
 
-def _is_meta(o: Any) -> bool:
-    return isinstance(o, torch.Tensor) and o.device.type == "meta"
+def _is_meta_storage(o: Any) -> bool:
+    return (torch.is_storage(o) or isinstance(o, torch.storage.TypedStorage)) and o.device.type == "meta"
+
+
+def _is_zero_tensor(o: Any) -> bool:
+    return isinstance(o, torch.Tensor) and o._is_zerotensor()
+
+
+def _has_data(t: torch.Tensor) -> bool:
+    """``t`` has a storage of its own whose bytes can be written: not a
+    wrapper subclass (TwoTensor, DTensor: their data lives in inner
+    tensors, reached through their own reduction), not a zero tensor,
+    not on the meta device."""
+    if t.device.type == "meta" or t._is_zerotensor():
+        return False
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return True
+    try:
+        t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 class _StorageRef:
@@ -145,6 +170,7 @@ class _Pickler(pickle.Pickler):
             and o.dtype not in _V3_DTYPES
             and not o.is_quantized
             and not o.__dict__
+            and not o._is_zerotensor()
         ):
             _check_extent(o)
             # Exactly what Tensor._reduce_ex_internal returns for this case.
@@ -161,13 +187,8 @@ class _Pickler(pickle.Pickler):
                 if meta:
                     args = args + (meta,)
             return (torch._utils._rebuild_tensor_v2, args)
-        if isinstance(o, torch.Tensor) and o.device.type == "meta":
-            # torch.save would store only the shape; a checkpoint of a tensor
-            # that was never materialized is almost surely a bug.
-            raise SerializationError(
-                "a tensor on the meta device has no data to save; "
-                "materialize it (e.g. module.to_empty(device='cpu')) first"
-            )
+        # Everything else (subclasses, wrapper subclasses, meta tensors, which
+        # torch saves as shape and dtype only, ...): torch's own reduction.
         return NotImplemented
 
     def persistent_id(self, o: Any) -> Any:
@@ -186,13 +207,17 @@ class _Pickler(pickle.Pickler):
     def _storage_id(self, o: Any, storage: Any, dtype: torch.dtype, storage_type: Any, numel: int) -> tuple:
         """Mirror of the storage branch of torch.serialization._save's persistent_id."""
         if storage.device.type == "meta":
-            raise SerializationError("a storage on the meta device has no data to save")
+            # torch.save raises NotImplementedError when it copies it out.
+            raise NoDataError(
+                "a storage on the meta device has no data to save (torch.save: Cannot copy out of meta tensor; "
+                "no data!); meta *tensors* are saved (shape and dtype only)"
+            )
         ptr = storage.data_ptr()
         if ptr != 0:
             prev = self._dtypes.setdefault(ptr, dtype)
             if prev != dtype:
                 raise SerializationError(
-                    "cannot save multiple tensors or storages that view the same data "
+                    "Cannot save multiple tensors or storages that view the same data "
                     f"as different types ({prev} and {dtype})"
                 )
         key = self._keys.setdefault(storage._cdata, str(len(self._keys)))
@@ -220,22 +245,32 @@ def pickle_obj(obj: Any, known: Optional[Dict[int, Tuple[str, Any]]] = None) -> 
     pickler = _Pickler(buf, known)
     try:
         pickler.dump(obj)
-    except SerializationError as e:
-        where = find_path(obj, _is_meta)
+    except NoDataError as e:
+        where = find_path(obj, _is_meta_storage)
         if where is not None:
-            raise SerializationError(f"{where}: {e}") from None
+            raise NoDataError(f"{where}: {e}") from None
+        raise
+    except SerializationError:
         raise
     except Exception as e:
-        raise SerializationError(f"cannot serialize {_describe(obj)}: {type(e).__name__}: {e}") from e
+        where = find_path(obj, _is_zero_tensor) if _is_zero_tensor_error(e) else None
+        what = f"{where}: a zero tensor" if where is not None else _describe(obj)
+        cls = UnpicklableError if isinstance(e, AttributeError) else SerializationError
+        raise cls(f"cannot serialize {what}: {type(e).__name__}: {e}") from e
     return buf.getvalue(), pickler.storages
+
+
+def _is_zero_tensor_error(e: BaseException) -> bool:
+    return isinstance(e, RuntimeError) and "ZeroTensor" in str(e)
 
 
 def find_storages(obj: Any) -> Dict[int, Tuple[str, Any]]:
     """The storages of the dense tensors inside plain containers (dict,
     list, tuple), keyed as torch.save will key them: by first encounter in
     pickling order. Found before pickling, so their bytes can be on their
-    way to disk while the pickle is made. Storages inside other objects are
-    found by the pickler later."""
+    way to disk while the pickle is made. Storages inside other objects,
+    and those of wrapper subclasses' inner tensors (a wrapper's own storage
+    holds no data), are found by the pickler later."""
     found: Dict[int, Tuple[str, Any]] = {}
     stack: List[Any] = [obj]
     seen: set = set()
@@ -252,7 +287,7 @@ def find_storages(obj: Any) -> Dict[int, Tuple[str, Any]]:
                 for k, v in reversed(list(o.items())):
                     stack.append(v)
                     stack.append(k)
-        elif isinstance(o, torch.Tensor) and o.layout is torch.strided and o.device.type != "meta":
+        elif isinstance(o, torch.Tensor) and o.layout is torch.strided and _has_data(o):
             st = o.untyped_storage()
             if st._cdata not in found:
                 found[st._cdata] = (str(len(found)), st)
@@ -261,6 +296,41 @@ def find_storages(obj: Any) -> Dict[int, Tuple[str, Any]]:
 
 # ---------------------------------------------------------------------------
 # Reading
+
+
+#: The first pickle of torch's legacy (non-zip) files (torch.serialization.MAGIC_NUMBER).
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+class _NoGlobals(pickle.Unpickler):
+    """Loads plain data only (no class, no function, no persistent id)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a global ({module}.{name}) where plain data was expected")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a persistent id where plain data was expected")
+
+
+def load_plain(f: Any) -> Any:
+    """The next pickle of ``f``, plain data only (ints, strings, lists, dicts)."""
+    return _NoGlobals(f, encoding="utf-8").load()
+
+
+def is_legacy_torch(head: bytes) -> bool:
+    """Whether a file starting with ``head`` is torch's legacy format
+    (``torch.save(..., _use_new_zipfile_serialization=False)``): its first
+    pickle is torch's magic number (any pickle protocol), or a tar archive
+    (torch's oldest format, which torch.load still reads)."""
+    if head[257:262] == b"ustar":
+        return True
+    if head[:1] != b"\x80":
+        return False
+    try:
+        magic = load_plain(io.BytesIO(head))
+    except Exception:  # noqa: BLE001 - not a pickle: not a legacy file
+        return False
+    return type(magic) is int and magic == LEGACY_MAGIC
 
 
 def restore_location(map_location: MapLocation) -> Callable[[Any, str], Any]:
@@ -335,7 +405,9 @@ class LocationScan(pickle.Unpickler):
         return _stand_in(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+        # zip files: ("storage", type, key, location, numel); legacy files
+        # add view metadata (the view's own storage is its root's).
+        if isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage":
             key = str(pid[2])
             self.locations[key] = str(pid[3])
             type_name = getattr(pid[1], "storage_name", "UntypedStorage")
@@ -368,7 +440,7 @@ class _StorageLoader:
 
     def __call__(self, saved_id: Any) -> Any:
         if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] != "storage":
-            raise pickle.UnpicklingError(f"unknown persistent id {saved_id!r}")
+            raise CorruptCheckpointError(f"{self.path}: the pickle names an unknown persistent id {saved_id!r}")
         _, storage_type, key, location, numel = saved_id
         if key in self.typed:
             return self.typed[key]
@@ -392,6 +464,77 @@ class _StorageLoader:
         if ts._data_ptr() != 0:
             self.typed[key] = ts
         return ts
+
+
+def _torch_wo_message() -> Optional[Callable[[str], str]]:
+    """torch.load's own ``_get_wo_message`` (a function nested in
+    ``torch.serialization.load``), rebuilt from its code object so a
+    refusal reads exactly as torch's does in the installed version. Its
+    free variables are constants that ``load`` stores before defining it
+    (``DOCS_MESSAGE``); they are taken from ``load``'s bytecode. None where
+    that cannot be done (another torch): :func:`weights_only_message` then
+    composes torch 2.6's message itself."""
+    import dis
+    import types
+
+    try:
+        load = _unwrap(torch.serialization.load)
+        code = next(
+            c for c in load.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "_get_wo_message"
+        )
+        ins = list(dis.get_instructions(load))
+        values: Dict[str, Any] = {}
+        for prev, cur in zip(ins, ins[1:]):
+            if cur.opname == "STORE_DEREF" and prev.opname == "LOAD_CONST" and isinstance(prev.argval, str):
+                values.setdefault(cur.argval, prev.argval)
+        cells = tuple(types.CellType(values[name]) for name in code.co_freevars)
+        fn = types.FunctionType(code, vars(torch.serialization), "_get_wo_message", None, cells)
+        fn("probe")
+        return fn  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001 - another torch: the fallback below
+        return None
+
+
+def _unwrap(fn: Any) -> Any:
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+#: torch's message function, found on first use (None: not found).
+_wo_message: Any = ...
+
+
+def weights_only_message(message: str) -> str:
+    """The message ``torch.load`` gives when its ``weights_only`` unpickler
+    refuses a file with ``message`` ("Weights only load failed. ..." and
+    torch's guidance)."""
+    global _wo_message
+    if _wo_message is ...:
+        _wo_message = _torch_wo_message()
+    if _wo_message is not None:
+        return str(_wo_message(message))
+    unsafe = getattr(torch.serialization, "UNSAFE_MESSAGE", "")
+    docs = (
+        "\n\nCheck the documentation of torch.load to learn more about types accepted by default with "
+        "weights_only https://pytorch.org/docs/stable/generated/torch.load.html."
+    )
+    if re.search(r"GLOBAL (\S+) was not an allowed global by default.", message):
+        return (
+            "Weights only load failed. This file can still be loaded, to do so you have two options, "
+            "\033[1mdo those steps only if you trust the source of the checkpoint\033[0m. "
+            f"\n\t(1) {unsafe}\n\t(2) Alternatively, to load with `weights_only=True` please check "
+            "the recommended steps in the following error message.\n\tWeightsUnpickler error: " + message + docs
+        )
+    if re.search(r"(\S+) must be (\S+) to load", message):
+        return f"Weights only load failed. {message}\n {unsafe}\n"
+    out = f"Weights only load failed. {unsafe}\n"
+    if not re.search(r"whose module (\S+) is blocked", message):
+        out += (
+            "Please file an issue with the following so that we can make "
+            "`weights_only=True` compatible with your use case: WeightsUnpickler error: "
+        )
+    return out + "\n\n" + message + docs
 
 
 def _unpickler(pkl: bytes, weights_only: bool) -> Any:
@@ -425,8 +568,9 @@ def unpickle(
     except _RestoreError as e:  # e.g. map_location="cuda" without a GPU: torch's own error
         raise e.error from None
     except pickle.UnpicklingError as e:
-        hint = " (pass weights_only=False if you trust this file)" if weights_only else ""
-        raise pickle.UnpicklingError(f"{path}: {e}{hint}") from None
+        if weights_only:  # torch.load's words, exactly
+            raise pickle.UnpicklingError(weights_only_message(str(e))) from None
+        raise pickle.UnpicklingError(f"{path}: {e}") from None
     except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
         raise CorruptCheckpointError(
             f"{path}: the pickle (data.pkl) cannot be loaded: {type(e).__name__}: {e}"

@@ -16,7 +16,7 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -24,11 +24,14 @@ from .cuda_staging import DeviceRead, device_for, read_staged, read_targets, sta
 from .distributed import is_sharded_dir, read_sharded
 from .errors import CorruptCheckpointError, drop_frames
 from .options import EngineOptions, PathLike, ReadReq, check_path, read_records
-from .pickling import MapLocation, restore_location, unpickle
+from .pickling import MapLocation, is_legacy_torch, restore_location, unpickle
 from .safetensors_format import is_safetensors, parse_header, torch_dtype_error, torch_shape
-from .torch_zip import ZipRecord, read_zip_directory
+from .torch_zip import ZipRecord, read_zip_directory, unrecorded_crcs, written_by_fastpersist
 
-__all__ = ["read_state_dict", "ReadStats", "detect_format", "detect", "MapLocation"]
+__all__ = ["read_state_dict", "ReadStats", "detect_format", "detect", "MapLocation", "HEAD_BYTES"]
+
+#: Bytes from the start of a file that :func:`detect` needs.
+HEAD_BYTES = 512
 
 
 @dataclass(frozen=True)
@@ -37,16 +40,20 @@ class ReadStats:
 
     #: The file read.
     path: str
-    #: ``"torch"`` or ``"safetensors"``.
+    #: ``"torch"`` (zip), ``"torch-legacy"`` (torch's pre-1.6 format) or ``"safetensors"``.
     format: str
     #: Bytes of tensor data and pickle read.
     bytes: int
     #: Wall time of the read, parsing and unpickling included.
     seconds: float
-    #: Records (zip) or tensors (safetensors) in the file.
+    #: Records (zip) or tensors (safetensors) in the file (0 for legacy files).
     records: int
     #: Every record's CRC32 was checked.
     verified: bool
+    #: Records whose CRC32 could not be checked: files torch wrote without
+    #: computing CRCs (``set_crc32_options(False)``, ``skip_data()``,
+    #: ``write_record_metadata``) record 0. Always empty for fastpersist's files.
+    unchecked: Tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -55,21 +62,23 @@ class ReadStats:
 
 
 def detect_format(path: PathLike) -> str:
-    """``"torch"`` (zip), ``"safetensors"``, or raises CorruptCheckpointError."""
+    """``"torch"`` (zip), ``"torch-legacy"``, ``"safetensors"``, or raises CorruptCheckpointError."""
     p = check_path(path)
     with open(p, "rb") as f:
-        head = f.read(9)
+        head = f.read(HEAD_BYTES)
         size = os.fstat(f.fileno()).st_size
     return detect(head, size, p)
 
 
 def detect(head: bytes, size: int, path: str) -> str:
-    """The format of a file from its first 9 bytes and its size."""
+    """The format of a file from its first :data:`HEAD_BYTES` bytes and its size."""
     if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
         return "torch"
     if is_safetensors(head, size):
         return "safetensors"
-    raise CorruptCheckpointError(f"{path}: neither a torch zip checkpoint nor a safetensors file")
+    if is_legacy_torch(head):
+        return "torch-legacy"
+    raise CorruptCheckpointError(f"{path}: neither a torch checkpoint (zip or legacy) nor a safetensors file")
 
 
 def read_state_dict(
@@ -116,12 +125,15 @@ def read_state_dict(
     fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
-        head = os.pread(fd, 9, 0)
+        head = os.pread(fd, HEAD_BYTES, 0)
         fmt = detect(head, size, p)
+        unchecked: List[str] = []
         if fmt == "safetensors":
             obj, nbytes, nrec = _read_safetensors(fd, size, p, map_location, opts)
+        elif fmt == "torch-legacy":
+            obj, nbytes, nrec = _read_legacy(fd, size, p, map_location, weights_only)
         else:
-            obj, nbytes, nrec = _read_torch(fd, size, p, map_location, weights_only, verify, opts)
+            obj, nbytes, nrec = _read_torch(fd, size, p, map_location, weights_only, verify, opts, unchecked)
     except BaseException as e:
         # The storages allocated for the read (GPU memory) go now, not
         # when the caller drops the exception.
@@ -130,20 +142,38 @@ def read_state_dict(
     finally:
         os.close(fd)
     if stats is not None:
-        stats.append(ReadStats(p, fmt, nbytes, time.perf_counter() - t0, nrec, verify and fmt == "torch"))
+        checked = verify and fmt == "torch" and not unchecked
+        stats.append(ReadStats(p, fmt, nbytes, time.perf_counter() - t0, nrec, checked, tuple(unchecked)))
     return obj
 
 
-def _small_record(fd: int, rec: Optional[ZipRecord], path: str, verify: bool) -> Optional[bytes]:
-    """The bytes of a small record (the pickle, byteorder), checked."""
+def _small_record(fd: int, rec: Optional[ZipRecord], path: str) -> Optional[bytes]:
+    """The bytes of a small record (the pickle, byteorder); checked later."""
     if rec is None:
         return None
     data = os.pread(fd, rec.size, rec.data_offset)
     if len(data) != rec.size:
         raise CorruptCheckpointError(f"{path}: record {rec.name!r} is truncated")
-    if verify and zlib.crc32(data) != rec.crc32:
-        raise CorruptCheckpointError(f"{path}: record {rec.name!r} fails its CRC32 check")
     return data
+
+
+def check_crcs(checked: List[Tuple[ZipRecord, int]], unrecorded: Set[str], path: str) -> List[str]:
+    """Compare each record's CRC32 with the one the zip recorded; raises
+    CorruptCheckpointError naming the first that differs. Records in
+    ``unrecorded`` (CRC field 0 where it may mean "not computed", see
+    :func:`~fastpersist.torch_zip.unrecorded_crcs`) whose data's CRC is not
+    0 are returned instead: they could not be checked."""
+    skipped = []
+    for r, crc in checked:
+        if crc == r.crc32:
+            continue
+        if r.name in unrecorded:
+            skipped.append(r.name)
+            continue
+        raise CorruptCheckpointError(
+            f"{path}: record {r.name!r} fails its CRC32 check (recorded {r.crc32:08x}, data has {crc:08x})"
+        )
+    return skipped
 
 
 def _read_data_records(
@@ -178,19 +208,34 @@ def _read_data_records(
 
 
 def _read_torch(
-    fd: int, size: int, path: str, map_location: MapLocation, weights_only: bool, verify: bool, opts: EngineOptions
+    fd: int,
+    size: int,
+    path: str,
+    map_location: MapLocation,
+    weights_only: bool,
+    verify: bool,
+    opts: EngineOptions,
+    unchecked: List[str],
 ) -> Tuple[Any, int, int]:
     records = read_zip_directory(fd, size, path)
     if not records:
         raise CorruptCheckpointError(f"{path}: the zip holds no records")
     prefix = records[0].name.split("/", 1)[0] + "/" if "/" in records[0].name else ""
     by_name: Dict[str, ZipRecord] = {r.name: r for r in records}
-    pkl = _small_record(fd, by_name.get(prefix + "data.pkl"), path, verify)
-    if pkl is None:
+    pkl_rec, order_rec = by_name.get(prefix + "data.pkl"), by_name.get(prefix + "byteorder")
+    pkl = _small_record(fd, pkl_rec, path)
+    if pkl is None or pkl_rec is None:
         raise CorruptCheckpointError(
             f"{path}: no data.pkl record: not a torch.save checkpoint (TorchScript archives are read by torch.jit.load)"
         )
-    order = _small_record(fd, by_name.get(prefix + "byteorder"), path, verify)
+    order = _small_record(fd, order_rec, path)
+    unrecorded: Set[str] = set()
+    if verify:
+        sid = _small_record(fd, by_name.get(prefix + ".data/serialization_id"), path)
+        own = written_by_fastpersist(sid, pkl, records)
+        unrecorded = unrecorded_crcs(records, own)
+        small = [(pkl_rec, zlib.crc32(pkl))] + ([(order_rec, zlib.crc32(order))] if order_rec and order else [])
+        unchecked += check_crcs(small, unrecorded, path)
     if order is not None and order.decode(errors="replace") != sys.byteorder:
         raise CorruptCheckpointError(f"{path}: written on a {order!r}-endian machine; use torch.load, which byte-swaps")
     data_prefix = prefix + "data/"
@@ -198,13 +243,21 @@ def _read_torch(
     targets = read_targets(pkl, map_location, [k for k, _ in keyed])
     storages, placed, checked = _read_data_records(fd, path, keyed, targets, opts)
     if verify:
-        for r, crc in checked:
-            if crc != r.crc32:
-                raise CorruptCheckpointError(
-                    f"{path}: record {r.name!r} fails its CRC32 check (recorded {r.crc32:08x}, data has {crc:08x})"
-                )
+        unchecked += check_crcs(checked, unrecorded, path)
     nbytes = sum(r.size for _, r in keyed) + len(pkl)
     return unpickle(pkl, storages, path, map_location, weights_only, placed), nbytes, len(records)
+
+
+def _read_legacy(fd: int, size: int, path: str, map_location: MapLocation, weights_only: bool) -> Tuple[Any, int, int]:
+    """torch's format before 1.6 (``_use_new_zipfile_serialization=False``):
+    read by torch.load itself (its legacy path, same ``weights_only`` rules
+    and messages), from the file already open. It has no checksums."""
+    with os.fdopen(os.dup(fd), "rb") as f:
+        try:
+            obj = torch.load(f, map_location=map_location, weights_only=weights_only)
+        except EOFError as e:
+            raise CorruptCheckpointError(f"{path}: the legacy torch file is truncated ({e})") from None
+    return obj, size, 0
 
 
 def _read_safetensors(

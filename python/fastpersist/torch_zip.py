@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 from . import _core
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .pickling import find_storages, pickle_obj
 from .plan import DATA_ALIGNMENT, Batch, Blob, DeviceRegion, MemoryGuard, Plan, Region, Slot
 
@@ -35,6 +35,9 @@ __all__ = [
     "plan_torch_save",
     "ZipRecord",
     "read_zip_directory",
+    "serialization_id",
+    "written_by_fastpersist",
+    "unrecorded_crcs",
     "STORAGE_ALIGNMENT",
     "SMALL_ALIGNMENT",
     "ARCHIVE_NAME",
@@ -125,7 +128,7 @@ class TorchZipLayout:
         self._add("version", 2, SMALL_ALIGNMENT, data=b"3\n")
         # torch's writer stores a 40-digit id; ours is derived from the content
         # so the same state writes the same bytes (ranks writing parts agree).
-        sid = f"{_core.crc32(data_pkl):020d}{len(self.storage_keys) * 1000003 + self.storage_bytes:020d}"
+        sid = serialization_id(data_pkl, len(self.storage_keys), self.storage_bytes)
         self._add(".data/serialization_id", len(sid), SMALL_ALIGNMENT, data=sid.encode())
         self._central_directory()
         self.file_len = self.cursor
@@ -259,6 +262,43 @@ class TorchZipLayout:
         self._blob(_EOCD.pack(0x06054B50, 0, 0, min(n, _U16), min(n, _U16), min(cd_size, _U32), min(cd_start, _U32), 0))
 
 
+def serialization_id(data_pkl: bytes, storages: int, storage_bytes: int) -> str:
+    """The ``.data/serialization_id`` fastpersist writes: 40 digits, like
+    torch's (a random 64-bit number and a counter), but derived from the
+    content: the CRC32 of the pickle, then the count and total size of the
+    storage records. It is also how a reader tells fastpersist's own files
+    (:func:`written_by_fastpersist`)."""
+    return f"{_core.crc32(data_pkl):020d}{storages * 1000003 + storage_bytes:020d}"
+
+
+def written_by_fastpersist(sid: Optional[bytes], data_pkl: bytes, records: List[ZipRecord]) -> bool:
+    """Whether a torch zip file is one fastpersist wrote: its serialization
+    id is the one :func:`serialization_id` derives from its pickle and its
+    ``data/`` records (a torch-written id, random, matches by chance with
+    odds of about 2**-64). fastpersist always computes CRC32s, so in its
+    files a CRC of 0 is a CRC like any other."""
+    if sid is None:
+        return False
+    data = [r for r in records if _is_data_record(r.name)]
+    return sid == serialization_id(data_pkl, len(data), sum(r.size for r in data)).encode()
+
+
+def unrecorded_crcs(records: List[ZipRecord], own: bool) -> set:
+    """Names of the records whose CRC field may mean "not computed": a CRC
+    of 0 in a file fastpersist did not write. torch writes 0 when it skips
+    the CRC: ``torch.serialization.set_crc32_options(False)``, the data
+    records of ``torch.serialization.skip_data()``, records written by
+    ``PyTorchFileWriter.write_record_metadata``. Such a record is checked
+    anyway when its data's CRC is 0 too; otherwise it is reported as not
+    checked (a real CRC of 0 is possible but rare, 1 in 2**32)."""
+    return set() if own else {r.name for r in records if r.crc32 == 0}
+
+
+def _is_data_record(name: str) -> bool:
+    head, sep, key = name.rpartition("data/")
+    return bool(sep) and bool(key) and "/" not in key and head.count("/") <= 1 and not head.endswith(".")
+
+
 def plan_torch_save(obj: Any, stage: Optional[Any] = None, alignment: int = STORAGE_ALIGNMENT) -> Plan:
     """Describe the whole ``torch.save`` file of ``obj`` at once. Without
     ``stage`` every storage is in host memory (device storages are copied to
@@ -335,6 +375,7 @@ def _end_of_directory(fd: int, file_len: int, where: str) -> Tuple[int, int, int
 def _central_entries(cd: bytes, n: int, where: str) -> List[Tuple[str, int, int, int]]:
     """(name, local header offset, size, crc) of every central entry."""
     entries = []
+    compressed: List[Tuple[str, int]] = []
     p = 0
     for i in range(n):
         if p + _CENTRAL.size > len(cd):
@@ -356,12 +397,28 @@ def _central_entries(cd: bytes, n: int, where: str) -> List[Tuple[str, int, int,
         if usize == _U32 or csize == _U32 or hoff == _U32:
             usize, csize, hoff = _zip64_fields(extra, usize, csize, hoff, name, where)
         if method != 0 or csize != usize:
-            raise _corrupt(
-                f"{where}record {name!r} is compressed (method {method}); checkpoints store records uncompressed"
-            )
+            compressed.append((name, method))
         entries.append((name, hoff, usize, crc))
         p = end
+    if _is_torchscript([e[0] for e in entries]):
+        raise UnsupportedFormatError(
+            f"{where}a TorchScript archive (torch.jit.save), not a torch.save checkpoint: load it with torch.jit.load"
+        )
+    if compressed:
+        name, method = compressed[0]
+        raise _corrupt(
+            f"{where}record {name!r} is compressed (method {method}); checkpoints store records uncompressed"
+        )
     return entries
+
+
+def _is_torchscript(names: List[str]) -> bool:
+    """torch.load's test (a ``constants.pkl`` record), or TorchScript code."""
+    for name in names:
+        _, _, rest = name.partition("/")
+        if rest == "constants.pkl" or rest.startswith("code/"):
+            return True
+    return False
 
 
 def _check_extents(entries: List[Tuple[str, int, int, int]], cd_off: int, where: str) -> None:

@@ -13,16 +13,38 @@ import os
 import pickletools
 import struct
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .options import EngineOptions, PathLike, check_path, checksums
-from .pickling import LocationScan, storage_element_size
-from .reader import detect
+from .pickling import LocationScan, load_plain, storage_element_size
+from .reader import HEAD_BYTES, check_crcs, detect
 from .safetensors_format import parse_header, torch_shape
-from .torch_zip import read_zip_directory
+from .torch_zip import ZipRecord, read_zip_directory, unrecorded_crcs, written_by_fastpersist
 
-__all__ = ["RecordInfo", "inspect_file", "verify_file"]
+__all__ = ["RecordInfo", "VerifyResult", "inspect_file", "verify_file"]
+
+
+class VerifyResult(Tuple[str, int]):
+    """What :func:`verify_file` returns: ``(format, records checked)``
+    (unpacks as before), with :attr:`unchecked`, the names of the records
+    whose CRC32 could not be checked (CRC fields that torch left 0: see
+    :attr:`fastpersist.ReadStats.unchecked`)."""
+
+    unchecked: Tuple[str, ...]
+
+    def __new__(cls, fmt: str, records: int, unchecked: Iterable[str] = ()) -> VerifyResult:
+        self = super().__new__(cls, (fmt, records))
+        self.unchecked = tuple(unchecked)
+        return self
+
+    @property
+    def format(self) -> str:
+        return self[0]
+
+    @property
+    def records(self) -> int:
+        return self[1]
 
 
 @dataclass(frozen=True)
@@ -49,7 +71,9 @@ def _alignment(off: int) -> int:
 
 
 def _inspect_fd(fd: int, size: int, path: str) -> Tuple[str, List[RecordInfo]]:
-    fmt = detect(os.pread(fd, 9, 0), size, path)
+    fmt = detect(os.pread(fd, HEAD_BYTES, 0), size, path)
+    if fmt == "torch-legacy":
+        return fmt, []
     if fmt == "torch":
         return fmt, [
             RecordInfo(r.name, r.data_offset, r.size, r.crc32, _alignment(r.data_offset))
@@ -73,7 +97,8 @@ def _inspect_fd(fd: int, size: int, path: str) -> Tuple[str, List[RecordInfo]]:
 
 def inspect_file(path: PathLike) -> Tuple[str, List[RecordInfo]]:
     """The format of a checkpoint and its records (zip) or tensors
-    (safetensors), without reading the data."""
+    (safetensors), without reading the data (none for torch's legacy
+    format, which has no directory)."""
     p = check_path(path)
     fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -108,28 +133,88 @@ def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
             raise CorruptCheckpointError(f"{path}: storage {key!r} holds {sizes[key]} bytes, the pickle needs {need}")
 
 
-def verify_file(path: PathLike, *, direct: Optional[bool] = None) -> Tuple[str, int]:
+def _check_legacy(fd: int, size: int, path: str) -> int:
+    """torch's legacy format, without loading it: five pickles (magic
+    number, protocol, system info, the object, the storage keys), then
+    each storage as its element count and its bytes, ending at the end of
+    the file; the object's pickle names only storages the file holds, of
+    the size it says. Returns the number of storages. No checksums exist."""
+    if os.pread(fd, 262, 0)[257:262] == b"ustar":
+        raise UnsupportedFormatError(
+            f"{path}: torch's oldest (tar) format: verify cannot check it; torch.load reads it"
+        )
+    with os.fdopen(os.dup(fd), "rb") as f:
+        try:
+            for _ in range(3):  # magic number, protocol version, system info
+                load_plain(f)
+            start = f.tell()
+            for _ in pickletools.genops(f):
+                pass
+            end = f.tell()
+            keys = load_plain(f)
+            if not isinstance(keys, list):
+                raise ValueError(f"the storage keys are a {type(keys).__name__}")
+            scan = LocationScan(os.pread(fd, end - start, start))
+            scan.load()
+        except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
+            raise CorruptCheckpointError(
+                f"{path}: not a well-formed legacy torch file: {type(e).__name__}: {e}"
+            ) from None
+        for key in keys:
+            if str(key) not in scan.storages:
+                raise CorruptCheckpointError(f"{path}: storage {key!r} is not named by the pickle")
+            type_name, numel = scan.storages[str(key)]
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CorruptCheckpointError(f"{path}: the legacy torch file is truncated (storage {key!r})")
+            (n,) = struct.unpack("<q", raw)
+            if n != numel:
+                raise CorruptCheckpointError(f"{path}: storage {key!r} holds {n} elements, the pickle needs {numel}")
+            f.seek(n * storage_element_size(type_name), os.SEEK_CUR)
+        if f.tell() != size:
+            raise CorruptCheckpointError(f"{path}: the storages end at byte {f.tell()}, the file at {size}")
+    return len(keys)
+
+
+def _check_crcs(fd: int, recs: List[RecordInfo], crcs: List[int], path: str) -> List[str]:
+    """CRC32s of a zip's records against the directory, with the reader's
+    rule for CRC fields torch left 0 (returned: not checked)."""
+    zr = [ZipRecord(r.name, 0, r.offset, r.bytes, r.crc32 or 0) for r in recs]
+    unrecorded: set = set()
+    if any(r.crc32 == 0 for r in zr):
+        pkl = [r for r in zr if r.name.endswith("data.pkl")]
+        sid = [r for r in zr if r.name.endswith(".data/serialization_id")]
+        data = os.pread(fd, pkl[0].size, pkl[0].data_offset) if pkl else b""
+        sid_b = os.pread(fd, sid[0].size, sid[0].data_offset) if sid else None
+        unrecorded = unrecorded_crcs(zr, written_by_fastpersist(sid_b, data, zr))
+    return check_crcs(list(zip(zr, crcs)), unrecorded, path)
+
+
+def verify_file(path: PathLike, *, direct: Optional[bool] = None) -> VerifyResult:
     """Check a checkpoint without loading it: the structure parses, every
     record's CRC32 matches (zip), the pickle is well formed and names only
     storages the file holds, large enough. Memory stays bounded (records
-    are checksummed through the engine's arena). Returns (format, records
-    checked); raises CorruptCheckpointError."""
+    are checksummed through the engine's arena). Returns a
+    :class:`VerifyResult`: (format, records checked), and the records whose
+    CRC32 torch did not record (``unchecked``). torch's legacy format has
+    no checksums: its structure is checked (format ``"torch-legacy"``,
+    records: its storages). Raises CorruptCheckpointError, or
+    UnsupportedFormatError for a TorchScript archive."""
     p = check_path(path)
     opts = EngineOptions.resolve(direct=direct)
     fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+    unchecked: List[str] = []
     try:
         size = os.fstat(fd).st_size
         fmt, recs = _inspect_fd(fd, size, p)
+        if fmt == "torch-legacy":
+            return VerifyResult(fmt, _check_legacy(fd, size, p))
         try:
             crcs = checksums(fd, [(r.offset, r.bytes) for r in recs], opts)
         except ValueError as e:
             raise CorruptCheckpointError(f"{p}: {e}") from None
         if fmt == "torch":
-            for r, crc in zip(recs, crcs):
-                if crc != r.crc32:
-                    raise CorruptCheckpointError(
-                        f"{p}: record {r.name!r} fails its CRC32 check (recorded {r.crc32:08x}, data has {crc:08x})"
-                    )
+            unchecked = _check_crcs(fd, recs, crcs, p)
             pkl = [r for r in recs if r.name.endswith("data.pkl")]
             if not pkl:
                 raise CorruptCheckpointError(f"{p}: no data.pkl record")
@@ -137,4 +222,4 @@ def verify_file(path: PathLike, *, direct: Optional[bool] = None) -> Tuple[str, 
             _check_pickle(data, recs, p)
     finally:
         os.close(fd)
-    return fmt, len(recs)
+    return VerifyResult(fmt, len(recs) - len(unchecked), unchecked)

@@ -35,3 +35,15 @@ def engine_fault():
     yield set_fault
     for eng in touched:
         eng.set_fault(None)
+
+
+@pytest.fixture(autouse=True)
+def _torch_global_modes():
+    """Tests that build frameworks (Lightning's ``deterministic=True``) turn on
+    process-wide torch modes; put them back so later tests run as usual."""
+    import torch
+
+    det = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(det, warn_only=warn_only)

@@ -194,15 +194,7 @@ def test_17_7_disjoint_parts_of_one_storage_are_not_shared(tmp_path):
 
 # 8. Exception types as safetensors'.
 
-_merged_17_5 = issubclass(SerializationError, ValueError) and issubclass(SerializationError, RuntimeError)
-needs_17_5 = pytest.mark.xfail(
-    not _merged_17_5,
-    reason="SerializationError subclasses ValueError and RuntimeError with issue 17.5 (branch fidelity-torch)",
-    strict=True,
-)
 
-
-@needs_17_5
 @pytest.mark.parametrize(
     "what,obj,base",
     [

@@ -32,6 +32,7 @@ LAYERS = {
     "bench": 8,
     "cli": 9,
     "patching": 9,
+    "testing": 9,
     "__init__": 10,
     # Public names of adapters (imported on demand, never by __init__).
     "dcp": 11,

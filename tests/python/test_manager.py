@@ -267,3 +267,18 @@ def test_retention_and_tiers_property(tmp_path_factory, scenario):
         assert got is not None and got[1]["i"] == got[0]
         # latest is the newest copy that verifies (the local one may be corrupted)
         assert got[0] == newest
+
+
+def test_a_file_of_another_format_named_as_a_checkpoint_is_skipped(tmp_path):
+    """A TorchScript archive (or any file fastpersist does not read) under a
+    checkpoint's name is skipped by latest()/load_latest() and retention,
+    not raised out of them."""
+    ck = fastpersist.Checkpointer(tmp_path, every=1)
+    ck.save(1, {"w": torch.ones(3)}).result()
+    ck.close()
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(tmp_path / "ckpt-000000000002.pt"))
+    ck = fastpersist.Checkpointer(tmp_path)
+    assert ck.latest().step == 1
+    step, state = ck.load_latest()
+    assert step == 1 and torch.equal(state["w"], torch.ones(3))
+    ck.close()

@@ -1,0 +1,405 @@
+"""Testing helpers: does fastpersist save *your* state exactly as torch would?
+
+:func:`assert_roundtrip` writes an object with
+:func:`~fastpersist.write_state_dict`, reads it back with both
+:func:`~fastpersist.read_state_dict` and ``torch.load``, and compares all
+three exactly: types, dtypes, shapes, strides and storage offsets (torch
+keeps them), ``requires_grad``, storage sharing, and every byte (NaN
+payloads included).
+
+The hypothesis strategies (:func:`tensors`, :func:`state_dicts`,
+:func:`optimizer_states`) generate what checkpoints hold: every dtype torch
+can save, views at offsets into shared storages, non-contiguous strides,
+nested containers, optimizer state, wrapper tensor subclasses. hypothesis is
+an optional dependency (``pip install fastpersist[testing]``), imported only
+when a strategy is made::
+
+    from hypothesis import given
+    from fastpersist.testing import assert_roundtrip, state_dicts
+
+    @given(state_dicts())
+    def test_checkpoint(tmp_path_factory, sd):
+        assert_roundtrip(sd, tmp_path_factory.mktemp("ck") / "ck.pt")
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import struct
+import warnings
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .reader import read_state_dict
+from .writer import write_state_dict
+
+__all__ = [
+    "assert_roundtrip",
+    "assert_same_state",
+    "saveable_dtypes",
+    "dtypes",
+    "tensors",
+    "state_dicts",
+    "optimizer_states",
+]
+
+_saveable: Optional[List[torch.dtype]] = None
+
+
+def saveable_dtypes() -> List[torch.dtype]:
+    """Every dtype of the installed torch whose plain tensors torch.save
+    writes and torch.load reads back bit for bit (quantized dtypes, which
+    need quantization parameters, and the sub-byte ``int1``..``uint7``,
+    which torch.save refuses, are left out). Probed once. torch cannot
+    make or load tensors of some experimental dtypes (bits16, bcomplex32)
+    while ``torch.use_deterministic_algorithms(True)`` is in force."""
+    global _saveable
+    if _saveable is None:
+        found = {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "experimental" dtypes
+            out = [dt for dt in sorted(found, key=str) if _saves(dt)]
+        _saveable = out
+    return list(_saveable)
+
+
+def _saves(dt: torch.dtype) -> bool:
+    """torch.save and torch.load keep a plain tensor of ``dt`` bit for bit."""
+    if "qint" in str(dt) or "quint" in str(dt):
+        return False
+    try:
+        size = torch.empty((), dtype=dt).element_size()
+        raw = torch.arange(3 * size, dtype=torch.uint8)
+        buf = io.BytesIO()
+        torch.save(raw.view(dt), buf)
+        buf.seek(0)
+        return bool(torch.equal(torch.load(buf).view(torch.uint8), raw))
+    except Exception:  # noqa: BLE001 - a dtype torch cannot save
+        return False
+
+
+# ---------------------------------------------------------------------------
+# Exact comparison
+
+
+def _float_bits(x: float) -> bytes:
+    return struct.pack("<d", x)
+
+
+def _storage_bytes(st: Any) -> bytes:
+    if st.device.type != "cpu":
+        st = st.cpu()
+    return bytes(torch.empty(0, dtype=torch.uint8).set_(st).numpy().tobytes()) if st.nbytes() else b""
+
+
+def _is_wrapper(t: torch.Tensor) -> bool:
+    return type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__")
+
+
+class _Comparison:
+    """One walk of an expected and an actual object side by side."""
+
+    def __init__(self, check_device: bool) -> None:
+        self.check_device = check_device
+        self.exp_to_got: Dict[int, int] = {}
+        self.got_to_exp: Dict[int, int] = {}
+
+    def fail(self, where: str, what: str) -> None:
+        raise AssertionError(f"{where or '<root>'}: {what}")
+
+    def same(self, exp: Any, got: Any, where: str) -> None:
+        if type(exp) is not type(got):
+            self.fail(where, f"type {type(got).__qualname__}, expected {type(exp).__qualname__}")
+        if isinstance(exp, torch.Tensor):
+            self.tensor(exp, got, where)
+        elif isinstance(exp, dict):
+            if list(exp.keys()) != list(got.keys()):
+                self.fail(where, f"keys {list(got.keys())!r}, expected {list(exp.keys())!r}")
+            for k in exp:
+                self.same(exp[k], got[k], f"{where}[{k!r}]")
+        elif isinstance(exp, (list, tuple)):
+            if len(exp) != len(got):
+                self.fail(where, f"length {len(got)}, expected {len(exp)}")
+            for i, (a, b) in enumerate(zip(exp, got)):
+                self.same(a, b, f"{where}[{i}]")
+        elif isinstance(exp, float):
+            if _float_bits(exp) != _float_bits(got):
+                self.fail(
+                    where, f"{got!r} (bits {_float_bits(got).hex()}), expected {exp!r} ({_float_bits(exp).hex()})"
+                )
+        elif exp != got:
+            self.fail(where, f"{got!r}, expected {exp!r}")
+
+    def tensor(self, exp: torch.Tensor, got: torch.Tensor, where: str) -> None:
+        for attr in ("dtype", "shape", "layout", "requires_grad"):
+            if getattr(exp, attr) != getattr(got, attr):
+                self.fail(where, f"{attr} {getattr(got, attr)}, expected {getattr(exp, attr)}")
+        if self.check_device and exp.device != got.device:
+            self.fail(where, f"device {got.device}, expected {exp.device}")
+        if _is_wrapper(exp):
+            names, ctx = exp.__tensor_flatten__()
+            got_names, got_ctx = got.__tensor_flatten__()
+            if list(names) != list(got_names) or ctx != got_ctx:
+                self.fail(where, f"wrapper {got_names!r} {got_ctx!r}, expected {names!r} {ctx!r}")
+            for n in names:
+                self.same(getattr(exp, n), getattr(got, n), f"{where}.{n}")
+            return
+        if exp.layout is not torch.strided:
+            if exp.is_sparse:
+                self.same(exp._indices(), got._indices(), f"{where}._indices()")
+                self.same(exp._values(), got._values(), f"{where}._values()")
+            return
+        if exp.stride() != got.stride() or exp.storage_offset() != got.storage_offset():
+            self.fail(
+                where,
+                f"stride {got.stride()} offset {got.storage_offset()}, "
+                f"expected {exp.stride()} offset {exp.storage_offset()}",
+            )
+        if exp.is_conj() != got.is_conj() or exp.is_neg() != got.is_neg():
+            self.fail(where, "conjugate/negative bit differs")
+        if exp.device.type == "meta":
+            return
+        self.storage(exp.untyped_storage(), got.untyped_storage(), where)
+
+    def storage(self, exp: Any, got: Any, where: str) -> None:
+        e, g = exp._cdata, got._cdata
+        if self.exp_to_got.setdefault(e, g) != g or self.got_to_exp.setdefault(g, e) != e:
+            self.fail(where, "storage sharing differs (a storage shared in one is not shared in the other)")
+        if exp.nbytes() != got.nbytes():
+            self.fail(where, f"storage of {got.nbytes()} bytes, expected {exp.nbytes()}")
+        a, b = _storage_bytes(exp), _storage_bytes(got)
+        if a != b:
+            at = next(i for i in range(len(a)) if a[i] != b[i])
+            self.fail(
+                where, f"storage bytes differ from byte {at}: {b[at : at + 8].hex()}, expected {a[at : at + 8].hex()}"
+            )
+
+
+def assert_same_state(expected: Any, got: Any, *, check_device: bool = True) -> None:
+    """Assert that ``got`` is exactly ``expected`` as torch.save/torch.load
+    keep it: same types and container keys (in order), tensors with the
+    same dtype, shape, strides, storage offset, ``requires_grad``, device
+    (unless ``check_device`` is False), storage bytes (NaN payloads
+    included) and the same storage sharing; floats compared bit for bit;
+    wrapper subclasses through their inner tensors. Raises AssertionError
+    naming the first difference by its key path."""
+    _Comparison(check_device).same(expected, got, "")
+
+
+def _torch_load_kwargs(read_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: read_kwargs[k] for k in ("map_location", "weights_only") if k in read_kwargs}
+
+
+def assert_roundtrip(obj: Any, path: Any, *, write_kwargs: Optional[Dict[str, Any]] = None, **read_kwargs: Any) -> Any:
+    """Write ``obj`` with :func:`~fastpersist.write_state_dict` (with
+    ``write_kwargs``), read it back with :func:`~fastpersist.read_state_dict`
+    (with ``read_kwargs``: ``weights_only``, ``map_location``, ...) and with
+    ``torch.load`` (the same ``map_location`` and ``weights_only``), and
+    assert that both equal ``obj`` exactly (:func:`assert_same_state`; the
+    device is compared only without ``map_location``). Returns what
+    ``read_state_dict`` gave."""
+    write_state_dict(obj, path, **(write_kwargs or {}))
+    check_device = read_kwargs.get("map_location") is None
+    got = read_state_dict(path, **read_kwargs)
+    try:
+        assert_same_state(obj, got, check_device=check_device)
+    except AssertionError as e:
+        raise AssertionError(f"read_state_dict({os.fspath(path)!r}): {e}") from None
+    ref = torch.load(path, **_torch_load_kwargs(read_kwargs))
+    try:
+        assert_same_state(obj, ref, check_device=check_device)
+    except AssertionError as e:
+        raise AssertionError(f"torch.load({os.fspath(path)!r}): {e}") from None
+    return got
+
+
+# ---------------------------------------------------------------------------
+# hypothesis strategies (hypothesis imported on first use)
+
+
+def _st() -> Any:
+    try:
+        from hypothesis import strategies
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("fastpersist.testing's strategies need hypothesis: pip install 'fastpersist[testing]'") from e
+    return strategies
+
+
+def dtypes() -> Any:
+    """A strategy for every dtype torch can save (:func:`saveable_dtypes`)."""
+    return _st().sampled_from(saveable_dtypes())
+
+
+def _from_bytes(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor of ``dtype`` holding ``raw`` (whole elements), bit for bit."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if dtype is torch.bool:
+        raw = bytes(b & 1 for b in raw)  # a bool byte holds 0 or 1
+    n = len(raw) // size
+    buf = torch.frombuffer(bytearray(raw[: n * size]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    return buf.clone().view(dtype)
+
+
+def _shape(draw: Any, st: Any, max_dims: int = 3, max_side: int = 5) -> Tuple[int, ...]:
+    return tuple(draw(st.lists(st.integers(0, max_side), max_size=max_dims)))
+
+
+def _view(draw: Any, st: Any, base: torch.Tensor) -> torch.Tensor:
+    """A view of the 1-D ``base``: at an offset, reshaped, maybe transposed,
+    strided or expanded (strides torch keeps as they are)."""
+    n = base.numel()
+    start = draw(st.integers(0, n))
+    step = draw(st.integers(1, 3))
+    flat = base[start::step]
+    m = flat.numel()
+    # a shape whose product is at most m
+    dims: List[int] = []
+    left = m
+    for _ in range(draw(st.integers(0, 3))):
+        d = draw(st.integers(0, min(left, 4))) if left else 0
+        dims.append(d)
+        left = left // d if d else left
+    numel = math.prod(dims) if dims else 1
+    if numel > m:
+        return flat
+    t = flat[:numel].reshape(dims) if dims else flat[:1].reshape(()) if m else flat
+    if t.dim() >= 2 and draw(st.booleans()):
+        t = t.transpose(0, t.dim() - 1)
+    if t.dim() >= 1 and draw(st.booleans()):
+        t = t.unsqueeze(0).expand(draw(st.integers(1, 3)), *t.shape)  # a stride of 0
+    return t
+
+
+_GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def tensors(dtype: Any = None, max_bytes: int = 256) -> Any:
+    """A strategy for CPU tensors of any saveable dtype (or ``dtype``, a
+    dtype or a strategy of dtypes) made from random bytes (every bit
+    pattern: NaNs with payloads, subnormals, infinities), as views at
+    random offsets with non-contiguous or zero strides, some with
+    ``requires_grad`` (floating point ones)."""
+    st = _st()
+    dts = dtypes() if dtype is None else dtype if not isinstance(dtype, torch.dtype) else st.just(dtype)
+
+    @st.composite
+    def build(draw: Any) -> torch.Tensor:
+        dt = draw(dts)
+        base = _from_bytes(draw(st.binary(max_size=max_bytes)), dt)
+        t = _view(draw, st, base) if base.numel() and draw(st.booleans()) else base.reshape(-1)
+        if dt in _GRAD_DTYPES and draw(st.booleans()):
+            t = t.detach().requires_grad_(True)
+        return t
+
+    return build()
+
+
+def _leaves(st: Any) -> Any:
+    return st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=8),
+    )
+
+
+def optimizer_states(max_params: int = 4) -> Any:
+    """A strategy for ``optimizer.state_dict()``-shaped objects (Adam's
+    layout: per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``; param
+    groups with hyperparameters and parameter indices)."""
+    st = _st()
+
+    @st.composite
+    def build(draw: Any) -> Dict[str, Any]:
+        n = draw(st.integers(0, max_params))
+        state: Dict[int, Any] = {}
+        for i in range(n):
+            shape = _shape(draw, st)
+            dt = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+            avg = _from_bytes(draw(st.binary(min_size=2 * 64, max_size=2 * 64)), dt)[: math.prod(shape)]
+            if avg.numel() < math.prod(shape):
+                shape = (avg.numel(),)
+            state[i] = {
+                "step": torch.tensor(float(draw(st.integers(0, 10**6)))),
+                "exp_avg": avg.reshape(shape),
+                "exp_avg_sq": avg.reshape(shape).abs() if draw(st.booleans()) else avg.reshape(shape).clone(),
+            }
+        group = {
+            "lr": draw(st.floats(0, 1)),
+            "betas": (0.9, draw(st.floats(0.9, 1.0))),
+            "eps": 1e-8,
+            "weight_decay": draw(st.floats(0, 0.1)),
+            "amsgrad": draw(st.booleans()),
+            "params": list(range(n)),
+        }
+        return {"state": state, "param_groups": [group]}
+
+    return build()
+
+
+def state_dicts(
+    *, max_leaves: int = 12, max_bytes: int = 256, wrapper_subclasses: bool = False, optimizer: bool = True
+) -> Any:
+    """A strategy for checkpoint-like objects: nested dicts (plain and
+    ordered), lists and tuples of tensors (:func:`tensors`; several are
+    views of one shared storage) and plain values, and optionally an
+    optimizer state (:func:`optimizer_states`) and wrapper tensor
+    subclasses (``TwoTensor`` from torch's test utilities, when present:
+    reading them needs ``weights_only=False`` or torch's
+    ``safe_globals``)."""
+    st = _st()
+    two = None
+    if wrapper_subclasses:
+        try:
+            from torch.testing._internal.two_tensor import TwoTensor as two
+        except ImportError:
+            two = None
+
+    @st.composite
+    def build(draw: Any) -> Dict[str, Any]:
+        # storages shared by several views, one dtype each (torch refuses
+        # one storage viewed as two dtypes)
+        bases = draw(st.lists(tensors(max_bytes=max_bytes), min_size=1, max_size=4))
+        bases = [b.detach().reshape(-1) if b.is_contiguous() else b.detach().contiguous().reshape(-1) for b in bases]
+
+        @st.composite
+        def tensor_leaf(draw2: Any) -> Any:
+            base = draw2(st.sampled_from(bases))
+            t = _view(draw2, st, base) if base.numel() and draw2(st.booleans()) else base
+            if two is not None and t.dtype.is_floating_point and draw2(st.integers(0, 4)) == 0:
+                # TwoTensor's halves share shape, strides and offset (0)
+                a = (
+                    t
+                    if t.is_contiguous() and t.storage_offset() == 0
+                    else t.clone(memory_format=torch.contiguous_format)
+                )
+                other = draw2(st.sampled_from([b for b in bases if b.dtype == t.dtype]))
+                if other.numel() >= t.numel():
+                    b = other[: t.numel()].reshape(t.shape).clone(memory_format=torch.contiguous_format)
+                    if a.stride() == b.stride():
+                        return two(a, b)
+            return t
+
+        leaf = st.one_of(tensor_leaf(), _leaves(st))
+        tree = st.recursive(
+            leaf,
+            lambda children: st.one_of(
+                st.dictionaries(st.text(max_size=6), children, max_size=4),
+                st.dictionaries(st.text(max_size=6), children, max_size=4).map(OrderedDict),
+                st.lists(children, max_size=4),
+                st.lists(children, max_size=4).map(tuple),
+            ),
+            max_leaves=max_leaves,
+        )
+        out: Dict[str, Any] = {"model": draw(st.dictionaries(st.text(max_size=8), tensor_leaf(), max_size=6))}
+        out["extra"] = draw(tree)
+        if optimizer and draw(st.booleans()):
+            out["optimizer"] = draw(optimizer_states())
+        return out
+
+    return build()

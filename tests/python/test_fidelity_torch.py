@@ -1,0 +1,425 @@
+"""Fidelity to torch.save / torch.load (issue 17, points 1-5): what torch
+writes and reads, fastpersist writes and reads, and where it refuses, it
+refuses as torch does. Each test is a regression test of a defect found on
+ca1316e (the issue's numbering in the names)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import textwrap
+import zipfile
+import zlib
+
+import fastpersist
+import pytest
+import torch
+from fastpersist.verify import verify_file
+from helpers import assert_same, bits, cli_exe, make
+
+
+def _two_tensor():
+    mod = pytest.importorskip("torch.testing._internal.two_tensor", reason="torch has no TwoTensor")
+    return mod.TwoTensor
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the error is what is compared
+        return e
+    raise AssertionError("no error")
+
+
+# 1. Wrapper tensor subclasses
+
+
+def test_17_1_two_tensor_is_written_as_torch_writes_it(tmp_path):
+    TwoTensor = _two_tensor()
+    a, b = make((3, 4), torch.float32, 1), make((3, 4), torch.float32, 2)
+    sd = {"c": make((5,), torch.int64, 3), "t": TwoTensor(a, b), "a": a}
+    p = tmp_path / "two.pt"
+    fastpersist.write_state_dict(sd, p)
+    for back in (torch.load(p, weights_only=False), fastpersist.read_state_dict(p, weights_only=False)):
+        assert type(back["t"]) is TwoTensor
+        assert bits(back["t"].a) == bits(a) and bits(back["t"].b) == bits(b)
+        assert bits(back["c"]) == bits(sd["c"])
+        # the inner tensor and the top-level one still share their storage
+        assert back["t"].a.untyped_storage().data_ptr() == back["a"].untyped_storage().data_ptr()
+    assert verify_file(p) == ("torch", len(zipfile.ZipFile(p).namelist()))
+
+
+def test_17_1_two_tensor_allowlisted_reads_with_weights_only(tmp_path):
+    TwoTensor = _two_tensor()
+    if not hasattr(torch.serialization, "safe_globals"):
+        pytest.skip("torch has no torch.serialization.safe_globals")
+    t = TwoTensor(torch.arange(4.0), torch.arange(4.0) * 2)
+    fastpersist.write_state_dict({"t": t}, tmp_path / "t.pt")
+    with torch.serialization.safe_globals([TwoTensor]):
+        got = fastpersist.read_state_dict(tmp_path / "t.pt")
+        ref = torch.load(tmp_path / "t.pt")
+    assert_same(got["t"].a, ref["t"].a)
+    assert_same(got["t"].b, ref["t"].b)
+
+
+_DTENSOR = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist, fastpersist
+    try:
+        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+        from torch.distributed.device_mesh import init_device_mesh
+    except ImportError as e:
+        print("SKIP", e); sys.exit(0)
+    if not dist.is_gloo_available():
+        print("SKIP no gloo"); sys.exit(0)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        d = distribute_tensor(torch.arange(24.0).reshape(4, 6), mesh, [Shard(0)])
+        path = sys.argv[1]
+        fastpersist.write_state_dict({"d": d, "step": 3}, path)
+        for back in (torch.load(path, weights_only=False), fastpersist.read_state_dict(path, weights_only=False)):
+            assert type(back["d"]) is DTensor, type(back["d"])
+            assert back["d"].placements == d.placements
+            assert torch.equal(back["d"].to_local(), d.to_local())
+        print("OK")
+    finally:
+        dist.destroy_process_group()
+    """
+)
+
+
+def test_17_1_dtensor_is_written_as_torch_writes_it(tmp_path):
+    pytest.importorskip("torch.distributed", reason="torch built without distributed")
+    out = subprocess.run(
+        [sys.executable, "-c", _DTENSOR, str(tmp_path / "d.pt")], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    if out.stdout.startswith("SKIP"):
+        pytest.skip(out.stdout.strip())
+    assert out.stdout.strip().endswith("OK"), out.stdout
+
+
+def test_17_1_zero_tensor_gets_torchs_error(tmp_path):
+    z = torch._efficientzerotensor((3,))
+    ref = _error(lambda: torch.save({"z": z}, tmp_path / "ref.pt"))
+    err = _error(lambda: fastpersist.write_state_dict({"ok": torch.ones(2), "z": z}, tmp_path / "z.pt"))
+    assert isinstance(err, fastpersist.SerializationError) and isinstance(err, type(ref))
+    assert str(ref) in str(err) and "['z']" in str(err)
+    assert not (tmp_path / "z.pt").exists()
+
+
+# 2. Files torch writes without CRCs
+
+
+@pytest.fixture
+def no_crc():
+    if not hasattr(torch.serialization, "set_crc32_options"):
+        pytest.skip("torch has no torch.serialization.set_crc32_options")
+    torch.serialization.set_crc32_options(False)
+    yield
+    torch.serialization.set_crc32_options(True)
+
+
+def test_17_2_torch_file_without_crcs_is_read(tmp_path, no_crc):
+    sd = {"w": make((64, 3), torch.float32), "i": make((5,), torch.int64)}
+    p = tmp_path / "nocrc.pt"
+    torch.save(sd, p)
+    assert {i.CRC for i in zipfile.ZipFile(p).infolist()} == {0}
+    stats: list = []
+    assert_same(fastpersist.read_state_dict(p, stats=stats), torch.load(p))
+    assert not stats[0].verified
+    assert set(stats[0].unchecked) == {
+        n for n in zipfile.ZipFile(p).namelist() if n.split("/", 1)[1] in ("data.pkl", "byteorder", "data/0", "data/1")
+    }
+    res = verify_file(p)
+    assert res.format == "torch" and res.records == 0
+    assert set(res.unchecked) == set(zipfile.ZipFile(p).namelist())
+    out = subprocess.run([cli_exe(), "verify", str(p)], capture_output=True, text=True)
+    assert out.returncode == 0 and "NOT CHECKED" in out.stdout, out.stdout + out.stderr
+
+
+def test_17_2_skip_data_file_is_read(tmp_path):
+    skip_data = getattr(torch.serialization, "skip_data", None)
+    if skip_data is None:
+        pytest.skip("torch has no torch.serialization.skip_data")
+    sd = {"w": make((16,), torch.float32), "b": make((3,), torch.bfloat16)}
+    p = tmp_path / "skip.pt"
+    with skip_data():
+        torch.save(sd, p)
+    stats: list = []
+    assert_same(fastpersist.read_state_dict(p, stats=stats), torch.load(p))
+    assert sorted(n.split("/", 1)[1] for n in stats[0].unchecked) == ["data/0", "data/1"]
+    res = verify_file(p)
+    assert sorted(n.split("/", 1)[1] for n in res.unchecked) == ["data/0", "data/1"]
+    assert res.records == len(zipfile.ZipFile(p).namelist()) - 2
+
+
+def test_17_2_write_record_metadata_records_are_read(tmp_path):
+    writer = getattr(torch._C, "PyTorchFileWriter", None)
+    if writer is None or not hasattr(writer, "write_record_metadata"):
+        pytest.skip("torch has no PyTorchFileWriter.write_record_metadata")
+    src = tmp_path / "src.pt"
+    torch.save({"a": torch.arange(5.0), "b": torch.ones(2, 3)}, src)
+    p = tmp_path / "meta.pt"
+    w = writer(str(p))
+    with zipfile.ZipFile(src) as z:
+        for info in z.infolist():
+            name = info.filename.split("/", 1)[1]
+            data = z.read(info)
+            if name.startswith("data/"):
+                w.write_record_metadata(name, len(data))  # header only, CRC 0
+            elif name != ".data/serialization_id":
+                w.write_record(name, data, len(data))
+    w.write_end_of_file()
+    stats: list = []
+    assert_same(fastpersist.read_state_dict(p, stats=stats), torch.load(p))
+    assert sorted(n.split("/", 1)[1] for n in stats[0].unchecked) == ["data/0", "data/1"]
+
+
+def _table() -> list:
+    t = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0xEDB88320 if c & 1 else c >> 1
+        t.append(c)
+    return t
+
+
+def _zero_crc_bytes(prefix: bytes) -> bytes:
+    """``prefix`` plus 4 bytes whose CRC32 is 0."""
+    table = _table()
+    top = {(v >> 24) & 0xFF: i for i, v in enumerate(table)}
+    want, idx = 0xFFFFFFFF, []
+    for _ in range(4):
+        i = top[want >> 24]
+        idx.append(i)
+        want = ((want ^ table[i]) << 8) & 0xFFFFFFFF
+    reg, out = zlib.crc32(prefix) ^ 0xFFFFFFFF, bytearray(prefix)
+    for i in reversed(idx):
+        out.append((reg ^ i) & 0xFF)
+        reg = (reg >> 8) ^ table[i]
+    assert zlib.crc32(bytes(out)) == 0
+    return bytes(out)
+
+
+def _zero_crc_state() -> dict:
+    raw = _zero_crc_bytes(bytes(range(1, 61)))
+    return {"z": torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch.float32).clone()}
+
+
+def test_17_2_a_true_crc_of_zero_in_fastpersists_file_is_checked(tmp_path):
+    p = tmp_path / "zero.pt"
+    fastpersist.write_state_dict(_zero_crc_state(), p)
+    rec = next(i for i in zipfile.ZipFile(p).infolist() if i.filename.endswith("data/0"))
+    assert rec.CRC == 0
+    stats: list = []
+    fastpersist.read_state_dict(p, stats=stats)
+    assert stats[0].verified and stats[0].unchecked == ()
+    assert verify_file(p).unchecked == ()
+    # one flipped bit in that record is caught: fastpersist's files are always checked
+    raw = bytearray(p.read_bytes())
+    nlen, xlen = struct.unpack_from("<HH", raw, rec.header_offset + 26)
+    raw[rec.header_offset + 30 + nlen + xlen + 3] ^= 0x01
+    p.write_bytes(bytes(raw))
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="data/0"):
+        fastpersist.read_state_dict(p)
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="data/0"):
+        verify_file(p)
+
+
+def test_17_2_zeroed_crc_fields_in_fastpersists_file_are_corruption(tmp_path):
+    p = tmp_path / "f.pt"
+    fastpersist.write_state_dict({"w": make((1000,), torch.float32)}, p)
+    infos = zipfile.ZipFile(p).infolist()
+    rec = next(i for i in infos if i.filename.endswith("data/0"))
+    raw = bytearray(p.read_bytes())
+    crc = rec.CRC.to_bytes(4, "little")
+    assert raw.count(crc) == 2  # data descriptor and central directory
+    p.write_bytes(bytes(raw).replace(crc, b"\0\0\0\0"))
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="fails its CRC32 check"):
+        fastpersist.read_state_dict(p)
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="fails its CRC32 check"):
+        verify_file(p)
+
+
+# 3. Legacy files, TorchScript archives
+
+
+def _legacy(path, obj, **kw) -> None:
+    torch.save(obj, path, _use_new_zipfile_serialization=False, **kw)
+
+
+def test_17_3_legacy_file_is_read(tmp_path):
+    base = make((10,), torch.float32)
+    sd = {"base": base, "view": base[2:7], "i": make((2, 3), torch.int16), "n": 7}
+    p = tmp_path / "legacy.pt"
+    _legacy(p, sd)
+    assert fastpersist.detect_format(p) == "torch-legacy"
+    stats: list = []
+    got = fastpersist.read_state_dict(p, stats=stats)
+    assert_same(got, torch.load(p))
+    assert got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+    assert stats[0].format == "torch-legacy" and not stats[0].verified
+    assert verify_file(p) == ("torch-legacy", 2)
+
+
+def test_17_3_legacy_file_any_pickle_protocol(tmp_path):
+    p = tmp_path / "legacy4.pt"
+    _legacy(p, {"a": torch.arange(6.0)}, pickle_protocol=4)
+    assert_same(fastpersist.read_state_dict(p, weights_only=False), torch.load(p, weights_only=False))
+
+
+def test_17_3_legacy_file_keeps_weights_only_rules(tmp_path):
+    import datetime
+
+    p = tmp_path / "obj.pt"
+    _legacy(p, {"when": datetime.date(2024, 1, 2)})
+    ref = _error(lambda: torch.load(p))
+    err = _error(lambda: fastpersist.read_state_dict(p))
+    assert type(err) is type(ref) and str(err) == str(ref)
+    assert fastpersist.read_state_dict(p, weights_only=False)["when"].year == 2024
+
+
+def test_17_3_damaged_legacy_file(tmp_path):
+    p = tmp_path / "legacy.pt"
+    _legacy(p, {"a": torch.arange(100.0)})
+    raw = p.read_bytes()
+    p.write_bytes(raw[:-7])
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="storages end|truncated"):
+        verify_file(p)
+    p.write_bytes(raw + b"junk")
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="storages end"):
+        verify_file(p)
+
+
+def test_17_3_torchscript_archive_is_named(tmp_path):
+    import warnings
+
+    p = tmp_path / "ts.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(p))
+    for fn in (lambda: fastpersist.read_state_dict(p), lambda: verify_file(p)):
+        err = _error(fn)
+        assert isinstance(err, fastpersist.UnsupportedFormatError), err
+        assert isinstance(err, RuntimeError)  # what torch.load(weights_only=True) raises
+        assert "TorchScript" in str(err) and "torch.jit.load" in str(err)
+    out = subprocess.run([cli_exe(), "verify", str(p)], capture_output=True, text=True)
+    assert out.returncode != 0 and "TorchScript" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_17_3_other_files_are_still_refused(tmp_path):
+    p = tmp_path / "x.pt"
+    p.write_bytes(pickle.dumps({"a": 1}, protocol=2))  # a pickle, not torch's
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="neither"):
+        fastpersist.read_state_dict(p)
+
+
+# 4. weights_only refusals read as torch's
+
+
+class Custom:
+    def __init__(self) -> None:
+        self.x = 1
+
+
+@pytest.mark.parametrize("kind", ["class", "two_tensor"])
+def test_17_4_weights_only_refusal_is_torchs(tmp_path, kind):
+    obj = {"c": Custom()} if kind == "class" else {"t": _two_tensor()(torch.ones(2), torch.zeros(2))}
+    p = tmp_path / "x.pt"
+    fastpersist.write_state_dict(obj, p)
+    ref = _error(lambda: torch.load(p, weights_only=True))
+    err = _error(lambda: fastpersist.read_state_dict(p, weights_only=True))
+    assert type(err) is type(ref) is pickle.UnpicklingError
+    assert str(err) == str(ref)
+    assert str(err).startswith("Weights only load failed")
+
+
+def test_17_4_fallback_message_when_torch_changes(monkeypatch, tmp_path):
+    from fastpersist import pickling
+
+    p = tmp_path / "x.pt"
+    fastpersist.write_state_dict({"c": Custom()}, p)
+    ref = _error(lambda: torch.load(p, weights_only=True))
+    monkeypatch.setattr(pickling, "_wo_message", None)
+    err = _error(lambda: fastpersist.read_state_dict(p, weights_only=True))
+    assert isinstance(err, pickle.UnpicklingError)
+    assert str(err).startswith("Weights only load failed")
+    assert "Custom" in str(err) and "weights_only" in str(err)
+    unsafe = getattr(torch.serialization, "UNSAFE_MESSAGE", "")
+    assert unsafe in str(err) and unsafe in str(ref)
+
+
+# 5. Exception classes; meta tensors
+
+_LAMBDA = lambda: 1  # noqa: E731 - a module-level lambda: pickle's PicklingError
+
+
+def test_17_5_two_dtypes_over_one_storage_is_a_runtime_error(tmp_path):
+    a = torch.arange(8, dtype=torch.float32)
+    obj = [a, a.view(torch.int32)]
+    ref = _error(lambda: torch.save(obj, tmp_path / "ref.pt"))
+    with pytest.raises(RuntimeError, match=str(ref)) as info:
+        fastpersist.write_state_dict(obj, tmp_path / "x.pt")
+    assert isinstance(info.value, fastpersist.SerializationError)
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_17_5_meta_tensors_are_saved_as_torch_saves_them(tmp_path):
+    sd = {"m": torch.empty(3, 4, device="meta", dtype=torch.bfloat16), "x": make((4,), torch.float32)}
+    p = tmp_path / "m.pt"
+    fastpersist.write_state_dict(sd, p)
+    torch.save(sd, tmp_path / "ref.pt")
+    names = sorted(n.split("/", 1)[1] for n in zipfile.ZipFile(p).namelist() if "/data/" in n)
+    assert names == sorted(n.split("/", 1)[1] for n in zipfile.ZipFile(tmp_path / "ref.pt").namelist() if "/data/" in n)
+    for back in (torch.load(p), fastpersist.read_state_dict(p)):
+        assert back["m"].device.type == "meta" and back["m"].shape == (3, 4) and back["m"].dtype == torch.bfloat16
+        assert bits(back["x"]) == bits(sd["x"])
+
+
+def test_17_5_meta_storage_is_refused_as_torch_refuses_it(tmp_path):
+    st = torch.empty(3, device="meta").untyped_storage()
+    ref = _error(lambda: torch.save({"s": st}, tmp_path / "ref.pt"))
+    err = _error(lambda: fastpersist.write_state_dict({"s": st}, tmp_path / "x.pt"))
+    assert isinstance(err, type(ref)) and isinstance(err, fastpersist.SerializationError)
+    assert "['s']" in str(err)
+
+
+@pytest.mark.parametrize("what", ["local", "lock", "lambda"])
+def test_17_5_unpicklable_object_is_what_torch_raises(tmp_path, what):
+    import threading
+
+    obj = {"f": {"local": lambda: 1, "lock": threading.Lock(), "lambda": _LAMBDA}[what]}
+    ref = _error(lambda: torch.save(obj, tmp_path / "ref.pt"))
+    err = _error(lambda: fastpersist.write_state_dict(obj, tmp_path / "x.pt"))
+    assert isinstance(err, type(ref)), (type(err).__mro__, type(ref))
+
+
+def test_17_5_exception_classes_are_catchable_as_torch_and_safetensors_errors():
+    for base in (TypeError, ValueError, RuntimeError, pickle.PicklingError):
+        assert issubclass(fastpersist.SerializationError, base)
+    assert issubclass(fastpersist.CorruptCheckpointError, (ValueError)) and issubclass(
+        fastpersist.CorruptCheckpointError, RuntimeError
+    )
+    assert issubclass(fastpersist.UnsupportedFormatError, RuntimeError)
+    assert not issubclass(fastpersist.UnsupportedFormatError, fastpersist.CorruptCheckpointError)
+    from fastpersist.errors import NoDataError
+
+    assert issubclass(NoDataError, NotImplementedError) and issubclass(NoDataError, fastpersist.SerializationError)
+    # pickled and unpickled (an error sent between processes)
+    e = pickle.loads(pickle.dumps(fastpersist.SerializationError("x")))
+    assert type(e) is fastpersist.SerializationError and str(e) == "x"
+
+
+def test_17_5_safetensors_refusals_are_value_and_runtime_errors(tmp_path):
+    for obj in ({"a": 1}, {1: torch.ones(1)}):
+        err = _error(
+            lambda obj=obj: fastpersist.write_state_dict(obj, tmp_path / "x.safetensors", format="safetensors")
+        )
+        assert isinstance(err, ValueError) or isinstance(err, RuntimeError), err
+    assert not os.path.exists(tmp_path / "x.safetensors")

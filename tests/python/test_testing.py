@@ -1,0 +1,101 @@
+"""fastpersist.testing: its strategies drive a property test of fastpersist
+itself (write, then read with read_state_dict and torch.load, exactly), and
+its comparison catches what it promises to catch."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from fastpersist.testing import (
+    assert_roundtrip,
+    assert_same_state,
+    optimizer_states,
+    saveable_dtypes,
+    state_dicts,
+    tensors,
+)
+from hypothesis import HealthCheck, given, settings
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _nondeterministic():
+    """torch cannot make or load tensors of some experimental dtypes
+    (bits16, bcomplex32) with deterministic algorithms on, and an earlier
+    test (Lightning's ``deterministic=True``) may have left them on."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    yield
+    torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+_FAST = {"durable": False}  # no fsync: these files are thrown away
+_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@given(state_dicts())
+@_SETTINGS
+def test_state_dicts_roundtrip(sd):
+    with tempfile.TemporaryDirectory() as d:
+        assert_roundtrip(sd, f"{d}/ck.pt", write_kwargs=_FAST)
+
+
+@given(state_dicts(wrapper_subclasses=True, optimizer=False))
+@_SETTINGS
+def test_state_dicts_with_wrapper_subclasses_roundtrip(sd):
+    with tempfile.TemporaryDirectory() as d:
+        assert_roundtrip(sd, f"{d}/ck.pt", write_kwargs=_FAST, weights_only=False)
+
+
+@given(tensors())
+@_SETTINGS
+def test_single_tensors_roundtrip(t):
+    with tempfile.TemporaryDirectory() as d:
+        assert_roundtrip({"t": t, "again": t}, f"{d}/t.pt", write_kwargs=_FAST)
+
+
+@given(optimizer_states())
+@_SETTINGS
+def test_optimizer_states_roundtrip(state):
+    with tempfile.TemporaryDirectory() as d:
+        assert_roundtrip(state, f"{d}/o.pt", write_kwargs=_FAST, verify=True)
+
+
+def test_saveable_dtypes_cover_torchs():
+    names = {str(d) for d in saveable_dtypes()}
+    for n in ("float32", "bfloat16", "complex64", "bool", "uint8", "int64"):
+        assert f"torch.{n}" in names
+    for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
+        if hasattr(torch, n):
+            assert f"torch.{n}" in names
+
+
+def test_comparison_sees_nan_payloads():
+    a = torch.tensor([float("nan")], dtype=torch.float32)
+    b = a.view(torch.int32).add(1).view(torch.float32)  # another NaN
+    assert torch.isnan(b).all()
+    with pytest.raises(AssertionError, match="storage bytes differ"):
+        assert_same_state({"x": a}, {"x": b})
+
+
+def test_comparison_sees_sharing_strides_and_types():
+    base = torch.arange(6.0)
+    with pytest.raises(AssertionError, match="sharing"):
+        assert_same_state([base, base[1:]], [base.clone(), base.clone()[1:]])
+    with pytest.raises(AssertionError, match="stride"):
+        assert_same_state(base.reshape(2, 3).t(), base.reshape(2, 3).t().contiguous())
+    with pytest.raises(AssertionError, match=r"\['a'\]: type"):
+        assert_same_state({"a": (1,)}, {"a": [1]})
+    with pytest.raises(AssertionError, match="bits"):
+        assert_same_state(float("nan"), -float("nan"))
+    assert_same_state({"a": [base, base[2:]]}, {"a": [base, base[2:]]})
+
+
+def test_roundtrip_reports_which_reader_differs(tmp_path, monkeypatch):
+    import fastpersist.testing as testing
+
+    real = testing.read_state_dict
+    monkeypatch.setattr(testing, "read_state_dict", lambda p, **kw: {"w": real(p, **kw)["w"] + 1})
+    with pytest.raises(AssertionError, match=r"read_state_dict.*\['w'\]"):
+        assert_roundtrip({"w": torch.zeros(3)}, tmp_path / "x.pt")
