@@ -208,3 +208,53 @@ def test_bad_options_fail_at_construction():
         FastPersistCheckpointIO(mode="later")
     with pytest.raises(ValueError):
         FastPersistCheckpointIO(block_size=0)
+
+
+def test_from_a_lightning_cli_config(tmp_path):
+    """The plugin named in a LightningCLI YAML config (class_path and
+    init_args) is the Trainer's CheckpointIO, and the checkpoints of a fit
+    are fastpersist's (an aligned zip with its alignment record)."""
+    pytest.importorskip(
+        "jsonargparse", reason="LightningCLI needs jsonargparse (pip install 'lightning[pytorch-extra]')"
+    )
+    import zipfile
+
+    from lightning.pytorch.cli import LightningCLI
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        f"""
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_epochs: 1
+  logger: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  default_root_dir: {tmp_path}
+  plugins:
+    - class_path: fastpersist.integrations.lightning.FastPersistCheckpointIO
+      init_args:
+        mode: pipelined
+        block_size: 262144
+"""
+    )
+    cli = LightningCLI(Tiny, run=False, args=["--config", str(cfg)], save_config_callback=None)
+    io = cli.trainer.strategy.checkpoint_io
+    assert isinstance(io, FastPersistCheckpointIO)
+    assert io.saves.mode == "pipelined" and io.saves.options["block_size"] == 262144
+    cli.trainer.fit(cli.model)
+    io.wait()
+    saved = [p for p in ckpts(os.path.join(tmp_path, "checkpoints")) if _verifies(p)]
+    if not saved:  # Lightning's default ModelCheckpoint folder
+        saved = [
+            os.path.join(r, f)
+            for r, _, fs in os.walk(tmp_path)
+            for f in fs
+            if f.endswith(".ckpt") and _verifies(os.path.join(r, f))
+        ]
+    assert saved, "no checkpoint written"
+    with zipfile.ZipFile(saved[0]) as z:
+        assert any(n.endswith(".storage_alignment") for n in z.namelist())
+    state = FastPersistCheckpointIO().load_checkpoint(saved[0])
+    assert state["epoch"] == 0 and "state_dict" in state

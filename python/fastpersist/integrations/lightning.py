@@ -96,9 +96,11 @@ class _FastPersistIO:
         direct: Optional[bool] = None,
         io_uring: Optional[bool] = None,
         durable: bool = True,
+        gather_threads: Optional[int] = None,
     ) -> None:
         super().__init__()
         engine: Dict[str, Any] = {
+            "gather_threads": gather_threads,
             "block_size": block_size,
             "arena_bytes": arena_bytes,
             "queue_depth": queue_depth,
