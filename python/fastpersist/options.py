@@ -46,6 +46,7 @@ __all__ = [
     "resolve_target",
     "is_special_file",
     "note_pending",
+    "has_pending",
     "wait_for_earlier",
     "env_int",
     "env_flag",
@@ -331,6 +332,18 @@ def note_pending(path: str, fut: Any) -> None:
                 _pending_by_path.pop(path, None)
 
     fut.add_done_callback(done)
+
+
+def has_pending(path: Any) -> bool:
+    """Whether a background save to ``path`` (resolved as saves resolve it)
+    has been called and has not finished: the file may not exist yet, but
+    it will."""
+    try:
+        p = resolve_target(path)
+    except (OSError, TypeError, ValueError):
+        return False
+    with _order_lock:
+        return bool(_pending_by_path.get(p))
 
 
 def wait_for_earlier(path: str, fut: Any = None) -> None:

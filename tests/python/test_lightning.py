@@ -258,3 +258,34 @@ trainer:
         assert any(n.endswith(".storage_alignment") for n in z.namelist())
     state = FastPersistCheckpointIO().load_checkpoint(saved[0])
     assert state["epoch"] == 0 and "state_dict" in state
+
+
+def test_checkpoints_with_one_name_get_versions_as_with_synchronous_saves(tmp_path):
+    """ModelCheckpoint names a second checkpoint of the same formatted name
+    ``-v1`` because the first file exists; with a save still in flight the
+    file does not exist yet. The adapter makes pending saves count, so no
+    checkpoint replaces another: the same files as Lightning's own IO."""
+    got = {}
+    for name, io in (("torch", None), ("fastpersist", FastPersistCheckpointIO(mode="pipelined"))):
+        d = tmp_path / name
+        cb = pl.callbacks.ModelCheckpoint(
+            dirpath=d, filename="fixed", every_n_train_steps=1, save_top_k=3, monitor="step", mode="max"
+        )
+        t = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            plugins=[io] if io is not None else None,
+            callbacks=[cb],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=d,
+            max_epochs=1,
+        )
+        t.fit(Tiny())
+        if io is not None:
+            io.wait()
+        got[name] = sorted(os.listdir(d))
+        assert len(cb.best_k_models) == 3
+        assert all(_verifies(p) for p in cb.best_k_models)
+    assert got["fastpersist"] == got["torch"] == ["fixed-v1.ckpt", "fixed-v2.ckpt", "fixed.ckpt"]

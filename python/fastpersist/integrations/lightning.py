@@ -27,6 +27,9 @@ One class serves both import trees: it is a ``CheckpointIO`` of
   (if it has finished by then), ``remove_checkpoint``,
   ``load_checkpoint``, :meth:`FastPersistCheckpointIO.wait` and
   ``teardown`` (end of ``fit``), which waits for everything.
+* A checkpoint still being saved counts as existing for ``ModelCheckpoint``
+  (it then names the next one ``-v1``, as with a synchronous save, rather
+  than replacing it): the adapter wraps ``ModelCheckpoint.file_exists``.
 * ``load_checkpoint`` reads with :func:`fastpersist.read_state_dict`
   (checksums verified), honouring ``map_location`` (default: CPU, as
   Lightning's ``TorchCheckpointIO``) and ``weights_only`` (``None``: torch's
@@ -43,6 +46,7 @@ import os
 import shutil
 from typing import Any, Dict, Optional, Tuple
 
+from ..options import has_pending
 from ..reader import read_state_dict
 from ..writer import write_state_dict
 from .common import BackgroundSaves, IntegrationError
@@ -163,9 +167,43 @@ class _FastPersistIO:
         self.saves.wait()
 
 
+def _see_pending_saves() -> None:
+    """Make ``ModelCheckpoint`` (both trees) see a checkpoint whose save is
+    still in flight as existing, as it sees a synchronously written one.
+    Otherwise two checkpoints that format to the same name (``filename``
+    without ``{step}``) would both be called ``name.ckpt`` instead of
+    ``name.ckpt`` and ``name-v1.ckpt``, and the second would replace the
+    first. The original check runs as before; a second broadcast of rank
+    0's answer about pending saves is added on every rank, so ranks agree."""
+    import importlib
+
+    for modname in ("lightning.pytorch.callbacks.model_checkpoint", "pytorch_lightning.callbacks.model_checkpoint"):
+        try:
+            cls = importlib.import_module(modname).ModelCheckpoint
+        except (ImportError, AttributeError):
+            continue
+        orig = cls.__dict__.get("file_exists")
+        if orig is None or getattr(orig, "_fastpersist", False):
+            continue
+
+        def file_exists(self: Any, filepath: Any, trainer: Any, _orig: Any = orig) -> bool:
+            exists = _orig(self, filepath, trainer)
+            io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+            if not isinstance(io, _FastPersistIO):
+                return exists
+            pending = trainer.strategy.broadcast(has_pending(os.fspath(filepath)))
+            return bool(exists or pending)
+
+        file_exists._fastpersist = True  # type: ignore[attr-defined]
+        cls.file_exists = file_exists
+
+
 class FastPersistCheckpointIO(_FastPersistIO, *_bases()):
     """A Lightning ``CheckpointIO`` that writes through fastpersist (see the
     module doc). ``mode``: ``"snapshot"`` (default) or ``"pipelined"``;
     ``async_save=False`` saves synchronously; ``max_pending`` bounds
     checkpoints between call and commit (and so snapshot memory); the rest
     are engine options of :func:`fastpersist.write_state_dict`."""
+
+
+_see_pending_saves()
