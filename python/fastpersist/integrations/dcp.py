@@ -694,6 +694,21 @@ class _Pending(NamedTuple):
     direct: bool  # read straight into the destination
 
 
+class _Unreadable:
+    """Metadata that could not be read, standing in where DCP's loader does
+    not let read_metadata's error through: any use raises that error (DCP
+    then reports it, message included, in its CheckpointException)."""
+
+    def __init__(self, err: BaseException) -> None:
+        object.__setattr__(self, "_err", err)
+
+    def __getattr__(self, name: str) -> Any:
+        raise object.__getattribute__(self, "_err")
+
+    def __bool__(self) -> bool:
+        return True
+
+
 class FastPersistReader(StorageReader):
     """A DCP ``StorageReader`` that reads with fastpersist's engine and, with
     ``verify`` (the default), checks each item's CRC32 against the sidecar
@@ -728,10 +743,26 @@ class FastPersistReader(StorageReader):
             raise _not_a_directory(self.path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        self._check_dir()
         rank = kwargs.get("rank")
         name = METADATA if rank is None else f"__{rank}{METADATA}"
         path = os.path.join(self.path, name)
+        bad = getattr(self, "_unreadable", None)
+        try:
+            self._check_dir()
+            md = self._load_metadata(path, name)
+        except Exception as e:
+            if rank is None:
+                self._unreadable = e
+            elif bad is not None:
+                # torch >= 2.11 swallows read_metadata's error, asks for
+                # rank-local metadata, then reports only "metadata is None":
+                # hand it a stand-in that raises the first error when used.
+                return _Unreadable(bad)  # type: ignore[return-value]
+            raise
+        self._unreadable = None
+        return md
+
+    def _load_metadata(self, path: str, name: str) -> Metadata:
         try:
             with open(path, "rb") as f:
                 md = pickle.load(f)
