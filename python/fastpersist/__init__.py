@@ -18,6 +18,8 @@ from .errors import (
     FastPersistError,
     SerializationError,
     StorageChangedError,
+    TensorChangedError,
+    TensorChangedWarning,
     WriteError,
 )
 from .options import WriteStats, release_engines
@@ -46,6 +48,8 @@ __all__ = [
     "WriteError",
     "SerializationError",
     "StorageChangedError",
+    "TensorChangedError",
+    "TensorChangedWarning",
     "FastPersistError",
     "FallbackWarning",
     "release_engines",

@@ -43,6 +43,7 @@ from .collectives import checkpoint_group
 from .cuda_staging import ReadyEvents, active_devices, record_ready, side_streams
 from .errors import drop_frames
 from .options import EngineOptions, PathLike, WriteStats, env_int, note_pending, resolve_target, wait_for_earlier
+from .pickling import TensorVersions
 from .plan import MemoryGuard, Plan, Region
 from .safetensors_format import plan_safetensors
 from .torch_zip import plan_torch_save
@@ -370,7 +371,7 @@ class AsyncSaver:
         planner = _planner(format, metadata)
 
         def run() -> None:
-            plan = planner(obj)
+            plan = planner(obj, None)
             pin = bool(plan.device) and torch.cuda.is_available()
             self.pool.reserve(plan.storage_bytes, pin=pin)
 
@@ -384,6 +385,7 @@ class AsyncSaver:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         group = options.pop("group", None)
+        on_change = options.pop("on_change", "error")
         sharded = options.pop("sharded", False)
         fmt = options.pop("format", "torch")
         metadata = options.pop("metadata", None)
@@ -402,8 +404,11 @@ class AsyncSaver:
             prev._snapshot.wait()  # its errors surface from its own future
         self._slots.acquire()
         # On the caller's thread, now: device copies made later in the
-        # background are ordered after the work queued on its streams so far.
+        # background are ordered after the work queued on its streams so far,
+        # and the tensors' version counters are taken (an in-place update
+        # issued before the save has gathered a tensor fails the save).
         try:
+            versions = TensorVersions(obj, on_change)
             ready = record_ready(active_devices(obj))
         except BaseException:
             self._slots.release()
@@ -418,11 +423,11 @@ class AsyncSaver:
             self._write.submit(self._distributed, obj, p, opts, fut, group, sharded, ready)
         elif mode == "snapshot":
             planner = _planner(fmt, metadata)
-            self._snap.submit(self._snapshot_then_write, obj, p, opts, fut, ready, planner)
+            self._snap.submit(self._snapshot_then_write, obj, p, opts, fut, ready, planner, versions)
         elif fmt == "safetensors":
-            self._write.submit(self._pipelined_safetensors, obj, p, opts, fut, metadata)
+            self._write.submit(self._pipelined_safetensors, obj, p, opts, fut, metadata, versions)
         else:
-            self._write.submit(self._pipelined, obj, p, opts, fut, ready)
+            self._write.submit(self._pipelined, obj, p, opts, fut, ready, versions)
         return fut
 
     def _finished(self, fut: CheckpointFuture) -> None:
@@ -431,12 +436,20 @@ class AsyncSaver:
                 self._inflight.remove(fut)
         self._slots.release()
 
-    def _pipelined(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture, ready: ReadyEvents) -> None:
+    def _pipelined(
+        self,
+        obj: Any,
+        path: str,
+        opts: EngineOptions,
+        fut: CheckpointFuture,
+        ready: ReadyEvents,
+        versions: TensorVersions,
+    ) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         try:
             wait_for_earlier(path, fut)
-            stats = write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot, ready=ready)
+            stats = write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot, ready=ready, versions=versions)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             obj = None  # this frame stays in the traceback
             fut._fail(e)
@@ -444,15 +457,21 @@ class AsyncSaver:
         fut._succeed(stats)
 
     def _pipelined_safetensors(
-        self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture, metadata: Any
+        self,
+        obj: Any,
+        path: str,
+        opts: EngineOptions,
+        fut: CheckpointFuture,
+        metadata: Any,
+        versions: TensorVersions,
     ) -> None:
         # The tensors are written from where they are; the snapshot phase
-        # ends with the write.
+        # ends once they are all gathered.
         if not fut.set_running_or_notify_cancel():
             return
         try:
             wait_for_earlier(path, fut)
-            stats = write_safetensors(obj, path, opts, metadata)
+            stats = write_safetensors(obj, path, opts, metadata, versions, fut._mark_snapshot)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             fut._fail(e)
             return
@@ -489,7 +508,8 @@ class AsyncSaver:
         opts: EngineOptions,
         fut: CheckpointFuture,
         ready: ReadyEvents,
-        planner: Callable[[Any], Plan],
+        planner: Callable[[Any, TensorVersions], Plan],
+        versions: TensorVersions,
     ) -> None:
         if not fut.set_running_or_notify_cancel():
             return
@@ -499,7 +519,7 @@ class AsyncSaver:
             t0 = time.perf_counter()
             # Device storages stay where they are in the plan (plan.device):
             # they are copied once, straight into the (pinned) pool.
-            plan = planner(obj)
+            plan = planner(obj, versions)
             pin = bool(plan.device) and torch.cuda.is_available()
             buf = self.pool.acquire(plan.storage_bytes, pin=pin)
             # Copy every storage into the pool and point the plan there. A
@@ -519,6 +539,9 @@ class AsyncSaver:
                 moved.append(base + off)
                 off += n
             streams.synchronize()
+            # Every copy is complete: a tensor changed in place since the
+            # call may have been copied half old, half new.
+            versions.check(obj)
             # The copies are ours from here on; the caller's storages may change.
             plan.guard.check()
             plan.guard = MemoryGuard()
@@ -584,12 +607,13 @@ class AsyncSaver:
         self._write.stop()
 
 
-def _planner(fmt: str, metadata: Any) -> Callable[[Any], Plan]:
+def _planner(fmt: str, metadata: Any) -> Callable[[Any, Optional[TensorVersions]], Plan]:
     """The whole-file layout of a snapshot save. Torch: device storages stay
-    where they are in the plan (``plan.device``), to be copied once."""
+    where they are in the plan (``plan.device``), to be copied once; tensors
+    the pickler finds are added to ``versions``."""
     if fmt == "safetensors":
-        return lambda obj: plan_safetensors(obj, metadata)
-    return lambda obj: plan_torch_save(obj, stage=lambda st: st.device.type == "cuda")
+        return lambda obj, versions: plan_safetensors(obj, metadata)
+    return lambda obj, versions: plan_torch_save(obj, stage=lambda st: st.device.type == "cuda", versions=versions)
 
 
 _default: Optional[AsyncSaver] = None
