@@ -40,7 +40,7 @@ import torch
 
 from . import _core
 from .collectives import checkpoint_group
-from .cuda_staging import ReadyEvents, active_devices, record_ready, side_streams
+from .cuda_staging import ReadyEvents, active_devices, copy_stream, home_device, record_ready, side_streams, use_device
 from .errors import drop_frames
 from .options import EngineOptions, PathLike, WriteStats, env_int, note_pending, resolve_target, wait_for_earlier
 from .pickling import TensorVersions
@@ -218,7 +218,8 @@ def _kept_bytes(kept: Any) -> Any:
 
 class _CopyStreams:
     """Snapshot copies: host storages with a plain copy; device storages
-    with non-blocking copies on a stream of their own per device, ordered
+    with non-blocking copies on the process's copy stream of their device
+    (:func:`~fastpersist.cuda_staging.copy_stream`), ordered
     after the caller's stream at the call (``ready``), never on the
     background thread's default stream (which would queue behind, and hold
     up, the caller's next kernels)."""
@@ -239,21 +240,34 @@ class _CopyStreams:
             dst.copy_(src)
             return
         key = str(storage.device)
-        stream = self.streams.get(key)
-        if stream is None:
-            stream = self.streams[key] = torch.cuda.Stream(device=storage.device)
-            ev = self.ready.get(key)
-            if ev is None:  # a storage found only by the pickler
-                ev = record_ready([storage.device])[key]
-            stream.wait_event(ev)
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=dst.is_pinned())
+        with torch.cuda.device(storage.device):
+            stream = self.streams.get(key)
+            if stream is None:
+                stream = self.streams[key] = copy_stream(storage.device)
+                ev = self.ready.get(key)
+                if ev is None:  # a storage found only by the pickler
+                    ev = record_ready([storage.device])[key]
+                stream.wait_event(ev)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=dst.is_pinned())
 
     def synchronize(self) -> None:
         for stream in self.streams.values():
-            ev = torch.cuda.Event(blocking=True)  # sleep, don't spin
-            ev.record(stream)
+            with torch.cuda.device(stream.device):
+                ev = torch.cuda.Event(blocking=True)  # sleep, don't spin
+                ev.record(stream)
             ev.synchronize()
+
+
+def _on(device: Any, fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` run on a background thread with ``device`` (the caller's, at
+    the call) as that thread's current CUDA device."""
+
+    def run(*args: Any) -> None:
+        use_device(device)
+        fn(*args)
+
+    return run
 
 
 class _Worker:
@@ -409,7 +423,11 @@ class AsyncSaver:
         # issued before the save has gathered a tensor fails the save).
         try:
             versions = TensorVersions(obj, on_change)
-            ready = record_ready(active_devices(obj))
+            devices = active_devices(obj)
+            ready = record_ready(devices)
+            # The background threads work under the caller's device (one
+            # with a context), never device 0 by default.
+            home = home_device(devices)
         except BaseException:
             self._slots.release()
             raise
@@ -420,14 +438,14 @@ class AsyncSaver:
             self._last = fut
             self._inflight.append(fut)
         if group is not None:
-            self._write.submit(self._distributed, obj, p, opts, fut, group, sharded, ready)
+            self._write.submit(_on(home, self._distributed), obj, p, opts, fut, group, sharded, ready)
         elif mode == "snapshot":
             planner = _planner(fmt, metadata)
-            self._snap.submit(self._snapshot_then_write, obj, p, opts, fut, ready, planner, versions)
+            self._snap.submit(_on(home, self._snapshot_then_write), obj, p, opts, fut, ready, planner, versions)
         elif fmt == "safetensors":
-            self._write.submit(self._pipelined_safetensors, obj, p, opts, fut, metadata, versions)
+            self._write.submit(_on(home, self._pipelined_safetensors), obj, p, opts, fut, metadata, versions)
         else:
-            self._write.submit(self._pipelined, obj, p, opts, fut, ready, versions)
+            self._write.submit(_on(home, self._pipelined), obj, p, opts, fut, ready, versions)
         return fut
 
     def _finished(self, fut: CheckpointFuture) -> None:

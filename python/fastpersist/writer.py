@@ -58,6 +58,8 @@ def _head_writer(session: Any, head: Any, ctx: Optional[DeviceContext], guard: M
 
     def write_head() -> None:
         try:
+            if ctx is not None:
+                ctx.use()  # a fresh thread: on the call's device, never device 0 by default
             send(session, head, ctx, guard=guard)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             failure.append(e)
@@ -119,7 +121,8 @@ def write_torch_zip(
                 finally:
                     join()
                 if tail.device and ctx is None:
-                    ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)
+                    devices = sorted({r.storage.device for r in tail.device}, key=str)
+                    ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)
                 raw = send(session, tail, ctx, layout.file_len, gathered, layout.guard)
             except BaseException:
                 session.abort()

@@ -248,3 +248,80 @@ def test_tiny_staged_storages_with_large_blocks_are_not_overwritten(tmp_path, mo
     assert st.block >= 16 << 10 or not st.direct
     fastpersist.verify.verify_file(p)  # the CRCs match the bytes either way...
     assert_same(sd, torch.load(p))  # ...and these are the values given
+
+
+# --- Registration device and unregistration (16.1, 16.7), on a fake CUDA ----
+
+
+class FakeCuda:
+    """Stands for torch.cuda's device switching and cudart: records the
+    (thread's) current device of each host (un)registration."""
+
+    def __init__(self, unregister_rc=0):
+        self.local = threading.local()
+        self.calls = []
+        self.unregister_rc = unregister_rc
+
+    def current(self):
+        return getattr(self.local, "dev", 0)
+
+    @contextlib.contextmanager
+    def device(self, d):
+        prev = self.current()
+        self.local.dev = torch.device(d).index
+        try:
+            yield
+        finally:
+            self.local.dev = prev
+
+    def cudart(self):
+        fake = self
+
+        class Rt:
+            def cudaHostRegister(self, ptr, n, flags):
+                fake.calls.append(("register", fake.current(), flags))
+                return 0
+
+            def cudaHostUnregister(self, ptr):
+                fake.calls.append(("unregister", fake.current()))
+                return fake.unregister_rc
+
+        return Rt()
+
+
+@pytest.mark.parametrize("rc", [0, 1])
+def test_staging_is_unregistered_on_its_device_from_any_thread(monkeypatch, caplog, rc):
+    from fastpersist import cuda_staging
+
+    fake = FakeCuda(unregister_rc=rc)
+    monkeypatch.setattr(torch.cuda, "device", fake.device)
+    monkeypatch.setattr(torch.cuda, "cudart", fake.cudart)
+    leaked = len(cuda_staging._leaked)
+    st = cuda_staging.Staging(4096, register_cuda=True, device=torch.device("cuda", 1))
+    buf = st._buf
+    t = threading.Thread(target=st.close)  # e.g. the garbage collector on another thread
+    t.start()
+    t.join()
+    # Registered portable (every context sees it pinned) under cuda:1, the
+    # device of the call, and unregistered under it too.
+    assert fake.calls == [("register", 1, 1), ("unregister", 1)]
+    if rc:
+        # Refused: the mapping is kept rather than unmapped while CUDA may
+        # still treat it as pinned, and it is said.
+        assert cuda_staging._leaked[-1] is buf and len(cuda_staging._leaked) == leaked + 1
+        assert "cudaHostUnregister" in caplog.text
+        cuda_staging._leaked.pop()
+    else:
+        assert len(cuda_staging._leaked) == leaked
+
+
+def test_background_jobs_run_on_the_callers_device(monkeypatch):
+    from fastpersist import async_save
+
+    seen = []
+    monkeypatch.setattr(async_save, "use_device", lambda d: seen.append(("use", d)))
+    job = async_save._on(torch.device("cuda", 3), lambda x: seen.append(("job", x)))
+    w = async_save._Worker("t", 0)
+    w.submit(job, 5).result(timeout=60)
+    w.stop()
+    assert seen == [("use", torch.device("cuda", 3)), ("job", 5)]
