@@ -325,3 +325,26 @@ def test_background_jobs_run_on_the_callers_device(monkeypatch):
     w.submit(job, 5).result(timeout=60)
     w.stop()
     assert seen == [("use", torch.device("cuda", 3)), ("job", 5)]
+
+
+# --- Checkpoint process groups (16.4) ---------------------------------------
+
+
+def test_background_collectives_never_share_the_training_group(tmp_path):
+    from dist_worker import state
+    from test_distributed import run_ranks
+
+    res = run_ranks("busy", 2, tmp_path)
+    assert all(r["ok"] for r in res), res
+    assert all(r["sum"] == 200 * 2.0 for r in res)  # every training all-reduce saw both ranks
+    assert_same(state(0), torch.load(tmp_path / "ckpt.pt"))
+
+
+def test_two_by_two_mesh_saves_with_data_parallel_subgroups(tmp_path):
+    from dist_worker import state
+    from test_distributed import run_ranks
+
+    res = run_ranks("mesh", 4, tmp_path)
+    assert all(r["ok"] for r in res), res
+    for tp in (0, 1):
+        assert_same(state(tp), torch.load(tmp_path / f"tp{tp}.pt"))
