@@ -10,11 +10,16 @@ for all I/O).
   after it the caller may change the tensors.
 * ``mode="pipelined"`` (FastPersist): no full copy; the write streams the
   live tensors through the engine's bounded arena. ``wait_snapshot()``
-  returns once every byte has left the tensors: fence there before
-  ``optimizer.step()``, and the write overlaps the next forward and backward.
+  returns once every byte has left the tensors (the disk writes and the
+  commit go on after it).
 
 In both modes ``obj`` (its tensors and its containers) must not be changed
-until ``wait_snapshot()`` returns. ``format="safetensors"`` (with optional
+until ``wait_snapshot()`` returns: fence there before any in-place update,
+forward included (BatchNorm statistics, ``optimizer.step()``). Each
+tensor's version counter is taken at the call and checked once its bytes
+are gathered: a tensor changed in between fails the save with
+:class:`~fastpersist.TensorChangedError` (nothing committed, the previous
+file kept), or with ``on_change="warn"`` commits with a warning. ``format="safetensors"`` (with optional
 string ``metadata``) writes a flat ``{name: tensor}`` dict as a safetensors
 file, as :func:`~fastpersist.write_state_dict` does. Saves run in call order. The next
 ``save_async`` waits for the previous save's snapshot phase, and at most
