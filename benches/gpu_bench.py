@@ -5,13 +5,19 @@ read back to the GPU, against the D2H/H2D copy limits and the disk limits.
 In one run, for each size (default 2 GiB and 8 GiB), medians of ``--rounds``:
 
 * D2H limit: pinned device-to-host copy bandwidth of the same bytes;
-* disk write limit: the best of fio's configurations (``fastpersist.bench.FIO_CONFIGS``:
-  4 MiB x 16 and 1 MiB x 32, normal and huge-page buffers) on the same directory;
-* fastpersist.write_state_dict from GPU tensors (each writer writes a new
-  file, as fio does: the old one is removed before the timing);
+* disk limits (``fastpersist.bench.Limit``): every fio configuration
+  (``FIO_CONFIGS``: 4 MiB x 16 and 1 MiB x 32, normal and huge-page
+  buffers) once per round on the same directory; the limit is the best
+  configuration's median, named in the output;
+* fastpersist.write_state_dict from GPU tensors, and from the same bytes in
+  host memory (the disk path alone, against the disk limit); each writer
+  writes a new file, as fio does (the old one is removed before the timing);
 * torch.save + fsync from GPU tensors;
-* read: fastpersist.read_state_dict(map_location="cuda") and torch.load(map_location="cuda")
-  against min(fio read, H2D) (cold: page cache dropped first).
+* read: fastpersist.read_state_dict to the GPU and to host memory, and
+  torch.load(map_location="cuda"), against min(disk read, H2D) (every
+  file evicted from the page cache the same way right before its read).
+
+Writers and readers run in a rotated order (each goes first in some round).
 
 Targets (issue 4): write at 0.9 of min(D2H, disk), read at 0.9 of min(disk
 read, H2D). A virtual disk's speed drifts from minute to minute, so besides
@@ -35,7 +41,7 @@ import time
 
 import fastpersist
 import torch
-from fastpersist.bench import drop_cache, fio_limit, median, parse_size
+from fastpersist.bench import Limit, drop_cache, median, parse_size
 
 
 def copy_limit(nbytes: int, d2h: bool) -> float:
@@ -99,6 +105,139 @@ def gpu_state(nbytes: int) -> dict:
     return {f"layer{i}.weight": torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) for i in range(count)}
 
 
+def timed_write(sd: dict, path: str, kw: dict, chunk) -> float:
+    """GB/s of one fastpersist write of ``sd`` (a fresh file), with the
+    staging chunk ``chunk`` when given."""
+    fresh(path)
+    old = os.environ.get("FASTPERSIST_STAGE_CHUNK")
+    if chunk:
+        os.environ["FASTPERSIST_STAGE_CHUNK"] = str(chunk)
+    try:
+        t0 = time.perf_counter()
+        fastpersist.write_state_dict(sd, path, **kw)
+        return time.perf_counter() - t0
+    finally:
+        if chunk:
+            os.environ.pop("FASTPERSIST_STAGE_CHUNK")
+            if old is not None:
+                os.environ["FASTPERSIST_STAGE_CHUNK"] = old
+
+
+def torch_write(sd: dict, path: str) -> float:
+    fresh(path)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(sd, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def cold_read(path: str, read) -> float:
+    """Seconds of ``read(path)`` from the device: every reader's file is
+    evicted from the page cache the same way first."""
+    drop_cache(path)
+    t0 = time.perf_counter()
+    read(path)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def rotated(items: list, r: int) -> list:
+    """``items`` starting at ``r``: each writer (reader) goes first in some
+    round, so none always runs on a disk the others have warmed or worn."""
+    k = r % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+def bench_size(size: int, d: str, variants: list, rounds: int) -> None:
+    """Every writer and reader, ``rounds`` times, on a ``size`` state dict."""
+    sd = gpu_state(size)
+    host = {k: v.cpu() for k, v in sd.items()}  # the same bytes in host memory
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    path = {name: os.path.join(d, f"{name}.pt") for name in ("fp", "host", "ts", "ds")}
+    wlim, rlim = Limit(), Limit()
+    res: dict = {}
+
+    def add(key: str, seconds) -> None:
+        if seconds is not None:
+            res.setdefault(key, []).append(nbytes / seconds / 1e9)
+
+    # Writers: (result key, call returning seconds or None).
+    writers = [
+        (f"fp_w {name}", lambda kw=kw, chunk=chunk: timed_write(sd, path["fp"], kw, chunk))
+        for name, kw, chunk in variants
+    ]
+    writers += [
+        ("host_w", lambda: timed_write(host, path["host"], {}, None)),
+        ("ts_w", lambda: torch_write(sd, path["ts"])),
+        ("ds_w", lambda: (fresh(path["ds"]), deepspeed_write(sd, path["ds"]))[1]),
+    ]
+    readers = [
+        ("fp_r", lambda: cold_read(path["fp"], lambda p: fastpersist.read_state_dict(p, map_location="cuda"))),
+        ("host_r", lambda: cold_read(path["host"], lambda p: fastpersist.read_state_dict(p))),
+        (
+            "ts_r",
+            lambda: cold_read(path["ts"], lambda p: torch.load(p, map_location="cuda", weights_only=True)),
+        ),
+    ]
+    for r in range(rounds):
+        res.setdefault("d2h", []).append(copy_limit(min(nbytes, 4 << 30), True))
+        res.setdefault("h2d", []).append(copy_limit(min(nbytes, 4 << 30), False))
+        # The limit once per round (every fio configuration), on the
+        # same directory, right before this round's writers.
+        fio_w = wlim.measure(d, nbytes)
+        for key, write in rotated(writers, r):
+            add(key, write())
+        # The default variant writes path["fp"] last when there are
+        # variants: rewrite it so the GPU read reads the default file.
+        if len(variants) > 1:
+            timed_write(sd, path["fp"], {}, None)
+        fio_r = rlim.measure(d, nbytes, "read")
+        for key, read in rotated(readers, r):
+            add(key, read())
+        # This round's own ratios (the disk's speed drifts between rounds).
+        wl = min(res["d2h"][-1], max(fio_w.values(), default=float("nan")))
+        rl = min(res["h2d"][-1], max(fio_r.values(), default=float("nan")))
+        for name, _, _ in variants:
+            res.setdefault("ratio " + name, []).append(res["fp_w " + name][-1] / wl)
+        res.setdefault("ratio host_w", []).append(res["host_w"][-1] / max(fio_w.values(), default=float("nan")))
+        res.setdefault("ratio read", []).append(res["fp_r"][-1] / rl)
+        res.setdefault("ratio host_r", []).append(res["host_r"][-1] / max(fio_r.values(), default=float("nan")))
+    m = {k: median(v) if v else float("nan") for k, v in res.items()}
+    dw, dr = wlim.gbps, rlim.gbps
+    wl, rl = min(m["d2h"], dw), min(m["h2d"], dr)
+    print(
+        f"\n{nbytes / 2**30:.1f} GiB bf16 on the GPU: D2H {m['d2h']:.1f}, H2D {m['h2d']:.1f}, "
+        f"disk write {dw:.2f}, disk read {dr:.2f} GB/s"
+    )
+    print(f"  write {wlim.note()}")
+    print(f"  read  {rlim.note()}")
+    for name, _, _ in variants:
+        print(
+            f"  write: fastpersist[{name}] from GPU {m['fp_w ' + name]:.2f} GB/s "
+            f"({m['fp_w ' + name] / wl:.2f} of min(D2H, disk); median of per-round ratios "
+            f"{m['ratio ' + name]:.2f})"
+        )
+    print(
+        f"  write: fastpersist from host memory {m['host_w']:.2f} GB/s ({m['host_w'] / dw:.2f} of the disk; "
+        f"median of per-round ratios {m['ratio host_w']:.2f})"
+    )
+    print(f"  write: torch.save+fsync {m['ts_w']:.2f} ({m['ts_w'] / wl:.2f})")
+    if res.get("ds_w"):
+        print(f"  write: DeepSpeed FastFileWriter {m['ds_w']:.2f} ({m['ds_w'] / wl:.2f})")
+    else:
+        print("  write: DeepSpeed FastFileWriter not measured (deepspeed does not import here)")
+    print(
+        f"  read:  fastpersist to GPU {m['fp_r']:.2f} GB/s ({m['fp_r'] / rl:.2f} of min(disk, H2D); median "
+        f"of per-round ratios {m['ratio read']:.2f}), torch.load {m['ts_r']:.2f} ({m['ts_r'] / rl:.2f})"
+    )
+    print(
+        f"  read:  fastpersist to host memory {m['host_r']:.2f} GB/s ({m['host_r'] / dr:.2f} of the disk; "
+        f"median of per-round ratios {m['ratio host_r']:.2f})"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="2GiB,8GiB")
@@ -113,82 +252,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, fastpersist {fastpersist.__version__}")
     with tempfile.TemporaryDirectory(prefix="fastpersist-gpu-", dir=args.dir or os.getcwd()) as d:
         for size in (parse_size(s) for s in args.sizes.split(",")):
-            sd = gpu_state(size)
-            nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-            fp, ts = os.path.join(d, "fp.pt"), os.path.join(d, "ts.pt")
-            res: dict = {k: [] for k in ("d2h", "h2d", "fio_w", "fio_r", "ts_w", "fp_r", "ts_r", "ds_w")}
-            for name, _, _ in variants:
-                res["fp_w " + name] = []
-                res["ratio " + name] = []
-            stats = None
-            for _ in range(args.rounds):
-                res["d2h"].append(copy_limit(min(nbytes, 4 << 30), True))
-                res["h2d"].append(copy_limit(min(nbytes, 4 << 30), False))
-                for name, kw, chunk in variants:
-                    res["fio_w"].append(fio_limit(d, nbytes) or float("nan"))
-                    fresh(fp)
-                    old = os.environ.get("FASTPERSIST_STAGE_CHUNK")
-                    if chunk:
-                        os.environ["FASTPERSIST_STAGE_CHUNK"] = str(chunk)
-                    try:
-                        t0 = time.perf_counter()
-                        st = fastpersist.write_state_dict(sd, fp, **kw)
-                        bw = nbytes / (time.perf_counter() - t0) / 1e9
-                    finally:
-                        if chunk:
-                            os.environ.pop("FASTPERSIST_STAGE_CHUNK")
-                            if old is not None:
-                                os.environ["FASTPERSIST_STAGE_CHUNK"] = old
-                    stats = stats or st
-                    res["fp_w " + name].append(bw)
-                    res["ratio " + name].append(bw / min(res["d2h"][-1], res["fio_w"][-1]))
-                fresh(ts)
-                t0 = time.perf_counter()
-                with open(ts, "wb") as f:
-                    torch.save(sd, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                res["ts_w"].append(nbytes / (time.perf_counter() - t0) / 1e9)
-                fresh(os.path.join(d, "ds.pt"))
-                ds = deepspeed_write(sd, os.path.join(d, "ds.pt"))
-                if ds is not None:
-                    res["ds_w"].append(nbytes / ds / 1e9)
-                res["fio_r"].append(fio_limit(d, nbytes, "read") or float("nan"))
-                drop_cache(fp)
-                t0 = time.perf_counter()
-                fastpersist.read_state_dict(fp, map_location="cuda")
-                torch.cuda.synchronize()
-                res["fp_r"].append(nbytes / (time.perf_counter() - t0) / 1e9)
-                res.setdefault("ratio read", []).append(res["fp_r"][-1] / min(res["h2d"][-1], res["fio_r"][-1]))
-                drop_cache(ts)
-                t0 = time.perf_counter()
-                torch.load(ts, map_location="cuda", weights_only=True)
-                torch.cuda.synchronize()
-                res["ts_r"].append(nbytes / (time.perf_counter() - t0) / 1e9)
-            m = {k: median(v) if v else float("nan") for k, v in res.items()}
-            wl, rl = min(m["d2h"], m["fio_w"]), min(m["h2d"], m["fio_r"])
-            print(
-                f"\n{nbytes / 2**30:.1f} GiB bf16 on the GPU: D2H {m['d2h']:.1f}, H2D {m['h2d']:.1f}, "
-                f"fio write {m['fio_w']:.2f}, fio read {m['fio_r']:.2f} GB/s "
-                f"(fio write per run: {' '.join(f'{x:.2f}' for x in res['fio_w'])})"
-            )
-            if stats is not None:
-                print(f"  fastpersist path: io_uring={stats.io_uring} direct={stats.direct} block={stats.block}")
-            for name, _, _ in variants:
-                print(
-                    f"  write: fastpersist[{name}] {m['fp_w ' + name]:.2f} GB/s ({m['fp_w ' + name] / wl:.2f} "
-                    f"of the limit; median of per-round ratios {m['ratio ' + name]:.2f})"
-                )
-            print(f"  write: torch.save+fsync {m['ts_w']:.2f} ({m['ts_w'] / wl:.2f})")
-            if res["ds_w"]:
-                print(f"  write: DeepSpeed FastFileWriter {m['ds_w']:.2f} ({m['ds_w'] / wl:.2f})")
-            else:
-                print("  write: DeepSpeed FastFileWriter not measured (deepspeed does not import here)")
-            print(
-                f"  read:  fastpersist {m['fp_r']:.2f} GB/s ({m['fp_r'] / rl:.2f} of the limit; median of "
-                f"per-round ratios {m['ratio read']:.2f}), torch.load {m['ts_r']:.2f} ({m['ts_r'] / rl:.2f})"
-            )
-            del sd
+            bench_size(size, d, variants, args.rounds)
             torch.cuda.empty_cache()
 
 

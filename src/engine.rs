@@ -151,6 +151,9 @@ pub struct Engine {
     lost: Vec<(u64, Error)>,
     /// Test hook: the directory fsync of every commit fails with this errno.
     pub(crate) dir_fsync_fault: Option<i32>,
+    /// Test hook: sessions use at least this O_DIRECT block (as a file
+    /// system with a larger alignment would ask for).
+    pub(crate) min_block: Option<usize>,
 }
 
 /// How many failures of other sessions' writes are kept for them.
@@ -192,6 +195,7 @@ impl Engine {
             streaming: None,
             lost: Vec::new(),
             dir_fsync_fault: None,
+            min_block: None,
         })
     }
 
@@ -212,6 +216,23 @@ impl Engine {
     #[doc(hidden)]
     pub fn set_dir_fsync_fault(&mut self, errno: Option<i32>) {
         self.dir_fsync_fault = errno;
+    }
+
+    /// Test hook: sessions begun from now on write with O_DIRECT blocks of
+    /// at least `block` bytes (a power of two, at most `block_size`), as on
+    /// a file system whose `STATX_DIOALIGN` asks for that much.
+    #[doc(hidden)]
+    pub fn set_min_block(&mut self, block: Option<usize>) -> Result<()> {
+        if let Some(b) = block {
+            if !b.is_power_of_two() || b > self.opts.block_size {
+                return Err(Error::option(format!(
+                    "min_block {b} must be a power of two of at most block_size {}",
+                    self.opts.block_size
+                )));
+            }
+        }
+        self.min_block = block;
+        Ok(())
     }
 
     /// Whether the arena is registered with io_uring.

@@ -372,18 +372,23 @@ impl PyEngine {
     /// with `refuse_direct`, act as if the file system refused O_DIRECT.
     /// With `dir_fsync_errno`, the directory fsync after each commit's
     /// rename fails with it (DurabilityError).
-    #[pyo3(signature = (offset=None, errno=libc::EIO, refuse_direct=false, dir_fsync_errno=None))]
+    /// With `min_block`, sessions begun from then on use O_DIRECT blocks
+    /// of at least that many bytes (a file system with a larger alignment).
+    #[pyo3(signature = (offset=None, errno=libc::EIO, refuse_direct=false, dir_fsync_errno=None, min_block=None))]
     fn set_fault(
         &self,
         offset: Option<u64>,
         errno: i32,
         refuse_direct: bool,
         dir_fsync_errno: Option<i32>,
-    ) {
+        min_block: Option<usize>,
+    ) -> PyResult<()> {
         if let Ok(mut e) = self.inner.lock() {
             e.set_fault(offset.map(|offset| Fault { offset, errno }), refuse_direct);
             e.set_dir_fsync_fault(dir_fsync_errno);
+            e.set_min_block(min_block).map_err(to_py)?;
         }
+        Ok(())
     }
 
     /// Write a file and commit it. `blobs`: (offset, bytes); `regions`:
@@ -532,7 +537,9 @@ struct PySession {
 #[pymethods]
 impl PySession {
     /// Add segments (at or after everything given so far) and write them.
-    /// `guard`: as for `Engine.write_file`.
+    /// On return no reference to the regions' memory is kept (bytes past
+    /// the last whole block are copied into the session), so the caller
+    /// may reuse it. `guard`: as for `Engine.write_file`.
     #[pyo3(signature = (blobs, regions, slots, guard=None))]
     fn write<'py>(
         &self,

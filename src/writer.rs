@@ -95,6 +95,39 @@ impl Session {
         Ok(())
     }
 
+    /// Copy the caller memory that segments not yet written still point
+    /// to (what lies past `written`: less than one block after a write)
+    /// into segments of owned bytes, checked and read as a gather is.
+    fn own_rest(&mut self) -> Result<()> {
+        let cut = self.written;
+        let mem = |s: &Segment| matches!(s.source, Source::Mem(_)) && s.end() > cut;
+        if !self.segments.iter().any(mem) {
+            return Ok(());
+        }
+        guard::before_gather(|| {
+            self.segments
+                .iter()
+                .filter(|s| mem(s))
+                .filter_map(|s| s.crc_id)
+                .collect::<Vec<_>>()
+                .into_iter()
+        })?;
+        for s in &mut self.segments {
+            if let Source::Mem(m) = &s.source {
+                if s.end() <= cut {
+                    continue;
+                }
+                // Bytes before `cut` were written (and checksummed) already.
+                let skip = cut.saturating_sub(s.offset) as usize;
+                let owned = m.slice(skip, m.len() - skip).to_vec();
+                s.offset += skip as u64;
+                s.source = Source::Bytes(owned);
+            }
+        }
+        guard::before_block();
+        Ok(())
+    }
+
     /// The O_DIRECT block size of this file.
     pub fn block(&self) -> usize {
         self.block
@@ -128,11 +161,12 @@ impl Engine {
         self.settle(None);
         let t0 = Instant::now();
         let (mut tmp, mut direct_note) = TempFile::create(path, self.opts.direct)?;
-        let dio = if self.opts.direct {
+        let mut dio = if self.opts.direct {
             align::probe_fd(tmp.fd())
         } else {
             DioAlign::fallback()
         };
+        dio.block = dio.block.max(self.min_block.unwrap_or(0));
         if dio.block > self.opts.block_size {
             return Err(Error::option(format!(
                 "the file system needs {}-byte O_DIRECT blocks, more than block_size {}",
@@ -174,13 +208,18 @@ impl Engine {
 
     /// Add `segments` (all at or after the end of those given so far) and
     /// write every whole block that is now fully known. Returns once the
-    /// caller's memory has been copied into the arena; with io_uring the
-    /// writes may still be in flight (their failure is reported by a later
-    /// call of this session), so the device stays busy between calls.
+    /// caller's memory has been copied into the arena, or, for the bytes
+    /// past the last whole block (less than one block), into the session's
+    /// own memory: the session keeps no reference to caller memory after
+    /// the call, so the caller may reuse it at once (a staging slot, say),
+    /// whatever the block size. With io_uring the writes may still be in
+    /// flight (their failure is reported by a later call of this session),
+    /// so the device stays busy between calls.
     pub fn write(&mut self, session: &mut Session, segments: Vec<Segment>) -> Result<()> {
         session.append(segments)?;
         let upto = align::align_down(session.frontier, session.block as u64);
-        self.run(session, upto, session.frontier, &mut || Ok(()), true)
+        self.run(session, upto, session.frontier, &mut || Ok(()), true)?;
+        session.own_rest().inspect_err(|_| session.failed = true)
     }
 
     /// Give up on `session`: wait for its writes in flight (their results

@@ -715,3 +715,48 @@ fn refused_on_gathered_commits_nothing_and_keeps_the_old_file() {
         assert!(std::fs::read(&target).unwrap() == expect, "{opts:?}");
     }
 }
+
+#[test]
+fn streamed_write_keeps_no_reference_to_caller_memory_past_the_call() {
+    // Small odd-sized pieces at 4096-aligned offsets through one reused
+    // slot, with 16 KiB blocks: several pieces share a block that no call
+    // completes. Each slot is scribbled over as soon as `write` returns; the
+    // file must still hold what each call was given.
+    for opts in combos() {
+        let d = tempfile::tempdir().unwrap();
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        eng.set_min_block(Some(16 << 10)).unwrap();
+        let path = d.path().join("s.bin");
+        let mut s = eng.begin(&path, 0).unwrap();
+        assert_eq!(s.block(), 16 << 10);
+        let mut slot = vec![0u8; 5000];
+        let mut expect = vec![];
+        let mut off = 0u64;
+        let mut hashers = vec![];
+        for i in 0..40usize {
+            let n = 1 + (i * 997) % 5000;
+            let data = pattern(n, i as u8);
+            slot[..n].copy_from_slice(&data);
+            expect.resize(off as usize, 0);
+            expect.extend_from_slice(&data);
+            hashers.push(crc32fast::hash(&data));
+            // SAFETY: `slot` outlives the call; the session must not read it after.
+            let m = unsafe { MemRef::new(slot.as_ptr(), n) };
+            eng.write(
+                &mut s,
+                vec![Segment {
+                    offset: off,
+                    source: Source::Mem(m),
+                    crc_id: Some(i as u32),
+                }],
+            )
+            .unwrap();
+            slot.fill(0xEE);
+            off = (off + n as u64).div_ceil(4096) * 4096;
+        }
+        let len = expect.len() as u64;
+        let st = eng.finish(s, vec![], len).unwrap();
+        assert_eq!(st.crcs, hashers, "{opts:?}");
+        assert!(std::fs::read(&path).unwrap() == expect, "{opts:?}");
+    }
+}

@@ -136,6 +136,7 @@ class Engine:
         errno: int = ...,
         refuse_direct: bool = False,
         dir_fsync_errno: int | None = None,
+        min_block: int | None = None,
     ) -> None: ...
     def write_file(
         self,

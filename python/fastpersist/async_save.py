@@ -10,11 +10,16 @@ for all I/O).
   after it the caller may change the tensors.
 * ``mode="pipelined"`` (FastPersist): no full copy; the write streams the
   live tensors through the engine's bounded arena. ``wait_snapshot()``
-  returns once every byte has left the tensors: fence there before
-  ``optimizer.step()``, and the write overlaps the next forward and backward.
+  returns once every byte has left the tensors (the disk writes and the
+  commit go on after it).
 
 In both modes ``obj`` (its tensors and its containers) must not be changed
-until ``wait_snapshot()`` returns. ``format="safetensors"`` (with optional
+until ``wait_snapshot()`` returns: fence there before any in-place update,
+forward included (BatchNorm statistics, ``optimizer.step()``). Each
+tensor's version counter is taken at the call and checked once its bytes
+are gathered: a tensor changed in between fails the save with
+:class:`~fastpersist.TensorChangedError` (nothing committed, the previous
+file kept), or with ``on_change="warn"`` commits with a warning. ``format="safetensors"`` (with optional
 string ``metadata``) writes a flat ``{name: tensor}`` dict as a safetensors
 file, as :func:`~fastpersist.write_state_dict` does. Saves run in call order. The next
 ``save_async`` waits for the previous save's snapshot phase, and at most
@@ -40,9 +45,10 @@ import torch
 
 from . import _core
 from .collectives import checkpoint_group
-from .cuda_staging import ReadyEvents, active_devices, record_ready, side_streams
+from .cuda_staging import ReadyEvents, active_devices, copy_stream, home_device, record_ready, side_streams, use_device
 from .errors import drop_frames
 from .options import EngineOptions, PathLike, WriteStats, env_int, note_pending, resolve_target, wait_for_earlier
+from .pickling import TensorVersions
 from .plan import MemoryGuard, Plan, Region
 from .safetensors_format import plan_safetensors
 from .torch_zip import plan_torch_save
@@ -217,7 +223,8 @@ def _kept_bytes(kept: Any) -> Any:
 
 class _CopyStreams:
     """Snapshot copies: host storages with a plain copy; device storages
-    with non-blocking copies on a stream of their own per device, ordered
+    with non-blocking copies on the process's copy stream of their device
+    (:func:`~fastpersist.cuda_staging.copy_stream`), ordered
     after the caller's stream at the call (``ready``), never on the
     background thread's default stream (which would queue behind, and hold
     up, the caller's next kernels)."""
@@ -238,21 +245,34 @@ class _CopyStreams:
             dst.copy_(src)
             return
         key = str(storage.device)
-        stream = self.streams.get(key)
-        if stream is None:
-            stream = self.streams[key] = torch.cuda.Stream(device=storage.device)
-            ev = self.ready.get(key)
-            if ev is None:  # a storage found only by the pickler
-                ev = record_ready([storage.device])[key]
-            stream.wait_event(ev)
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=dst.is_pinned())
+        with torch.cuda.device(storage.device):
+            stream = self.streams.get(key)
+            if stream is None:
+                stream = self.streams[key] = copy_stream(storage.device)
+                ev = self.ready.get(key)
+                if ev is None:  # a storage found only by the pickler
+                    ev = record_ready([storage.device])[key]
+                stream.wait_event(ev)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=dst.is_pinned())
 
     def synchronize(self) -> None:
         for stream in self.streams.values():
-            ev = torch.cuda.Event(blocking=True)  # sleep, don't spin
-            ev.record(stream)
+            with torch.cuda.device(stream.device):
+                ev = torch.cuda.Event(blocking=True)  # sleep, don't spin
+                ev.record(stream)
             ev.synchronize()
+
+
+def _on(device: Any, fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` run on a background thread with ``device`` (the caller's, at
+    the call) as that thread's current CUDA device."""
+
+    def run(*args: Any) -> None:
+        use_device(device)
+        fn(*args)
+
+    return run
 
 
 class _Worker:
@@ -370,7 +390,7 @@ class AsyncSaver:
         planner = _planner(format, metadata)
 
         def run() -> None:
-            plan = planner(obj)
+            plan = planner(obj, None)
             pin = bool(plan.device) and torch.cuda.is_available()
             self.pool.reserve(plan.storage_bytes, pin=pin)
 
@@ -384,6 +404,7 @@ class AsyncSaver:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         group = options.pop("group", None)
+        on_change = options.pop("on_change", "error")
         sharded = options.pop("sharded", False)
         fmt = options.pop("format", "torch")
         metadata = options.pop("metadata", None)
@@ -402,9 +423,16 @@ class AsyncSaver:
             prev._snapshot.wait()  # its errors surface from its own future
         self._slots.acquire()
         # On the caller's thread, now: device copies made later in the
-        # background are ordered after the work queued on its streams so far.
+        # background are ordered after the work queued on its streams so far,
+        # and the tensors' version counters are taken (an in-place update
+        # issued before the save has gathered a tensor fails the save).
         try:
-            ready = record_ready(active_devices(obj))
+            versions = TensorVersions(obj, on_change)
+            devices = active_devices(obj)
+            ready = record_ready(devices)
+            # The background threads work under the caller's device (one
+            # with a context), never device 0 by default.
+            home = home_device(devices)
         except BaseException:
             self._slots.release()
             raise
@@ -415,14 +443,14 @@ class AsyncSaver:
             self._last = fut
             self._inflight.append(fut)
         if group is not None:
-            self._write.submit(self._distributed, obj, p, opts, fut, group, sharded, ready)
+            self._write.submit(_on(home, self._distributed), obj, p, opts, fut, group, sharded, ready)
         elif mode == "snapshot":
             planner = _planner(fmt, metadata)
-            self._snap.submit(self._snapshot_then_write, obj, p, opts, fut, ready, planner)
+            self._snap.submit(_on(home, self._snapshot_then_write), obj, p, opts, fut, ready, planner, versions)
         elif fmt == "safetensors":
-            self._write.submit(self._pipelined_safetensors, obj, p, opts, fut, metadata)
+            self._write.submit(_on(home, self._pipelined_safetensors), obj, p, opts, fut, metadata, versions)
         else:
-            self._write.submit(self._pipelined, obj, p, opts, fut, ready)
+            self._write.submit(_on(home, self._pipelined), obj, p, opts, fut, ready, versions)
         return fut
 
     def _finished(self, fut: CheckpointFuture) -> None:
@@ -431,12 +459,20 @@ class AsyncSaver:
                 self._inflight.remove(fut)
         self._slots.release()
 
-    def _pipelined(self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture, ready: ReadyEvents) -> None:
+    def _pipelined(
+        self,
+        obj: Any,
+        path: str,
+        opts: EngineOptions,
+        fut: CheckpointFuture,
+        ready: ReadyEvents,
+        versions: TensorVersions,
+    ) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         try:
             wait_for_earlier(path, fut)
-            stats = write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot, ready=ready)
+            stats = write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot, ready=ready, versions=versions)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             obj = None  # this frame stays in the traceback
             fut._fail(e)
@@ -444,15 +480,21 @@ class AsyncSaver:
         fut._succeed(stats)
 
     def _pipelined_safetensors(
-        self, obj: Any, path: str, opts: EngineOptions, fut: CheckpointFuture, metadata: Any
+        self,
+        obj: Any,
+        path: str,
+        opts: EngineOptions,
+        fut: CheckpointFuture,
+        metadata: Any,
+        versions: TensorVersions,
     ) -> None:
         # The tensors are written from where they are; the snapshot phase
-        # ends with the write.
+        # ends once they are all gathered.
         if not fut.set_running_or_notify_cancel():
             return
         try:
             wait_for_earlier(path, fut)
-            stats = write_safetensors(obj, path, opts, metadata)
+            stats = write_safetensors(obj, path, opts, metadata, versions, fut._mark_snapshot)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             fut._fail(e)
             return
@@ -489,7 +531,8 @@ class AsyncSaver:
         opts: EngineOptions,
         fut: CheckpointFuture,
         ready: ReadyEvents,
-        planner: Callable[[Any], Plan],
+        planner: Callable[[Any, TensorVersions], Plan],
+        versions: TensorVersions,
     ) -> None:
         if not fut.set_running_or_notify_cancel():
             return
@@ -499,7 +542,7 @@ class AsyncSaver:
             t0 = time.perf_counter()
             # Device storages stay where they are in the plan (plan.device):
             # they are copied once, straight into the (pinned) pool.
-            plan = planner(obj)
+            plan = planner(obj, versions)
             pin = bool(plan.device) and torch.cuda.is_available()
             buf = self.pool.acquire(plan.storage_bytes, pin=pin)
             # Copy every storage into the pool and point the plan there. A
@@ -519,6 +562,9 @@ class AsyncSaver:
                 moved.append(base + off)
                 off += n
             streams.synchronize()
+            # Every copy is complete: a tensor changed in place since the
+            # call may have been copied half old, half new.
+            versions.check(obj)
             # The copies are ours from here on; the caller's storages may change.
             plan.guard.check()
             plan.guard = MemoryGuard()
@@ -584,12 +630,13 @@ class AsyncSaver:
         self._write.stop()
 
 
-def _planner(fmt: str, metadata: Any) -> Callable[[Any], Plan]:
+def _planner(fmt: str, metadata: Any) -> Callable[[Any, Optional[TensorVersions]], Plan]:
     """The whole-file layout of a snapshot save. Torch: device storages stay
-    where they are in the plan (``plan.device``), to be copied once."""
+    where they are in the plan (``plan.device``), to be copied once; tensors
+    the pickler finds are added to ``versions``."""
     if fmt == "safetensors":
-        return lambda obj: plan_safetensors(obj, metadata)
-    return lambda obj: plan_torch_save(obj, stage=lambda st: st.device.type == "cuda")
+        return lambda obj, versions: plan_safetensors(obj, metadata)
+    return lambda obj, versions: plan_torch_save(obj, stage=lambda st: st.device.type == "cuda", versions=versions)
 
 
 _default: Optional[AsyncSaver] = None

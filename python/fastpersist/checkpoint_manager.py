@@ -6,7 +6,7 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
 * ``step(step, state)`` once per iteration decides whether this iteration
   checkpoints (a fixed interval, or CheckFreq-style online tuning that keeps
   the measured overhead under ``max_overhead``) and starts an asynchronous
-  save. In pipelined mode call ``fence()`` before ``optimizer.step()``.
+  save. In pipelined mode call ``fence()`` before any in-place update of the state, forward included.
 * Each checkpoint (``ckpt-<step>.pt``, the step zero-padded to 12 digits,
   holding ``{"step", "state"}``) becomes visible only by its atomic commit.
   ``latest()`` is the newest one whose checksums verify (a damaged one is

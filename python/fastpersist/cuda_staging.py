@@ -25,6 +25,17 @@ stream at the time of the call (:func:`record_ready`, on the caller's own
 thread, also for saves that run in the background), so the file holds the
 tensor values as of the call, and the caller's stream is never blocked.
 
+Devices: every thread that works for a save or a read first makes a device
+of that work its current device (:func:`use_device`), and per-device work
+runs under ``torch.cuda.device(d)``, so no thread ever switches to a device
+without a context (a fresh thread's current device is 0, where leaving a
+``torch.cuda.stream`` block would otherwise make a context: 0.3-0.5 GiB per
+rank under torchrun). Staging memory is registered (portable, so every
+context sees it pinned) under a device of the call, and unregistered under
+the same device, with the result checked. Copies run on one dedicated
+non-blocking stream per device per process (:func:`copy_stream`), never on
+one of torch's pooled streams, which NCCL or the caller may be using.
+
 Nothing here runs, or initialises CUDA, unless a storage is on a CUDA device.
 The copier is an interface so the pipeline's bookkeeping can be tested
 without a GPU (``ThreadCopier``).
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -65,7 +77,13 @@ __all__ = [
     "read_staged",
     "device_for",
     "read_targets",
+    "copy_stream",
+    "use_device",
+    "home_device",
+    "device_scope",
 ]
+
+log = logging.getLogger("fastpersist")
 
 DEFAULT_CHUNK = 16 << 20
 SLOTS = 3
@@ -78,24 +96,75 @@ def _bytes_view(storage: Any) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-class Staging:
-    """``SLOTS`` chunks of page-locked host memory from the Rust core."""
+#: cudaHostRegisterPortable: pinned for every CUDA context, not only the
+#: registering one (a staging buffer serves every device of the process).
+_HOST_REGISTER_PORTABLE = 1
 
-    def __init__(self, chunk: int = DEFAULT_CHUNK, register_cuda: bool = True) -> None:
+#: Registered mappings whose unregistration failed: never unmapped (CUDA may
+#: still treat the range as pinned), kept until the process ends.
+_leaked: List[Any] = []
+
+
+@contextlib.contextmanager
+def device_scope(device: Optional[torch.device]) -> Iterator[None]:
+    """``torch.cuda.device(device)`` for the block (nothing when ``device``
+    is None): CUDA calls in it run with a device that has a context."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
+
+
+def home_device(devices: Iterable[torch.device] = ()) -> Optional[torch.device]:
+    """On the caller's thread, at the call: the device a save's background
+    threads work under: the caller's current device when it has a context
+    (under torchrun, its ``local_rank``), else the first of ``devices`` that
+    has one; None when CUDA was never initialised."""
+    if not torch.cuda.is_initialized():
+        return None
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    for i in [torch.cuda.current_device()] + [d.index for d in devices if d.type == "cuda"]:
+        if i is not None and (has is None or has(i)):
+            return torch.device("cuda", i)
+    return None
+
+
+def use_device(device: Optional[torch.device]) -> None:
+    """Make ``device`` the calling thread's current CUDA device. For the
+    background threads (head, write, snapshot), before their first CUDA
+    call: a thread starts on device 0, and switching back to it (leaving a
+    ``torch.cuda.stream`` block does) would make a context there."""
+    if device is None or device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
+
+
+class Staging:
+    """``SLOTS`` chunks of page-locked host memory from the Rust core,
+    registered with CUDA under ``device`` (one with a context already)."""
+
+    def __init__(self, chunk: int = DEFAULT_CHUNK, register_cuda: bool = True, device: Any = None) -> None:
         self.chunk = chunk
         self._buf = _core.HostBuffer(chunk * SLOTS)
         n = self._buf.nbytes
         raw = (ctypes.c_uint8 * n).from_address(self._buf.ptr)
         self.tensor = torch.frombuffer(raw, dtype=torch.uint8)
         self._registered = False
+        self._device: Optional[torch.device] = None
         self._next = 0
         #: release_staging() generation it was handed out in.
         self.generation = -1
         if register_cuda:
-            rc = torch.cuda.cudart().cudaHostRegister(self._buf.ptr, n, 0)
+            dev = torch.device(device) if device is not None else None
+            with device_scope(dev):
+                rc = torch.cuda.cudart().cudaHostRegister(self._buf.ptr, n, _HOST_REGISTER_PORTABLE)
             if int(rc) != 0:
                 raise RuntimeError(f"cudaHostRegister of {n} bytes failed (error {int(rc)})")
             self._registered = True
+            self._device = dev
 
     @property
     def nbytes(self) -> int:
@@ -108,16 +177,29 @@ class Staging:
 
     def take(self) -> int:
         """The next chunk number. Numbering runs across storages, so a slot
-        is reused only three chunks later, after the write call following
-        its own has consumed whatever the session kept of it."""
+        is reused only three chunks later (the session keeps no reference
+        to a slot once its write call has returned)."""
         i = self._next
         self._next += 1
         return i
 
     def close(self) -> None:
+        """Unregister (under the device it was registered under, whatever
+        thread this runs on) and unmap. When CUDA refuses to unregister, the
+        mapping is kept for the life of the process rather than unmapped
+        while CUDA may still treat it as pinned."""
         if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self._buf.ptr)
             self._registered = False
+            with device_scope(self._device):
+                rc = int(torch.cuda.cudart().cudaHostUnregister(self._buf.ptr))
+            if rc != 0:
+                log.warning(
+                    "fastpersist: cudaHostUnregister of %d bytes of staging memory failed (error %d); "
+                    "the memory is kept, not freed",
+                    self._buf.nbytes,
+                    rc,
+                )
+                _leaked.append(self._buf)
         self.tensor = None  # type: ignore[assignment]
         self._buf = None
 
@@ -136,14 +218,15 @@ _idle_lock = threading.RLock()  # re-entrant: signal handlers
 _generation = 0
 
 
-def acquire_staging(chunk: int, register_cuda: bool) -> Staging:
-    """A staging buffer for one call: a kept one when idle, else a new one."""
+def acquire_staging(chunk: int, register_cuda: bool, device: Optional[torch.device] = None) -> Staging:
+    """A staging buffer for one call: a kept one when idle, else a new one
+    (registered under ``device``, a device of the call)."""
     with _idle_lock:
         gen = _generation
         free = _idle.get((chunk, register_cuda))
         st = free.pop() if free else None
     if st is None:
-        st = Staging(chunk, register_cuda)
+        st = Staging(chunk, register_cuda, device)
     st.generation = gen
     return st
 
@@ -213,10 +296,69 @@ def side_streams(ready: ReadyEvents) -> Iterator[None]:
     behind nor hold up the work the caller queued since."""
     with contextlib.ExitStack() as stack:
         for key, ev in ready.items():
-            stream = torch.cuda.Stream(device=torch.device(key))
+            stream = copy_stream(torch.device(key))
             stream.wait_event(ev)
             stack.enter_context(torch.cuda.stream(stream))
         yield
+
+
+_streams: Dict[int, Any] = {}
+_streams_lock = threading.Lock()
+#: CU_STREAM_NON_BLOCKING: no implicit ordering with the legacy default stream.
+_CU_STREAM_NON_BLOCKING = 1
+
+
+def copy_stream(device: torch.device) -> Any:
+    """This process's copy stream on ``device``: made once, non-blocking,
+    and its own (``torch.cuda.Stream()`` hands out one of 32 pooled streams
+    per device, which NCCL or the caller may hold, so copies would queue
+    behind their kernels). Made through the driver; where that is not
+    possible (ROCm, no ``libcuda``), a pooled stream, with a warning."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _streams_lock:
+        s = _streams.get(index)
+        if s is None:
+            ptr = _driver_stream(index)
+            if ptr is None:
+                log.warning(
+                    "fastpersist: no dedicated copy stream on cuda:%d; copies use one of torch's pooled streams",
+                    index,
+                )
+                s = torch.cuda.Stream(device=torch.device("cuda", index))
+            else:
+                s = torch.cuda.ExternalStream(ptr, device=torch.device("cuda", index))
+            _streams[index] = s
+    return s
+
+
+def _driver_stream(index: int) -> Optional[int]:
+    """A new non-blocking stream in device ``index``'s primary context (which
+    the caller's tensors there have made), or None."""
+    if getattr(torch.version, "hip", None):
+        return None
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+        dev = ctypes.c_int()
+        ctx = ctypes.c_void_p()
+        stream = ctypes.c_void_p()
+        if cu.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(index)) != 0:
+            return None
+        if cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+            return None
+        try:
+            if cu.cuCtxPushCurrent_v2(ctx) != 0:
+                return None
+            try:
+                if cu.cuStreamCreate(ctypes.byref(stream), ctypes.c_uint(_CU_STREAM_NON_BLOCKING)) != 0:
+                    return None
+            finally:
+                cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        finally:
+            # The runtime holds the context too (the tensors live in it).
+            cu.cuDevicePrimaryCtxRelease_v2(dev)
+        return stream.value
+    except (OSError, AttributeError):
+        return None
 
 
 def record_ready(devices: Iterable[torch.device]) -> ReadyEvents:
@@ -237,15 +379,16 @@ class CudaCopier:
 
     def __init__(self, device: torch.device, ready: Optional[Any] = None) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-        if ready is None:
-            ready = torch.cuda.Event(blocking=True)
-            ready.record(torch.cuda.current_stream(device))
-        self.stream.wait_event(ready)
+        with device_scope(device):
+            self.stream = copy_stream(device)
+            if ready is None:
+                ready = torch.cuda.Event(blocking=True)
+                ready.record(torch.cuda.current_stream(device))
+            self.stream.wait_event(ready)
 
     def copy(self, dst: torch.Tensor, storage: Any, start: int, end: int) -> Any:
         """Device to host: ``storage[start:end]`` into ``dst``."""
-        with torch.cuda.stream(self.stream):
+        with device_scope(self.device), torch.cuda.stream(self.stream):
             dst[: end - start].copy_(_bytes_view(storage)[start:end], non_blocking=True)
             # Blocking: the writer thread sleeps in synchronize() rather
             # than spinning on a core the training loop needs.
@@ -255,7 +398,7 @@ class CudaCopier:
 
     def copy_in(self, storage: Any, start: int, src: torch.Tensor) -> Any:
         """Host to device: ``src`` into ``storage[start:start + len(src)]``."""
-        with torch.cuda.stream(self.stream):
+        with device_scope(self.device), torch.cuda.stream(self.stream):
             _bytes_view(storage)[start : start + src.numel()].copy_(src, non_blocking=True)
             ev = torch.cuda.Event(blocking=True)
             ev.record(self.stream)
@@ -266,17 +409,19 @@ class CudaCopier:
 
     def drain(self) -> None:
         """Wait (sleeping, not spinning) for every copy queued so far."""
-        ev = torch.cuda.Event(blocking=True)
-        ev.record(self.stream)
+        with device_scope(self.device):
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(self.stream)
         ev.synchronize()
 
     def hand_over(self) -> None:
         """After host-to-device copies: the caller's current stream waits
         for them, and the copy stream's work is complete (the storages were
         allocated on the caller's stream, so their memory is the caller's)."""
-        ev = torch.cuda.Event(blocking=True)
-        ev.record(self.stream)
-        torch.cuda.current_stream(self.device).wait_event(ev)
+        with device_scope(self.device):
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(self.stream)
+            torch.cuda.current_stream(self.device).wait_event(ev)
         ev.synchronize()
 
 
@@ -457,10 +602,19 @@ class DeviceContext:
     ) -> None:
         self.test_on_cpu = test_on_cpu
         self.ready = ready or {}
-        self.staging = acquire_staging(chunk, register_cuda=not test_on_cpu)
+        cuda = [d for d in devices if d.type == "cuda"]
+        #: The device this call's own threads work under (None: no CUDA
+        #: device); the caller's thread is left on its device.
+        self.home: Optional[torch.device] = None if test_on_cpu or not cuda else cuda[0]
+        self.staging = acquire_staging(chunk, not test_on_cpu, self.home)
         self.copiers: Dict[str, Any] = {}
         for d in devices:
             self.copier(d)
+
+    def use(self) -> None:
+        """Make this call's device the current device of the calling thread
+        (each thread that stages for the call, before its first CUDA call)."""
+        use_device(self.home)
 
     def copier(self, device: torch.device) -> Any:
         key = str(device)
@@ -546,7 +700,9 @@ def read_staged(fd: int, items: List[DeviceRead], opts: EngineOptions) -> List[i
     ``fd`` into device storages through the staging slots; returns their
     CRC32s."""
     _, kind = staging_setup()
-    ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=stage_chunk())
+    # Staging is registered under a target device (which has a context).
+    devices = sorted({st.device for _, st, _ in items}, key=str)
+    ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk())
 
     def reader(index: int) -> Callable[[List[Tuple[int, int, int]]], List[int]]:
         def read(reqs: List[Tuple[int, int, int]]) -> List[int]:

@@ -15,6 +15,8 @@ __all__ = [
     "CorruptCheckpointError",
     "UnsupportedFormatError",
     "StorageChangedError",
+    "TensorChangedError",
+    "TensorChangedWarning",
     "WriteError",
     "FallbackWarning",
     "drop_frames",
@@ -72,6 +74,23 @@ class StorageChangedError(FastPersistError, RuntimeError):
     gathered them). Checked before each window of memory is read and once
     more before the commit: the save is abandoned and whatever the path
     held before is left as it was."""
+
+
+class TensorChangedError(StorageChangedError):
+    """A tensor being saved was changed in place (its version counter
+    moved: an optimizer step, a forward that updates buffers such as
+    BatchNorm's ``num_batches_tracked``, a ``copy_``) between the save's
+    call and the moment its bytes had all been gathered. The file could
+    mix values from before and after the change, so nothing is committed
+    and whatever the path held before is left as it was. The message names
+    the tensor. Fence with ``future.wait_snapshot()`` before any in-place
+    update, forward included (or pass ``on_change="warn"``)."""
+
+
+class TensorChangedWarning(RuntimeWarning):
+    """``on_change="warn"``: a tensor was changed in place while a save
+    read it, and the file was committed anyway (it may mix old and new
+    values of that tensor)."""
 
 
 class FallbackWarning(RuntimeWarning):

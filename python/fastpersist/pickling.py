@@ -7,6 +7,10 @@ pickling, the storages of the tensors inside plain containers, keyed as the
 pickler will key them, so their bytes can be on their way to disk while the
 pickle is made.
 
+:class:`TensorVersions` keeps the version counters of a save's tensors
+from its call, to tell whether any was changed in place before its bytes
+had all been gathered.
+
 Reading: :func:`unpickle` replays a pickle with storages already read, with
 torch's ``weights_only`` unpickler by default; :class:`LocationScan` notes
 where each storage was saved without constructing anything.
@@ -17,20 +21,31 @@ A leaf module: it imports only :mod:`fastpersist.errors`.
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 import re
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .errors import CorruptCheckpointError, NoDataError, SerializationError, UnpicklableError
+from .errors import (
+    CorruptCheckpointError,
+    NoDataError,
+    SerializationError,
+    TensorChangedError,
+    TensorChangedWarning,
+    UnpicklableError,
+)
 
 __all__ = [
     "PICKLE_PROTOCOL",
     "MapLocation",
     "find_storages",
     "find_path",
+    "TensorVersions",
+    "ON_CHANGE",
     "pickle_obj",
     "unpickle",
     "LocationScan",
@@ -155,14 +170,22 @@ class _Pickler(pickle.Pickler):
     tens of microseconds a tensor, which dominates checkpoints made of
     thousands of small tensors."""
 
-    def __init__(self, file: Any, known: Optional[Dict[int, Tuple[str, Any]]] = None) -> None:
+    def __init__(
+        self,
+        file: Any,
+        known: Optional[Dict[int, Tuple[str, Any]]] = None,
+        versions: Optional[TensorVersions] = None,
+    ) -> None:
         super().__init__(file, protocol=PICKLE_PROTOCOL)
+        self.versions = versions
         self.storages: Dict[str, Any] = {}
         #: storage ``_cdata`` -> key; seeded with the storages found up front.
         self._keys: Dict[int, str] = {c: k for c, (k, _) in (known or {}).items()}
         self._dtypes: Dict[int, torch.dtype] = {}
 
     def reducer_override(self, o: Any) -> Any:
+        if self.versions is not None and isinstance(o, torch.Tensor):
+            self.versions.add(o)  # a tensor inside an object: its version from now on
         if (
             type(o) is torch.Tensor
             and o.layout is torch.strided
@@ -237,12 +260,15 @@ def _element_size(dtype: torch.dtype) -> int:
     return n
 
 
-def pickle_obj(obj: Any, known: Optional[Dict[int, Tuple[str, Any]]] = None) -> Tuple[bytes, Dict[str, Any]]:
+def pickle_obj(
+    obj: Any, known: Optional[Dict[int, Tuple[str, Any]]] = None, versions: Optional[TensorVersions] = None
+) -> Tuple[bytes, Dict[str, Any]]:
     """Pickle ``obj`` exactly as ``torch.serialization._save`` does, returning
     the pickle and the storages it refers to, by key. ``known`` storages
-    (``_cdata`` -> (key, storage)) keep their keys."""
+    (``_cdata`` -> (key, storage)) keep their keys. Tensors the pickler
+    meets that ``versions`` does not know yet are added to it."""
     buf = io.BytesIO()
-    pickler = _Pickler(buf, known)
+    pickler = _Pickler(buf, known, versions)
     try:
         pickler.dump(obj)
     except NoDataError as e:
@@ -292,6 +318,108 @@ def find_storages(obj: Any) -> Dict[int, Tuple[str, Any]]:
             if st._cdata not in found:
                 found[st._cdata] = (str(len(found)), st)
     return found
+
+
+log = logging.getLogger("fastpersist")
+
+#: What a save does when a tensor was changed in place before its bytes were
+#: all gathered: raise :class:`TensorChangedError` (nothing is committed), or
+#: warn (:class:`TensorChangedWarning`) and commit.
+ON_CHANGE = ("error", "warn")
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: no version counter
+        return None
+
+
+class TensorVersions:
+    """The version counters of a save's tensors as they were at the call,
+    checked once every byte of them has been gathered (:meth:`check`).
+
+    torch bumps a tensor's version counter on every in-place operation
+    (``add_``, ``copy_``, optimizer steps, foreach and fused kernels, a
+    forward's ``num_batches_tracked += 1``), when the operation is issued
+    (CUDA: queued on the stream; CPU: once the kernel has run). Views and
+    ``detach()``-ed tensors (what ``state_dict()`` returns) share the
+    counter of their base, so an update through any of them is seen. Not
+    seen: writes that bypass the counter (``tensor.data.add_()``, numpy or
+    DLPack views, kernels whose schema does not declare the write, such as
+    eager BatchNorm's ``running_mean``/``running_var``, which are covered
+    by ``num_batches_tracked`` changing in the same forward).
+
+    Made on the caller's thread at the call: the tensors in plain
+    containers (dict, list, tuple) are recorded then; tensors inside other
+    objects are recorded when the pickler meets them (:meth:`add`)."""
+
+    def __init__(self, obj: Any = None, on_change: str = "error") -> None:
+        if on_change not in ON_CHANGE:
+            raise ValueError(f"on_change must be one of {ON_CHANGE}, not {on_change!r}")
+        self.on_change = on_change
+        self._seen: Dict[int, Tuple[torch.Tensor, int]] = {}
+        if obj is not None:
+            self._walk(obj)
+
+    def _walk(self, obj: Any) -> None:
+        stack: List[Any] = [obj]
+        seen: set = set()
+        tensor = torch.Tensor
+        while stack:
+            o = stack.pop()
+            t = type(o)
+            if t is dict or t is OrderedDict or t is list or t is tuple:
+                if id(o) in seen:
+                    continue
+                seen.add(id(o))
+                # Reversed: popped (and recorded) in the order of the object.
+                stack.extend(reversed(list(o.values() if t is dict or t is OrderedDict else o)))
+            elif isinstance(o, tensor):
+                self.add(o)
+
+    def add(self, t: torch.Tensor) -> None:
+        """Record ``t``'s version now, unless it is already recorded."""
+        if id(t) not in self._seen:
+            v = _version(t)
+            if v is not None:
+                self._seen[id(t)] = (t, v)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def changed(self) -> List[Tuple[torch.Tensor, int, int]]:
+        """(tensor, version recorded, version now) of each tensor changed since."""
+        return [(t, v, t._version) for t, v in self._seen.values() if t._version != v]
+
+    def check(self, obj: Any = None, what: str = "the save") -> None:
+        """Raise :class:`TensorChangedError` (``on_change="error"``) or warn
+        when a recorded tensor was changed in place since it was recorded;
+        ``obj`` (the saved object) is searched to name the tensor."""
+        bad = self.changed()
+        if not bad:
+            return
+        t, then, now = bad[0]
+        where = find_path(obj, lambda o: o is t) if obj is not None else None
+        name = f"tensor {where}" if where is not None else "a tensor inside an object"
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        msg = (
+            f"{name} ({_describe(t)}){more} was changed in place while {what} read it "
+            f"(version {then} at the call, {now} once its bytes were gathered)"
+        )
+        fence = (
+            "fence with future.wait_snapshot() before any in-place update of the saved tensors, "
+            "forward included (optimizer.step(), BatchNorm statistics, ...)"
+        )
+        if self.on_change == "warn":
+            warnings.warn(
+                f"{msg}; the file was committed anyway (on_change='warn') and may mix old and new values: {fence}",
+                TensorChangedWarning,
+                stacklevel=2,
+            )
+            log.warning("fastpersist: %s; committed anyway (on_change='warn')", msg)
+            return
+        raise TensorChangedError(f"{msg}: nothing was committed and the previous file is untouched; {fence}")
 
 
 # ---------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Any, List, Optional, Tuple
 
 from . import _core
 from .errors import CorruptCheckpointError, UnsupportedFormatError
-from .pickling import find_storages, pickle_obj
+from .pickling import TensorVersions, find_storages, pickle_obj
 from .plan import DATA_ALIGNMENT, Batch, Blob, DeviceRegion, MemoryGuard, Plan, Region, Slot
 
 __all__ = [
@@ -82,14 +82,22 @@ class TorchZipLayout:
     pickle, storages found only by the pickler, the small records and the
     central directory). Between the two, the head can be written."""
 
-    def __init__(self, obj: Any, stage: Optional[Any] = None, alignment: int = STORAGE_ALIGNMENT) -> None:
+    def __init__(
+        self,
+        obj: Any,
+        stage: Optional[Any] = None,
+        alignment: int = STORAGE_ALIGNMENT,
+        versions: Optional[TensorVersions] = None,
+    ) -> None:
         """``stage(storage)`` says which storages are copied from a device
         through the staging path (default: CUDA storages). ``alignment``:
         of the ``data/<key>`` records (a power of two, at least 64; recorded
-        in ``.storage_alignment``)."""
+        in ``.storage_alignment``). ``versions``: tensors the pickler finds
+        that it does not know yet are added to it."""
         if alignment < SMALL_ALIGNMENT or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= {SMALL_ALIGNMENT}, not {alignment}")
         self.obj = obj
+        self.versions = versions
         self.alignment = alignment
         self.stage = stage if stage is not None else (lambda st: st.device.type == "cuda")
         self.cursor = 0
@@ -115,7 +123,7 @@ class TorchZipLayout:
     def tail(self) -> Batch:
         """Pickle the object, then lay out everything else. Raises
         :class:`SerializationError` when the object cannot be saved."""
-        data_pkl, storages = pickle_obj(self.obj, self._known)
+        data_pkl, storages = pickle_obj(self.obj, self._known, self.versions)
         for key, storage in storages.items():
             if key not in self._known_keys:
                 self._add_storage(key, storage)
@@ -299,12 +307,14 @@ def _is_data_record(name: str) -> bool:
     return bool(sep) and bool(key) and "/" not in key and head.count("/") <= 1 and not head.endswith(".")
 
 
-def plan_torch_save(obj: Any, stage: Optional[Any] = None, alignment: int = STORAGE_ALIGNMENT) -> Plan:
+def plan_torch_save(
+    obj: Any, stage: Optional[Any] = None, alignment: int = STORAGE_ALIGNMENT, versions: Optional[TensorVersions] = None
+) -> Plan:
     """Describe the whole ``torch.save`` file of ``obj`` at once. Without
     ``stage`` every storage is in host memory (device storages are copied to
     the host); with it, the storages it selects are left on their device, in
     ``plan.device``. ``alignment``: of the storage records (4096 by default)."""
-    z = TorchZipLayout(obj, stage=stage or (lambda st: False), alignment=alignment)
+    z = TorchZipLayout(obj, stage=stage or (lambda st: False), alignment=alignment, versions=versions)
     plan = Plan()
     plan.extend(z.head())
     plan.extend(z.tail())

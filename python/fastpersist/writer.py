@@ -31,6 +31,7 @@ from .options import (
     warn_fallback,
     write_stats,
 )
+from .pickling import TensorVersions
 from .plan import MemoryGuard, Plan, split_regions
 from .safetensors_format import plan_safetensors
 from .torch_zip import TorchZipLayout, plan_torch_save
@@ -57,6 +58,8 @@ def _head_writer(session: Any, head: Any, ctx: Optional[DeviceContext], guard: M
 
     def write_head() -> None:
         try:
+            if ctx is not None:
+                ctx.use()  # a fresh thread: on the call's device, never device 0 by default
             send(session, head, ctx, guard=guard)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             failure.append(e)
@@ -78,6 +81,7 @@ def write_torch_zip(
     opts: EngineOptions,
     on_gathered: Optional[Callable[[], None]] = None,
     ready: Optional[ReadyEvents] = None,
+    versions: Optional[TensorVersions] = None,
 ) -> WriteStats:
     """Write ``obj`` as a torch zip checkpoint at ``path`` and commit it.
 
@@ -85,14 +89,20 @@ def write_torch_zip(
     one pickles; the rest follows. Storages on a CUDA device are staged
     chunk by chunk (cuda_staging); the copies wait on ``ready`` (events
     recorded on the caller's streams at the call, by device) or, without
-    it, on the current streams now. ``on_gathered()`` is called once no
-    tensor memory will be read again."""
+    it, on the current streams now. ``versions``: the tensors' version
+    counters as of the call (taken now when not given); once no tensor
+    memory will be read again they are checked (a tensor changed in place
+    meanwhile: :class:`~fastpersist.TensorChangedError`, nothing is
+    committed), then ``on_gathered()`` is called."""
     t0 = time.perf_counter()
     if is_special_file(path):
         plan = plan_torch_save(obj)
         return stream_plan(plan, path, time.perf_counter() - t0, t0)
+    if versions is None:
+        versions = TensorVersions(obj)
+    gathered = _checked(versions, obj, on_gathered)
     stage, kind = staging_setup()
-    layout = TorchZipLayout(obj, stage=stage)
+    layout = TorchZipLayout(obj, stage=stage, versions=versions)
     head = layout.head()
     ctx: Optional[DeviceContext] = None
     if head.device:
@@ -111,8 +121,9 @@ def write_torch_zip(
                 finally:
                     join()
                 if tail.device and ctx is None:
-                    ctx = DeviceContext([], test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)
-                raw = send(session, tail, ctx, layout.file_len, on_gathered, layout.guard)
+                    devices = sorted({r.storage.device for r in tail.device}, key=str)
+                    ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)
+                raw = send(session, tail, ctx, layout.file_len, gathered, layout.guard)
             except BaseException:
                 session.abort()
                 raise
@@ -127,6 +138,20 @@ def write_torch_zip(
     return write_stats(raw, path, layout.storage_bytes, layout.storage_keys, plan_seconds, time.perf_counter() - t0)
 
 
+def _checked(versions: TensorVersions, obj: Any, on_gathered: Optional[Callable[[], None]]) -> Callable[[], None]:
+    """The engine's ``on_gathered`` hook: every byte of caller memory is in
+    the arena and nothing is committed yet. A tensor changed in place since
+    the call raises (the engine then commits nothing) or warns; then
+    ``on_gathered()`` (the end of an async save's snapshot phase)."""
+
+    def gathered() -> None:
+        versions.check(obj)
+        if on_gathered is not None:
+            on_gathered()
+
+    return gathered
+
+
 def write_plan(
     plan: Plan,
     path: str,
@@ -134,29 +159,33 @@ def write_plan(
     plan_seconds: float = 0.0,
     t0: Optional[float] = None,
     index: int = 0,
+    on_gathered: Optional[Callable[[], None]] = None,
 ) -> WriteStats:
     """Write a whole :class:`~fastpersist.plan.Plan` and commit it. Its
     device storages (``plan.device``) are streamed through the staging slots
     (:mod:`fastpersist.cuda_staging`); ``index`` picks one of several engines
-    for the same options (files written at once from several threads)."""
+    for the same options (files written at once from several threads).
+    ``on_gathered()`` is called once no caller memory will be read again,
+    before the commit; when it raises, nothing is committed."""
     t0 = time.perf_counter() if t0 is None else t0
     if is_special_file(path) and not plan.device:
         return stream_plan(plan, path, plan_seconds, t0)
     guard = plan.guard if plan.guard else None
-    if plan.device:
+    if plan.device or on_gathered is not None:
         _, kind = staging_setup()
         devices = sorted({r.storage.device for r in plan.device}, key=str)
-        ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk())
+        ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk()) if plan.device else None
         try:
             with use_engine(opts, index) as eng:
                 session = eng.begin(path, plan.file_len)
                 try:
-                    raw = send(session, plan, ctx, plan.file_len, guard=guard)
+                    raw = send(session, plan, ctx, plan.file_len, on_gathered, guard=guard)
                 except BaseException:
                     session.abort()
                     raise
         finally:
-            ctx.close()
+            if ctx is not None:
+                ctx.close()
     else:
         with use_engine(opts, index) as eng:
             raw = eng.write_file(path, plan.blobs, plan.regions, plan.slots, plan.file_len, guard)
@@ -213,11 +242,21 @@ def stream_plan(plan: Plan, path: str, plan_seconds: float = 0.0, t0: Optional[f
     return write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, now - t0)  # type: ignore[arg-type]
 
 
-def write_safetensors(obj: Any, path: str, opts: EngineOptions, metadata: Optional[Dict[str, str]]) -> WriteStats:
-    """Write a flat ``{name: tensor}`` dict as a safetensors file and commit it."""
+def write_safetensors(
+    obj: Any,
+    path: str,
+    opts: EngineOptions,
+    metadata: Optional[Dict[str, str]],
+    versions: Optional[TensorVersions] = None,
+    on_gathered: Optional[Callable[[], None]] = None,
+) -> WriteStats:
+    """Write a flat ``{name: tensor}`` dict as a safetensors file and commit
+    it; ``versions`` and ``on_gathered`` as for :func:`write_torch_zip`."""
     t0 = time.perf_counter()
+    if versions is None:
+        versions = TensorVersions(obj)
     plan = plan_safetensors(obj, metadata)
-    return write_plan(plan, path, opts, time.perf_counter() - t0, t0)
+    return write_plan(plan, path, opts, time.perf_counter() - t0, t0, on_gathered=_checked(versions, obj, on_gathered))
 
 
 def write_distributed(obj: Any, path: str, opts: EngineOptions, group: Any, sharded: bool, format: str) -> WriteStats:
@@ -247,6 +286,7 @@ def write_state_dict(
     io_uring: Optional[bool] = None,
     durable: bool = True,
     gather_threads: Optional[int] = None,
+    on_change: str = "error",
 ) -> WriteStats:
     """Save ``obj`` to ``path`` like ``torch.save``, at the speed of the disk.
 
@@ -272,6 +312,10 @@ def write_state_dict(
     ``gather_threads`` threads that copy into the staging memory and
     checksum (default: the usable cores, at most 8).
 
+    A tensor changed in place (by another thread) while the save reads it
+    raises :class:`~fastpersist.TensorChangedError` and nothing is
+    committed; ``on_change="warn"`` warns and commits instead.
+
     Raises :class:`~fastpersist.SerializationError` for objects that cannot
     be saved, :class:`~fastpersist.WriteError` (an ``OSError`` with
     ``errno`` and ``filename``) for I/O failures, ``ValueError`` for bad
@@ -281,11 +325,12 @@ def write_state_dict(
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
     opts = EngineOptions.resolve(block_size, arena_bytes, queue_depth, direct, io_uring, durable, gather_threads)
+    versions = TensorVersions(obj, on_change)
     wait_for_earlier(p)
     if group is not None or sharded:
         return write_distributed(obj, p, opts, group, sharded, format)
     if format == "safetensors":
-        return write_safetensors(obj, p, opts, metadata)
+        return write_safetensors(obj, p, opts, metadata, versions)
     if metadata is not None:
         raise ValueError("metadata is only stored by format='safetensors'")
-    return write_torch_zip(obj, p, opts)
+    return write_torch_zip(obj, p, opts, versions=versions)

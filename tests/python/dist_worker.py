@@ -23,7 +23,7 @@ def state(seed: int):
     }
 
 
-def main() -> None:
+def main() -> None:  # noqa: C901 - one branch per scenario
     scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     import fastpersist
     import torch.distributed as dist
@@ -40,6 +40,28 @@ def main() -> None:
             f = fastpersist.save_async(state(0), os.path.join(out, "ckpt.pt"), group=dist.group.WORLD)
             f.wait_snapshot()
             result["bytes"] = f.result(timeout=120).bytes
+        elif scenario == "busy":
+            # Training collectives on the main thread while the save's own
+            # collectives run in the background: never on the same group.
+            import torch
+
+            f = fastpersist.save_async(state(0), os.path.join(out, "ckpt.pt"), group=dist.group.WORLD)
+            total = 0.0
+            for _ in range(200):
+                t = torch.ones(1000)
+                dist.all_reduce(t)
+                total += float(t[0])
+            result["bytes"] = f.result(timeout=120).bytes
+            result["sum"] = total
+        elif scenario == "mesh":
+            # 2 x 2: tensor-parallel rank tp = rank % 2, data-parallel groups
+            # {0, 2} and {1, 3}; each data-parallel group saves its replica.
+            dp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            tp = rank % 2
+            for round_ in range(2):  # the second save reuses the checkpoint groups
+                f = fastpersist.save_async(state(tp), os.path.join(out, f"tp{tp}.pt"), group=dp[tp])
+                f.wait_snapshot()
+                result["bytes"] = f.result(timeout=120).bytes
         elif scenario == "sharded":
             d = os.path.join(out, "sharded")
             for round_ in range(2):  # a second save replaces the first

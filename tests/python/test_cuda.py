@@ -373,3 +373,45 @@ def test_read_error_waits_for_the_other_read():
     finally:
         copier.close()
         st.close()
+
+
+# --- Issue 16: devices and streams in real training loops -------------------
+
+needs_2_gpus = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@needs_2_gpus
+def test_no_context_on_gpu_0_when_working_on_gpu_1(tmp_path):
+    """As under torchrun with set_device(local_rank): saves (sync, async of
+    both modes) and a read to cuda:1 leave no CUDA context on GPU 0."""
+    code = f"""
+import torch, fastpersist
+torch.cuda.set_device(1)
+sd = {{"w": torch.randn(3_000_000, device="cuda:1"), "b": torch.randn(7, device="cuda:1"), "c": torch.ones(3)}}
+fastpersist.write_state_dict(sd, {str(tmp_path / "a.pt")!r})
+for mode in ("pipelined", "snapshot"):
+    fastpersist.save_async(sd, {str(tmp_path)!r} + f"/{{mode}}.pt", mode=mode).result(timeout=120)
+got = fastpersist.read_state_dict({str(tmp_path / "a.pt")!r}, map_location="cuda:1")
+assert torch.equal(got["w"], sd["w"])
+fastpersist.release_staging()
+print(torch._C._cuda_hasPrimaryContext(0), torch._C._cuda_hasPrimaryContext(1))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
+
+
+@needs_cuda
+def test_copy_stream_is_dedicated_and_non_blocking():
+    from fastpersist.cuda_staging import copy_stream
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    s = copy_stream(dev)
+    assert copy_stream(dev) is s  # one per device per process
+    pooled = {torch.cuda.Stream(device=dev).cuda_stream for _ in range(80)}  # every pooled stream
+    assert s.cuda_stream not in pooled
+    assert s.cuda_stream != torch.cuda.current_stream(dev).cuda_stream
+    flags = ctypes.c_uint()
+    cu = ctypes.CDLL("libcuda.so.1")
+    assert cu.cuStreamGetFlags(ctypes.c_void_p(s.cuda_stream), ctypes.byref(flags)) == 0
+    assert flags.value & 1  # CU_STREAM_NON_BLOCKING
