@@ -42,6 +42,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -365,9 +366,23 @@ class Checkpointer:
         self._stage_futures: List[Any] = []
         #: File identity (dev, ino, size, mtime_ns) -> whether it verified.
         self._valid: Dict[Tuple[int, int, int, int], bool] = {}
+        _checkpointers.add(self)
         for d in filter(None, (self.directory, self.stage_dir)):
             for name in clean_temp_files(d):
                 log.warning("fastpersist: removed %s, left by a save that did not finish", os.path.join(d, name))
+
+    def _after_fork_in_child(self) -> None:
+        """In a child made by ``os.fork()``: the checkpoint in flight and the
+        copies to ``stage_dir`` are the parent's (its saver's future fails
+        here with :class:`~fastpersist.InheritedSaveError`); the child
+        neither waits for them nor logs them, and stages with threads of
+        its own."""
+        self._lock = threading.RLock()
+        self._inflight = None
+        self._last_step_at = None
+        self._stage_futures = []
+        if self._stager is not None:
+            self._stager = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-stage")
 
     # -- the training loop -------------------------------------------------
 
@@ -650,3 +665,16 @@ class Checkpointer:
         ev = {"time": time.time(), **ev}
         with self._lock, open(os.path.join(self.directory, LOG_NAME), "a") as f:
             f.write(json.dumps(ev) + "\n")
+
+
+#: Every live Checkpointer, for the reset in a fork child.
+_checkpointers: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for ck in list(_checkpointers):
+        ck._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -11,6 +11,7 @@ __all__ = [
     "SerializationError",
     "CorruptCheckpointError",
     "StorageChangedError",
+    "InheritedSaveError",
     "WriteError",
     "FallbackWarning",
     "drop_frames",
@@ -39,6 +40,13 @@ class StorageChangedError(FastPersistError, RuntimeError):
     gathered them). Checked before each window of memory is read and once
     more before the commit: the save is abandoned and whatever the path
     held before is left as it was."""
+
+
+class InheritedSaveError(FastPersistError, RuntimeError):
+    """The future of a background save that was in flight when this process
+    was made by ``os.fork()``: the save belongs to the parent process, which
+    completes and commits it; in the child its future fails with this at
+    once (nothing in the child waits for, writes, commits or removes it)."""
 
 
 class FallbackWarning(RuntimeWarning):

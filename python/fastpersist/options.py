@@ -211,6 +211,25 @@ def use_engine(opts: EngineOptions, index: int = 0) -> Iterator[_core.Engine]:
         yield eng
 
 
+def _after_fork_in_child() -> None:
+    """In a child made by ``os.fork()`` (a DataLoader worker, a user's own
+    fork): the parent's engines, and the locks that threads of the parent
+    may have held at the fork, are not this process's. The child starts
+    with no engines (it makes its own on first use); the core leaves the
+    copies it inherited alone when they are freed (their ring is shared with
+    the parent, their threads do not exist here, their temporary files are
+    the parent's). Saves pending in the parent are not waited for here."""
+    global _engines, _engines_lock, _order_lock, _pending_by_path
+    _engines_lock = threading.RLock()
+    _engines = OrderedDict()
+    _order_lock = threading.RLock()
+    _pending_by_path = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def cached_option_sets() -> List[EngineOptions]:
     """The option sets whose engines are cached, least recently used first."""
     with _engines_lock:
