@@ -360,6 +360,8 @@ class Checkpointer:
         self._saver = AsyncSaver(max_pending=2)
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-stage") if self.stage_dir else None
         self._lock = threading.RLock()
+        #: errnos of failed writes of the checkpoint log (warned once each).
+        self._log_errors: set = set()
         self._inflight: Optional[_InFlight] = None
         self._last_step_at: Optional[float] = None
         self._staged: set = set(_scan(self.stage_dir, "shared"))
@@ -662,9 +664,19 @@ class Checkpointer:
     # -- telemetry -----------------------------------------------------------
 
     def _log_event(self, ev: Dict[str, Any]) -> None:
+        """Append ``ev`` to ``checkpoints.jsonl``. Telemetry never fails a
+        checkpoint nor the training loop: on a directory that has become
+        read-only or full the line is dropped, with one warning per errno."""
         ev = {"time": time.time(), **ev}
-        with self._lock, open(os.path.join(self.directory, LOG_NAME), "a") as f:
-            f.write(json.dumps(ev) + "\n")
+        path = os.path.join(self.directory, LOG_NAME)
+        with self._lock:
+            try:
+                with open(path, "a") as f:
+                    f.write(json.dumps(ev) + "\n")
+            except OSError as e:
+                if e.errno not in self._log_errors:
+                    self._log_errors.add(e.errno)
+                    log.warning("fastpersist: cannot write the checkpoint log %s (%s); events are dropped", path, e)
 
 
 #: Every live Checkpointer, for the reset in a fork child.

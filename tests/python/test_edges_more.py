@@ -16,10 +16,12 @@ import textwrap
 
 import pytest
 import torch
+from conftest import is_root
 
 PRELUDE = """
-import os, sys, time, warnings
+import faulthandler, os, sys, time, warnings
 import torch, fastpersist
+faulthandler.dump_traceback_later(float(os.environ["EDGES_TIMEOUT"]), exit=True)  # a hang shows where
 warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a multi-threaded process
 
 def wait_child(pid, secs=60):
@@ -45,7 +47,7 @@ def run_script(body: str, *args: str, timeout: float = 120, env: dict | None = N
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "EDGES_TIMEOUT": str(timeout - 10), **(env or {})},
     )
     return r
 
@@ -144,3 +146,143 @@ def test_fork_while_saves_are_in_flight(tmp_path, exit_mode, io_uring):
     assert sorted(os.listdir(tmp_path / "kids")) == sorted(f"{i}.pt" for i in range(20))
     for i in range(20):
         assert int(torch.load(tmp_path / "kids" / f"{i}.pt")["i"]) == i
+
+
+# 2. A file system that turns read-only, or fills up, while saves are queued.
+
+
+@pytest.fixture
+def ext4(tmp_path):
+    """Make and mount a small loop-mounted ext4 (root only); unmounted at the end."""
+    if not is_root():
+        pytest.skip("needs root to mount a loop file system")
+    mounted = []
+
+    def make(name: str, size: str = "32M", features: str = "") -> str:
+        img, mnt = tmp_path / f"{name}.img", tmp_path / name
+        mnt.mkdir()
+        subprocess.run(["truncate", "-s", size, str(img)], check=True)
+        r = subprocess.run(["mkfs.ext4", "-q", *(["-O", features] if features else []), str(img)], capture_output=True)
+        if r.returncode == 0:
+            r = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot make a loop ext4: {r.stderr.decode().strip()}")
+        mounted.append(str(mnt))
+        return str(mnt)
+
+    try:
+        yield make
+    finally:
+        for m in reversed(mounted):
+            if subprocess.run(["umount", m], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", m], capture_output=True)
+
+
+# A save to a FIFO in snapshot mode holds the write thread until the FIFO
+# is read: the saves called after it are queued, not started (snapshot
+# saves, then at most one pipelined save: the call after a pipelined save
+# waits for its snapshot phase, which is its write).
+GATE = """
+import errno, logging, subprocess, threading
+from fastpersist.async_save import AsyncSaver
+logging.basicConfig(level=logging.ERROR)
+saver = AsyncSaver(max_pending=4)  # save_async's, with room for three saves behind the gate
+
+def gate(d):
+    fifo = os.path.join(d, "gate")
+    os.mkfifo(fifo)
+    f = saver.save({"g": torch.ones(4)}, fifo, mode="snapshot")
+    def open_gate():
+        with open(fifo, "rb") as r:
+            r.read()
+        f.result(timeout=30)
+        os.unlink(fifo)
+    return open_gate
+
+def fails_with(fut, code):
+    try:
+        fut.result(timeout=60)
+    except fastpersist.WriteError as e:
+        assert e.errno == code, e
+        assert isinstance(e, OSError) and e.filename, e
+        return
+    raise AssertionError("the save did not fail")
+"""
+
+READ_ONLY = """
+mnt, healthy = sys.argv[1], sys.argv[2]
+p = os.path.join(mnt, "model.pt")
+fastpersist.write_state_dict({"prev": torch.ones(3)}, p)
+ck = fastpersist.Checkpointer(os.path.join(mnt, "ck"), every=1)
+ck.save(1, {"prev": torch.ones(3)}).result()
+open_gate = gate(healthy)
+queued = [saver.save({"new": torch.zeros(3)}, p, mode=m) for m in ("snapshot", "pipelined")]
+subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+ck.save(2, {"new": torch.zeros(3)})
+for s in range(3, 6):
+    ck.step(s, {"new": torch.zeros(3)})  # failures are logged, training goes on
+open_gate()
+for f in queued:
+    fails_with(f, errno.EROFS)
+ck.close()  # the failure is logged; its telemetry cannot be written here, and that is no error either
+fastpersist.save_async({"after": torch.ones(2)}, os.path.join(healthy, "after.pt")).result(timeout=30)
+print("OK", flush=True)
+"""
+
+
+def test_queued_saves_to_a_file_system_turned_read_only(tmp_path, ext4):
+    mnt = ext4("ro")
+    r = run_script(GATE + READ_ONLY, mnt, str(tmp_path), timeout=90)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    assert "checkpoint of step 2 failed" in r.stderr and "Read-only" in r.stderr
+    assert torch.all(torch.load(os.path.join(mnt, "model.pt"))["prev"] == 1)
+    assert sorted(set(os.listdir(os.path.join(mnt, "ck"))) - {"checkpoints.jsonl"}) == ["ckpt-000000000001.pt"]
+    assert temp_files(tmp_path) == []
+    assert torch.all(torch.load(tmp_path / "after.pt")["after"] == 1)
+
+
+FULL = """
+mnt, healthy = sys.argv[1], sys.argv[2]
+p = os.path.join(mnt, "model.pt")
+fastpersist.write_state_dict({"prev": torch.ones(3)}, p)
+ck = fastpersist.Checkpointer(os.path.join(mnt, "ck"), every=1)
+ck.save(1, {"prev": torch.ones(3)}).result()
+big = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(10)}  # 40 MiB, more than the file system holds
+# Full mid-save: this file system has no fallocate (no extents), so nothing
+# is reserved up front and a write half-way through fails.
+open_gate = gate(healthy)
+queued = [saver.save(big, p, mode=m, io_uring=u) for m, u in [("snapshot", True), ("snapshot", False), ("pipelined", False)]]
+open_gate()
+for f in queued:
+    fails_with(f, errno.ENOSPC)
+ck.save(2, big)
+ck.wait()
+# Full before the save starts: nothing left at all.
+open_gate = gate(healthy)
+queued = saver.save({"new": torch.zeros(1 << 18)}, p)
+with open(os.path.join(mnt, "filler"), "wb", buffering=0) as f:
+    try:
+        while True:
+            f.write(bytes(1 << 16))
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+open_gate()
+fails_with(queued, errno.ENOSPC)
+ck.save(3, {"new": torch.zeros(1 << 18)})
+ck.step(4, {"new": torch.zeros(1 << 18)})
+ck.close()  # failures logged, telemetry not written: no error
+os.unlink(os.path.join(mnt, "filler"))
+fastpersist.save_async({"after": torch.ones(2)}, p).result(timeout=30)  # space again: the path works
+print("OK", flush=True)
+"""
+
+
+def test_queued_saves_to_a_file_system_that_fills_up(tmp_path, ext4):
+    mnt = ext4("full", "32M", "^extent,^64bit")
+    r = run_script(GATE + FULL, mnt, str(tmp_path), timeout=90)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    assert "checkpoint of step 2 failed" in r.stderr and "No space left" in r.stderr
+    assert torch.all(torch.load(os.path.join(mnt, "model.pt"))["after"] == 1)
+    assert torch.all(torch.load(os.path.join(mnt, "ck", "ckpt-000000000001.pt"))["state"]["prev"] == 1)
+    assert sorted(set(os.listdir(os.path.join(mnt, "ck"))) - {"checkpoints.jsonl"}) == ["ckpt-000000000001.pt"]
+    assert temp_files(tmp_path) == []
