@@ -1122,6 +1122,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(temp_file_in_use, m)?)?;
     m.add_function(wrap_pyfunction!(is_temp_name, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
+    m.add("TEMP_NAME_PART_MAX", crate::commit::TEMP_NAME_PART_MAX)?;
     add_stats_types(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

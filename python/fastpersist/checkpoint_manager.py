@@ -50,6 +50,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from . import _core
 from .async_save import AsyncSaver, CheckpointFuture
 from .errors import CorruptCheckpointError
+from .options import TEMP_MIN_AGE, remove_stale_temps
 from .reader import read_state_dict
 from .verify import verify_file
 
@@ -61,8 +62,6 @@ CKPT_RE = re.compile(r"^ckpt-([0-9]{12,20})\.pt$")
 #: Temporary files of checkpoint saves, exactly as the core names them.
 TEMP_RE = re.compile(r"^\.(ckpt-[0-9]{12,20}\.pt)\.[0-9]+\.[0-9]+" + re.escape(_core.TEMP_MARKER) + "$")
 LOG_NAME = "checkpoints.jsonl"
-#: A temporary file younger than this (seconds) is never removed.
-TEMP_MIN_AGE = 600.0
 #: How often latest()/load_latest() list again when listed files vanish.
 _RELIST = 20
 
@@ -148,27 +147,7 @@ def clean_temp_files(directory: str, min_age: float = TEMP_MIN_AGE) -> List[str]
     checkpoint save names them, not locked by a live writer (on any host or
     in any PID namespace), and older than ``min_age`` seconds. Returns the
     names removed."""
-    removed: List[str] = []
-    if not os.path.isdir(directory):
-        return removed
-    now = time.time()
-    for name in os.listdir(directory):
-        if not TEMP_RE.match(name):
-            continue
-        p = os.path.join(directory, name)
-        try:
-            st = os.lstat(p)
-            if not os.path.isfile(p) or os.path.islink(p) or now - st.st_mtime < min_age:
-                continue
-            if _core.temp_file_in_use(p):
-                continue
-            os.unlink(p)
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warning("fastpersist: cannot remove the leftover temporary file %s: %s", p, e)
-    return removed
+    return remove_stale_temps(directory, TEMP_RE.match, min_age)
 
 
 class FrequencyTuner:

@@ -21,7 +21,8 @@ from conftest import is_root
 PRELUDE = """
 import faulthandler, os, sys, time, warnings
 import torch, fastpersist
-faulthandler.dump_traceback_later(float(os.environ["EDGES_TIMEOUT"]), exit=True)  # a hang shows where
+if os.environ.get("EDGES_TIMEOUT"):
+    faulthandler.dump_traceback_later(float(os.environ["EDGES_TIMEOUT"]), exit=True)  # a hang shows where
 warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a multi-threaded process
 
 def wait_child(pid, secs=60):
@@ -40,14 +41,20 @@ def big(v, n=4):
 """
 
 
-def run_script(body: str, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_script(
+    body: str, *args: str, timeout: float = 120, env: dict | None = None, watchdog: bool = True
+) -> subprocess.CompletedProcess:
+    """Run ``PRELUDE + body`` in a fresh interpreter. With ``watchdog``, a
+    hang dumps every thread's stack before the timeout (not for scripts
+    whose fork children exit through the interpreter: CPython's watchdog
+    thread is not in the child, and the child's exit waits for it)."""
     code = PRELUDE + textwrap.dedent(body)
     r = subprocess.run(
         [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "EDGES_TIMEOUT": str(timeout - 10), **(env or {})},
+        env={**os.environ, "EDGES_TIMEOUT": str(timeout - 10) if watchdog else "", **(env or {})},
     )
     return r
 
@@ -126,7 +133,7 @@ print("PARENT OK", flush=True)
 
 @pytest.mark.parametrize("exit_mode,io_uring", [("_exit", "1"), ("exit", "0")])
 def test_fork_while_saves_are_in_flight(tmp_path, exit_mode, io_uring):
-    r = run_script(FORK, str(tmp_path), exit_mode, env={"FASTPERSIST_IO_URING": io_uring})
+    r = run_script(FORK, str(tmp_path), exit_mode, env={"FASTPERSIST_IO_URING": io_uring}, watchdog=False)
     assert r.returncode == 0 and "PARENT OK" in r.stdout, r.stdout + r.stderr
     assert temp_files(tmp_path) == []
     # The parent's saves, committed whole by the parent.
@@ -286,3 +293,110 @@ def test_queued_saves_to_a_file_system_that_fills_up(tmp_path, ext4):
     assert torch.all(torch.load(os.path.join(mnt, "ck", "ckpt-000000000001.pt"))["state"]["prev"] == 1)
     assert sorted(set(os.listdir(os.path.join(mnt, "ck"))) - {"checkpoints.jsonl"}) == ["ckpt-000000000001.pt"]
     assert temp_files(tmp_path) == []
+
+
+# 3. Many short-lived processes saving into one directory, some killed.
+
+MANY = """
+import json, signal
+d = sys.argv[1]
+
+def worker(i):
+    for j in range(10):
+        path = os.path.join(d, "shared.pt" if j % 2 == 0 else f"own{i}.pt")
+        obj = {"proc": i, "save": j, "w": torch.full((1000 * (1 + j),), float(100 * i + j))}
+        if j % 3 == 0:
+            fastpersist.save_async(obj, path, mode="snapshot" if j % 2 else "pipelined").result(timeout=60)
+        else:
+            fastpersist.write_state_dict(obj, path)
+
+def victim(i):
+    big = {"proc": 100 + i, "w": torch.full((16 << 20,), float(100 + i))}  # 64 MiB
+    if i == 0:
+        while True:
+            fastpersist.write_state_dict(big, os.path.join(d, "shared.pt"))
+    ck = fastpersist.Checkpointer(d, every=1, keep_last=1000)
+    for s in range(10**6):
+        ck.save(s, big).result()
+
+def start(fn, i):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn(i)
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+workers = [start(worker, i) for i in range(8)]
+victims = [start(victim, i) for i in range(2)]
+# Each victim is killed while a save of it is under way: once its temporary file is there.
+for pid in victims:
+    t = time.time()
+    while not any(f".{pid}." in n and n.endswith(".fptmp") for n in os.listdir(d)):
+        assert time.time() - t < 60, "no save of the victim started"
+        time.sleep(0.002)
+    os.kill(pid, signal.SIGKILL)
+codes = [wait_child(p) for p in workers + victims]
+assert codes == [0] * 8 + [-9, -9], codes
+left = sorted(n for n in os.listdir(d) if any(f".{p}." in n for p in victims))
+assert len(left) >= 2 and all(fastpersist._core.is_temp_name(n) for n in left), left
+print(json.dumps(left), flush=True)
+# Leftovers old enough to be over: the next save to that path, and the next
+# Checkpointer, remove those of the dead processes, and only those.
+old = time.time() - 3600
+for n in left:
+    os.utime(os.path.join(d, n), (old, old))
+fastpersist.write_state_dict({"proc": -1, "save": 0, "w": torch.zeros(1)}, os.path.join(d, "shared.pt"))
+fastpersist.Checkpointer(d).close()
+print("OK", flush=True)
+"""
+
+
+def test_many_short_lived_processes_save_into_one_directory(tmp_path):
+    import json
+
+    from fastpersist import _core
+
+    d = tmp_path
+    others = {
+        "notes.txt": b"notes",
+        ".shared.pt.fptmp": b"a lookalike",
+        "shared.pt.1.2.fptmp": b"no leading dot",
+        ".other.pt.4000000.1.fptmp": b"another target's leftover",
+        ".ckpt-000000000001.pt.4000000.1.fptmp.bak": b"a lookalike",
+    }
+    for n, data in others.items():
+        (d / n).write_bytes(data)
+        os.utime(d / n, (1e9, 1e9))
+    before = {n: os.stat(d / n) for n in others}
+    held = _core.TempFile(str(d / "shared.pt"))  # a live writer's file: locked, however old
+    os.utime(held.temp_path, (1e9, 1e9))
+    try:
+        r = run_script(MANY, str(d), timeout=110)
+        assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+        left = json.loads(r.stdout.splitlines()[0])
+        assert any(n.startswith(".shared.pt.") for n in left) and any(n.startswith(".ckpt-") for n in left), left
+        names = set(os.listdir(d))
+        assert not names & set(left), "leftovers of the killed processes were not swept"
+        assert os.path.basename(held.temp_path) in names
+        assert _core.temp_file_in_use(held.temp_path)
+    finally:
+        held.abort()
+    for n, st in before.items():
+        now = os.stat(d / n)
+        assert (now.st_ino, now.st_mtime, now.st_size) == (st.st_ino, st.st_mtime, st.st_size), n
+    names = set(os.listdir(d))
+    assert not [n for n in names if _core.is_temp_name(n) and n not in others], names
+    # Every file is whole, and holds one of the saves made to its path.
+    assert torch.load(d / "shared.pt")["proc"] == -1
+    for i in range(8):
+        got = torch.load(d / f"own{i}.pt")
+        assert (got["proc"], got["save"]) == (i, 9)
+        assert torch.all(got["w"] == 100 * i + 9) and got["w"].numel() == 10_000
+    ckpts = sorted(n for n in names if n.startswith("ckpt-"))
+    for n in ckpts:
+        got = torch.load(d / n)["state"]
+        assert got["proc"] == 101 and torch.all(got["w"] == 101)
