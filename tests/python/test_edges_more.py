@@ -400,3 +400,50 @@ def test_many_short_lived_processes_save_into_one_directory(tmp_path):
     for n in ckpts:
         got = torch.load(d / n)["state"]
         assert got["proc"] == 101 and torch.all(got["w"] == 101)
+
+
+# 4. Ctrl-C during a save, and a directory removed or renamed under queued saves.
+
+INTERRUPTS = """
+import errno, shutil, signal, threading
+d = sys.argv[1]
+state = {f"w{i}": torch.full((2 << 20,), float(i)) for i in range(8)}  # 64 MiB
+p = os.path.join(d, "k.pt")
+fastpersist.write_state_dict({"prev": torch.ones(2)}, p)
+for delay in (0.001, 0.01, 0.03, 0.1):
+    threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        fastpersist.write_state_dict(state, p)
+        time.sleep(1)  # the interrupt lands here instead
+    except KeyboardInterrupt:
+        pass
+    # Whole: the previous checkpoint or the new one, never a temporary file.
+    assert not [n for n in os.listdir(d) if n.endswith(".fptmp")], os.listdir(d)
+    assert sorted(torch.load(p)) in (["prev"], sorted(state)), delay
+fastpersist.write_state_dict({"after": torch.ones(2)}, p)
+for how in ("removed", "renamed"):
+    sub = os.path.join(d, how)
+    os.makedirs(sub)
+    ahead = fastpersist.save_async(state, os.path.join(d, "ahead.pt"))
+    queued = fastpersist.save_async({"x": torch.ones(2)}, os.path.join(sub, "x.pt"))
+    if how == "removed":
+        shutil.rmtree(sub)
+    else:
+        os.rename(sub, sub + "-moved")
+    try:
+        queued.result(timeout=60)
+        raise AssertionError("saved into a directory that is gone")
+    except fastpersist.WriteError as e:
+        assert e.errno == errno.ENOENT and e.filename == sub, e
+    ahead.result(timeout=60)
+assert os.listdir(os.path.join(d, "renamed-moved")) == []
+fastpersist.save_async({"x": torch.ones(2)}, os.path.join(d, "x.pt")).result(timeout=60)
+print("OK", flush=True)
+"""
+
+
+def test_interrupted_save_and_directory_gone_under_a_queued_save(tmp_path):
+    r = run_script(INTERRUPTS, str(tmp_path), timeout=90)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ahead.pt", "k.pt", "renamed-moved", "x.pt"]
+    assert list(torch.load(tmp_path / "k.pt")) == ["after"]
