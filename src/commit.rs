@@ -272,6 +272,9 @@ pub struct TempFile {
     direct: bool,
     /// Test hook: the directory fsync of the commit fails with this errno.
     dir_fsync_fault: Option<i32>,
+    /// The process that created the file. A `fork()` child's copy is not
+    /// its to write, commit or remove: the parent goes on writing it.
+    pid: u32,
 }
 
 /// Attempts at a fresh temporary name when a concurrent sweep removed the
@@ -332,6 +335,7 @@ impl TempFile {
                 target: target.to_path_buf(),
                 direct: is_direct,
                 dir_fsync_fault: None,
+                pid: std::process::id(),
             };
             if let Some(mode) = mode {
                 // On failure, dropping `t` removes the file.
@@ -375,6 +379,7 @@ impl TempFile {
     }
     /// Turn O_DIRECT off on the open file (after a refused probe write).
     pub fn clear_direct(&mut self) -> Result<()> {
+        self.open_file()?;
         let fd = self.fd();
         // SAFETY: fcntl on our own open fd; no memory is passed.
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
@@ -393,6 +398,7 @@ impl TempFile {
     /// the space is only checked (statfs), not reserved: zero-filling the
     /// file first would cost as much as the write.
     pub fn preallocate(&self, len: u64) -> Result<()> {
+        self.open_file()?;
         if len == 0 {
             return Ok(());
         }
@@ -468,6 +474,13 @@ impl TempFile {
     }
 
     fn open_file(&self) -> Result<&File> {
+        if std::process::id() != self.pid {
+            return Err(Error::forked(
+                "this temporary file",
+                self.pid,
+                Some(&self.tmp),
+            ));
+        }
         self.file.as_ref().ok_or_else(|| {
             Error::os(
                 libc::EBADF,
@@ -550,6 +563,11 @@ impl TempFile {
 
 impl Drop for TempFile {
     fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // A fork child's copy: the file is the parent's, which is still
+            // writing it and holds its lock. Only our descriptor is closed.
+            self.name = None;
+        }
         if let Some(name) = self.name.take() {
             // Removed while still locked, so no sweeper sees it unlocked.
             // SAFETY: a NUL-terminated name relative to our open directory.

@@ -154,6 +154,25 @@ pub struct Engine {
     /// Test hook: sessions use at least this O_DIRECT block (as a file
     /// system with a larger alignment would ask for).
     pub(crate) min_block: Option<usize>,
+    /// The process that made the engine. After `fork()` a child has a copy
+    /// of it whose ring is shared with this process (same submission and
+    /// completion queues), whose pool threads do not exist and whose
+    /// writes in flight are this process's: the child never uses it, and
+    /// dropping it there leaves the ring and the pool alone.
+    pid: u32,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // A fork child's copy: the ring is the parent's (draining it here
+            // would take the parent's completions) and the pool's threads
+            // exist only there (joining them would wait forever). Leak both;
+            // the arena is this process's own copy and is unmapped as usual.
+            std::mem::forget(self.uring.take());
+            std::mem::forget(self.pool.take());
+        }
+    }
 }
 
 /// How many failures of other sessions' writes are kept for them.
@@ -196,7 +215,23 @@ impl Engine {
             lost: Vec::new(),
             dir_fsync_fault: None,
             min_block: None,
+            pid: std::process::id(),
         })
+    }
+
+    /// An error when this is a `fork()` child of the process that made the
+    /// engine (see [`Engine::owner_pid`]).
+    pub fn check_process(&self) -> Result<()> {
+        if std::process::id() == self.pid {
+            Ok(())
+        } else {
+            Err(Error::forked("this engine", self.pid, None))
+        }
+    }
+
+    /// The process that made the engine: only it may use it.
+    pub fn owner_pid(&self) -> u32 {
+        self.pid
     }
 
     pub fn options(&self) -> &Options {
@@ -295,6 +330,7 @@ impl Engine {
         &mut self,
         io: impl FnOnce(&mut dyn Sink, &mut Arena, &mut Vec<usize>) -> Result<T>,
     ) -> Result<T> {
+        self.check_process()?;
         let mut free = std::mem::take(&mut self.free);
         let (sink, arena) = self.parts();
         let res = io(sink, arena, &mut free);

@@ -22,6 +22,10 @@ pub enum ErrorKind {
     /// The caller refused to go on (a streamed write's `on_gathered`
     /// callback failed): nothing was committed.
     Cancelled,
+    /// An engine or temporary file made by another process (this one is a
+    /// `fork()` child of it) was used: its ring, threads, locks and file
+    /// belong to that process, which goes on using them.
+    Forked,
 }
 
 #[derive(Debug)]
@@ -84,6 +88,21 @@ impl Error {
             errno: None,
             path: None,
             context: why.into(),
+        }
+    }
+
+    /// `what`, made by process `owner`, was used in this process (a fork
+    /// child of it).
+    pub fn forked(what: &str, owner: u32, path: Option<&Path>) -> Self {
+        Error {
+            kind: ErrorKind::Forked,
+            errno: None,
+            path: path.map(Path::to_path_buf),
+            context: format!(
+                "{what} belongs to process {owner}; this process ({}) is a fork of it \
+                 and cannot use it (it makes its own)",
+                std::process::id()
+            ),
         }
     }
 

@@ -60,7 +60,7 @@ fn to_py(e: Error) -> PyErr {
         }
         ErrorKind::InvalidLayout | ErrorKind::InvalidOption => PyValueError::new_err(e.to_string()),
         // The callback's own exception is raised instead (see `finish`).
-        ErrorKind::Cancelled => PyRuntimeError::new_err(e.to_string()),
+        ErrorKind::Cancelled | ErrorKind::Forked => PyRuntimeError::new_err(e.to_string()),
     }
 }
 
@@ -287,6 +287,9 @@ impl PyHostBuffer {
 #[pyclass(module = "fastpersist._core", name = "Engine", frozen)]
 struct PyEngine {
     inner: Mutex<Engine>,
+    /// The process that made the engine, checked before `inner` is locked
+    /// (in a fork child the lock may be held by a thread that is not there).
+    pid: u32,
     arena_ptr: usize,
     arena_bytes: usize,
     block_size: usize,
@@ -338,6 +341,7 @@ impl PyEngine {
             arena_ptr: eng.arena().as_ptr() as usize,
             arena_bytes: eng.arena().len(),
             block_size,
+            pid: eng.owner_pid(),
             inner: Mutex::new(eng),
         })
     }
@@ -360,12 +364,12 @@ impl PyEngine {
 
     #[getter]
     fn uses_io_uring(&self) -> bool {
-        self.inner.lock().is_ok_and(|e| e.uses_io_uring())
+        self.engine().is_ok_and(|e| e.uses_io_uring())
     }
 
     #[getter]
     fn locked(&self) -> bool {
-        self.inner.lock().is_ok_and(|e| e.arena().locked())
+        self.engine().is_ok_and(|e| e.arena().locked())
     }
 
     /// Test hooks: make the write that covers `offset` fail with `errno`;
@@ -383,7 +387,7 @@ impl PyEngine {
         dir_fsync_errno: Option<i32>,
         min_block: Option<usize>,
     ) -> PyResult<()> {
-        if let Ok(mut e) = self.inner.lock() {
+        if let Ok(mut e) = self.engine() {
             e.set_fault(offset.map(|offset| Fault { offset, errno }), refuse_direct);
             e.set_dir_fsync_fault(dir_fsync_errno);
             e.set_min_block(min_block).map_err(to_py)?;
@@ -519,6 +523,9 @@ impl PyEngine {
 
 impl PyEngine {
     fn engine(&self) -> Result<std::sync::MutexGuard<'_, Engine>, Error> {
+        if std::process::id() != self.pid {
+            return Err(Error::forked("this engine", self.pid, None));
+        }
         self.inner
             .lock()
             .map_err(|_| Error::option("engine poisoned by an earlier panic"))
@@ -1158,6 +1165,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wait_for_frees, m)?)?;
     m.add_function(wrap_pyfunction!(prepare_memory, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
+    m.add("TEMP_NAME_PART_MAX", crate::commit::TEMP_NAME_PART_MAX)?;
     add_stats_types(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

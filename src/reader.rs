@@ -80,6 +80,7 @@ impl Engine {
     /// Read every request from `path`. Requests must not overlap and must lie
     /// inside the file.
     pub fn read_into(&mut self, path: &Path, reqs: &[ReadReq]) -> Result<ReadStats> {
+        self.check_process()?;
         // The arena is ours alone: writes a streamed save left in flight
         // finish first.
         self.settle(None);
@@ -105,6 +106,7 @@ impl Engine {
     /// O_DIRECT) a `dup` of `fd` is read with buffered reads. Same results
     /// as [`Engine::read_into`].
     pub fn read_into_fd(&mut self, fd: RawFd, reqs: &[ReadReq]) -> Result<ReadStats> {
+        self.check_process()?;
         self.settle(None);
         let t0 = Instant::now();
         let (file, direct) = reopen_for_read(fd, self.opts.direct)?;

@@ -158,6 +158,7 @@ impl Engine {
     /// while the caller still works out the rest of the file) and committed
     /// by [`Engine::finish`]. Dropping the session removes the file.
     pub fn begin(&mut self, path: &Path, size_hint: u64) -> Result<Session> {
+        self.check_process()?;
         self.settle(None);
         let t0 = Instant::now();
         let (mut tmp, mut direct_note) = TempFile::create(path, self.opts.direct)?;
@@ -216,6 +217,7 @@ impl Engine {
     /// flight (their failure is reported by a later call of this session),
     /// so the device stays busy between calls.
     pub fn write(&mut self, session: &mut Session, segments: Vec<Segment>) -> Result<()> {
+        self.check_process()?;
         session.append(segments)?;
         let upto = align::align_down(session.frontier, session.block as u64);
         self.run(session, upto, session.frontier, &mut || Ok(()), true)?;
@@ -255,6 +257,7 @@ impl Engine {
         file_len: u64,
         on_gathered: &mut dyn FnMut() -> Result<()>,
     ) -> Result<WriteStats> {
+        self.check_process()?;
         session.append(segments)?;
         if file_len < session.frontier {
             return Err(Error::layout(format!(
@@ -419,6 +422,7 @@ impl Engine {
         file_len: u64,
         (index, parts): (usize, usize),
     ) -> Result<WriteStats> {
+        self.check_process()?;
         let t0 = Instant::now();
         if parts == 0 || index >= parts {
             return Err(Error::option(format!(

@@ -760,3 +760,83 @@ fn streamed_write_keeps_no_reference_to_caller_memory_past_the_call() {
         assert!(std::fs::read(&path).unwrap() == expect, "{opts:?}");
     }
 }
+
+/// Wait for process `pid` for at most `secs` seconds; its exit status, or
+/// None when it had to be killed.
+fn wait_child(pid: libc::pid_t, secs: u64) -> Option<i32> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid on our own child; `status` is a valid out pointer.
+        let rc = unsafe { libc::waitpid(pid, &raw mut status, libc::WNOHANG) };
+        if rc == pid {
+            return libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
+        }
+        if t0.elapsed().as_secs() >= secs {
+            // SAFETY: signalling and reaping our own child.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, &raw mut status, 0);
+            }
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn fork_child_leaves_the_parents_engine_and_file_alone() {
+    // A fork child gets a copy of an engine whose writes are in flight
+    // (its ring shared with the parent, its pool threads absent) and of the
+    // session's temporary file: using them is an error, dropping them
+    // neither hangs nor takes the parent's completions nor removes the file.
+    let a = pattern(3_000_017, 21);
+    for io_uring in [true, false] {
+        let opts = Options {
+            io_uring,
+            block_size: 64 << 10,
+            arena_bytes: 256 << 10,
+            queue_depth: 3,
+            ..Options::default()
+        };
+        let d = tempfile::tempdir().unwrap();
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        let mut sa = eng.begin(&d.path().join("a"), a.len() as u64).unwrap();
+        let mut parts = pieces(&a, 100_003).into_iter();
+        for p in parts.by_ref().take(10) {
+            eng.write(&mut sa, p).unwrap();
+        }
+        let other = d.path().join("child");
+        // SAFETY: the child only makes system calls, allocates and exits
+        // with _exit (no unwinding, no test harness).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let forked = |r: &Result<(), fastpersist::Error>| {
+                r.as_ref()
+                    .is_err_and(|e| e.kind == fastpersist::ErrorKind::Forked)
+            };
+            let begin = eng.begin(&other, 10).map(drop);
+            let write = eng.write(&mut sa, vec![]);
+            let ok = forked(&begin) && forked(&write) && !other.exists();
+            drop(sa);
+            drop(eng);
+            // SAFETY: ends the child without running the harness.
+            unsafe { libc::_exit(i32::from(!ok)) };
+        }
+        assert_eq!(wait_child(pid, 30), Some(0), "{opts:?}");
+        let temps = only(d.path());
+        assert_eq!(
+            temps.len(),
+            1,
+            "the child removed the parent's file: {temps:?}"
+        );
+        for p in parts {
+            eng.write(&mut sa, p).unwrap();
+        }
+        let st = eng.finish(sa, vec![], a.len() as u64).unwrap();
+        assert_eq!(st.crcs, vec![crc32fast::hash(&a)], "{opts:?}");
+        assert!(std::fs::read(d.path().join("a")).unwrap() == a, "{opts:?}");
+        assert_eq!(only(d.path()), vec!["a".to_string()]);
+    }
+}

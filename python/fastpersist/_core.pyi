@@ -37,6 +37,8 @@ _Range: TypeAlias = tuple[int, int]
 
 __version__: str
 TEMP_MARKER: str
+# Target names longer than this (bytes) are cut and hashed in temporary names.
+TEMP_NAME_PART_MAX: int
 __all__ = [
     "Engine",
     "WriteSession",
@@ -57,6 +59,7 @@ __all__ = [
     "wait_for_frees",
     "prepare_memory",
     "TEMP_MARKER",
+    "TEMP_NAME_PART_MAX",
     "RawWriteStats",
     "RawReadStats",
     "__version__",

@@ -46,7 +46,7 @@ import torch
 from . import _core
 from .collectives import checkpoint_group
 from .cuda_staging import ReadyEvents, active_devices, copy_stream, home_device, record_ready, side_streams, use_device
-from .errors import drop_frames
+from .errors import InheritedSaveError, drop_frames
 from .options import EngineOptions, PathLike, WriteStats, env_int, note_pending, resolve_target, wait_for_earlier
 from .pickling import TensorVersions
 from .plan import MemoryGuard, Plan, Region
@@ -107,6 +107,28 @@ class CheckpointFuture(concurrent.futures.Future):
         self._mark_snapshot()
         self.total_seconds = time.perf_counter() - self.submitted_at
         self.set_result(stats)
+
+    def _inherited(self, parent: int) -> None:
+        """In a child made by ``os.fork()`` while this save was in flight:
+        the save is the parent's (which completes it). Here the future fails
+        at once, so nothing in the child waits for it forever. Its locks
+        (perhaps held by a thread of the parent at the fork), waiters and
+        callbacks (of threads and bookkeeping that are the parent's) are
+        dropped first."""
+        self._condition = threading.Condition()
+        self._waiters = []
+        self._done_callbacks = []
+        snapshot = threading.Event()
+        if self._snapshot.is_set():
+            snapshot.set()
+        self._snapshot = snapshot
+        if not self.done():
+            self._fail(
+                InheritedSaveError(
+                    f"the save of {self.path} was in flight when process {parent} forked this one "
+                    f"({os.getpid()}); process {parent} completes it, this one does not"
+                )
+            )
 
 
 def _remove(bufs: List[torch.Tensor], buf: torch.Tensor) -> None:
@@ -179,6 +201,12 @@ class SnapshotPool:
                 if any(b is buf for b in bufs):
                     _remove(bufs, buf)
                     return
+
+    def _after_fork(self) -> None:
+        """In a fork child: buffers in use are the parent's saves'."""
+        self._lock = threading.RLock()
+        self._used = []
+        self._stale = []
 
     def release(self) -> None:
         """Free every idle buffer now; those in use by saves in flight are
@@ -286,9 +314,23 @@ class _Worker:
 
     def __init__(self, name: str, nice: int) -> None:
         self._queue: queue.SimpleQueue[Optional[Callable[[], None]]] = queue.SimpleQueue()
+        self._name = name
         self._nice = nice
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._start_lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._start()
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
+
+    def _after_fork(self) -> None:
+        """In a fork child the thread is gone (it is the parent's) and the
+        queue is the parent's work: a fresh queue, and a thread of this
+        process started when work comes."""
+        self._queue = queue.SimpleQueue()
+        self._start_lock = threading.Lock()
+        self._thread = None
 
     def _run(self) -> None:
         _lower_priority(self._nice)
@@ -312,13 +354,17 @@ class _Worker:
                 done.set_exception(e)
                 raise
 
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    self._start()
         self._queue.put(run)
         return done
 
     def stop(self) -> None:
         """Finish the calls queued so far, then end the thread."""
         self._queue.put(None)
-        if threading.current_thread() is not self._thread:
+        if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join()
 
 
@@ -362,6 +408,8 @@ class AsyncSaver:
         if not 0 <= nice <= 19:
             raise ValueError(f"nice must be between 0 and 19, not {nice}")
         self.nice = nice
+        self._max_pending = max_pending
+        self._pid = os.getpid()
         self.pool = SnapshotPool()
         self._snap = _Worker("fastpersist-snapshot", nice)
         self._write = _Worker("fastpersist-write", nice)
@@ -452,6 +500,24 @@ class AsyncSaver:
         else:
             self._write.submit(_on(home, self._pipelined), obj, p, opts, fut, ready, versions)
         return fut
+
+    def _after_fork_in_child(self) -> None:
+        """In a child made by ``os.fork()``: the saves in flight are the
+        parent's (it completes them; here their futures fail with
+        :class:`InheritedSaveError`), the threads are gone, and the locks
+        may have been held by them. The child's saver starts empty and
+        starts threads of its own when it is used."""
+        parent, self._pid = self._pid, os.getpid()
+        inherited = self._inflight
+        self._lock = threading.RLock()
+        self._slots = threading.BoundedSemaphore(self._max_pending)
+        self._last = None
+        self._inflight = []
+        self.pool._after_fork()
+        self._snap._after_fork()
+        self._write._after_fork()
+        for f in inherited:
+            f._inherited(parent)
 
     def _finished(self, fut: CheckpointFuture) -> None:
         with self._lock:
@@ -662,6 +728,19 @@ def save_async(obj: Any, path: PathLike, *, mode: str = "pipelined", **options: 
 def wait_all(timeout: Optional[float] = None) -> List[CheckpointFuture]:
     """Wait for every asynchronous save in flight; returns the failed ones."""
     return default_saver().wait_all(timeout) if _default is not None else []
+
+
+def _after_fork_in_child() -> None:
+    """Every saver of a child made by ``os.fork()`` starts afresh (see
+    :meth:`AsyncSaver._after_fork_in_child`)."""
+    global _default_lock
+    _default_lock = threading.Lock()
+    for s in list(_savers):
+        s._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register

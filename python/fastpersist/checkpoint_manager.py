@@ -46,6 +46,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -53,6 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from . import _core
 from .async_save import AsyncSaver, CheckpointFuture
 from .errors import FastPersistError
+from .options import TEMP_MIN_AGE, remove_stale_temps
 from .reader import read_state_dict
 from .tiers import ObjectStore, is_url
 from .verify import verify_file
@@ -65,8 +67,6 @@ CKPT_RE = re.compile(r"^ckpt-([0-9]{12,20})\.pt$")
 #: Temporary files of checkpoint saves, exactly as the core names them.
 TEMP_RE = re.compile(r"^\.(ckpt-[0-9]{12,20}\.pt)\.[0-9]+\.[0-9]+" + re.escape(_core.TEMP_MARKER) + "$")
 LOG_NAME = "checkpoints.jsonl"
-#: A temporary file younger than this (seconds) is never removed.
-TEMP_MIN_AGE = 600.0
 #: How often latest()/load_latest() list again when listed files vanish.
 _RELIST = 20
 
@@ -172,27 +172,7 @@ def clean_temp_files(directory: str, min_age: float = TEMP_MIN_AGE) -> List[str]
     checkpoint save names them, not locked by a live writer (on any host or
     in any PID namespace), and older than ``min_age`` seconds. Returns the
     names removed."""
-    removed: List[str] = []
-    if not os.path.isdir(directory):
-        return removed
-    now = time.time()
-    for name in os.listdir(directory):
-        if not TEMP_RE.match(name):
-            continue
-        p = os.path.join(directory, name)
-        try:
-            st = os.lstat(p)
-            if not os.path.isfile(p) or os.path.islink(p) or now - st.st_mtime < min_age:
-                continue
-            if _core.temp_file_in_use(p):
-                continue
-            os.unlink(p)
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warning("fastpersist: cannot remove the leftover temporary file %s: %s", p, e)
-    return removed
+    return remove_stale_temps(directory, TEMP_RE.match, min_age)
 
 
 class FrequencyTuner:
@@ -392,6 +372,8 @@ class Checkpointer:
         staged = self.stage_dir or self.store is not None
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-stage") if staged else None
         self._lock = threading.RLock()
+        #: errnos of failed writes of the checkpoint log (warned once each).
+        self._log_errors: set = set()
         self._inflight: Optional[_InFlight] = None
         self._last_step_at: Optional[float] = None
         self._staged: set = set(_scan(self.stage_dir, "shared"))
@@ -403,6 +385,7 @@ class Checkpointer:
         self._stage_futures: List[Any] = []
         #: File identity (dev, ino, size, mtime_ns) -> whether it verified.
         self._valid: Dict[Tuple[int, int, int, int], bool] = {}
+        _checkpointers.add(self)
         for d in filter(None, (self.directory, self.stage_dir)):
             for name in clean_temp_files(d):
                 log.warning("fastpersist: removed %s, left by a save that did not finish", os.path.join(d, name))
@@ -413,6 +396,19 @@ class Checkpointer:
             for step, info in sorted(_scan(self.directory, "local").items()):
                 if step > newest:
                     self._stage_futures.append(self._stager.submit(self._stage, step, info.path))
+
+    def _after_fork_in_child(self) -> None:
+        """In a child made by ``os.fork()``: the checkpoint in flight and the
+        copies to ``stage_dir`` are the parent's (its saver's future fails
+        here with :class:`~fastpersist.InheritedSaveError`); the child
+        neither waits for them nor logs them, and stages with threads of
+        its own."""
+        self._lock = threading.RLock()
+        self._inflight = None
+        self._last_step_at = None
+        self._stage_futures = []
+        if self._stager is not None:
+            self._stager = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-stage")
 
     # -- the training loop -------------------------------------------------
 
@@ -778,6 +774,29 @@ class Checkpointer:
     # -- telemetry -----------------------------------------------------------
 
     def _log_event(self, ev: Dict[str, Any]) -> None:
+        """Append ``ev`` to ``checkpoints.jsonl``. Telemetry never fails a
+        checkpoint nor the training loop: on a directory that has become
+        read-only or full the line is dropped, with one warning per errno."""
         ev = {"time": time.time(), **ev}
-        with self._lock, open(os.path.join(self.directory, LOG_NAME), "a") as f:
-            f.write(json.dumps(ev) + "\n")
+        path = os.path.join(self.directory, LOG_NAME)
+        with self._lock:
+            try:
+                with open(path, "a") as f:
+                    f.write(json.dumps(ev) + "\n")
+            except OSError as e:
+                if e.errno not in self._log_errors:
+                    self._log_errors.add(e.errno)
+                    log.warning("fastpersist: cannot write the checkpoint log %s (%s); events are dropped", path, e)
+
+
+#: Every live Checkpointer, for the reset in a fork child.
+_checkpointers: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for ck in list(_checkpointers):
+        ck._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -17,6 +17,7 @@ __all__ = [
     "StorageChangedError",
     "TensorChangedError",
     "TensorChangedWarning",
+    "InheritedSaveError",
     "WriteError",
     "FallbackWarning",
     "drop_frames",
@@ -91,6 +92,13 @@ class TensorChangedWarning(RuntimeWarning):
     """``on_change="warn"``: a tensor was changed in place while a save
     read it, and the file was committed anyway (it may mix old and new
     values of that tensor)."""
+
+
+class InheritedSaveError(FastPersistError, RuntimeError):
+    """The future of a background save that was in flight when this process
+    was made by ``os.fork()``: the save belongs to the parent process, which
+    completes and commits it; in the child its future fails with this at
+    once (nothing in the child waits for, writes, commits or removes it)."""
 
 
 class FallbackWarning(RuntimeWarning):

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import os
+import re
 import stat
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from . import _core
 from .errors import FallbackWarning
@@ -55,8 +58,13 @@ __all__ = [
     "read_with",
     "read_records",
     "checksums",
+    "remove_stale_temps",
+    "sweep_after_commit",
     "MAX_OPTION_SETS",
+    "TEMP_MIN_AGE",
 ]
+
+log = logging.getLogger("fastpersist")
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -229,6 +237,25 @@ def use_engine(opts: EngineOptions, index: int = 0) -> Iterator[_core.Engine]:
         yield eng
 
 
+def _after_fork_in_child() -> None:
+    """In a child made by ``os.fork()`` (a DataLoader worker, a user's own
+    fork): the parent's engines, and the locks that threads of the parent
+    may have held at the fork, are not this process's. The child starts
+    with no engines (it makes its own on first use); the core leaves the
+    copies it inherited alone when they are freed (their ring is shared with
+    the parent, their threads do not exist here, their temporary files are
+    the parent's). Saves pending in the parent are not waited for here."""
+    global _engines, _engines_lock, _order_lock, _pending_by_path
+    _engines_lock = threading.RLock()
+    _engines = OrderedDict()
+    _order_lock = threading.RLock()
+    _pending_by_path = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def cached_option_sets() -> List[EngineOptions]:
     """The option sets whose engines are cached, least recently used first."""
     with _engines_lock:
@@ -310,6 +337,69 @@ def is_special_file(path: str) -> bool:
     except OSError:
         return False
     return not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+
+
+#: A leftover temporary file younger than this (seconds) is never removed.
+TEMP_MIN_AGE = 600.0
+
+
+def remove_stale_temps(directory: str, matches: Callable[[str], Any], min_age: float = TEMP_MIN_AGE) -> List[str]:
+    """Remove the temporary files in ``directory`` that saves left when
+    their process died: names for which ``matches(name)`` is true (the
+    caller's exact pattern of fastpersist's own names), regular files, not
+    locked by a live writer (on any host, in any PID namespace: the core's
+    ``temp_file_in_use``) and older than ``min_age`` seconds. Returns the
+    names removed; a file that cannot be inspected or removed is left (and
+    logged)."""
+    removed: List[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        if not matches(name) or not _core.is_temp_name(name):
+            continue
+        p = os.path.join(directory, name)
+        try:
+            st = os.lstat(p)
+            if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < min_age:
+                continue
+            if _core.temp_file_in_use(p):
+                continue
+            os.unlink(p)
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("fastpersist: cannot remove the leftover temporary file %s: %s", p, e)
+    return removed
+
+
+# Targets whose leftovers this process has swept (once each).
+_swept: set = set()
+
+
+def sweep_after_commit(path: str) -> None:
+    """After the first commit to ``path`` in this process: remove what
+    earlier saves to it left when their process was killed
+    (``.<name>.<pid>.<n>.fptmp`` of this very name, see
+    :func:`remove_stale_temps`). Never raises."""
+    if path in _swept:
+        return
+    if len(_swept) >= 4096:
+        _swept.clear()
+    _swept.add(path)
+    directory, name = os.path.split(path)
+    if len(os.fsencode(name)) > _core.TEMP_NAME_PART_MAX:
+        return  # such names are cut and hashed in their temporary names
+    marker = re.escape(_core.TEMP_MARKER)
+    pattern = re.compile(r"\." + re.escape(name) + r"\.[0-9]{1,10}\.[0-9]{1,20}" + marker, re.DOTALL)
+    try:
+        for n in remove_stale_temps(directory, pattern.fullmatch):
+            log.warning("fastpersist: removed %s, left by a save that did not finish", os.path.join(directory, n))
+    except Exception as e:  # noqa: BLE001 - housekeeping never fails a save
+        log.warning("fastpersist: cannot sweep the leftovers of %s: %r", path, e)
 
 
 _order_lock = threading.RLock()

@@ -26,6 +26,7 @@ from .options import (
     WriteStats,
     is_special_file,
     resolve_target,
+    sweep_after_commit,
     use_engine,
     wait_for_earlier,
     warn_fallback,
@@ -135,7 +136,9 @@ def write_torch_zip(
             ctx.close()
     warn_fallback(raw["direct_note"], opts.direct)
     warn_fallback(raw["uring_note"], opts.io_uring)
-    return write_stats(raw, path, layout.storage_bytes, layout.storage_keys, plan_seconds, time.perf_counter() - t0)
+    stats = write_stats(raw, path, layout.storage_bytes, layout.storage_keys, plan_seconds, time.perf_counter() - t0)
+    sweep_after_commit(path)  # after the timing: housekeeping, not the save
+    return stats
 
 
 def _checked(versions: TensorVersions, obj: Any, on_gathered: Optional[Callable[[], None]]) -> Callable[[], None]:
@@ -191,7 +194,9 @@ def write_plan(
             raw = eng.write_file(path, plan.blobs, plan.regions, plan.slots, plan.file_len, guard)
     warn_fallback(raw["direct_note"], opts.direct)
     warn_fallback(raw["uring_note"], opts.io_uring)
-    return write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, time.perf_counter() - t0)
+    stats = write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, time.perf_counter() - t0)
+    sweep_after_commit(path)  # after the timing: housekeeping, not the save
+    return stats
 
 
 def stream_plan(plan: Plan, path: str, plan_seconds: float = 0.0, t0: Optional[float] = None) -> WriteStats:

@@ -1,0 +1,449 @@
+"""More integrity at the edges (issue 22, "also test"): what users do to a
+running save that the other tests do not try: fork() in the training loop,
+a file system that turns read-only or fills up while saves are queued, many
+short-lived processes saving into one directory (some killed mid-save), a
+directory removed while a save is queued.
+
+Every scenario runs in a subprocess with a timeout: a hang is a failure,
+never a stuck test run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import is_root
+
+PRELUDE = """
+import faulthandler, os, sys, time, warnings
+import torch, fastpersist
+if os.environ.get("EDGES_TIMEOUT"):
+    faulthandler.dump_traceback_later(float(os.environ["EDGES_TIMEOUT"]), exit=True)  # a hang shows where
+warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a multi-threaded process
+
+def wait_child(pid, secs=60):
+    t = time.time()
+    while time.time() - t < secs:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got == pid:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung"
+
+def big(v, n=4):
+    return {f"w{i}": torch.full((1 << 20,), float(v + i)) for i in range(n)}  # 4 MiB each
+"""
+
+
+def run_script(
+    body: str, *args: str, timeout: float = 120, env: dict | None = None, watchdog: bool = True
+) -> subprocess.CompletedProcess:
+    """Run ``PRELUDE + body`` in a fresh interpreter. With ``watchdog``, a
+    hang dumps every thread's stack before the timeout (not for scripts
+    whose fork children exit through the interpreter: CPython's watchdog
+    thread is not in the child, and the child's exit waits for it)."""
+    code = PRELUDE + textwrap.dedent(body)
+    r = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "EDGES_TIMEOUT": str(timeout - 10) if watchdog else "", **(env or {})},
+    )
+    return r
+
+
+def temp_files(root) -> list:
+    return sorted(os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.endswith(".fptmp"))
+
+
+def values(path) -> dict:
+    return {k: float(v.flatten()[0]) for k, v in torch.load(path).items() if isinstance(v, torch.Tensor)}
+
+
+# 1. os.fork() in the training loop while saves are in flight.
+
+FORK = """
+d, exit_mode = sys.argv[1], sys.argv[2]
+opts = dict(arena_bytes=2 << 20, block_size=256 << 10)
+futs = {
+    "pipe": fastpersist.save_async(big(1), os.path.join(d, "pipe.pt"), **opts),
+    "snap": fastpersist.save_async(big(2), os.path.join(d, "snap.pt"), mode="snapshot", **opts),
+}
+ck = fastpersist.Checkpointer(os.path.join(d, "ck"), every=1, **opts)
+futs["ck"] = ck.save(1, big(3))
+print("in flight at the fork:", sum(not f.done() for f in futs.values()), flush=True)
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        # The parent's saves: their futures end here (done, or failed with
+        # InheritedSaveError), never hang; nothing waits for them.
+        for f in futs.values():
+            try:
+                f.result(timeout=20)
+            except fastpersist.InheritedSaveError:
+                pass
+        ck.wait()
+        cd = os.path.join(d, "child")
+        os.makedirs(cd)
+        fastpersist.write_state_dict({"c": torch.ones(5)}, os.path.join(cd, "sync.pt"))
+        fastpersist.save_async({"c": torch.ones(5) * 2}, os.path.join(cd, "async.pt")).result(timeout=20)
+        fastpersist.save_async({"c": torch.ones(5) * 5}, os.path.join(cd, "snap.pt"), mode="snapshot").result(20)
+        with fastpersist.Checkpointer(os.path.join(cd, "ck"), every=1) as cck:
+            cck.save(7, {"c": torch.ones(5) * 3}).result(timeout=20)
+        ck.save(9, {"c": torch.ones(5) * 4}).result(timeout=20)
+        code = 0
+    except BaseException as e:
+        print("child:", repr(e), flush=True)
+    if exit_mode == "exit":
+        sys.exit(code)  # atexit handlers run: the parent's saves are not waited for
+    os._exit(code)
+status = wait_child(pid)
+assert status == 0, f"child: {status}"
+# Fork in a loop while saves are in flight, as DataLoader workers are made.
+os.makedirs(os.path.join(d, "kids"))
+loop = [fastpersist.save_async(big(10 + i, 1), os.path.join(d, f"loop{i}.pt"), **opts) for i in range(3)]
+kids = []
+for i in range(20):
+    if i % 5 == 4:
+        loop.append(fastpersist.save_async(big(20 + i, 1), os.path.join(d, f"loop{i % 3}.pt"), **opts))
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fastpersist.write_state_dict({"i": torch.tensor(i)}, os.path.join(d, "kids", f"{i}.pt"))
+            os._exit(0)
+        except BaseException as e:
+            print("kid:", repr(e), flush=True)
+            os._exit(1)
+    kids.append(pid)
+assert [wait_child(k) for k in kids] == [0] * 20
+for f in list(futs.values()) + loop:
+    f.result(timeout=60)
+ck.close()
+print("PARENT OK", flush=True)
+"""
+
+
+@pytest.mark.parametrize("exit_mode,io_uring", [("_exit", "1"), ("exit", "0")])
+def test_fork_while_saves_are_in_flight(tmp_path, exit_mode, io_uring):
+    r = run_script(FORK, str(tmp_path), exit_mode, env={"FASTPERSIST_IO_URING": io_uring}, watchdog=False)
+    assert r.returncode == 0 and "PARENT OK" in r.stdout, r.stdout + r.stderr
+    assert temp_files(tmp_path) == []
+    # The parent's saves, committed whole by the parent.
+    assert values(tmp_path / "pipe.pt") == {f"w{i}": 1.0 + i for i in range(4)}
+    assert values(tmp_path / "snap.pt") == {f"w{i}": 2.0 + i for i in range(4)}
+    assert torch.load(tmp_path / "ck" / "ckpt-000000000001.pt")["state"]["w3"][0] == 6.0
+    last = {i: 10.0 + i for i in range(3)}
+    last.update({i % 3: 20.0 + i for i in range(4, 20, 5)})  # the last call to a path wins
+    for i, v in last.items():
+        assert values(tmp_path / f"loop{i}.pt") == {"w0": v}
+    # The children's own saves.
+    assert torch.all(torch.load(tmp_path / "child" / "sync.pt")["c"] == 1)
+    assert torch.all(torch.load(tmp_path / "child" / "async.pt")["c"] == 2)
+    assert torch.all(torch.load(tmp_path / "child" / "snap.pt")["c"] == 5)
+    assert torch.load(tmp_path / "child" / "ck" / "ckpt-000000000007.pt")["state"]["c"][0] == 3
+    assert torch.load(tmp_path / "ck" / "ckpt-000000000009.pt")["state"]["c"][0] == 4
+    assert sorted(os.listdir(tmp_path / "kids")) == sorted(f"{i}.pt" for i in range(20))
+    for i in range(20):
+        assert int(torch.load(tmp_path / "kids" / f"{i}.pt")["i"]) == i
+
+
+# 2. A file system that turns read-only, or fills up, while saves are queued.
+
+
+@pytest.fixture
+def ext4(tmp_path):
+    """Make and mount a small loop-mounted ext4 (root only); unmounted at the end."""
+    if not is_root():
+        pytest.skip("needs root to mount a loop file system")
+    mounted = []
+
+    def make(name: str, size: str = "32M", features: str = "") -> str:
+        img, mnt = tmp_path / f"{name}.img", tmp_path / name
+        mnt.mkdir()
+        subprocess.run(["truncate", "-s", size, str(img)], check=True)
+        r = subprocess.run(["mkfs.ext4", "-q", *(["-O", features] if features else []), str(img)], capture_output=True)
+        if r.returncode == 0:
+            r = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot make a loop ext4: {r.stderr.decode().strip()}")
+        mounted.append(str(mnt))
+        return str(mnt)
+
+    try:
+        yield make
+    finally:
+        for m in reversed(mounted):
+            if subprocess.run(["umount", m], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", m], capture_output=True)
+
+
+# A save to a FIFO in snapshot mode holds the write thread until the FIFO
+# is read: the saves called after it are queued, not started (snapshot
+# saves, then at most one pipelined save: the call after a pipelined save
+# waits for its snapshot phase, which is its write).
+GATE = """
+import errno, logging, subprocess, threading
+from fastpersist.async_save import AsyncSaver
+logging.basicConfig(level=logging.ERROR)
+saver = AsyncSaver(max_pending=4)  # save_async's, with room for three saves behind the gate
+
+def gate(d):
+    fifo = os.path.join(d, "gate")
+    os.mkfifo(fifo)
+    f = saver.save({"g": torch.ones(4)}, fifo, mode="snapshot")
+    def open_gate():
+        with open(fifo, "rb") as r:
+            r.read()
+        f.result(timeout=30)
+        os.unlink(fifo)
+    return open_gate
+
+def fails_with(fut, code):
+    try:
+        fut.result(timeout=60)
+    except fastpersist.WriteError as e:
+        assert e.errno == code, e
+        assert isinstance(e, OSError) and e.filename, e
+        return
+    raise AssertionError("the save did not fail")
+"""
+
+READ_ONLY = """
+mnt, healthy = sys.argv[1], sys.argv[2]
+p = os.path.join(mnt, "model.pt")
+fastpersist.write_state_dict({"prev": torch.ones(3)}, p)
+ck = fastpersist.Checkpointer(os.path.join(mnt, "ck"), every=1)
+ck.save(1, {"prev": torch.ones(3)}).result()
+open_gate = gate(healthy)
+queued = [saver.save({"new": torch.zeros(3)}, p, mode=m) for m in ("snapshot", "pipelined")]
+subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+ck.save(2, {"new": torch.zeros(3)})
+for s in range(3, 6):
+    ck.step(s, {"new": torch.zeros(3)})  # failures are logged, training goes on
+open_gate()
+for f in queued:
+    fails_with(f, errno.EROFS)
+ck.close()  # the failure is logged; its telemetry cannot be written here, and that is no error either
+fastpersist.save_async({"after": torch.ones(2)}, os.path.join(healthy, "after.pt")).result(timeout=30)
+print("OK", flush=True)
+"""
+
+
+def test_queued_saves_to_a_file_system_turned_read_only(tmp_path, ext4):
+    mnt = ext4("ro")
+    r = run_script(GATE + READ_ONLY, mnt, str(tmp_path), timeout=90)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    assert "checkpoint of step 2 failed" in r.stderr and "Read-only" in r.stderr
+    assert torch.all(torch.load(os.path.join(mnt, "model.pt"))["prev"] == 1)
+    assert sorted(set(os.listdir(os.path.join(mnt, "ck"))) - {"checkpoints.jsonl"}) == ["ckpt-000000000001.pt"]
+    assert temp_files(tmp_path) == []
+    assert torch.all(torch.load(tmp_path / "after.pt")["after"] == 1)
+
+
+FULL = """
+mnt, healthy = sys.argv[1], sys.argv[2]
+p = os.path.join(mnt, "model.pt")
+fastpersist.write_state_dict({"prev": torch.ones(3)}, p)
+ck = fastpersist.Checkpointer(os.path.join(mnt, "ck"), every=1)
+ck.save(1, {"prev": torch.ones(3)}).result()
+big = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(10)}  # 40 MiB, more than the file system holds
+# Full mid-save: this file system has no fallocate (no extents), so nothing
+# is reserved up front and a write half-way through fails.
+open_gate = gate(healthy)
+queued = [saver.save(big, p, mode=m, io_uring=u) for m, u in [("snapshot", True), ("snapshot", False), ("pipelined", False)]]
+open_gate()
+for f in queued:
+    fails_with(f, errno.ENOSPC)
+ck.save(2, big)
+ck.wait()
+# Full before the save starts: nothing left at all.
+open_gate = gate(healthy)
+queued = saver.save({"new": torch.zeros(1 << 18)}, p)
+with open(os.path.join(mnt, "filler"), "wb", buffering=0) as f:
+    try:
+        while True:
+            f.write(bytes(1 << 16))
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+open_gate()
+fails_with(queued, errno.ENOSPC)
+ck.save(3, {"new": torch.zeros(1 << 18)})
+ck.step(4, {"new": torch.zeros(1 << 18)})
+ck.close()  # failures logged, telemetry not written: no error
+os.unlink(os.path.join(mnt, "filler"))
+fastpersist.save_async({"after": torch.ones(2)}, p).result(timeout=30)  # space again: the path works
+print("OK", flush=True)
+"""
+
+
+def test_queued_saves_to_a_file_system_that_fills_up(tmp_path, ext4):
+    mnt = ext4("full", "32M", "^extent,^64bit")
+    r = run_script(GATE + FULL, mnt, str(tmp_path), timeout=90)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    assert "checkpoint of step 2 failed" in r.stderr and "No space left" in r.stderr
+    assert torch.all(torch.load(os.path.join(mnt, "model.pt"))["after"] == 1)
+    assert torch.all(torch.load(os.path.join(mnt, "ck", "ckpt-000000000001.pt"))["state"]["prev"] == 1)
+    assert sorted(set(os.listdir(os.path.join(mnt, "ck"))) - {"checkpoints.jsonl"}) == ["ckpt-000000000001.pt"]
+    assert temp_files(tmp_path) == []
+
+
+# 3. Many short-lived processes saving into one directory, some killed.
+
+MANY = """
+import json, signal
+d = sys.argv[1]
+
+def worker(i):
+    for j in range(10):
+        path = os.path.join(d, "shared.pt" if j % 2 == 0 else f"own{i}.pt")
+        obj = {"proc": i, "save": j, "w": torch.full((1000 * (1 + j),), float(100 * i + j))}
+        if j % 3 == 0:
+            fastpersist.save_async(obj, path, mode="snapshot" if j % 2 else "pipelined").result(timeout=60)
+        else:
+            fastpersist.write_state_dict(obj, path)
+
+def victim(i):
+    big = {"proc": 100 + i, "w": torch.full((16 << 20,), float(100 + i))}  # 64 MiB
+    if i == 0:
+        while True:
+            fastpersist.write_state_dict(big, os.path.join(d, "shared.pt"))
+    ck = fastpersist.Checkpointer(d, every=1, keep_last=1000)
+    for s in range(10**6):
+        ck.save(s, big).result()
+
+def start(fn, i):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn(i)
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+workers = [start(worker, i) for i in range(8)]
+victims = [start(victim, i) for i in range(2)]
+# Each victim is killed while a save of it is under way: once its temporary file is there.
+for pid in victims:
+    t = time.time()
+    while not any(f".{pid}." in n and n.endswith(".fptmp") for n in os.listdir(d)):
+        assert time.time() - t < 60, "no save of the victim started"
+        time.sleep(0.002)
+    os.kill(pid, signal.SIGKILL)
+codes = [wait_child(p) for p in workers + victims]
+assert codes == [0] * 8 + [-9, -9], codes
+left = sorted(n for n in os.listdir(d) if any(f".{p}." in n for p in victims))
+assert len(left) >= 2 and all(fastpersist._core.is_temp_name(n) for n in left), left
+print(json.dumps(left), flush=True)
+# Leftovers old enough to be over: the next save to that path, and the next
+# Checkpointer, remove those of the dead processes, and only those.
+old = time.time() - 3600
+for n in left:
+    os.utime(os.path.join(d, n), (old, old))
+fastpersist.write_state_dict({"proc": -1, "save": 0, "w": torch.zeros(1)}, os.path.join(d, "shared.pt"))
+fastpersist.Checkpointer(d).close()
+print("OK", flush=True)
+"""
+
+
+def test_many_short_lived_processes_save_into_one_directory(tmp_path):
+    import json
+
+    from fastpersist import _core
+
+    d = tmp_path
+    others = {
+        "notes.txt": b"notes",
+        ".shared.pt.fptmp": b"a lookalike",
+        "shared.pt.1.2.fptmp": b"no leading dot",
+        ".other.pt.4000000.1.fptmp": b"another target's leftover",
+        ".ckpt-000000000001.pt.4000000.1.fptmp.bak": b"a lookalike",
+    }
+    for n, data in others.items():
+        (d / n).write_bytes(data)
+        os.utime(d / n, (1e9, 1e9))
+    before = {n: os.stat(d / n) for n in others}
+    held = _core.TempFile(str(d / "shared.pt"))  # a live writer's file: locked, however old
+    os.utime(held.temp_path, (1e9, 1e9))
+    try:
+        r = run_script(MANY, str(d), timeout=110)
+        assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+        left = json.loads(r.stdout.splitlines()[0])
+        assert any(n.startswith(".shared.pt.") for n in left) and any(n.startswith(".ckpt-") for n in left), left
+        names = set(os.listdir(d))
+        assert not names & set(left), "leftovers of the killed processes were not swept"
+        assert os.path.basename(held.temp_path) in names
+        assert _core.temp_file_in_use(held.temp_path)
+    finally:
+        held.abort()
+    for n, st in before.items():
+        now = os.stat(d / n)
+        assert (now.st_ino, now.st_mtime, now.st_size) == (st.st_ino, st.st_mtime, st.st_size), n
+    names = set(os.listdir(d))
+    assert not [n for n in names if _core.is_temp_name(n) and n not in others], names
+    # Every file is whole, and holds one of the saves made to its path.
+    assert torch.load(d / "shared.pt")["proc"] == -1
+    for i in range(8):
+        got = torch.load(d / f"own{i}.pt")
+        assert (got["proc"], got["save"]) == (i, 9)
+        assert torch.all(got["w"] == 100 * i + 9) and got["w"].numel() == 10_000
+    ckpts = sorted(n for n in names if n.startswith("ckpt-"))
+    for n in ckpts:
+        got = torch.load(d / n)["state"]
+        assert got["proc"] == 101 and torch.all(got["w"] == 101)
+
+
+# 4. Ctrl-C during a save, and a directory removed or renamed under queued saves.
+
+INTERRUPTS = """
+import errno, shutil, signal, threading
+d = sys.argv[1]
+state = {f"w{i}": torch.full((2 << 20,), float(i)) for i in range(8)}  # 64 MiB
+p = os.path.join(d, "k.pt")
+fastpersist.write_state_dict({"prev": torch.ones(2)}, p)
+for delay in (0.001, 0.01, 0.03, 0.1):
+    threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        fastpersist.write_state_dict(state, p)
+        time.sleep(1)  # the interrupt lands here instead
+    except KeyboardInterrupt:
+        pass
+    # Whole: the previous checkpoint or the new one, never a temporary file.
+    assert not [n for n in os.listdir(d) if n.endswith(".fptmp")], os.listdir(d)
+    assert sorted(torch.load(p)) in (["prev"], sorted(state)), delay
+fastpersist.write_state_dict({"after": torch.ones(2)}, p)
+for how in ("removed", "renamed"):
+    sub = os.path.join(d, how)
+    os.makedirs(sub)
+    ahead = fastpersist.save_async(state, os.path.join(d, "ahead.pt"))
+    queued = fastpersist.save_async({"x": torch.ones(2)}, os.path.join(sub, "x.pt"))
+    if how == "removed":
+        shutil.rmtree(sub)
+    else:
+        os.rename(sub, sub + "-moved")
+    try:
+        queued.result(timeout=60)
+        raise AssertionError("saved into a directory that is gone")
+    except fastpersist.WriteError as e:
+        assert e.errno == errno.ENOENT and e.filename == sub, e
+    ahead.result(timeout=60)
+assert os.listdir(os.path.join(d, "renamed-moved")) == []
+fastpersist.save_async({"x": torch.ones(2)}, os.path.join(d, "x.pt")).result(timeout=60)
+print("OK", flush=True)
+"""
+
+
+def test_interrupted_save_and_directory_gone_under_a_queued_save(tmp_path):
+    r = run_script(INTERRUPTS, str(tmp_path), timeout=90)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ahead.pt", "k.pt", "renamed-moved", "x.pt"]
+    assert list(torch.load(tmp_path / "k.pt")) == ["after"]
