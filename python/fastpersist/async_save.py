@@ -47,7 +47,16 @@ from . import _core
 from .collectives import checkpoint_group
 from .cuda_staging import ReadyEvents, active_devices, copy_stream, home_device, record_ready, side_streams, use_device
 from .errors import InheritedSaveError, drop_frames
-from .options import EngineOptions, PathLike, WriteStats, env_int, note_pending, resolve_target, wait_for_earlier
+from .options import (
+    EngineOptions,
+    PathLike,
+    WriteStats,
+    env_int,
+    gc_paused,
+    note_pending,
+    resolve_target,
+    wait_for_earlier,
+)
 from .pickling import TensorVersions
 from .plan import MemoryGuard, Plan, Region
 from .safetensors_format import plan_safetensors
@@ -608,7 +617,8 @@ class AsyncSaver:
             t0 = time.perf_counter()
             # Device storages stay where they are in the plan (plan.device):
             # they are copied once, straight into the (pinned) pool.
-            plan = planner(obj, versions)
+            with gc_paused():
+                plan = planner(obj, versions)
             pin = bool(plan.device) and torch.cuda.is_available()
             buf = self.pool.acquire(plan.storage_bytes, pin=pin)
             # Copy every storage into the pool and point the plan there. A

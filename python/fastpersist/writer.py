@@ -24,6 +24,7 @@ from .options import (
     EngineOptions,
     PathLike,
     WriteStats,
+    gc_paused,
     is_special_file,
     resolve_target,
     sweep_after_commit,
@@ -95,6 +96,18 @@ def write_torch_zip(
     memory will be read again they are checked (a tensor changed in place
     meanwhile: :class:`~fastpersist.TensorChangedError`, nothing is
     committed), then ``on_gathered()`` is called."""
+    with gc_paused():
+        return _write_torch_zip(obj, path, opts, on_gathered, ready, versions)
+
+
+def _write_torch_zip(
+    obj: Any,
+    path: str,
+    opts: EngineOptions,
+    on_gathered: Optional[Callable[[], None]],
+    ready: Optional[ReadyEvents],
+    versions: Optional[TensorVersions],
+) -> WriteStats:
     t0 = time.perf_counter()
     if is_special_file(path):
         plan = plan_torch_save(obj)
@@ -326,16 +339,17 @@ def write_state_dict(
     ``errno`` and ``filename``) for I/O failures, ``ValueError`` for bad
     options, ``TypeError`` when ``path`` is not a path.
     """
-    p = resolve_target(path)
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
-    opts = EngineOptions.resolve(block_size, arena_bytes, queue_depth, direct, io_uring, durable, gather_threads)
-    versions = TensorVersions(obj, on_change)
-    wait_for_earlier(p)
-    if group is not None or sharded:
-        return write_distributed(obj, p, opts, group, sharded, format)
-    if format == "safetensors":
-        return write_safetensors(obj, p, opts, metadata, versions)
-    if metadata is not None:
-        raise ValueError("metadata is only stored by format='safetensors'")
-    return write_torch_zip(obj, p, opts, versions=versions)
+    with gc_paused():
+        p = resolve_target(path)
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
+        opts = EngineOptions.resolve(block_size, arena_bytes, queue_depth, direct, io_uring, durable, gather_threads)
+        versions = TensorVersions(obj, on_change)
+        wait_for_earlier(p)
+        if group is not None or sharded:
+            return write_distributed(obj, p, opts, group, sharded, format)
+        if format == "safetensors":
+            return write_safetensors(obj, p, opts, metadata, versions)
+        if metadata is not None:
+            raise ValueError("metadata is only stored by format='safetensors'")
+        return write_torch_zip(obj, p, opts, versions=versions)
