@@ -134,6 +134,13 @@ impl Arena {
         }
         // SAFETY: `ptr..ptr+len` is the mapping we just created.
         let locked = lock && unsafe { libc::mlock(ptr, len) } == 0;
+        // Not inherited by fork() children: a child never uses an engine or
+        // staging buffer of its parent (see `Engine`'s process check), and
+        // memory pinned for I/O (registered with io_uring or CUDA) would be
+        // copied eagerly into every child (a DataLoader worker each).
+        // SAFETY: advice on our own mapping; failure only means the child
+        // gets a copy, as without it.
+        unsafe { libc::madvise(ptr, len, libc::MADV_DONTFORK) };
         Ok(Arena {
             ptr: ptr.cast(),
             len,
@@ -302,5 +309,31 @@ mod tests {
         }
         // SAFETY: unmapping the mapping made above.
         unsafe { libc::munmap(raw, len) };
+    }
+
+    #[test]
+    fn not_inherited_by_fork_children() {
+        let a = Arena::new(1 << 20, 2, false).unwrap();
+        let (ptr, len) = (a.as_ptr() as usize, a.len());
+        // SAFETY: the child only calls mincore and _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let mut v = vec![0u8; len / page_size()];
+            // SAFETY: mincore on an address range; ENOMEM when not mapped.
+            let rc = unsafe { libc::mincore(ptr as *mut libc::c_void, len, v.as_mut_ptr()) };
+            let unmapped =
+                rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOMEM);
+            // SAFETY: ends the child without running the harness.
+            unsafe { libc::_exit(i32::from(!unmapped)) };
+        }
+        let mut status = 0;
+        // SAFETY: reaping our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &raw mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child has the arena"
+        );
+        drop(a);
     }
 }

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -216,6 +217,22 @@ _idle_lock = threading.RLock()  # re-entrant: signal handlers
 # Bumped by release_staging(): buffers handed out before it are freed when
 # their call ends instead of going back to the idle pool.
 _generation = 0
+
+
+# The parent's staging buffers, in a child made by os.fork(): their memory is
+# not mapped there (MADV_DONTFORK), so they are never used nor freed.
+_inherited: List[Staging] = []
+
+
+def _after_fork_in_child() -> None:
+    global _idle, _idle_lock, _inherited
+    _inherited = [st for free in _idle.values() for st in free]
+    _idle = {}
+    _idle_lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def acquire_staging(chunk: int, register_cuda: bool, device: Optional[torch.device] = None) -> Staging:

@@ -447,3 +447,35 @@ def test_interrupted_save_and_directory_gone_under_a_queued_save(tmp_path):
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
     assert sorted(os.listdir(tmp_path)) == ["ahead.pt", "k.pt", "renamed-moved", "x.pt"]
     assert list(torch.load(tmp_path / "k.pt")) == ["after"]
+
+
+def test_forked_child_stages_with_its_own_buffers(tmp_path):
+    """Staging memory (and every engine arena) is not inherited by a fork
+    child (MADV_DONTFORK: registered memory is not copied into each
+    DataLoader worker); a child's staged save makes its own buffers and
+    never touches the parent's idle ones."""
+    code = textwrap.dedent(
+        f"""
+        import os, sys, torch, fastpersist
+        os.environ["FASTPERSIST_TEST_STAGE_CPU"] = "1"
+        os.environ["FASTPERSIST_STAGE_CHUNK"] = str(3 * 4096)
+        sd = {{"a": torch.arange(50_000.0), "b": torch.ones(7, dtype=torch.int8)}}
+        fastpersist.write_state_dict(sd, {str(tmp_path / "parent.pt")!r})  # leaves an idle staging buffer
+        pid = os.fork()
+        if pid == 0:
+            try:
+                fastpersist.write_state_dict(sd, {str(tmp_path / "child.pt")!r})
+                ok = True
+            except BaseException as e:
+                print(repr(e), file=sys.stderr)
+                ok = False
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr.decode()[-2000:])
+    # Checked here (torch's own thread pool is not fork-safe in the child).
+    got = torch.load(tmp_path / "child.pt")
+    assert torch.equal(got["a"], torch.arange(50_000.0)) and torch.equal(got["b"], torch.ones(7, dtype=torch.int8))
