@@ -222,14 +222,7 @@ fn coordinate(
             let ext = extents[next];
             let b = p.free.pop().expect("a free buffer");
             if guarded {
-                guard::before_gather(|| {
-                    layout.pieces(ext).into_iter().filter_map(|pc| {
-                        let seg = &layout.segments()[pc.segment];
-                        matches!(seg.source, Source::Mem(_))
-                            .then_some(seg.crc_id)
-                            .flatten()
-                    })
-                })?;
+                guard::before_gather(|| layout.mem_crc_ids(ext))?;
                 copy_extent(layout, ext, &mut arena.buf_mut(b)[..ext.len]);
             }
             let task = Task {

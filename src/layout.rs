@@ -300,6 +300,17 @@ impl Layout {
         }))
     }
 
+    /// The checksum ids of the caller memory (`Source::Mem`) that gathering
+    /// `extent` reads: what a [`crate::guard`] checks before the gather.
+    pub(crate) fn mem_crc_ids(&self, extent: Extent) -> impl Iterator<Item = u32> + '_ {
+        self.pieces(extent).into_iter().filter_map(|p| {
+            let seg = &self.segments[p.segment];
+            matches!(seg.source, Source::Mem(_))
+                .then_some(seg.crc_id)
+                .flatten()
+        })
+    }
+
     /// The segment pieces that make up `extent`, in file order. Bytes of the
     /// extent not covered by any piece are zeros.
     pub fn pieces(&self, extent: Extent) -> Vec<Piece> {

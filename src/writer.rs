@@ -588,14 +588,7 @@ fn pump(
             sink.reap(free, true)?;
         }
         let b = free.pop().expect("a free buffer");
-        guard::before_gather(|| {
-            layout.pieces(ext).into_iter().filter_map(|p| {
-                let seg = &layout.segments()[p.segment];
-                matches!(seg.source, Source::Mem(_))
-                    .then_some(seg.crc_id)
-                    .flatten()
-            })
-        })?;
+        guard::before_gather(|| layout.mem_crc_ids(ext))?;
         gather(layout, ext, &mut arena.buf_mut(b)[..ext.len], hashers);
         let job = Job {
             buf: b,
