@@ -10,7 +10,7 @@ from __future__ import annotations
 from ._core import __version__
 from .async_save import CheckpointFuture, SnapshotPool, save_async, wait_all
 from .checkpoint_manager import Checkpointer, CheckpointInfo
-from .collectives import DistributedCheckpointError
+from .collectives import DistributedCheckpointError, DistributedTensorChangedError
 from .cuda_staging import release_staging
 from .errors import (
     CorruptCheckpointError,
@@ -51,6 +51,7 @@ __all__ = [
     "ReadStats",
     "CorruptCheckpointError",
     "DistributedCheckpointError",
+    "DistributedTensorChangedError",
     "WriteError",
     "SerializationError",
     "StorageChangedError",

@@ -500,7 +500,7 @@ class AsyncSaver:
             self._last = fut
             self._inflight.append(fut)
         if group is not None:
-            self._write.submit(_on(home, self._distributed), obj, p, opts, fut, group, sharded, ready)
+            self._write.submit(_on(home, self._distributed), obj, p, opts, fut, group, sharded, ready, versions)
         elif mode == "snapshot":
             planner = _planner(fmt, metadata)
             self._snap.submit(_on(home, self._snapshot_then_write), obj, p, opts, fut, ready, planner, versions)
@@ -584,6 +584,7 @@ class AsyncSaver:
         group: Any,
         sharded: bool,
         ready: ReadyEvents,
+        versions: TensorVersions,
     ) -> None:
         # With a group the snapshot phase ends with the write (the ranks'
         # parts are written from the live tensors, then committed together).
@@ -592,7 +593,7 @@ class AsyncSaver:
         try:
             wait_for_earlier(path, fut)
             with side_streams(ready):
-                stats = write_distributed(obj, path, opts, group, sharded, "torch")
+                stats = write_distributed(obj, path, opts, group, sharded, "torch", versions)
         except BaseException as e:  # noqa: BLE001
             obj = None  # this frame stays in the traceback
             fut._fail(e)

@@ -24,13 +24,28 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from .errors import FastPersistError
+from .errors import FastPersistError, TensorChangedError
 
-__all__ = ["DistributedCheckpointError", "checkpoint_group", "gather", "fail_all", "describe_error"]
+__all__ = [
+    "DistributedCheckpointError",
+    "DistributedTensorChangedError",
+    "checkpoint_group",
+    "gather",
+    "fail_all",
+    "describe_error",
+]
 
 
 class DistributedCheckpointError(FastPersistError, RuntimeError):
     """A rank failed during a distributed save; nothing was committed."""
+
+
+class DistributedTensorChangedError(DistributedCheckpointError, TensorChangedError):
+    """Raised on the rank whose tensor was changed in place during a
+    distributed save: every rank gets a :class:`DistributedCheckpointError`
+    (nothing was committed), and this rank's is also a
+    :class:`~fastpersist.TensorChangedError`, as a save without a group
+    would raise."""
 
 
 _groups: Dict[Tuple[int, ...], Any] = {}
@@ -87,10 +102,14 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def fail_all(statuses: List[Optional[str]], what: str) -> None:
+def fail_all(statuses: List[Optional[str]], what: str, mine: Optional[BaseException] = None) -> None:
     """Raise :class:`DistributedCheckpointError` on every rank when any
-    rank reported an error (statuses gathered from every rank)."""
+    rank reported an error (statuses gathered from every rank). ``mine``
+    is this rank's own exception, if any: it is chained, and when it is a
+    :class:`~fastpersist.TensorChangedError` the error raised here is one
+    too (:class:`DistributedTensorChangedError`)."""
     bad = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if bad:
         detail = "; ".join(f"rank {r}: {s}" for r, s in bad)
-        raise DistributedCheckpointError(f"{what} failed on {len(bad)} rank(s): {detail}")
+        cls = DistributedTensorChangedError if isinstance(mine, TensorChangedError) else DistributedCheckpointError
+        raise cls(f"{what} failed on {len(bad)} rank(s): {detail}") from mine

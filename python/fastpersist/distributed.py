@@ -16,6 +16,11 @@ Sharded state (FSDP, ZeRO: each rank holds its own part):
 index is committed, so a crash at any point leaves the previous checkpoint
 whole.
 
+A tensor changed in place on any rank before that rank has read all of its
+bytes fails the save like any other error (the rank whose tensor changed
+raises :class:`DistributedTensorChangedError`, also a
+:class:`~fastpersist.TensorChangedError`).
+
 If any rank fails, no checkpoint is committed and every rank raises
 :class:`DistributedCheckpointError` (after the group's collective timeout at
 worst, never a hang beyond it). Checkpoint collectives run on a gloo group of
@@ -44,10 +49,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import _core
-from .collectives import DistributedCheckpointError, checkpoint_group, describe_error, fail_all, gather
+from .collectives import (
+    DistributedCheckpointError,
+    DistributedTensorChangedError,
+    checkpoint_group,
+    describe_error,
+    fail_all,
+    gather,
+)
 from .cuda_staging import staging_setup
 from .errors import CorruptCheckpointError
 from .options import EngineOptions, WriteStats, use_engine, write_stats
+from .pickling import TensorVersions
 from .plan import MemoryGuard, Plan, Region, split_regions
 from .torch_zip import plan_torch_save
 
@@ -56,6 +69,7 @@ __all__ = [
     "write_sharded",
     "read_sharded",
     "DistributedCheckpointError",
+    "DistributedTensorChangedError",
     "checkpoint_group",
     "is_sharded_dir",
     "shard_name",
@@ -138,9 +152,14 @@ def _plan_replicated(obj: Any, path: str, rank: int) -> Tuple[Plan, Any, Tuple[i
     return plan, tmp, _signature(plan)
 
 
-def write_replicated(obj: Any, path: str, group: Any, opts: EngineOptions) -> WriteStats:
+def write_replicated(
+    obj: Any, path: str, group: Any, opts: EngineOptions, versions: Optional[TensorVersions] = None
+) -> WriteStats:
     """Every rank passes the same ``obj``; each writes its balanced part of
-    one file, rank 0 commits it once every part is in (see the module doc)."""
+    one file, rank 0 commits it once every part is in (see the module doc).
+    ``versions`` (the tensors' version counters at the call) are checked on
+    every rank once its part is written: a tensor changed in place on any
+    rank fails the save on all of them, before the commit."""
     import torch.distributed as dist
 
     g = checkpoint_group(group)
@@ -173,15 +192,21 @@ def write_replicated(obj: Any, path: str, group: Any, opts: EngineOptions) -> Wr
         blobs = list(plan.blobs) + [(off, struct.pack("<I", crcs.get(cid, 0))) for off, cid in plan.slots]
         raw = None
         err = None
+        mine: Optional[BaseException] = None
         try:
             with use_engine(opts) as eng:
                 raw = eng.write_part(
                     tmp_path, blobs, regions, plan.file_len, rank, world, plan.guard if plan.guard else None
                 )
+            if versions is not None:
+                # Every byte of this rank's part (and its checksums) has
+                # been read from the tensors: had one changed in the
+                # meantime, the part could mix values or not match its CRC.
+                versions.check(obj)
         except BaseException as e:  # noqa: BLE001
-            err = describe_error(e)
+            err, mine = describe_error(e), e
         statuses = gather(err, g)
-        fail_all(statuses, "writing the checkpoint")
+        fail_all(statuses, "writing the checkpoint", mine)
         commit_err = None
         if tmp is not None:
             try:
@@ -258,10 +283,11 @@ def write_sharded(
     shard = os.path.join(dirpath, name)
     stats: Optional[WriteStats] = None
     err = None
+    mine: Optional[BaseException] = None
     try:
         stats = write(obj, shard)
     except BaseException as e:  # noqa: BLE001
-        err = describe_error(e)
+        err, mine = describe_error(e), e
     results = gather((err, name, stats.bytes if stats else 0), g)
     statuses = [r[0] for r in results]
     commit_err = None
@@ -278,7 +304,7 @@ def write_sharded(
     final = gather(commit_err, g)[0]
     if any(s is not None for s in statuses) or (final is not None and final[0] == "failed"):
         _unlink(shard)
-    fail_all(statuses, "writing the shards")
+    fail_all(statuses, "writing the shards", mine)
     if final is not None:
         what = (
             "committing the index (it is in place, its durability is not confirmed)"

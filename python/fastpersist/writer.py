@@ -277,16 +277,30 @@ def write_safetensors(
     return write_plan(plan, path, opts, time.perf_counter() - t0, t0, on_gathered=_checked(versions, obj, on_gathered))
 
 
-def write_distributed(obj: Any, path: str, opts: EngineOptions, group: Any, sharded: bool, format: str) -> WriteStats:
+def write_distributed(
+    obj: Any,
+    path: str,
+    opts: EngineOptions,
+    group: Any,
+    sharded: bool,
+    format: str,
+    versions: Optional[TensorVersions] = None,
+) -> WriteStats:
     """A save by every rank of ``group``: replicated (one file, each rank
-    writes a part) or sharded (a directory of shards and an index)."""
+    writes a part) or sharded (a directory of shards and an index).
+    ``versions``: the tensors' version counters as of the call (taken now
+    when not given), checked on every rank before anything is committed."""
     if group is None:
         raise ValueError("sharded=True needs group= (the ranks that each hold a shard)")
     if format != "torch":
         raise ValueError("distributed saves write torch checkpoints (format='torch')")
+    if versions is None:
+        versions = TensorVersions(obj)
     if sharded:
-        return distributed.write_sharded(obj, path, group, opts, write=lambda o, p: write_torch_zip(o, p, opts))
-    return distributed.write_replicated(obj, path, group, opts)
+        return distributed.write_sharded(
+            obj, path, group, opts, write=lambda o, p: write_torch_zip(o, p, opts, versions=versions)
+        )
+    return distributed.write_replicated(obj, path, group, opts, versions)
 
 
 def write_state_dict(
@@ -347,7 +361,7 @@ def write_state_dict(
         versions = TensorVersions(obj, on_change)
         wait_for_earlier(p)
         if group is not None or sharded:
-            return write_distributed(obj, p, opts, group, sharded, format)
+            return write_distributed(obj, p, opts, group, sharded, format, versions)
         if format == "safetensors":
             return write_safetensors(obj, p, opts, metadata, versions)
         if metadata is not None:

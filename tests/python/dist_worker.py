@@ -80,12 +80,46 @@ def main() -> None:  # noqa: C901 - one branch per scenario
         elif scenario == "fail-sharded":
             obj = state(rank) if rank != world - 1 else {"f": lambda: 0}
             fastpersist.write_state_dict(obj, os.path.join(out, "sharded"), group=dist.group.WORLD, sharded=True)
+        elif scenario in ("changed", "changed-sharded", "changed-warn"):
+            # rank 1 updates a tensor in place (no fence) before its
+            # background save has read it: the save fails on every rank
+            # (or, with on_change="warn", commits with a warning).
+            import threading
+            import warnings
+
+            from fastpersist.async_save import AsyncSaver
+
+            sharded = scenario == "changed-sharded"
+            path = os.path.join(out, "sharded" if sharded else "ckpt.pt")
+            st = state(rank if sharded else 0)
+            saver = AsyncSaver()
+            gate = threading.Event()
+            saver._write.submit(gate.wait)  # the save's background work waits for the update
+            on_change = "warn" if scenario == "changed-warn" else "error"
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                f = saver.save(st, path, group=dist.group.WORLD, sharded=sharded, on_change=on_change)
+                if rank == 1:
+                    st["w"].add_(1)
+                gate.set()
+                try:
+                    result["bytes"] = f.result(timeout=120).bytes
+                finally:
+                    result["warnings"] = [str(w.message) for w in seen if "changed" in str(w.message)]
+                    saver.close()
         elif scenario == "mismatch":
             fastpersist.write_state_dict(state(rank), os.path.join(out, "ckpt.pt"), group=dist.group.WORLD)
         else:
             raise SystemExit(f"unknown scenario {scenario}")
     except Exception as e:  # noqa: BLE001 - reported to the test
-        result = {"rank": rank, "ok": False, "type": type(e).__name__, "error": str(e)}
+        result = {
+            "rank": rank,
+            "ok": False,
+            "type": type(e).__name__,
+            "error": str(e),
+            "tensor_changed": isinstance(e, fastpersist.TensorChangedError),
+            "distributed": isinstance(e, fastpersist.DistributedCheckpointError),
+        }
     with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()  # no rank leaves while another still talks to it

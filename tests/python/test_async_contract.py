@@ -348,3 +348,44 @@ def test_two_by_two_mesh_saves_with_data_parallel_subgroups(tmp_path):
     assert all(r["ok"] for r in res), res
     for tp in (0, 1):
         assert_same(state(tp), torch.load(tmp_path / f"tp{tp}.pt"))
+
+
+# --- The version check of saves with a group (16.2 with group=) ------------
+
+
+@pytest.mark.parametrize("scenario", ["changed", "changed-sharded"])
+def test_a_tensor_changed_on_one_rank_fails_the_group_save_everywhere(tmp_path, scenario):
+    """Rank 1 updates a tensor before its background save has read it: no
+    rank commits; rank 1 raises a TensorChangedError (also a
+    DistributedCheckpointError), the other ranks a DistributedCheckpointError
+    naming rank 1; the previous checkpoint is kept."""
+    from dist_worker import state
+    from test_distributed import run_ranks
+
+    target = tmp_path / ("sharded" if scenario == "changed-sharded" else "ckpt.pt")
+    if scenario == "changed":
+        fastpersist.write_state_dict(state(5), target)
+        before = {"ckpt.pt": target.read_bytes()}
+    else:
+        target.mkdir()
+        before = {}
+    res = run_ranks(scenario, 2, tmp_path)
+    assert not any(r["ok"] for r in res), res
+    assert all(r["distributed"] and "rank 1" in r["error"] and "TensorChangedError" in r["error"] for r in res), res
+    assert [r["tensor_changed"] for r in res] == [False, True], res
+    assert "['w']" in res[1]["error"]
+    after = {n: (tmp_path / n).read_bytes() for n in before}
+    assert after == before
+    assert no_temp_files(tmp_path)
+    if scenario == "changed-sharded":
+        assert os.listdir(target) == []  # no shard and no index committed
+
+
+def test_a_tensor_changed_on_one_rank_with_on_change_warn_commits(tmp_path):
+    from dist_worker import state
+    from test_distributed import run_ranks
+
+    res = run_ranks("changed-warn", 2, tmp_path)
+    assert all(r["ok"] for r in res), res
+    assert res[0]["warnings"] == [] and any("['w']" in w for w in res[1]["warnings"]), res
+    assert torch.load(tmp_path / "ckpt.pt")["n"] == state(0)["n"]
