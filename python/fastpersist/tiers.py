@@ -8,31 +8,61 @@ process, a lost connection) is never taken for a whole checkpoint. Deletion
 goes the other way: marker first, then data. Downloads land in the local
 directory through the core's durable commit, after the CRCs are verified.
 
-Uploads are fsspec's own (``put_file``: multipart for large files on S3,
-with s3fs's bounded concurrency); credentials and endpoints come from the
-usual fsspec/boto configuration (environment, ``~/.aws``,
-``storage_options``), never from fastpersist's files.
+The local file is opened once: verified through that descriptor, then read
+part by part with the engine (O_DIRECT: a checkpoint's upload does not fill
+the page cache and evict the training's data) and sent in parts. On S3
+(s3fs) the parts go up as one multipart upload with at most
+``concurrency`` parts in flight; memory is bounded by ``concurrency`` parts
+of ``part_bytes`` whatever the checkpoint's size, and a failed upload is
+aborted (no parts left behind). Other fsspec stores get the parts through
+the store's own streaming writer (``fs.open(..., "wb")``), one at a time.
+Credentials and endpoints come from the usual fsspec/boto configuration
+(environment, ``~/.aws``, ``storage_options``), never from fastpersist's
+files.
 
 >>> fastpersist.upload("ckpt-100.pt", "s3://bucket/run1/")  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import logging
 import os
 import posixpath
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from . import _core
 from .errors import CorruptCheckpointError, FastPersistError
-from .verify import verify_file
+from .options import EngineOptions, read_records
+from .verify import verify_fd, verify_file
 
-__all__ = ["ObjectStore", "TransferStats", "TierError", "upload", "is_url", "MARKER_SUFFIX"]
+__all__ = [
+    "ObjectStore",
+    "TransferStats",
+    "TierError",
+    "upload",
+    "is_url",
+    "MARKER_SUFFIX",
+    "PART_BYTES",
+    "CONCURRENCY",
+]
+
+log = logging.getLogger("fastpersist")
 
 #: Suffix of the commit marker written after a checkpoint's data.
 MARKER_SUFFIX = ".fpcommit"
+#: Default bytes per uploaded part (S3 takes parts of 5 MiB to 5 GiB, at
+#: most 10,000 of them: larger files get larger parts).
+PART_BYTES = 32 << 20
+#: Default parts in flight (and in memory) per upload.
+CONCURRENCY = 4
+_S3_MIN_PART = 5 << 20
+_S3_MAX_PARTS = 10_000
 
 
 class TierError(FastPersistError, OSError):
@@ -78,9 +108,27 @@ class ObjectStore:
     ``gs://...``, ``memory://...``) holding checkpoint files and their
     commit markers."""
 
-    def __init__(self, url: str, storage_options: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: Optional[Mapping[str, Any]] = None,
+        *,
+        part_bytes: int = PART_BYTES,
+        concurrency: int = CONCURRENCY,
+    ) -> None:
+        if isinstance(part_bytes, bool) or not isinstance(part_bytes, int) or part_bytes < 1:
+            raise ValueError(f"part_bytes must be a positive int, not {part_bytes!r}")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be a positive int, not {concurrency!r}")
         self.url = url.rstrip("/")
         self.fs, self.root = _fs(url, storage_options)
+        self.multipart = _is_s3(self.fs)
+        if self.multipart and part_bytes < _S3_MIN_PART:
+            raise ValueError(f"part_bytes must be at least 5 MiB on S3 (its smallest part), not {part_bytes}")
+        #: Bytes per uploaded part, and parts in flight: an upload holds at
+        #: most ``concurrency * part_bytes`` bytes of the file in memory.
+        self.part_bytes = part_bytes
+        self.concurrency = concurrency
 
     def _path(self, name: str) -> str:
         if not name or "/" in name or name in (".", ".."):
@@ -103,14 +151,19 @@ class ObjectStore:
         name), data first, then its marker. The local file is verified first
         (a damaged checkpoint is never uploaded)."""
         name = name or os.path.basename(local)
-        t0 = time.perf_counter()
-        try:
-            info = verify_file(local)
-        except CorruptCheckpointError as e:
-            raise TierError(f"{local} is damaged and was not uploaded: {e}") from e
-        size = os.path.getsize(local)
         dst = self._path(name)
-        self._call(f"upload of {local} to {self.url_of(name)}", self.fs.put_file, local, dst)
+        t0 = time.perf_counter()
+        fd = os.open(local, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            try:
+                info = verify_fd(fd, local)
+            except CorruptCheckpointError as e:
+                raise TierError(f"{local} is damaged and was not uploaded: {e}") from e
+            size = os.fstat(fd).st_size
+            put = self._put_multipart if self.multipart else self._put_stream
+            self._call(f"upload of {local} to {self.url_of(name)}", put, fd, size, dst)
+        finally:
+            os.close(fd)
         fmt, records = info
         marker = {
             "size": size,
@@ -121,6 +174,88 @@ class ObjectStore:
         }
         self._call(f"commit marker of {self.url_of(name)}", self.fs.pipe_file, dst + MARKER_SUFFIX, _json(marker))
         return TransferStats(self.url_of(name), size, time.perf_counter() - t0)
+
+    def _parts(self, size: int) -> List[Tuple[int, int]]:
+        """(offset, bytes) of each part of a file of ``size`` bytes."""
+        part = self.part_bytes
+        if self.multipart and -(-size // part) > _S3_MAX_PARTS:
+            part = -(-size // _S3_MAX_PARTS)
+        return [(off, min(part, size - off)) for off in range(0, size, part)] or [(0, 0)]
+
+    def _read_part(self, fd: int, offset: int, n: int) -> bytearray:
+        """Bytes [offset, offset + n) of the open file, read by the engine
+        (O_DIRECT where the file system allows it)."""
+        buf = bytearray(n)
+        if n:
+            view = (ctypes.c_char * n).from_buffer(buf)
+            try:
+                read_records(fd, [(offset, ctypes.addressof(view), n)], EngineOptions.resolve())
+            finally:
+                del view  # the bytearray may be resized (by nobody) and freed again
+        return buf
+
+    def _put_stream(self, fd: int, size: int, dst: str) -> None:
+        """Any fsspec store: the parts, one at a time, through its writer."""
+        f = self.fs.open(dst, "wb")
+        done = False
+        try:
+            for off, n in self._parts(size):
+                f.write(self._read_part(fd, off, n))
+            f.close()
+            done = True
+        finally:
+            if not done:
+                discard = getattr(f, "discard", None)  # fsspec's buffered files: drop, don't publish
+                if callable(discard):
+                    discard()
+
+    def _put_multipart(self, fd: int, size: int, dst: str) -> None:
+        """S3: one multipart upload, at most ``concurrency`` parts read and
+        in flight at once; aborted on any failure."""
+        bucket, key, _ = self.fs.split_path(dst)
+        call = self.fs.call_s3
+        parts = self._parts(size)
+        if len(parts) == 1:
+            call("put_object", Bucket=bucket, Key=key, Body=bytes(self._read_part(fd, *parts[0])))
+            return
+        upload_id = call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        room = threading.Semaphore(self.concurrency)
+        failed = threading.Event()
+
+        def send(number: int, body: bytearray) -> str:
+            r = call("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+            return str(r["ETag"])
+
+        def done(f: Future) -> None:
+            if f.exception() is not None:
+                failed.set()
+            room.release()
+
+        futures: List[Future] = []
+        try:
+            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="fastpersist-upload") as pool:
+                for number, (off, n) in enumerate(parts, 1):
+                    room.acquire()  # a part is read only when one of the bounded slots is free
+                    if failed.is_set():
+                        room.release()
+                        break
+                    fut = pool.submit(send, number, self._read_part(fd, off, n))
+                    fut.add_done_callback(done)
+                    futures.append(fut)
+            etags = [f.result() for f in futures]  # the first failure raises here
+            call(
+                "complete_multipart_upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [{"PartNumber": i, "ETag": e} for i, e in enumerate(etags, 1)]},
+            )
+        except BaseException:
+            try:
+                call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
+                log.warning("fastpersist: could not abort the multipart upload of %s: %s", dst, e)
+            raise
 
     def committed(self) -> Dict[str, int]:
         """Names of the checkpoints whose upload completed -> their sizes
@@ -180,14 +315,29 @@ class ObjectStore:
                 pass
 
 
+def _is_s3(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs (multipart calls of its own are available)."""
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "s3" in protocol and callable(getattr(fs, "call_s3", None)) and callable(getattr(fs, "split_path", None))
+
+
 def _json(obj: Any) -> bytes:
     return json.dumps(obj, default=str, sort_keys=True).encode()
 
 
 def upload(
-    path: Any, url: str, *, name: Optional[str] = None, storage_options: Optional[Mapping[str, Any]] = None
+    path: Any,
+    url: str,
+    *,
+    name: Optional[str] = None,
+    storage_options: Optional[Mapping[str, Any]] = None,
+    part_bytes: int = PART_BYTES,
+    concurrency: int = CONCURRENCY,
 ) -> TransferStats:
     """Upload the checkpoint at ``path`` under the prefix ``url`` (any fsspec
     URL), data first and its commit marker last; returns what was moved.
-    Raises :class:`TierError` when the store refuses (credentials, bucket)."""
-    return ObjectStore(url, storage_options).upload(os.fspath(path), name)
+    ``part_bytes`` and ``concurrency`` bound the memory it takes (see the
+    module doc). Raises :class:`TierError` when the store refuses
+    (credentials, bucket)."""
+    store = ObjectStore(url, storage_options, part_bytes=part_bytes, concurrency=concurrency)
+    return store.upload(os.fspath(path), name)

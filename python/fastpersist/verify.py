@@ -201,25 +201,32 @@ def verify_file(path: PathLike, *, direct: Optional[bool] = None) -> VerifyResul
     records: its storages). Raises CorruptCheckpointError, or
     UnsupportedFormatError for a TorchScript archive."""
     p = check_path(path)
-    opts = EngineOptions.resolve(direct=direct)
     fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
-    unchecked: List[str] = []
     try:
-        size = os.fstat(fd).st_size
-        fmt, recs = _inspect_fd(fd, size, p)
-        if fmt == "torch-legacy":
-            return VerifyResult(fmt, _check_legacy(fd, size, p))
-        try:
-            crcs = checksums(fd, [(r.offset, r.bytes) for r in recs], opts)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{p}: {e}") from None
-        if fmt == "torch":
-            unchecked = _check_crcs(fd, recs, crcs, p)
-            pkl = [r for r in recs if r.name.endswith("data.pkl")]
-            if not pkl:
-                raise CorruptCheckpointError(f"{p}: no data.pkl record")
-            data = os.pread(fd, pkl[0].bytes, pkl[0].offset)
-            _check_pickle(data, recs, p)
+        return verify_fd(fd, p, direct=direct)
     finally:
         os.close(fd)
+
+
+def verify_fd(fd: int, path: str, *, direct: Optional[bool] = None) -> VerifyResult:
+    """:func:`verify_file` of the file open at ``fd`` (``path`` names it in
+    errors): whoever goes on to read the file through the same descriptor
+    reads exactly the bytes that verified."""
+    opts = EngineOptions.resolve(direct=direct)
+    unchecked: List[str] = []
+    size = os.fstat(fd).st_size
+    fmt, recs = _inspect_fd(fd, size, path)
+    if fmt == "torch-legacy":
+        return VerifyResult(fmt, _check_legacy(fd, size, path))
+    try:
+        crcs = checksums(fd, [(r.offset, r.bytes) for r in recs], opts)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path}: {e}") from None
+    if fmt == "torch":
+        unchecked = _check_crcs(fd, recs, crcs, path)
+        pkl = [r for r in recs if r.name.endswith("data.pkl")]
+        if not pkl:
+            raise CorruptCheckpointError(f"{path}: no data.pkl record")
+        data = os.pread(fd, pkl[0].bytes, pkl[0].offset)
+        _check_pickle(data, recs, path)
     return VerifyResult(fmt, len(recs) - len(unchecked), unchecked)

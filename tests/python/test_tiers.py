@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import fastpersist
@@ -249,3 +250,112 @@ def test_ls_shows_the_tiers_and_their_telemetry(tmp_path, s3):
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stdout.splitlines() if x.strip().startswith(("1 ", "2 "))]
     assert len(lines) == 2 and all("local+object" in x and "verified" in x for x in lines), r.stdout
+
+
+# --- Uploads in parts: O_DIRECT reads, bounded memory, aborted on failure ---
+
+
+def _big_checkpoint(tmp_path, mib: int = 13):
+    p = tmp_path / "ckpt-000000000009.pt"
+    fastpersist.write_state_dict({"step": 9, "state": {"w": torch.randn(mib << 18)}}, p)
+    return p
+
+
+def _resident_bytes(path) -> int:
+    r = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"fincore unavailable: {r.stderr.decode().strip()}")
+    return int(r.stdout.split()[0])
+
+
+def test_upload_in_parts_with_bounded_memory(tmp_path, s3):
+    p = _big_checkpoint(tmp_path)
+    store = fastpersist.tiers.ObjectStore("s3://ckpts/parts", s3["opts"], part_bytes=5 << 20, concurrency=2)
+    calls, reads, lock = [], [], threading.Lock()
+    state = {"in_flight": 0, "most": 0, "sent": 0}
+    call_s3, read_part = store.fs.call_s3, store._read_part
+
+    def counting_call(method, **kw):
+        calls.append(method)
+        if method != "upload_part":
+            return call_s3(method, **kw)
+        with lock:
+            state["in_flight"] += 1
+            state["most"] = max(state["most"], state["in_flight"])
+        try:
+            time.sleep(0.05)  # slow network: the reader must wait, not run ahead
+            return call_s3(method, **kw)
+        finally:
+            with lock:
+                state["in_flight"] -= 1
+                state["sent"] += 1
+
+    def counting_read(fd, off, n):
+        with lock:
+            reads.append((off, state["sent"]))
+        return read_part(fd, off, n)
+
+    store.fs.call_s3, store._read_part = counting_call, counting_read
+    st = store.upload(str(p))
+    size = p.stat().st_size
+    assert st.bytes == size
+    parts = -(-size // (5 << 20))
+    assert parts >= 3 and calls.count("upload_part") == parts
+    assert calls[0] == "create_multipart_upload" and "complete_multipart_upload" in calls
+    assert state["most"] <= 2
+    # Part k is read only once parts k-2 and before have been sent: never
+    # more than `concurrency` parts in memory.
+    assert all(sent >= k - 2 for k, (_, sent) in enumerate(reads)), reads
+    out = tmp_path / "back.pt"
+    store.download(p.name, str(out))
+    assert out.read_bytes() == p.read_bytes()
+
+
+def test_upload_reads_with_o_direct_and_leaves_no_page_cache(tmp_path, s3):
+    p = _big_checkpoint(tmp_path, mib=16)
+    fd = os.open(p, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if _resident_bytes(p) > 1 << 20:
+        pytest.skip("this file system keeps the file in memory (tmpfs?)")
+    fastpersist.upload(p, "s3://ckpts/direct", storage_options=s3["opts"], part_bytes=5 << 20)
+    # Only the zip directory and the pickle were read through the page cache.
+    assert _resident_bytes(p) < 1 << 20
+
+
+def test_a_failed_part_aborts_the_upload_and_commits_nothing(tmp_path, s3):
+    p = _big_checkpoint(tmp_path)
+    store = fastpersist.tiers.ObjectStore("s3://ckpts/abort", s3["opts"], part_bytes=5 << 20, concurrency=2)
+    call_s3 = store.fs.call_s3
+
+    def failing(method, **kw):
+        if method == "upload_part" and kw["PartNumber"] == 2:
+            raise ConnectionError("connection reset by peer")
+        return call_s3(method, **kw)
+
+    store.fs.call_s3 = failing
+    with pytest.raises(fastpersist.tiers.TierError, match="connection reset"):
+        store.upload(str(p))
+    assert store.committed() == {}
+    assert not store.fs.exists(store.root + "/" + p.name)
+    pending = call_s3("list_multipart_uploads", Bucket="ckpts").get("Uploads", [])
+    assert [u for u in pending if u["Key"].startswith("abort/")] == []
+    assert p.exists()  # the local checkpoint is kept
+
+
+def test_part_options_are_checked(s3):
+    with pytest.raises(ValueError, match="5 MiB"):
+        fastpersist.tiers.ObjectStore("s3://ckpts/x", s3["opts"], part_bytes=1 << 20)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="concurrency"):
+            fastpersist.tiers.ObjectStore("s3://ckpts/x", s3["opts"], concurrency=bad)
+
+
+def test_other_stores_get_the_parts_through_their_writer(tmp_path):
+    p = _big_checkpoint(tmp_path, mib=3)
+    store = fastpersist.tiers.ObjectStore("memory://fp-parts", part_bytes=1 << 20)
+    assert not store.multipart
+    store.upload(str(p))
+    assert store.committed() == {p.name: p.stat().st_size}
+    assert store.fs.cat_file(store.root + "/" + p.name) == p.read_bytes()
