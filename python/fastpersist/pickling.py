@@ -20,6 +20,7 @@ A leaf module: it imports only :mod:`fastpersist.errors`.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import pickle
@@ -511,11 +512,21 @@ def storage_element_size(type_name: str) -> int:
     ``FloatStorage``: 4; ``UntypedStorage``: 1); ValueError for others."""
     if type_name in ("UntypedStorage", "ByteStorage"):
         return 1
-    cls = getattr(torch, type_name, None) if type_name.endswith("Storage") else None
-    dtype = getattr(cls, "dtype", None)
-    if not isinstance(dtype, torch.dtype):
+    size = _storage_element_sizes(type_name)
+    if size is None:
         raise ValueError(f"{type_name} is not a torch storage type")
-    return _element_size(dtype)
+    return size
+
+
+@functools.lru_cache(maxsize=256)
+def _storage_element_sizes(type_name: str) -> Optional[int]:
+    cls = getattr(torch, type_name, None) if type_name.endswith("Storage") and type_name.isidentifier() else None
+    with warnings.catch_warnings():
+        # The typed storage classes' dtype is behind torch's "TypedStorage
+        # is deprecated" warning: asking for it is not the user's doing.
+        warnings.simplefilter("ignore")
+        dtype = getattr(cls, "dtype", None)
+    return _element_size(dtype) if isinstance(dtype, torch.dtype) else None
 
 
 class LocationScan(pickle.Unpickler):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import struct
+import warnings
 
 import fastpersist
 import pytest
@@ -213,3 +214,17 @@ def test_corrupt_safetensors(tmp_path):
         q.write_bytes(data)
         with pytest.raises(fastpersist.CorruptCheckpointError):
             fastpersist.read_state_dict(q)
+
+
+def test_verifying_a_file_with_typed_storages_warns_nothing(tmp_path):
+    """verify_file (and the uploads and fetches that verify) looked up each
+    storage type's dtype on torch's deprecated typed storage classes, and
+    torch warned "TypedStorage is deprecated" on the user's console."""
+    p = tmp_path / "a.pt"
+    fastpersist.write_state_dict({"f": torch.ones(3), "h": torch.ones(2, dtype=torch.float16), "i": torch.arange(3)}, p)
+    from fastpersist.verify import verify_file
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        verify_file(p)
+    assert [str(w.message) for w in seen] == []
