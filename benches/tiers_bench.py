@@ -145,9 +145,10 @@ def bench_recovery(root: str, size: int, rounds: int, store: Optional[Moto]) -> 
     return out
 
 
-def bench_overhead(root: str, iters: int, every: int, rounds: int, store: Optional[Moto]) -> Dict[str, List[float]]:
+def bench_overhead(
+    root: str, iters: int, every: int, rounds: int, store: Optional[Moto], dim: int
+) -> Dict[str, List[float]]:
     torch.manual_seed(0)
-    dim = 1024
     model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(8)])
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(64, dim)
@@ -205,6 +206,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30, help="training iterations per round and configuration")
     ap.add_argument("--every", type=int, default=5, help="checkpoint interval of the training loop")
+    ap.add_argument("--dim", type=int, default=1024, help="width of the training loop's 8-layer MLP")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--no-object", action="store_true", help="skip the object-store tier (no moto)")
     args = ap.parse_args()
@@ -227,7 +229,7 @@ def main() -> None:
             print(f"{k:<10} {median(v):9.3f} {median(v) / base:8.2f}")
         shutil.rmtree(os.path.join(root, "rec"), ignore_errors=True)
         print(f"\ntraining loop (CPU), checkpoint every {args.every} iterations, {args.rounds} rounds of {args.iters}")
-        ovh = bench_overhead(root, args.iters, args.every, args.rounds, store)
+        ovh = bench_overhead(root, args.iters, args.every, args.rounds, store, args.dim)
         b = median(ovh["none"])
         print(f"{'staging':<14} {'median ms/iter':>15} {'x none':>7}")
         for k, v in ovh.items():
