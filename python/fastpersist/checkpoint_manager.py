@@ -70,7 +70,15 @@ from .replicas import ReplicaError, Ring, exchange, held_ranks, replica_dir
 from .tiers import ObjectStore, is_url
 from .verify import verify_file
 
-__all__ = ["Checkpointer", "CheckpointInfo", "FrequencyTuner", "list_checkpoints", "clean_temp_files", "ckpt_name"]
+__all__ = [
+    "Checkpointer",
+    "CheckpointInfo",
+    "FrequencyTuner",
+    "list_checkpoints",
+    "list_replicas",
+    "clean_temp_files",
+    "ckpt_name",
+]
 
 log = logging.getLogger("fastpersist")
 #: Checkpoint file names, exactly as :func:`ckpt_name` makes them.
@@ -177,6 +185,12 @@ def list_checkpoints(
         local, shared = _scan(directory, "local"), _scan(stage_dir, "shared")
     steps = sorted(set(local) | set(shared), reverse=True)
     return [(s, [c for c in (local.get(s), shared.get(s)) if c is not None]) for s in steps]
+
+
+def list_replicas(directory: str) -> Dict[int, Dict[int, CheckpointInfo]]:
+    """The peer tier held in a Checkpointer's ``directory``: global rank ->
+    step -> its committed replica (tier ``"peer"``)."""
+    return {r: _scan(replica_dir(directory, r), "peer") for r in held_ranks(directory)}
 
 
 def clean_temp_files(directory: str, min_age: float = TEMP_MIN_AGE) -> List[str]:

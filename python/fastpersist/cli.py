@@ -210,16 +210,15 @@ def _tier_cols(ev: dict) -> Tuple[str, str, str]:
 
 def _ls_replicas(directory: str, verify: bool) -> int:
     """The peer tier held in ``directory``: other ranks' replicas."""
-    from .checkpoint_manager import _scan
+    from .checkpoint_manager import list_replicas
     from .errors import CorruptCheckpointError
-    from .replicas import held_ranks, replica_dir
+    from .replicas import replica_dir
     from .verify import verify_file
 
     rc = EXIT_OK
-    for rank in held_ranks(directory):
+    for rank, infos in sorted(list_replicas(directory).items()):
         d = replica_dir(directory, rank)
         print(f"replicas held for rank {rank} ({d}):")
-        infos = _scan(d, "peer")
         for step in sorted(infos, reverse=True):
             status = "committed"
             if verify:
