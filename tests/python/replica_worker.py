@@ -85,6 +85,22 @@ def _resume(ck, rank: int) -> dict:
     return {"resumed": step, "right_bytes": same(st, state(step, rank))}
 
 
+def _auto(rank: int, out: str) -> list:
+    """every="auto": each rank's tuner would choose differently (rank 0's
+    every third step, the others' never); the group's first rank decides
+    for all. Returns the steps this rank checkpointed."""
+    import fastpersist
+    import torch.distributed as dist
+
+    d = os.path.join(out, "auto", f"rank-{rank}")
+    with fastpersist.Checkpointer(d, every="auto", keep_last=100, replicate=1, group=dist.group.WORLD) as ck:
+        calls = iter(range(1, 100))
+        ck.tuner.should_checkpoint = lambda: rank == 0 and next(calls) % 3 == 0
+        saved = [s for s in range(1, 10) if ck.step(s, state(s, rank)) is not None]
+    assert saved == _steps(d), (saved, _steps(d))
+    return saved
+
+
 def _lifecycle(rank: int, out: str) -> dict:
     """Train, lose node 1 (ranks 2 and 3 delete their directories), restart
     (a new Checkpointer), train on, damage rank 1's newest file, restart."""
@@ -144,6 +160,7 @@ def main() -> None:
         elif scenario == "resume":
             with fastpersist.Checkpointer(d, every=1, replicate=1, group=dist.group.WORLD) as ck:
                 result.update(_resume(ck, rank))
+            result["auto"] = _auto(rank, out)
         elif scenario == "lifecycle":
             result["errors"] = _errors(rank, out)
             result.update(_lifecycle(rank, out))

@@ -51,9 +51,15 @@ def _start(scenario: str, out, args=None) -> list:
 
 def _run(scenario: str, out, args=None) -> list:
     procs = _start(scenario, out, args)
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+    finally:
+        for p in procs:  # none is left behind when one fails or hangs
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     res = [json.load(open(out / f"result-{r}.json")) for r in range(WORLD)]
     assert all(r["ok"] for r in res), res
     return res
@@ -150,3 +156,6 @@ def test_kill_during_replication_keeps_the_previous_replica(tmp_path):
     res = _run("resume", tmp_path)
     assert [r["resumed"] for r in res] == [2] * WORLD and all(r["right_bytes"] for r in res), res
     assert _steps(rank_dir(str(tmp_path), 0)) == [2]
+    # every="auto": all ranks checkpoint the steps the group's first rank chose
+    assert [r["auto"] for r in res] == [[3, 6, 9]] * WORLD, res
+    assert _steps(tmp_path / "auto" / "rank-1" / "replicas" / "rank-3") == [3, 6, 9]
