@@ -349,6 +349,13 @@ def _check_peer_args(replicate: Any, group: Any, nodes: Any) -> None:
         )
     if nodes is not None and not replicate:
         raise ValueError("nodes= (the node of each rank) is used only with replicate=")
+    if group is not None:
+        try:
+            import torch.distributed as dist
+        except ImportError:  # pragma: no cover - torch without distributed
+            raise ValueError("group= needs torch.distributed") from None
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("group= needs torch.distributed initialized first (init_process_group)")
 
 
 class Checkpointer:
@@ -475,12 +482,8 @@ class Checkpointer:
                     self._stage_futures.append(self._stager.submit(self._stage, step, info.path))
 
     def _join_group(self, group: Any, replicate: int, nodes: Optional[Sequence[Hashable]]) -> None:
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch without distributed
-            raise ValueError("group= needs torch.distributed") from None
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("group= needs torch.distributed initialized first (init_process_group)")
+        import torch.distributed as dist
+
         ranks = group_ranks(group)
         if replicate:
             self._ring = Ring.build(ranks, dist.get_rank(), replicate, nodes)  # checks before any collective

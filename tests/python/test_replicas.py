@@ -14,6 +14,7 @@ import sys
 
 import fastpersist
 import pytest
+from fastpersist import cli
 from fastpersist.checkpoint_manager import ckpt_name
 from fastpersist.replicas import Ring, ring_shifts
 from fastpersist.verify import verify_file
@@ -98,10 +99,15 @@ def test_bad_arguments_without_a_group(tmp_path):
             fastpersist.Checkpointer(tmp_path, replicate=bad)
     with pytest.raises(ValueError, match="only with replicate"):
         fastpersist.Checkpointer(tmp_path, nodes=[0, 1])
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="init_process_group"):
+            fastpersist.Checkpointer(tmp_path, group=object())
     assert not os.listdir(tmp_path)  # nothing made before the arguments were checked
 
 
-def test_node_loss_damaged_file_and_bad_arguments(tmp_path):
+def test_node_loss_damaged_file_and_bad_arguments(tmp_path, capsys):
     """One launch of 4 ranks: bad arguments; train 4 steps; node 1's
     directories deleted, a new Checkpointer on every rank: all resume step 4
     (ranks 2 and 3 from their holders on node 0); train to step 6; rank 1's
@@ -133,13 +139,12 @@ def test_node_loss_damaged_file_and_bad_arguments(tmp_path):
     d1 = rank_dir(str(tmp_path), 1)
     verify_file(os.path.join(d1, ckpt_name(6)))  # the damaged file was replaced
     # The CLI shows the peer tier: what this rank's holder has, what it holds.
-    out = subprocess.run(
-        [sys.executable, "-m", "fastpersist.cli", "ls", "--verify", d1], capture_output=True, text=True, check=True
-    ).stdout
+    assert cli.main(["ls", "--verify", d1]) == 0
+    out = capsys.readouterr().out
     assert "local+peer" in out and "replicas held for rank 3" in out and "CORRUPT" not in out, out
 
 
-def test_kill_during_replication_keeps_the_previous_replica(tmp_path):
+def test_kill_during_replication_keeps_the_previous_replica(tmp_path, capsys):
     procs = _start("kill", tmp_path)
     procs[2].wait(timeout=120)
     assert procs[2].returncode == -signal.SIGKILL, procs[2].stderr.read()
@@ -151,6 +156,9 @@ def test_kill_during_replication_keeps_the_previous_replica(tmp_path):
     names = os.listdir(held)
     assert _steps(held) == [1, 2], names
     assert any(n.startswith(".ckpt-000000000003.pt.") and n.endswith(".fptmp") for n in names), names
+    assert cli.main(["ls", rank_dir(str(tmp_path), 2)]) == 0
+    out = capsys.readouterr().out
+    assert "replicas held for rank 0" in out and "temporary (an unfinished transfer)" in out, out
     # Rank 0's node-local directory is lost too: all ranks resume step 2.
     shutil.rmtree(rank_dir(str(tmp_path), 0))
     res = _run("resume", tmp_path)
