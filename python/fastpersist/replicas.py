@@ -189,12 +189,14 @@ class Received:
 
 
 def _write_chunk(tmp: Any, data: memoryview, offset: int) -> None:
-    tmp.write(data, offset)
+    view = data
+    while view:
+        view = view[os.pwrite(tmp.fd, view, offset + len(data) - len(view)) :]
 
 
-def _pairwise(group: Any, send: Optional[Tuple[Any, int]], recv: Optional[Tuple[Any, int]]) -> None:
-    """Send ``send[0]`` to global rank ``send[1]`` while receiving into
-    ``recv[0]`` from ``recv[1]`` (either may be None)."""
+def _post(group: Any, send: Optional[Tuple[Any, int]], recv: Optional[Tuple[Any, int]]) -> List[Any]:
+    """Start sending ``send[0]`` to global rank ``send[1]`` and receiving
+    into ``recv[0]`` from ``recv[1]`` (either may be None)."""
     import torch.distributed as dist
 
     works = []
@@ -202,7 +204,11 @@ def _pairwise(group: Any, send: Optional[Tuple[Any, int]], recv: Optional[Tuple[
         works.append(dist.isend(send[0], dst=send[1], group=group))
     if recv is not None:
         works.append(dist.irecv(recv[0], src=recv[1], group=group))
-    for w in works:
+    return works
+
+
+def _pairwise(group: Any, send: Optional[Tuple[Any, int]], recv: Optional[Tuple[Any, int]]) -> None:
+    for w in _post(group, send, recv):
         w.wait()
 
 
@@ -264,10 +270,11 @@ def _exchange(  # noqa: C901 - the four phases of one transfer, in order
     r_step, r_size, r_present = (int(x) for x in hr) if recv_from is not None else (-1, 0, 0)
     n_send = -(-size // chunk) if fd >= 0 else 0
     n_recv = -(-r_size // chunk) if r_present else 0
-    sbuf = bytearray(min(chunk, size) or 1) if n_send else None
-    rbuf = bytearray(min(chunk, r_size) or 1) if n_recv else None
-    st = torch.frombuffer(sbuf, dtype=torch.uint8) if sbuf is not None else None
-    rt = torch.frombuffer(rbuf, dtype=torch.uint8) if rbuf is not None else None
+    # Two buffers each way: chunk i moves while chunk i - 1 is written out.
+    sbufs = [bytearray(min(chunk, size) or 1) for _ in range(2)] if n_send else []
+    rbufs = [bytearray(min(chunk, r_size) or 1) for _ in range(2)] if n_recv else []
+    sts = [torch.frombuffer(b, dtype=torch.uint8) for b in sbufs]
+    rts = [torch.frombuffer(b, dtype=torch.uint8) for b in rbufs]
     s_crc = r_crc = 0
     s_bad = 0
     tmp = None
@@ -285,35 +292,41 @@ def _exchange(  # noqa: C901 - the four phases of one transfer, in order
     try:
         # 2. Chunks (a local read or write error keeps the pair in step:
         # the bytes still move, the trailer or the holder rejects them).
-        for i in range(max(n_send, n_recv)):
-            send = recv = None
-            if i < n_send:
-                assert sbuf is not None and st is not None
-                off = i * chunk
-                n = min(chunk, size - off)
-                view = memoryview(sbuf)[:n]
-                try:
-                    got = os.preadv(fd, [view], off)
-                except OSError:
-                    got = -1
-                if got != n:
-                    s_bad = 1
-                s_crc = zlib.crc32(view, s_crc)
-                send = (st[:n], send_to)
-            if i < n_recv:
-                assert rbuf is not None and rt is not None
-                m = min(chunk, r_size - i * chunk)
-                recv = (rt[:m], recv_from)
-            _pairwise(group, send, recv)
-            if recv is not None:
-                assert rbuf is not None
-                view = memoryview(rbuf)[:m]
+        # Chunk i's buffers were last used by chunk i - 2, finished at the
+        # previous iteration.
+        pending: List[Any] = []
+        last = max(n_send, n_recv)
+        for i in range(last + 1):
+            works: List[Any] = []
+            if i < last:
+                send = recv = None
+                if i < n_send:
+                    off = i * chunk
+                    n = min(chunk, size - off)
+                    view = memoryview(sbufs[i % 2])[:n]
+                    try:
+                        got = os.preadv(fd, [view], off)
+                    except OSError:
+                        got = -1
+                    if got != n:
+                        s_bad = 1
+                    s_crc = zlib.crc32(view, s_crc)
+                    send = (sts[i % 2][:n], send_to)
+                if i < n_recv:
+                    recv = (rts[i % 2][: min(chunk, r_size - i * chunk)], recv_from)
+                works = _post(group, send, recv)
+            for w in pending:
+                w.wait()
+            j = i - 1  # the chunk that has just arrived
+            if 0 <= j < n_recv:
+                view = memoryview(rbufs[j % 2])[: min(chunk, r_size - j * chunk)]
                 r_crc = zlib.crc32(view, r_crc)
                 if tmp is not None and r_error is None:
                     try:
-                        _write_chunk(tmp, view, i * chunk)
+                        _write_chunk(tmp, view, j * chunk)
                     except OSError as e:
                         r_error = f"writing {target} failed: {e}"
+            pending = works
         # 3. Trailers: (crc32 of the bytes sent, read error).
         ts = torch.tensor([s_crc, s_bad], dtype=torch.int64)
         tr = torch.zeros(2, dtype=torch.int64)
