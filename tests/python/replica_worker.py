@@ -78,10 +78,12 @@ def _steps(d: str) -> list:
 
 
 def _resume(ck, rank: int) -> dict:
+    info = ck.latest()  # fetches a missing or damaged copy; load_latest then finds it here
     got = ck.load_latest()
     if got is None:
-        return {"resumed": None}
+        return {"resumed": None, "latest": info}
     step, st = got
+    assert info is not None and info.step == step and info.tier == "local", (info, step)
     return {"resumed": step, "right_bytes": same(st, state(step, rank))}
 
 
@@ -111,6 +113,7 @@ def _lifecycle(rank: int, out: str) -> dict:
     holder = (rank + 2) % 4
     res: dict = {}
     with fastpersist.Checkpointer(d, every=1, keep_last=2, replicate=1, group=dist.group.WORLD) as ck:
+        res["fresh"] = _resume(ck, rank)
         for s in range(1, 5):
             ck.step(s, state(s, rank))
     dist.barrier()

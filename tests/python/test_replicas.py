@@ -123,6 +123,7 @@ def test_node_loss_damaged_file_and_bad_arguments(tmp_path, capsys):
     # nodes=["a", "b", "a", "b"]: rank r's replicas are held by r + 1
     for r in range(WORLD):
         assert res[r]["errors"]["interleaved_held"] == [f"rank-{(r - 1) % WORLD}"]
+    assert [r["fresh"] for r in res] == [{"resumed": None, "latest": None}] * WORLD, res
     # retention keeps 2 steps, on the replicas too; a replica is byte-identical
     assert all(r["trained"] == {"own": [3, 4], "held": [3, 4], "same": True} for r in res), res
     assert [r["after_node_loss"] for r in res] == [{"resumed": 4, "right_bytes": True}] * WORLD, res
