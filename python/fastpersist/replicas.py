@@ -10,8 +10,9 @@ so every rank holds exactly ``n`` other ranks' replicas and sends and
 receives the same number of bytes.
 
 Bytes move over torch.distributed (gloo, CPU tensors) in chunks of
-:data:`CHUNK_BYTES` (memory bounded: one send and one receive buffer), in
-four phases that every pair runs in the same order: a header (step, size),
+:data:`CHUNK_BYTES` (memory bounded: two buffers each way, so that one chunk
+moves while the previous one is read or written), in four phases that every
+pair runs in the same order: a header (step, size),
 the chunks, a trailer (the CRC32 of every byte sent) and an acknowledgement
 back from the holder. The holder writes the bytes into a
 :class:`~fastpersist._core.TempFile` next to
@@ -53,8 +54,8 @@ __all__ = [
 #: The subdirectory of a Checkpointer's directory that holds other ranks'
 #: replicas (``replicas/rank-<global rank>/ckpt-<step>.pt``).
 REPLICA_DIR = "replicas"
-#: Bytes per message (read at each transfer; the buffers of one transfer
-#: are two of these).
+#: Bytes per message (read at each transfer; one transfer holds four
+#: buffers of this size: two each way).
 CHUNK_BYTES = 8 << 20
 _RANK_RE = re.compile(r"^rank-(0|[1-9][0-9]{0,8})$")
 
