@@ -103,6 +103,36 @@ def _auto(rank: int, out: str) -> list:
     return saved
 
 
+def _nonblocking(rank: int, out: str) -> list:
+    """Replication never blocks the training loop: rank 2 (the holder of
+    rank 0) cannot write a replica until rank 0 has trained three
+    checkpointed steps; were step() waiting for replication, rank 0 would
+    never get there (the test times out)."""
+    import time
+
+    import fastpersist
+    import fastpersist.replicas
+    import torch.distributed as dist
+
+    d = os.path.join(out, "nb", f"rank-{rank}")
+    go = os.path.join(out, "nb", "go")
+    if rank == 2:
+        real = fastpersist.replicas._write_chunk
+
+        def held_back(tmp, data, offset):
+            while not os.path.exists(go):
+                time.sleep(0.01)
+            real(tmp, data, offset)
+
+        fastpersist.replicas._write_chunk = held_back
+    with fastpersist.Checkpointer(d, every=1, keep_last=3, replicate=1, group=dist.group.WORLD) as ck:
+        for s in (1, 2, 3):
+            ck.step(s, state(s, rank)).result()  # committed locally
+        if rank == 0:
+            open(go, "w").close()
+    return _steps(os.path.join(d, "replicas", f"rank-{(rank + 2) % 4}"))
+
+
 def _lifecycle(rank: int, out: str) -> dict:
     """Train, lose node 1 (ranks 2 and 3 delete their directories), restart
     (a new Checkpointer), train on, damage rank 1's newest file, restart."""
@@ -164,6 +194,7 @@ def main() -> None:
             with fastpersist.Checkpointer(d, every=1, replicate=1, group=dist.group.WORLD) as ck:
                 result.update(_resume(ck, rank))
             result["auto"] = _auto(rank, out)
+            result["nonblocking"] = _nonblocking(rank, out)
         elif scenario == "lifecycle":
             result["errors"] = _errors(rank, out)
             result.update(_lifecycle(rank, out))

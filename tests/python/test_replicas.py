@@ -165,6 +165,8 @@ def test_kill_during_replication_keeps_the_previous_replica(tmp_path, capsys):
     res = _run("resume", tmp_path)
     assert [r["resumed"] for r in res] == [2] * WORLD and all(r["right_bytes"] for r in res), res
     assert _steps(rank_dir(str(tmp_path), 0)) == [2]
+    # replication in the background: rank 0 trained on while its holder was held back
+    assert [r["nonblocking"] for r in res] == [[1, 2, 3]] * WORLD, res
     # every="auto": all ranks checkpoint the steps the group's first rank chose
     assert [r["auto"] for r in res] == [[3, 6, 9]] * WORLD, res
     assert _steps(tmp_path / "auto" / "rank-1" / "replicas" / "rank-3") == [3, 6, 9]
