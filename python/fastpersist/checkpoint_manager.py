@@ -32,6 +32,15 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
   store tier (:mod:`fastpersist.tiers`): uploads in the background, data
   first and a commit marker last; a checkpoint missing or damaged locally is
   downloaded (CRCs verified) by ``latest()``/``load_latest()``.
+* With ``group=`` (a torch.distributed process group; the Checkpointer is
+  then made on every rank, and its methods called on every rank), all ranks
+  checkpoint the same steps and ``latest()``/``load_latest()`` agree on one
+  step for all. With ``replicate=n`` as well, each rank's committed
+  checkpoints are also kept by ``n`` ranks on other nodes (the peer tier,
+  :mod:`fastpersist.replicas`): sent in the background over a gloo group of
+  the Checkpointer's own, committed durably in the holder's
+  ``replicas/rank-<r>/``; a rank whose copy is missing or damaged gets it
+  back from its holder before trying the shared or object tier.
 * Telemetry per checkpoint (stall, write time, bytes, GB/s) goes to the
   ``fastpersist`` logger and to ``checkpoints.jsonl`` in the directory.
 """
@@ -49,17 +58,27 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple, Union
 
 from . import _core
 from .async_save import AsyncSaver, CheckpointFuture
+from .collectives import dedicated_groups, gather, group_ranks
 from .errors import FastPersistError
 from .options import TEMP_MIN_AGE, remove_stale_temps
 from .reader import read_state_dict
+from .replicas import ReplicaError, Ring, exchange, held_ranks, replica_dir
 from .tiers import ObjectStore, is_url
 from .verify import verify_file
 
-__all__ = ["Checkpointer", "CheckpointInfo", "FrequencyTuner", "list_checkpoints", "clean_temp_files", "ckpt_name"]
+__all__ = [
+    "Checkpointer",
+    "CheckpointInfo",
+    "FrequencyTuner",
+    "list_checkpoints",
+    "list_replicas",
+    "clean_temp_files",
+    "ckpt_name",
+]
 
 log = logging.getLogger("fastpersist")
 #: Checkpoint file names, exactly as :func:`ckpt_name` makes them.
@@ -93,8 +112,9 @@ class CheckpointInfo:
     #: Where it is.
     path: str
     #: ``"local"`` (the Checkpointer's directory), ``"shared"`` (a
-    #: ``stage_dir`` directory) or ``"object"`` (a ``stage_dir`` URL; ``path``
-    #: is then the object's URL).
+    #: ``stage_dir`` directory), ``"object"`` (a ``stage_dir`` URL; ``path``
+    #: is then the object's URL) or ``"peer"`` (a replica of another rank's
+    #: checkpoint, in ``replicas/rank-<r>/``).
     tier: str
     #: Its size in bytes.
     bytes: int
@@ -165,6 +185,12 @@ def list_checkpoints(
         local, shared = _scan(directory, "local"), _scan(stage_dir, "shared")
     steps = sorted(set(local) | set(shared), reverse=True)
     return [(s, [c for c in (local.get(s), shared.get(s)) if c is not None]) for s in steps]
+
+
+def list_replicas(directory: str) -> Dict[int, Dict[int, CheckpointInfo]]:
+    """The peer tier held in a Checkpointer's ``directory``: global rank ->
+    step -> its committed replica (tier ``"peer"``)."""
+    return {r: _scan(replica_dir(directory, r), "peer") for r in held_ranks(directory)}
 
 
 def clean_temp_files(directory: str, min_age: float = TEMP_MIN_AGE) -> List[str]:
@@ -313,6 +339,25 @@ class _InFlight:
     extra: float = 0.0
 
 
+def _check_peer_args(replicate: Any, group: Any, nodes: Any) -> None:
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 0:
+        raise ValueError(f"replicate must be a non-negative int (peer replicas per checkpoint), not {replicate!r}")
+    if replicate and group is None:
+        raise ValueError(
+            "replicate needs group= (the process group whose ranks keep each other's replicas; "
+            "torch.distributed.group.WORLD for all ranks)"
+        )
+    if nodes is not None and not replicate:
+        raise ValueError("nodes= (the node of each rank) is used only with replicate=")
+    if group is not None:
+        try:
+            import torch.distributed as dist
+        except ImportError:  # pragma: no cover - torch without distributed
+            raise ValueError("group= needs torch.distributed") from None
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("group= needs torch.distributed initialized first (init_process_group)")
+
+
 class Checkpointer:
     """Checkpoints a training loop: when, where, what to keep, and resume.
 
@@ -327,6 +372,24 @@ class Checkpointer:
     before ``optimizer.step()``; ``"snapshot"``). Other keyword arguments
     are engine options of :func:`~fastpersist.write_state_dict`. ``clock``
     is for tests.
+
+    ``group`` (a torch.distributed process group, ``dist.group.WORLD`` for
+    all ranks): the Checkpointer is made on every rank of the world at the
+    same point (it makes gloo groups of its own with ``new_group``), with
+    the same arguments and a directory of its own per rank; ``step()``,
+    ``save()``, ``latest()`` and ``load_latest()`` are then called on every
+    rank. All ranks checkpoint the same steps (with ``every="auto"`` the
+    group's first rank decides: one 8-byte broadcast per ``step()``; a fixed
+    ``every`` costs nothing), and ``latest()``/``load_latest()`` return the
+    same step on every rank: the newest one every rank can obtain.
+    ``replicate=n`` (with ``group``): each committed checkpoint is also sent,
+    in the background, to ``n`` ranks on other nodes (the ring of
+    :mod:`fastpersist.replicas`), which commit it durably in
+    ``<their directory>/replicas/rank-<r>/`` (with the same retention). The
+    node of each rank is global rank // ``LOCAL_WORLD_SIZE``, or
+    ``nodes[i]`` (``nodes``: one node id per rank of ``group``, in group
+    order). A rank whose checkpoint is missing or damaged locally gets it
+    from a holder before trying ``stage_dir``.
 
     Directories are resolved to absolute paths when the Checkpointer is
     made: a later ``os.chdir`` does not move its checkpoints. Use it as a
@@ -345,8 +408,12 @@ class Checkpointer:
         mode: str = "pipelined",
         clock: Callable[[], float] = time.perf_counter,
         storage_options: Optional[Dict[str, Any]] = None,
+        replicate: int = 0,
+        group: Any = None,
+        nodes: Optional[Sequence[Hashable]] = None,
         **options: Any,
     ) -> None:
+        _check_peer_args(replicate, group, nodes)
         if keep_last < 1:
             raise ValueError("keep_last must be at least 1 (the newest checkpoint is always kept)")
         if keep_every is not None and keep_every < 1:
@@ -385,8 +452,25 @@ class Checkpointer:
         self._stage_futures: List[Any] = []
         #: File identity (dev, ino, size, mtime_ns) -> whether it verified.
         self._valid: Dict[Tuple[int, int, int, int], bool] = {}
+        self.replicate = replicate
+        self.group = group
+        self._ring: Optional[Ring] = None
+        self._ctl: Any = None  # agreement and restore transfers (the caller's thread)
+        self._wire: Any = None  # replication (the replication thread)
+        self._ctl_root = 0
+        if group is not None:
+            self._join_group(group, replicate, nodes)
+        self._replicator = (
+            ThreadPoolExecutor(1, thread_name_prefix="fastpersist-replicate") if self._ring is not None else None
+        )
+        self._replica_futures: List[Any] = []
+        #: Steps whose replicas every holder acknowledged (this process).
+        self._replicated: Set[int] = set()
+        #: Why replication stopped (a peer gone: the pairs are out of step).
+        self._replica_broken: Optional[str] = None
         _checkpointers.add(self)
-        for d in filter(None, (self.directory, self.stage_dir)):
+        held = [replica_dir(self.directory, r) for r in held_ranks(self.directory)]
+        for d in filter(None, (self.directory, self.stage_dir, *held)):
             for name in clean_temp_files(d):
                 log.warning("fastpersist: removed %s, left by a save that did not finish", os.path.join(d, name))
         if self._stager is not None:
@@ -396,6 +480,17 @@ class Checkpointer:
             for step, info in sorted(_scan(self.directory, "local").items()):
                 if step > newest:
                     self._stage_futures.append(self._stager.submit(self._stage, step, info.path))
+
+    def _join_group(self, group: Any, replicate: int, nodes: Optional[Sequence[Hashable]]) -> None:
+        import torch.distributed as dist
+
+        ranks = group_ranks(group)
+        if replicate:
+            self._ring = Ring.build(ranks, dist.get_rank(), replicate, nodes)  # checks before any collective
+        made = dedicated_groups(group, 2 if replicate else 1)
+        self._ctl = made[0]
+        self._wire = made[1] if replicate else None
+        self._ctl_root = ranks[0]
 
     def _after_fork_in_child(self) -> None:
         """In a child made by ``os.fork()``: the checkpoint in flight and the
@@ -409,6 +504,9 @@ class Checkpointer:
         self._stage_futures = []
         if self._stager is not None:
             self._stager = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-stage")
+        self._replica_futures = []
+        if self._replicator is not None:
+            self._replicator = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-replicate")
 
     # -- the training loop -------------------------------------------------
 
@@ -428,10 +526,23 @@ class Checkpointer:
             # not on the first checkpoint's critical path.
             self.prepare(state)
         fut = None
-        if self.tuner.should_checkpoint():
+        want = self.tuner.should_checkpoint()
+        if self._ctl is not None and self.tuner.auto:
+            want = self._decide_together(want)
+        if want:
             fut = self._start(step, state)
         self._last_step_at = self.clock()
         return fut
+
+    def _decide_together(self, want: bool) -> bool:
+        """The group's first rank's decision, on every rank (with
+        ``every="auto"`` each rank's tuner measures its own iterations)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([int(want)], dtype=torch.int64)
+        dist.broadcast(t, src=self._ctl_root, group=self._ctl)
+        return bool(int(t[0]))
 
     def pause(self) -> None:
         """Call after a break in training (evaluation, a stall in data
@@ -460,7 +571,8 @@ class Checkpointer:
             self._saver.prepare({"step": 0, "state": state}, format=fmt, metadata=meta, background=background)
 
     def save(self, step: int, state: Any) -> CheckpointFuture:
-        """Checkpoint now, whatever the interval."""
+        """Checkpoint now, whatever the interval (with ``replicate``: on
+        every rank, with the same step)."""
         return self._start(step, state)
 
     def _start(self, step: int, state: Any) -> CheckpointFuture:
@@ -486,6 +598,7 @@ class Checkpointer:
         if exc is not None:
             log.error("fastpersist: checkpoint of step %d failed: %r", fl.step, exc)
             self._log_event({"event": "failed", "step": fl.step, "error": repr(exc)})
+            self._submit_replica(fl.step, None)  # the holder is told: nothing this time
             return
         st = fl.future.result()
         stall = fl.stall + waited
@@ -518,15 +631,20 @@ class Checkpointer:
             self._mark_valid(st.path)
         if self._stager is not None:
             self._stage_futures.append(self._stager.submit(self._stage, fl.step, st.path))
+        self._submit_replica(fl.step, st.path)
         self._retain()
 
     def wait(self) -> None:
-        """Wait for the checkpoint in flight and for staging to drain."""
+        """Wait for the checkpoint in flight and for staging and replication
+        to drain."""
         if self._inflight is not None:
             self._finish(self._inflight, wait=True, tune=False)
         for f in list(self._stage_futures):
             f.result()
         self._stage_futures.clear()
+        for f in list(self._replica_futures):
+            f.result()
+        self._replica_futures.clear()
 
     def close(self) -> None:
         """Wait for everything in flight, then release the background threads."""
@@ -534,6 +652,8 @@ class Checkpointer:
         self._saver.close()
         if self._stager is not None:
             self._stager.shutdown(wait=True)
+        if self._replicator is not None:
+            self._replicator.shutdown(wait=True)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -577,6 +697,89 @@ class Checkpointer:
                 "tier": "object" if self.store is not None else "shared",
             }
         )
+        self._retain()
+
+    # -- the peer tier -------------------------------------------------------
+
+    def _submit_replica(self, step: int, path: Optional[str]) -> None:
+        """Queue the replication of ``step`` (``path`` None: the save
+        failed; the holders still take part, so the pairs stay in step).
+        Every rank queues one per checkpointed step, in step order."""
+        if self._replicator is None:
+            return
+        self._replica_futures = [f for f in self._replica_futures if not f.done()]
+        self._replica_futures.append(self._replicator.submit(self._replicate, step, path))
+
+    def _replica_target(self, source: int, step: int) -> Optional[str]:
+        return os.path.join(replica_dir(self.directory, source), ckpt_name(step)) if step >= 0 else None
+
+    def _replicate(self, step: int, path: Optional[str]) -> None:
+        """On the replication thread: send ``step`` to each holder while
+        receiving the same step from each rank this one holds for."""
+        ring = self._ring
+        assert ring is not None
+        for holder, source in zip(ring.holders_of(ring.rank), ring.sources()):
+            if self._replica_broken is not None:
+                return
+            t0 = time.perf_counter()
+            try:
+                acked, got = exchange(
+                    self._wire,
+                    send_to=holder,
+                    send_step=step,
+                    send_path=path,
+                    recv_from=source,
+                    recv_target=lambda s, src=source: self._replica_target(src, s),
+                )
+            except (ReplicaError, OSError, RuntimeError) as e:
+                self._replica_broken = repr(e)
+                log.error("fastpersist: replication of step %d stopped (local checkpoints are kept): %r", step, e)
+                self._log_event(
+                    {"event": "replicate_failed", "step": step, "to_rank": holder, "error": repr(e), "tier": "peer"}
+                )
+                return
+            seconds = time.perf_counter() - t0
+            if got is not None and got.path is not None:
+                with self._lock:
+                    self._mark_valid(got.path)
+                self._log_event(
+                    {
+                        "event": "replica_received",
+                        "step": got.step,
+                        "from_rank": source,
+                        "path": got.path,
+                        "bytes": got.bytes,
+                        "seconds": got.seconds,
+                        "gbps": got.gbps,
+                        "tier": "peer",
+                    }
+                )
+            elif got is not None and got.error is not None:
+                log.error("fastpersist: replica of step %d from rank %d rejected: %s", got.step, source, got.error)
+                self._log_event(
+                    {"event": "replica_rejected", "step": got.step, "from_rank": source, "error": got.error}
+                )
+            if acked is not None:
+                size = os.path.getsize(path) if path and os.path.exists(path) else None
+                self._log_event(
+                    {
+                        "event": "replicated" if acked else "replicate_failed",
+                        "step": step,
+                        "to_rank": holder,
+                        "bytes": size,
+                        "seconds": seconds,
+                        "gbps": size / seconds / 1e9 if size and seconds > 0 else None,
+                        # Steps from this checkpoint to the newest one
+                        # committed locally when the holder had it.
+                        "lag_steps": max(_scan(self.directory, "local"), default=step) - step,
+                        "tier": "peer",
+                    }
+                )
+                if not acked:
+                    return
+        if path is not None:
+            with self._lock:
+                self._replicated.add(step)
         self._retain()
 
     @staticmethod
@@ -640,9 +843,20 @@ class Checkpointer:
             # With staging, a local copy goes only once it (or a newer
             # checkpoint) has reached the shared tier.
             tiered = self.stage_dir or self.store is not None
-            local_ok = (lambda s: any(x >= s for x in staged)) if tiered else (lambda s: True)
+            # With replicas, likewise once it (or a newer one) is on its
+            # holders; unless replication has stopped (a peer gone).
+            replicated = set(self._replicated)
+            peered = self._ring is not None and self._replica_broken is None
+
+            def local_ok(s: int) -> bool:
+                return (not tiered or any(x >= s for x in staged)) and (not peered or any(x >= s for x in replicated))
+
             for info in self._doomed(_scan(self.directory, "local"), local_ok):
                 self._delete(info)
+            if self._ring is not None:
+                for src in self._ring.sources():
+                    for info in self._doomed(_scan(replica_dir(self.directory, src), "peer"), lambda s: True):
+                        self._delete(info)
             if self.stage_dir:
                 for info in self._doomed(_scan(self.stage_dir, "shared"), lambda s: True):
                     self._delete(info)
@@ -705,7 +919,12 @@ class Checkpointer:
 
     def latest(self, verify: bool = True) -> Optional[CheckpointInfo]:
         """The newest committed checkpoint whose checksums verify (local copy
-        first, else the shared one); damaged copies are skipped."""
+        first, else the shared one); damaged copies are skipped. With
+        ``group``: the same step on every rank (the newest one every rank
+        can obtain), fetched into this rank's directory from its replica
+        holder when missing or damaged here (see the class doc)."""
+        if self._ctl is not None:
+            return self._group_restore(verify, None)
 
         def attempt(c: CheckpointInfo) -> Optional[CheckpointInfo]:
             if c.tier == "object":
@@ -727,7 +946,10 @@ class Checkpointer:
 
     def load_latest(self, *, map_location: Any = None, weights_only: bool = True) -> Optional[Tuple[int, Any]]:
         """``(step, state)`` of the newest checkpoint that loads and verifies,
-        or None when there is none."""
+        or None when there is none. With ``group``: the same step on every
+        rank (None on every rank when they have no step in common)."""
+        if self._ctl is not None:
+            return self._group_restore(True, {"map_location": map_location, "weights_only": weights_only})
 
         def attempt(c: CheckpointInfo) -> Optional[Tuple[int, Any]]:
             if c.tier == "object":
@@ -745,6 +967,163 @@ class Checkpointer:
                 return None
 
         return self._first_good(attempt)
+
+    # -- restore across a group ------------------------------------------------
+
+    def _offer(self) -> Dict[str, Any]:
+        """What this rank has, by listing (verified later, only for the
+        step chosen): its own steps, the replicas it holds, the shared or
+        object tier's steps."""
+        remote: List[int] = []
+        try:
+            remote = sorted(_scan_store(self.store) if self.store is not None else _scan(self.stage_dir, "shared"))
+        except OSError as e:
+            log.warning("fastpersist: cannot list %s: %s", self.stage_url, e)
+        held: Dict[int, List[int]] = {}
+        if self._ring is not None:
+            for src in self._ring.sources():
+                held[src] = sorted(_scan(replica_dir(self.directory, src), "peer"))
+        ring = self._ring
+        return {
+            "rank": ring.rank if ring is not None else None,
+            "replicate": self.replicate,
+            "local": sorted(_scan(self.directory, "local")),
+            "held": held,
+            "remote": remote,
+        }
+
+    @staticmethod
+    def _common_step(offers: List[Dict[str, Any]], excluded: Set[int]) -> Optional[int]:
+        held_for: Dict[Any, Set[int]] = {}
+        for o in offers:
+            for src, steps in o["held"].items():
+                held_for.setdefault(src, set()).update(steps)
+        common: Optional[Set[int]] = None
+        for o in offers:
+            can = set(o["local"]) | held_for.get(o["rank"], set()) | set(o["remote"])
+            common = can if common is None else common & can
+        common = (common or set()) - excluded
+        return max(common) if common else None
+
+    def _group_restore(self, verify: bool, load: Optional[Dict[str, Any]]) -> Any:
+        """Agree on the newest step every rank can obtain, obtain it, and
+        (``load``: read_state_dict's arguments) load it; a step that some
+        rank fails to obtain or load is dropped and the next one tried.
+        Collective over the group."""
+        excluded: Set[int] = set()
+        for _ in range(_RELIST):
+            offers = gather(self._offer(), self._ctl)
+            if len({o["replicate"] for o in offers}) != 1:
+                raise ValueError(
+                    f"the ranks of the group were given different replicate= values: {[o['replicate'] for o in offers]}"
+                )
+            step = self._common_step(offers, excluded)
+            if step is None:
+                return None
+            info, err = self._obtain(step, offers, verify)
+            out: Any = info
+            if info is not None and load is not None:
+                try:
+                    payload = read_state_dict(info.path, **load)
+                    out = (int(payload["step"]), payload["state"])
+                except (FastPersistError, OSError, KeyError, TypeError, IndexError) as e:
+                    err = f"{info.path} does not load: {e}"
+            errors = gather(err, self._ctl)
+            if all(e is None for e in errors):
+                return out
+            bad = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
+            log.warning("fastpersist: step %d cannot be restored on every rank (%s); trying an older one", step, bad)
+            excluded.add(step)
+        return None
+
+    def _obtain(self, step: int, offers: List[Dict[str, Any]], verify: bool) -> Tuple[Optional[CheckpointInfo], Any]:
+        """Make ``step`` available here: the local copy if it is whole, else
+        from a replica holder (collective: every rank takes part in the
+        transfers, in the same order), else from the shared or object tier.
+        Returns (its info, None) or (None, why not)."""
+        local = os.path.join(self.directory, ckpt_name(step))
+        mine: Optional[CheckpointInfo] = None
+        try:
+            if verify:
+                verify_file(local)
+            mine = CheckpointInfo(step, local, "local", os.path.getsize(local))
+        except FileNotFoundError:
+            pass
+        except (FastPersistError, OSError) as e:
+            log.warning("fastpersist: %s is damaged: %s", local, e)
+        ring = self._ring
+        if ring is not None:
+            needs = gather(mine is None, self._ctl)
+            held = {o["rank"]: o["held"] for o in offers}
+            for r, need in zip(ring.ranks, needs):
+                if not need:
+                    continue
+                holder = next((h for h in ring.holders_of(r) if step in held.get(h, {}).get(r, ())), None)
+                if holder is None:
+                    continue
+                if ring.rank == holder:
+                    try:
+                        exchange(
+                            self._ctl,
+                            send_to=r,
+                            send_step=step,
+                            send_path=self._replica_target(r, step),
+                        )
+                    except ReplicaError as e:
+                        log.warning("fastpersist: sending the replica of step %d to rank %d failed: %s", step, r, e)
+                elif ring.rank == r:
+                    mine = self._from_peer(step, holder)
+        if mine is None:
+            mine = self._from_remote(step, verify)
+        if mine is None:
+            return None, f"step {step} is neither here, nor on a peer, nor in the shared or object tier"
+        return mine, None
+
+    def _from_peer(self, step: int, holder: int) -> Optional[CheckpointInfo]:
+        local = os.path.join(self.directory, ckpt_name(step))
+        try:
+            _, got = exchange(self._ctl, recv_from=holder, recv_target=lambda s: local if s == step else None)
+        except ReplicaError as e:
+            log.warning("fastpersist: fetching step %d from rank %d failed: %s", step, holder, e)
+            return None
+        if got is None or got.path is None:
+            why = got.error if got is not None else "nothing received"
+            log.warning("fastpersist: rank %d could not restore step %d: %s", holder, step, why)
+            return None
+        with self._lock:
+            self._mark_valid(local)
+        self._log_event(
+            {
+                "event": "fetched",
+                "step": step,
+                "path": local,
+                "from_rank": holder,
+                "bytes": got.bytes,
+                "seconds": got.seconds,
+                "gbps": got.gbps,
+                "tier": "peer",
+            }
+        )
+        return CheckpointInfo(step, local, "local", got.bytes)
+
+    def _from_remote(self, step: int, verify: bool) -> Optional[CheckpointInfo]:
+        if self.store is not None:
+            try:
+                remote = _scan_store(self.store).get(step)
+            except OSError as e:
+                log.warning("fastpersist: cannot list %s: %s", self.stage_url, e)
+                return None
+            return self._fetch(remote) if remote is not None else None
+        if self.stage_dir is None:
+            return None
+        shared = os.path.join(self.stage_dir, ckpt_name(step))
+        try:
+            if verify:
+                verify_file(shared)
+            return CheckpointInfo(step, shared, "shared", os.path.getsize(shared))
+        except (FastPersistError, OSError) as e:
+            log.warning("fastpersist: skipping %s: %s", shared, e)
+            return None
 
     def _fetch(self, c: CheckpointInfo) -> Optional[CheckpointInfo]:
         """Download an object-tier checkpoint into the local directory (its

@@ -3,6 +3,7 @@
     fastpersist inspect PATH [--json]     records or tensors: names, dtypes, shapes, bytes, alignment
     fastpersist verify PATH...            every CRC32 and the structure; exit 0 only when all is well
     fastpersist ls DIR [--verify]         checkpoints of a Checkpointer directory: step, size, tier, status
+                                          (and the replicas it holds for other ranks)
     fastpersist bench [--size] [--dir]    write and read benchmarks against fio and torch
 
 Exit status: 0 success, 1 a checkpoint is corrupt, 2 bad usage or a file that
@@ -17,7 +18,7 @@ import math
 import os
 import sys
 import tempfile
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
 
@@ -148,6 +149,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     events: dict = {}
     staged: dict = {}
+    peer: dict = {}
     log_path = os.path.join(args.dir, LOG_NAME)
     if os.path.exists(log_path):
         with open(log_path) as f:
@@ -156,19 +158,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     ev = json.loads(line)
                 except ValueError:
                     continue
-                if ev.get("event") == "commit":
-                    events[ev["step"]] = ev
-                elif ev.get("event") == "staged":
-                    staged[ev["step"]] = ev
+                into = {"commit": events, "staged": staged, "replicated": peer}.get(ev.get("event"))
+                if into is not None:
+                    into[ev["step"]] = ev
     rows = list_checkpoints(args.dir, args.stage_dir)
     temps = [n for n in os.listdir(args.dir) if n.endswith(".fptmp")]
     print(
         f"{'step':>12} {'size':>10} {'tier':<13} {'status':<10} {'stall ms':>9} {'write s':>8} {'GB/s':>6}"
-        f" {'staged s':>9} {'GB/s':>6} {'lag':>5}"
+        f" {'staged s':>9} {'GB/s':>6} {'lag':>5} {'peer s':>8} {'GB/s':>6} {'lag':>5}"
     )
     status_rc = EXIT_OK
     for step, copies in rows:
-        tiers = "+".join(c.tier for c in copies)
+        # "peer": a holder acknowledged its replica (per the log; the
+        # holder's retention may have removed it since).
+        tiers = "+".join([c.tier for c in copies] + (["peer"] if step in peer else []))
         status = "committed"
         files = [c for c in copies if c.tier != "object"]
         if args.verify and files:
@@ -182,19 +185,54 @@ def cmd_ls(args: argparse.Namespace) -> int:
         stall = f"{ev['stall_s'] * 1e3:.1f}" if "stall_s" in ev else "-"
         write = f"{ev['write_s']:.3f}" if "write_s" in ev else "-"
         gbps = f"{ev['gbps']:.2f}" if "gbps" in ev else "-"
-        sv = staged.get(step, {})
-        st_s = f"{sv['seconds']:.3f}" if sv.get("seconds") is not None else "-"
-        st_g = f"{sv['gbps']:.2f}" if sv.get("gbps") is not None else "-"
-        lag = str(sv["lag_steps"]) if sv.get("lag_steps") is not None else "-"
+        st_s, st_g, lag = _tier_cols(staged.get(step, {}))
+        p_s, p_g, p_lag = _tier_cols(peer.get(step, {}))
         print(
             f"{step:>12} {_human(copies[0].bytes):>10} {tiers:<13} {status:<10} {stall:>9} {write:>8} {gbps:>6}"
-            f" {st_s:>9} {st_g:>6} {lag:>5}"
+            f" {st_s:>9} {st_g:>6} {lag:>5} {p_s:>8} {p_g:>6} {p_lag:>5}"
         )
     for _ in temps:
         print(f"{'-':>12} {'-':>10} {'local':<13} {'temporary (an unfinished save)'}")
     if not rows:
         print("(no checkpoints)")
-    return status_rc
+    return max(status_rc, _ls_replicas(args.dir, args.verify))
+
+
+def _tier_cols(ev: dict) -> Tuple[str, str, str]:
+    """Seconds, GB/s and lag of one transfer event, "-" where unknown."""
+    s, g, lag = ev.get("seconds"), ev.get("gbps"), ev.get("lag_steps")
+    return (
+        "-" if s is None else f"{s:.3f}",
+        "-" if g is None else f"{g:.2f}",
+        "-" if lag is None else str(lag),
+    )
+
+
+def _ls_replicas(directory: str, verify: bool) -> int:
+    """The peer tier held in ``directory``: other ranks' replicas."""
+    from .checkpoint_manager import list_replicas
+    from .errors import CorruptCheckpointError
+    from .replicas import replica_dir
+    from .verify import verify_file
+
+    rc = EXIT_OK
+    for rank, infos in sorted(list_replicas(directory).items()):
+        d = replica_dir(directory, rank)
+        print(f"replicas held for rank {rank} ({d}):")
+        for step in sorted(infos, reverse=True):
+            status = "committed"
+            if verify:
+                try:
+                    verify_file(infos[step].path)
+                    status = "verified"
+                except CorruptCheckpointError:
+                    status = "CORRUPT"
+                    rc = EXIT_CORRUPT
+            print(f"{step:>12} {_human(infos[step].bytes):>10} {'peer':<13} {status:<10}")
+        for name in sorted(os.listdir(d)):
+            if name.endswith(".fptmp"):
+                print(f"{'-':>12} {'-':>10} {'peer':<13} temporary (an unfinished transfer)")
+    return rc
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -30,6 +30,8 @@ __all__ = [
     "DistributedCheckpointError",
     "DistributedTensorChangedError",
     "checkpoint_group",
+    "dedicated_groups",
+    "group_ranks",
     "gather",
     "fail_all",
     "describe_error",
@@ -86,6 +88,35 @@ def checkpoint_group(group: Any) -> Any:
         for rs, g in made.items():
             _groups.setdefault(rs, g)
         return _groups[ranks]
+
+
+def dedicated_groups(group: Any, count: int) -> List[Any]:
+    """``count`` new gloo groups with the ranks of ``group`` (None: the
+    world), shared with nothing else (not cached): for a user of the
+    groups that runs collectives or transfers on threads of its own.
+    Collective over the world, like :func:`checkpoint_group` (every process
+    calls it, in the same order)."""
+    import torch.distributed as dist
+
+    ranks = _ranks(group)
+    world = dist.get_world_size()
+    if len(ranks) == world:
+        wanted = [ranks]
+    else:
+        every: List[Optional[Tuple[int, ...]]] = [None] * world
+        dist.all_gather_object(every, ranks)
+        wanted = sorted({r for r in every if r is not None})
+    mine: List[Any] = []
+    for rs in wanted:
+        made = [dist.new_group(ranks=list(rs), backend="gloo") for _ in range(count)]
+        if rs == ranks:
+            mine = made
+    return mine
+
+
+def group_ranks(group: Any) -> Tuple[int, ...]:
+    """The global ranks of ``group`` (None: the world), in group order."""
+    return _ranks(group)
 
 
 def gather(obj: Any, group: Any) -> List[Any]:

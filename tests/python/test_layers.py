@@ -28,6 +28,7 @@ LAYERS = {
     "async_save": 7,
     "resume": 7,
     "tiers": 7.5,
+    "replicas": 7.5,
     "checkpoint_manager": 8,
     "bench": 8,
     "cli": 9,
