@@ -463,3 +463,128 @@ def test_reshard_across_rank_counts(tmp_path, save_world, load_world):
     for k, v in full.items():
         assert torch.equal(out[k], v), k
     assert out["step"] == 7
+
+
+# ---------------------------------------------------------------------------
+# install() through a real caller: torchtitan's CheckpointManager, which
+# hands DCP only a checkpoint_id (no storage writer or reader)
+
+
+def _torchtitan() -> Any:
+    """torchtitan's pieces, or a skip naming why they cannot run here."""
+    try:
+        from torchtitan.components.checkpoint import CheckpointManager
+        from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+        from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+        from torchtitan.models.llama3 import model_registry
+    except Exception as e:  # noqa: BLE001 - not installed, or not for this torch
+        pytest.skip(f"torchtitan is not usable here ({type(e).__name__}: {e})")
+    return CheckpointManager, LRSchedulersContainer, OptimizersContainer, ParamGroupConfig, model_registry
+
+
+def _titan_trainer(folder: Any, async_mode: str) -> Any:
+    """A tiny torchtitan Llama 3 (its debug config, two layers) wrapped in
+    FSDP2 on a CPU mesh (parameters and optimizer state are DTensors),
+    AdamW after one step, and torchtitan's CheckpointManager."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    manager, schedulers, optimizers, group, registry = _torchtitan()
+    cfg = registry("debugmodel", attn_backend="flex").model
+    cfg.layers = cfg.layers[:2]
+    torch.manual_seed(0)
+    model = cfg.build()
+    model.init_states()
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = optimizers.Config(
+        param_groups=[group(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})],
+        implementation="for-loop",
+    ).build(model_parts=[model])
+    sched = schedulers.Config(warmup_steps=2).build(optimizers=opt, training_steps=10)
+    _titan_step(model, opt, sched, 1.0)
+    ck = manager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=0, async_mode=async_mode).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=opt,
+        lr_schedulers=sched,
+        states={},
+        sd_adapter=None,
+        base_folder=str(folder),
+    )
+    return ck, model, opt, sched
+
+
+def _titan_step(model: Any, opt: Any, sched: Any, grad: float) -> None:
+    for p in model.parameters():
+        p.grad = torch.full_like(p, grad)
+    opt.step()
+    sched.step()
+
+
+def _titan_state(model: Any, opt: Any, sched: Any) -> Dict[str, Any]:
+    """Model and optimizer state as full CPU tensors, and the schedule."""
+
+    def full(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        if isinstance(v, dict):
+            return {k: full(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [full(x) for x in v]
+        return v
+
+    return {"model": full(model.state_dict()), "optim": full(opt.state_dict()), "sched": full(sched.state_dict())}
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_install_through_torchtitan_checkpoint_manager(tmp_path, monkeypatch, async_mode):
+    """torchtitan's CheckpointManager calls dcp.save / dcp.async_save / dcp.load
+    with a path only: with install() its checkpoints are fastpersist's (the
+    engine's writer and reader ran, CRC sidecar, own file names) and load
+    back identically; after uninstall() they are DCP's own again."""
+    ck, model, opt, sched = _titan_trainer(tmp_path, async_mode)
+    calls: Dict[str, Any] = {"write": 0, "read": 0, "verified": []}
+    real_write, real_read = FastPersistWriter.write_data, FastPersistReader.read_data
+
+    def write_data(self: Any, *a: Any) -> Any:
+        calls["write"] += 1
+        return real_write(self, *a)
+
+    def read_data(self: Any, *a: Any) -> Any:
+        calls["read"] += 1
+        calls["verified"].append(self.verified)  # CRC32s checked against the sidecar
+        return real_read(self, *a)
+
+    monkeypatch.setattr(FastPersistWriter, "write_data", write_data)
+    monkeypatch.setattr(FastPersistReader, "read_data", read_data)
+    try:
+        fastpersist.dcp.install()
+        saved = _titan_state(model, opt, sched)
+        assert ck.save(curr_step=1)
+        ck.maybe_wait_for_saving()
+        step1 = tmp_path / "ckpt" / "step-1"
+        names = os.listdir(step1)
+        assert calls["write"] == 1
+        assert [n for n in names if n.endswith(".crc32")], names
+        assert all(re.fullmatch(r"__0_0\.[0-9a-f]{16}\.distcp", n) for n in names if n.endswith(".distcp")), names
+        _titan_step(model, opt, sched, -3.0)  # training moves on
+        assert not torch.equal(_titan_state(model, opt, sched)["model"]["norm.weight"], saved["model"]["norm.weight"])
+        assert ck.load(step=1)
+        assert calls["read"] == 1 and calls["verified"] == [True]
+        assert_equal(_titan_state(model, opt, sched), saved)
+    finally:
+        fastpersist.dcp.uninstall()
+    # stock behaviour again: DCP's own writer and reader, its own names
+    saved = _titan_state(model, opt, sched)
+    assert ck.save(curr_step=2)
+    ck.maybe_wait_for_saving()
+    names = os.listdir(tmp_path / "ckpt" / "step-2")
+    assert sorted(names) == [".metadata", "__0_0.distcp"], names
+    _titan_step(model, opt, sched, 2.0)
+    assert ck.load(step=2)
+    assert calls["write"] == 1 and calls["read"] == 1
+    assert_equal(_titan_state(model, opt, sched), saved)
+    ck.close()
