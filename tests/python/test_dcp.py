@@ -263,6 +263,38 @@ def test_failed_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd2), sd2)
 
 
+def test_gc_paused_while_items_are_laid_out(tmp_path):
+    """The per-item work of write_data and read_data runs with Python's
+    cyclic GC paused (full collections of a heap of 10,000 items' objects
+    cost more than the layout); it is enabled again afterwards."""
+    import gc
+
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+    seen = []
+
+    class Save(DefaultSavePlanner):
+        def resolve_data(self, item):
+            seen.append(("save", gc.isenabled()))
+            return super().resolve_data(item)
+
+    class Load(DefaultLoadPlanner):
+        def commit_tensor(self, req, tensor):
+            seen.append(("load", gc.isenabled()))
+            return super().commit_tensor(req, tensor)
+
+    assert gc.isenabled()
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path), planner=Save())
+    assert gc.isenabled()
+    out = blank(sd)
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path), planner=Load())
+    assert gc.isenabled()
+    assert_equal(out, sd)
+    assert {k for k, _ in seen} == {"save", "load"}
+    assert not any(enabled for _, enabled in seen), seen
+
+
 def test_overwrite_false_refuses(tmp_path):
     dcp.save(state(), storage_writer=FastPersistWriter(tmp_path))
     with raises(RuntimeError, "overwrite=False"):
@@ -413,6 +445,19 @@ def test_async_save_process_based(tmp_path):
         os.path.join(tmp_path, sidecar_name(pickle.load(open(tmp_path / ".metadata", "rb")).storage_meta.save_id))
     )
     assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+
+
+def test_public_names_are_the_adapters():
+    """fastpersist.dcp re-exports exactly integrations.dcp's public names."""
+    import fastpersist.dcp as public
+    import fastpersist.integrations.dcp as adapter
+
+    assert public.__all__ == adapter.__all__
+    assert {"FastPersistWriter", "FastPersistReader", "install", "uninstall", "CorruptCheckpointError"} <= set(
+        public.__all__
+    )
+    for name in adapter.__all__:
+        assert getattr(public, name) is getattr(adapter, name), name
 
 
 # ---------------------------------------------------------------------------
