@@ -6,6 +6,7 @@ failure behaviour, CRC checks, async saves."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pickle
@@ -336,29 +337,105 @@ def test_crc_detects_a_flipped_byte_in_a_byte_item(tmp_path):
         load(tmp_path, FastPersistReader(tmp_path), sd)
 
 
-def test_damaged_and_unknown_metadata(tmp_path):
+def files(path: Any) -> Dict[str, bytes]:
+    """Every file in the checkpoint directory, with its bytes."""
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+
+
+class _FutureMetadata:
+    """Stands for a class that a newer writer pickled and this one lacks."""
+
+
+def _unknown_class_pickle() -> bytes:
+    raw = pickle.dumps(_FutureMetadata())
+    return raw.replace(b"_FutureMetadata", b"_NoSuchMetadataV9")
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("truncated", "damaged"),
+        ("empty", "damaged"),
+        ("garbage", "damaged"),
+        ("unknown class", "damaged or unknown"),
+        ("not metadata", "not DCP metadata"),
+    ],
+)
+def test_damaged_and_unknown_metadata(tmp_path, content, match):
     sd = state()
     dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
     md = tmp_path / ".metadata"
     good = md.read_bytes()
-    md.write_bytes(good[: len(good) // 2])
-    with raises(CorruptCheckpointError, "damaged"):
+    md.write_bytes(
+        {
+            "truncated": good[: len(good) // 2],
+            "empty": b"",
+            "garbage": b"PK\x03\x04 not a pickle" * 10,
+            "unknown class": _unknown_class_pickle(),
+            "not metadata": pickle.dumps({"not": "metadata"}),
+        }[content]
+    )
+    before = files(tmp_path)
+    with raises(CorruptCheckpointError, match):
         load(tmp_path, FastPersistReader(tmp_path), sd)
-    md.write_bytes(pickle.dumps({"not": "metadata"}))
-    with raises(CorruptCheckpointError, "not DCP metadata"):
-        load(tmp_path, FastPersistReader(tmp_path), sd)
+    assert files(tmp_path) == before  # nothing deleted or changed
     md.write_bytes(good)
-    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)  # nothing was deleted
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+
+
+def test_missing_metadata(tmp_path):
+    """A directory with data files but no .metadata (a save that never
+    committed) is not a checkpoint: a clear error, the files kept."""
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    os.unlink(tmp_path / ".metadata")
+    before = files(tmp_path)
+    with raises(FileNotFoundError, "not a DCP checkpoint: .metadata is missing"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+    assert files(tmp_path) == before
+
+
+def test_damaged_sidecar(tmp_path):
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    md = pickle.load(open(tmp_path / ".metadata", "rb"))
+    car = tmp_path / sidecar_name(md.storage_meta.save_id)
+    car.write_bytes(car.read_bytes()[:-7])
+    before = files(tmp_path)
+    with raises(CorruptCheckpointError, "damaged CRC32 sidecar"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+    assert files(tmp_path) == before
+    assert_equal(load(tmp_path, dcp.FileSystemReader(tmp_path), sd), sd)  # stock readers never open it
+
+
+def test_metadata_naming_a_file_outside_the_checkpoint(tmp_path):
+    sd = state()
+    (tmp_path / "outside").write_bytes(b"not yours")
+    ck = tmp_path / "ck"
+    dcp.save(sd, storage_writer=FastPersistWriter(ck))
+    md = pickle.load(open(ck / ".metadata", "rb"))
+    for k, v in md.storage_data.items():
+        md.storage_data[k] = dataclasses.replace(v, relative_path="../outside")
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    with raises(CorruptCheckpointError, "names a file outside it"):
+        load(ck, FastPersistReader(ck), sd)
+    assert (tmp_path / "outside").read_bytes() == b"not yours"
 
 
 def test_missing_rank_file(tmp_path):
+    """One of several data files gone: the error names it; the checkpoint's
+    other files stay as they were."""
     sd = state()
-    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
-    data = next(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
-    os.rename(tmp_path / data, tmp_path / "elsewhere")
-    with raises(FileNotFoundError, "data file missing"):
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path, thread_count=2))
+    data = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
+    assert len(data) == 2
+    os.rename(tmp_path / data[1], tmp_path / "elsewhere")
+    before = files(tmp_path)
+    with raises(FileNotFoundError, re.escape(data[1]) + ": data file missing"):
         load(tmp_path, FastPersistReader(tmp_path), sd)
-    assert (tmp_path / ".metadata").exists()
+    assert files(tmp_path) == before
+    os.rename(tmp_path / "elsewhere", tmp_path / data[1])
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
 
 
 def test_truncated_rank_file(tmp_path):
