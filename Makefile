@@ -15,7 +15,10 @@ all: test
 # One virtualenv, reused across runs (torch is several GB). It also holds the
 # frameworks the adapters in fastpersist.integrations are tested against (the
 # extras' ranges in pyproject.toml); DeepSpeed is built against the torch
-# installed first, with its ops JIT-built on first use (ninja).
+# installed first, with its ops JIT-built on first use (ninja). torchtitan
+# (fastpersist.dcp.install() is tested through its CheckpointManager) comes
+# without its training-only dependencies (wandb, datasets, tensorboard, ...):
+# its checkpoint and model code needs only tyro and spmd_types.
 $(VENV)/.deps-ok: pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -23,6 +26,8 @@ $(VENV)/.deps-ok: pyproject.toml Makefile
 	$(PY) -m pip install -q "lightning>=2.5,<3" "pytorch_lightning>=2.5,<3" "transformers>=5.0,<6" "accelerate>=1.0,<2" ninja
 	$(PY) -m pip install -q "s3fs>=2024.6" "moto[server]>=5" "jsonargparse[signatures]>=4.27"
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "deepspeed>=0.19,<0.20"
+	$(PY) -m pip install -q --no-deps "torchtitan>=0.3,<0.4"
+	$(PY) -m pip install -q "tyro>=0.9" "spmd_types>=0.2"
 	touch $@
 
 venv: $(VENV)/.deps-ok

@@ -6,6 +6,7 @@ failure behaviour, CRC checks, async saves."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pickle
@@ -263,6 +264,38 @@ def test_failed_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd2), sd2)
 
 
+def test_gc_paused_while_items_are_laid_out(tmp_path):
+    """The per-item work of write_data and read_data runs with Python's
+    cyclic GC paused (full collections of a heap of 10,000 items' objects
+    cost more than the layout); it is enabled again afterwards."""
+    import gc
+
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+    seen = []
+
+    class Save(DefaultSavePlanner):
+        def resolve_data(self, item):
+            seen.append(("save", gc.isenabled()))
+            return super().resolve_data(item)
+
+    class Load(DefaultLoadPlanner):
+        def commit_tensor(self, req, tensor):
+            seen.append(("load", gc.isenabled()))
+            return super().commit_tensor(req, tensor)
+
+    assert gc.isenabled()
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path), planner=Save())
+    assert gc.isenabled()
+    out = blank(sd)
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path), planner=Load())
+    assert gc.isenabled()
+    assert_equal(out, sd)
+    assert {k for k, _ in seen} == {"save", "load"}
+    assert not any(enabled for _, enabled in seen), seen
+
+
 def test_overwrite_false_refuses(tmp_path):
     dcp.save(state(), storage_writer=FastPersistWriter(tmp_path))
     with raises(RuntimeError, "overwrite=False"):
@@ -304,29 +337,105 @@ def test_crc_detects_a_flipped_byte_in_a_byte_item(tmp_path):
         load(tmp_path, FastPersistReader(tmp_path), sd)
 
 
-def test_damaged_and_unknown_metadata(tmp_path):
+def files(path: Any) -> Dict[str, bytes]:
+    """Every file in the checkpoint directory, with its bytes."""
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+
+
+class _FutureMetadata:
+    """Stands for a class that a newer writer pickled and this one lacks."""
+
+
+def _unknown_class_pickle() -> bytes:
+    raw = pickle.dumps(_FutureMetadata())
+    return raw.replace(b"_FutureMetadata", b"_NoSuchMetadataV9")
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("truncated", "damaged"),
+        ("empty", "damaged"),
+        ("garbage", "damaged"),
+        ("unknown class", "damaged or unknown"),
+        ("not metadata", "not DCP metadata"),
+    ],
+)
+def test_damaged_and_unknown_metadata(tmp_path, content, match):
     sd = state()
     dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
     md = tmp_path / ".metadata"
     good = md.read_bytes()
-    md.write_bytes(good[: len(good) // 2])
-    with raises(CorruptCheckpointError, "damaged"):
+    md.write_bytes(
+        {
+            "truncated": good[: len(good) // 2],
+            "empty": b"",
+            "garbage": b"PK\x03\x04 not a pickle" * 10,
+            "unknown class": _unknown_class_pickle(),
+            "not metadata": pickle.dumps({"not": "metadata"}),
+        }[content]
+    )
+    before = files(tmp_path)
+    with raises(CorruptCheckpointError, match):
         load(tmp_path, FastPersistReader(tmp_path), sd)
-    md.write_bytes(pickle.dumps({"not": "metadata"}))
-    with raises(CorruptCheckpointError, "not DCP metadata"):
-        load(tmp_path, FastPersistReader(tmp_path), sd)
+    assert files(tmp_path) == before  # nothing deleted or changed
     md.write_bytes(good)
-    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)  # nothing was deleted
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+
+
+def test_missing_metadata(tmp_path):
+    """A directory with data files but no .metadata (a save that never
+    committed) is not a checkpoint: a clear error, the files kept."""
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    os.unlink(tmp_path / ".metadata")
+    before = files(tmp_path)
+    with raises(FileNotFoundError, "not a DCP checkpoint: .metadata is missing"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+    assert files(tmp_path) == before
+
+
+def test_damaged_sidecar(tmp_path):
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    md = pickle.load(open(tmp_path / ".metadata", "rb"))
+    car = tmp_path / sidecar_name(md.storage_meta.save_id)
+    car.write_bytes(car.read_bytes()[:-7])
+    before = files(tmp_path)
+    with raises(CorruptCheckpointError, "damaged CRC32 sidecar"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+    assert files(tmp_path) == before
+    assert_equal(load(tmp_path, dcp.FileSystemReader(tmp_path), sd), sd)  # stock readers never open it
+
+
+def test_metadata_naming_a_file_outside_the_checkpoint(tmp_path):
+    sd = state()
+    (tmp_path / "outside").write_bytes(b"not yours")
+    ck = tmp_path / "ck"
+    dcp.save(sd, storage_writer=FastPersistWriter(ck))
+    md = pickle.load(open(ck / ".metadata", "rb"))
+    for k, v in md.storage_data.items():
+        md.storage_data[k] = dataclasses.replace(v, relative_path="../outside")
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    with raises(CorruptCheckpointError, "names a file outside it"):
+        load(ck, FastPersistReader(ck), sd)
+    assert (tmp_path / "outside").read_bytes() == b"not yours"
 
 
 def test_missing_rank_file(tmp_path):
+    """One of several data files gone: the error names it; the checkpoint's
+    other files stay as they were."""
     sd = state()
-    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
-    data = next(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
-    os.rename(tmp_path / data, tmp_path / "elsewhere")
-    with raises(FileNotFoundError, "data file missing"):
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path, thread_count=2))
+    data = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
+    assert len(data) == 2
+    os.rename(tmp_path / data[1], tmp_path / "elsewhere")
+    before = files(tmp_path)
+    with raises(FileNotFoundError, re.escape(data[1]) + ": data file missing"):
         load(tmp_path, FastPersistReader(tmp_path), sd)
-    assert (tmp_path / ".metadata").exists()
+    assert files(tmp_path) == before
+    os.rename(tmp_path / "elsewhere", tmp_path / data[1])
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
 
 
 def test_truncated_rank_file(tmp_path):
@@ -415,6 +524,19 @@ def test_async_save_process_based(tmp_path):
     assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
 
 
+def test_public_names_are_the_adapters():
+    """fastpersist.dcp re-exports exactly integrations.dcp's public names."""
+    import fastpersist.dcp as public
+    import fastpersist.integrations.dcp as adapter
+
+    assert public.__all__ == adapter.__all__
+    assert {"FastPersistWriter", "FastPersistReader", "install", "uninstall", "CorruptCheckpointError"} <= set(
+        public.__all__
+    )
+    for name in adapter.__all__:
+        assert getattr(public, name) is getattr(adapter, name), name
+
+
 # ---------------------------------------------------------------------------
 # install()
 
@@ -463,3 +585,128 @@ def test_reshard_across_rank_counts(tmp_path, save_world, load_world):
     for k, v in full.items():
         assert torch.equal(out[k], v), k
     assert out["step"] == 7
+
+
+# ---------------------------------------------------------------------------
+# install() through a real caller: torchtitan's CheckpointManager, which
+# hands DCP only a checkpoint_id (no storage writer or reader)
+
+
+def _torchtitan() -> Any:
+    """torchtitan's pieces, or a skip naming why they cannot run here."""
+    try:
+        from torchtitan.components.checkpoint import CheckpointManager
+        from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+        from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+        from torchtitan.models.llama3 import model_registry
+    except Exception as e:  # noqa: BLE001 - not installed, or not for this torch
+        pytest.skip(f"torchtitan is not usable here ({type(e).__name__}: {e})")
+    return CheckpointManager, LRSchedulersContainer, OptimizersContainer, ParamGroupConfig, model_registry
+
+
+def _titan_trainer(folder: Any, async_mode: str) -> Any:
+    """A tiny torchtitan Llama 3 (its debug config, two layers) wrapped in
+    FSDP2 on a CPU mesh (parameters and optimizer state are DTensors),
+    AdamW after one step, and torchtitan's CheckpointManager."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    manager, schedulers, optimizers, group, registry = _torchtitan()
+    cfg = registry("debugmodel", attn_backend="flex").model
+    cfg.layers = cfg.layers[:2]
+    torch.manual_seed(0)
+    model = cfg.build()
+    model.init_states()
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = optimizers.Config(
+        param_groups=[group(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})],
+        implementation="for-loop",
+    ).build(model_parts=[model])
+    sched = schedulers.Config(warmup_steps=2).build(optimizers=opt, training_steps=10)
+    _titan_step(model, opt, sched, 1.0)
+    ck = manager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=0, async_mode=async_mode).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=opt,
+        lr_schedulers=sched,
+        states={},
+        sd_adapter=None,
+        base_folder=str(folder),
+    )
+    return ck, model, opt, sched
+
+
+def _titan_step(model: Any, opt: Any, sched: Any, grad: float) -> None:
+    for p in model.parameters():
+        p.grad = torch.full_like(p, grad)
+    opt.step()
+    sched.step()
+
+
+def _titan_state(model: Any, opt: Any, sched: Any) -> Dict[str, Any]:
+    """Model and optimizer state as full CPU tensors, and the schedule."""
+
+    def full(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        if isinstance(v, dict):
+            return {k: full(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [full(x) for x in v]
+        return v
+
+    return {"model": full(model.state_dict()), "optim": full(opt.state_dict()), "sched": full(sched.state_dict())}
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_install_through_torchtitan_checkpoint_manager(tmp_path, monkeypatch, async_mode):
+    """torchtitan's CheckpointManager calls dcp.save / dcp.async_save / dcp.load
+    with a path only: with install() its checkpoints are fastpersist's (the
+    engine's writer and reader ran, CRC sidecar, own file names) and load
+    back identically; after uninstall() they are DCP's own again."""
+    ck, model, opt, sched = _titan_trainer(tmp_path, async_mode)
+    calls: Dict[str, Any] = {"write": 0, "read": 0, "verified": []}
+    real_write, real_read = FastPersistWriter.write_data, FastPersistReader.read_data
+
+    def write_data(self: Any, *a: Any) -> Any:
+        calls["write"] += 1
+        return real_write(self, *a)
+
+    def read_data(self: Any, *a: Any) -> Any:
+        calls["read"] += 1
+        calls["verified"].append(self.verified)  # CRC32s checked against the sidecar
+        return real_read(self, *a)
+
+    monkeypatch.setattr(FastPersistWriter, "write_data", write_data)
+    monkeypatch.setattr(FastPersistReader, "read_data", read_data)
+    try:
+        fastpersist.dcp.install()
+        saved = _titan_state(model, opt, sched)
+        assert ck.save(curr_step=1)
+        ck.maybe_wait_for_saving()
+        step1 = tmp_path / "ckpt" / "step-1"
+        names = os.listdir(step1)
+        assert calls["write"] == 1
+        assert [n for n in names if n.endswith(".crc32")], names
+        assert all(re.fullmatch(r"__0_0\.[0-9a-f]{16}\.distcp", n) for n in names if n.endswith(".distcp")), names
+        _titan_step(model, opt, sched, -3.0)  # training moves on
+        assert not torch.equal(_titan_state(model, opt, sched)["model"]["norm.weight"], saved["model"]["norm.weight"])
+        assert ck.load(step=1)
+        assert calls["read"] == 1 and calls["verified"] == [True]
+        assert_equal(_titan_state(model, opt, sched), saved)
+    finally:
+        fastpersist.dcp.uninstall()
+    # stock behaviour again: DCP's own writer and reader, its own names
+    saved = _titan_state(model, opt, sched)
+    assert ck.save(curr_step=2)
+    ck.maybe_wait_for_saving()
+    names = os.listdir(tmp_path / "ckpt" / "step-2")
+    assert sorted(names) == [".metadata", "__0_0.distcp"], names
+    _titan_step(model, opt, sched, 2.0)
+    assert ck.load(step=2)
+    assert calls["write"] == 1 and calls["read"] == 1
+    assert_equal(_titan_state(model, opt, sched), saved)
+    ck.close()
