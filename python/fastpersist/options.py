@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -281,6 +282,26 @@ def read_records(fd: int, reqs: List[ReadReq], opts: EngineOptions) -> List[int]
     """:func:`read_with` on the engine for ``opts``."""
     with use_engine(opts) as eng:
         return read_with(eng, fd, reqs)
+
+
+def read_range(fd: int, offset: int, buf: Any, opts: Optional[EngineOptions] = None) -> int:
+    """Fill the writable buffer ``buf`` (a bytearray, or a memoryview of
+    one) with the bytes of the open file ``fd`` from ``offset``, read by
+    the engine (O_DIRECT where the file system allows it: a file read once,
+    to be sent elsewhere, does not fill the page cache); returns their
+    CRC32. ValueError when the file is too short."""
+    view = memoryview(buf).cast("B")
+    n = view.nbytes
+    if n == 0:
+        return 0
+    if view.readonly:
+        raise TypeError("read_range needs a writable buffer")
+    c = (ctypes.c_char * n).from_buffer(view)
+    try:
+        return read_records(fd, [(offset, ctypes.addressof(c), n)], opts or EngineOptions.resolve())[0]
+    finally:
+        del c
+        view.release()
 
 
 def checksums(fd: int, ranges: List[Tuple[int, int]], opts: EngineOptions) -> List[int]:

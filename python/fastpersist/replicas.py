@@ -21,7 +21,7 @@ back from the holder. The holder writes the bytes into a
 the file's own CRCs verified: a transfer cut short (a killed rank) leaves at
 most a ``.fptmp`` file, never a checkpoint name.
 
-A leaf module apart from :mod:`fastpersist.collectives`,
+A leaf module apart from :mod:`fastpersist.collectives`, :mod:`fastpersist.options`,
 :mod:`fastpersist.verify` and the core.
 """
 
@@ -36,6 +36,7 @@ from typing import Any, Callable, Hashable, List, Optional, Sequence, Tuple
 
 from . import _core
 from .errors import CorruptCheckpointError, FastPersistError
+from .options import read_range
 from .verify import verify_file
 
 __all__ = [
@@ -306,12 +307,11 @@ def _exchange(  # noqa: C901 - the four phases of one transfer, in order
                     n = min(chunk, size - off)
                     view = memoryview(sbufs[i % 2])[:n]
                     try:
-                        got = os.preadv(fd, [view], off)
-                    except OSError:
-                        got = -1
-                    if got != n:
+                        # The engine reads (O_DIRECT: the file is not pulled
+                        # into the page cache) and checksums the chunk.
+                        s_crc = _core.crc32_combine(s_crc, read_range(fd, off, view), n)
+                    except (OSError, ValueError):
                         s_bad = 1
-                    s_crc = zlib.crc32(view, s_crc)
                     send = (sts[i % 2][:n], send_to)
                 if i < n_recv:
                     recv = (rts[i % 2][: min(chunk, r_size - i * chunk)], recv_from)

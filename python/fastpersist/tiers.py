@@ -25,7 +25,6 @@ files.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -38,7 +37,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from . import _core
 from .errors import CorruptCheckpointError, FastPersistError
-from .options import EngineOptions, read_records
+from .options import read_range
 from .verify import verify_fd, verify_file
 
 __all__ = [
@@ -186,12 +185,7 @@ class ObjectStore:
         """Bytes [offset, offset + n) of the open file, read by the engine
         (O_DIRECT where the file system allows it)."""
         buf = bytearray(n)
-        if n:
-            view = (ctypes.c_char * n).from_buffer(buf)
-            try:
-                read_records(fd, [(offset, ctypes.addressof(view), n)], EngineOptions.resolve())
-            finally:
-                del view  # the bytearray may be resized (by nobody) and freed again
+        read_range(fd, offset, buf)
         return buf
 
     def _put_stream(self, fd: int, size: int, dst: str) -> None:

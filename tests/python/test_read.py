@@ -228,3 +228,30 @@ def test_verifying_a_file_with_typed_storages_warns_nothing(tmp_path):
         warnings.simplefilter("always")
         verify_file(p)
     assert [str(w.message) for w in seen] == []
+
+
+def test_read_range_reads_any_span_with_its_crc(tmp_path):
+    """options.read_range (uploads and replica transfers read checkpoint
+    files in parts through it): any offset and length, unaligned buffers and
+    memoryview slices, the CRC32 of exactly those bytes; a span past the end
+    is a ValueError, a read-only buffer a TypeError."""
+    import zlib
+
+    from fastpersist.options import read_range
+
+    data = os.urandom((3 << 20) + 12345)
+    p = tmp_path / "f.bin"
+    p.write_bytes(data)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        for off, n in [(0, 0), (0, 1), (1, 4095), (4096, 1 << 20), (777, (2 << 20) + 3), (len(data) - 5, 5)]:
+            buf = bytearray(n + 3)
+            view = memoryview(buf)[3:]  # an unaligned destination
+            assert read_range(fd, off, view) == zlib.crc32(data[off : off + n])
+            assert bytes(view) == data[off : off + n]
+        with pytest.raises(ValueError):
+            read_range(fd, len(data) - 4, bytearray(8))
+        with pytest.raises(TypeError):
+            read_range(fd, 0, b"12345678")
+    finally:
+        os.close(fd)
