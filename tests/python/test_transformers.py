@@ -251,3 +251,59 @@ def test_a_checkpoint_written_by_the_stock_trainer_still_resumes(tmp_path):
     t = FPTrainer(model=model(), args=args(out, max_steps=3), train_dataset=data())
     t.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert t.state.global_step == 3
+
+
+def test_trl_sft_trainer_saves_through_fastpersist_and_resumes_as_if_it_never_stopped(tmp_path):
+    pytest.importorskip("trl", reason="TRL is not installed")
+    datasets = pytest.importorskip("datasets", reason="TRL needs datasets")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    class FPSFTTrainer(FastPersistTrainerMixin, SFTTrainer):
+        pass
+
+    words = [f"w{i}" for i in range(60)]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(words[j] for j in torch.randint(0, 60, (12,), generator=g).tolist()) for _ in range(64)]
+    train = datasets.Dataset.from_dict({"text": texts})
+
+    def trainer(out, cls=FPSFTTrainer, **kw):
+        base = dict(
+            output_dir=str(out),
+            max_steps=6,
+            save_steps=2,
+            per_device_train_batch_size=4,
+            logging_steps=1,
+            learning_rate=1e-3,
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            data_seed=0,
+            max_length=16,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        base.update(kw)
+        return cls(model=model(), args=SFTConfig(**base), train_dataset=train, processing_class=tokenizer)
+
+    ref = trainer(tmp_path / "ref", cls=SFTTrainer, save_strategy="no")
+    ref.train()
+    out = tmp_path / "run"
+    a = trainer(out)
+    a.add_callback(StopAt(4))
+    a.train()
+    ck = out / "checkpoint-4"
+    assert written_by_fastpersist(ck / "optimizer.pt") and (ck / CRC_SIDECAR).is_file()
+    assert a._fastpersist.fallbacks == 0
+    b = trainer(out)
+    b.train(resume_from_checkpoint=True)
+    assert b.state.global_step == 6
+    want, got = losses(ref), {**losses(a), **losses(b)}
+    assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]
+    for (k, x), (_, y) in zip(ref.model.state_dict().items(), b.model.state_dict().items()):
+        assert bits(x) == bits(y), k
