@@ -38,8 +38,10 @@ def test_engine_interface_latest_only_after_every_file_is_durable(tmp_path):
     eng.save({"module": {"w": big}, "step": 2}, str(tmp_path / "global_step2" / "model.pt"))
     big.zero_()  # snapshot mode: save returned after the copy
     assert not (tmp_path / "latest").exists()
+    eng.saves.settle()  # get_commit_info hands the tag out once its saves are done (durable or failed)
     assert eng.get_commit_info() == i
     assert eng.commit(i) is True
+    assert not i.save_latest  # written already, atomically: DeepSpeed must not rewrite it in place
     assert (tmp_path / "latest").read_text() == "global_step2"
     fastpersist.verify.verify_file(tmp_path / "global_step2" / "model.pt")
     got = eng.load(str(tmp_path / "global_step2" / "model.pt"), map_location="cpu")
@@ -94,6 +96,21 @@ def test_real_deepspeed_engine_on_cpu(tmp_path):
         assert out[f"{mode}_files_ours"]
         assert out[f"{mode}_losses"] == out["ref_losses"], mode
         assert out[f"{mode}_digest"] == out["ref_digest"], mode
+    # Pipelined and decoupled: save_checkpoint returns before the optimizer file is read; the optimizer
+    # step waits until it is read (never before), and goes on while it is made durable; latest names
+    # the tag only once it is durable; the file holds the state as of the save.
+    assert out["overlap_log"] == [
+        "save_checkpoint returned",
+        "latest before the read: -",
+        "reading optimizer state",
+        "optimizer state read",
+        "optimizer step 3",
+        "optimizer step 4",
+    ], out["overlap_log"]
+    assert out["overlap_latest_after_step3"] is None
+    assert out["overlap_latest_after_step4"] == "global_step2"
+    assert out["overlap_optim_is_the_saved_state"] and out["overlap_optim_changed_since"]
+    assert out["overlap_module_is_the_saved_state"] and out["overlap_files_ours"]
     assert out["sync_latest"] == "global_step1" and out["sync_loaded_step"]
     assert out["full_error"] == errno.ENOSPC
     assert out["full_latest"] == "global_step2"

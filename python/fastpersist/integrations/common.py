@@ -29,6 +29,7 @@ No framework is imported here.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -233,6 +234,29 @@ class BackgroundSaves:
         with self._lock:
             self._pending.append(pending)
         return pending
+
+    def fence(self) -> None:
+        """Wait until the saves not yet committed have all finished their
+        snapshot phase (every byte copied, or streamed out of the live
+        tensors in ``"pipelined"`` mode): the tensors may change after it.
+        Raises nothing: a failed save is reported at its commit."""
+        with self._lock:
+            current = list(self._current)
+        for f in current:
+            f._snapshot.wait()
+
+    def settle(self) -> None:
+        """Wait until every save not yet committed has finished (durable,
+        or failed); raises nothing (a failure is reported at its commit)."""
+        with self._lock:
+            current = list(self._current)
+        concurrent.futures.wait(current)
+
+    def settled(self) -> bool:
+        """Whether every save not yet committed has finished (durable, or
+        failed), so a :meth:`commit` now would not wait."""
+        with self._lock:
+            return all(f.done() for f in self._current)
 
     def in_flight(self) -> int:
         """Checkpoints not yet committed (and not yet reported)."""
