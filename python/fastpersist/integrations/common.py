@@ -44,7 +44,7 @@ from .. import _core
 from ..async_save import MODES, AsyncSaver, CheckpointFuture
 from ..errors import CorruptCheckpointError
 from ..options import EngineOptions, WriteStats
-from ..patching import _load_file_route, _torch_load_route, torch_save_route
+from ..patching import load_file_route, torch_load_route, torch_save_route
 from ..reader import detect_format, read_state_dict
 from ..writer import write_state_dict
 
@@ -399,7 +399,7 @@ def torch_load_via() -> Callable[..., Any]:
     real = torch.load
 
     def load(*args: Any, **kwargs: Any) -> Any:
-        call, why = _torch_load_route(real, args, kwargs)
+        call, why = torch_load_route(real, args, kwargs)
         if call is None:
             log.debug("fastpersist: torch.load left to torch (%s)", why)
             return real(*args, **kwargs)
@@ -496,7 +496,7 @@ def safe_load_file_via() -> Callable[..., Dict[str, torch.Tensor]]:
     from safetensors.torch import load_file as real
 
     def load_file(*args: Any, **kwargs: Any) -> Dict[str, torch.Tensor]:
-        call, why = _load_file_route(real, args, kwargs)
+        call, why = load_file_route(real, args, kwargs)
         path = call["path"] if call is not None else None
         given = args[0] if args else kwargs.get("filename")
         if path is None and isinstance(given, (str, os.PathLike)) and os.path.isfile(given):
