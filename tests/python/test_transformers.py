@@ -307,3 +307,33 @@ def test_trl_sft_trainer_saves_through_fastpersist_and_resumes_as_if_it_never_st
     assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]
     for (k, x), (_, y) in zip(ref.model.state_dict().items(), b.model.state_dict().items()):
         assert bits(x) == bits(y), k
+
+
+def test_crc_sidecar_checks_safetensors_loads(tmp_path):
+    from fastpersist.integrations.common import safe_load_file_via, write_crc_sidecar
+
+    t = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)}
+    p = tmp_path / "model.safetensors"
+    stats = fastpersist.write_state_dict(t, p, format="safetensors")
+    other = fastpersist.write_state_dict(t, tmp_path / "sub.pt")  # not a safetensors file: not listed
+    assert write_crc_sidecar(str(tmp_path), [stats, other]) == str(tmp_path / CRC_SIDECAR)
+    assert list(json.loads((tmp_path / CRC_SIDECAR).read_text())["files"]) == ["model.safetensors"]
+    load = safe_load_file_via()
+    got = load(str(p))
+    assert got.keys() == t.keys() and all(bits(got[k]) == bits(t[k]) for k in t)
+
+    flip_byte(p, os.path.getsize(p) - 1)  # the last byte of "b"
+    with pytest.raises(fastpersist.CorruptCheckpointError, match=r"model\.safetensors: tensor 'b' fails its CRC32"):
+        load(str(p))
+    flip_byte(p, os.path.getsize(p) - 1)
+    with open(p, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="model.safetensors"):
+        load(str(p))
+    os.truncate(p, stats.bytes)
+    assert load(str(p)).keys() == t.keys()
+    (tmp_path / CRC_SIDECAR).write_text("{not json")
+    with pytest.raises(fastpersist.CorruptCheckpointError, match=CRC_SIDECAR):
+        load(str(p))
+    os.remove(tmp_path / CRC_SIDECAR)  # no sidecar: read as fastpersist.patch() reads it, unchecked
+    assert load(str(p)).keys() == t.keys()
