@@ -337,3 +337,33 @@ def test_crc_sidecar_checks_safetensors_loads(tmp_path):
         load(str(p))
     os.remove(tmp_path / CRC_SIDECAR)  # no sidecar: read as fastpersist.patch() reads it, unchecked
     assert load(str(p)).keys() == t.keys()
+
+
+class PlainLM(torch.nn.Module):
+    """Not a PreTrainedModel: the Trainer saves its state dict with safetensors' save_file itself."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 16)
+        self.out = torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.out(self.emb(input_ids))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_model_that_is_not_a_pretrained_model_is_saved_and_resumed_through_fastpersist(tmp_path):
+    ref = FPTrainer(model=PlainLM(), args=args(tmp_path / "ref", max_steps=4, save_strategy="no"), train_dataset=data())
+    ref.train()
+    out = tmp_path / "run"
+    FPTrainer(model=PlainLM(), args=args(out, max_steps=4), train_dataset=data(), callbacks=[StopAt(2)]).train()
+    ck = out / "checkpoint-2"
+    assert (ck / "model.safetensors").read_bytes()[8:4096].endswith(b" ")  # written by fastpersist
+    assert list(json.loads((ck / CRC_SIDECAR).read_text())["files"]) == ["model.safetensors"]
+    b = FPTrainer(model=PlainLM(), args=args(out, max_steps=4), train_dataset=data())
+    b.train(resume_from_checkpoint=True)
+    assert [losses(b)[s] for s in (3, 4)] == [losses(ref)[s] for s in (3, 4)]
+    for (k, x), (_, y) in zip(ref.model.state_dict().items(), b.model.state_dict().items()):
+        assert bits(x) == bits(y), k

@@ -9,7 +9,9 @@ The Trainer has no writer hook, so the mixin routes, for the length of each
 ``_save_checkpoint``, the calls the Trainer's own code saves through: the
 model's safetensors shards (``save_pretrained``'s ``safe_save_file``),
 ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth`` and
-``training_args.bin`` (the Trainer's ``torch.save``). The folder layout,
+``training_args.bin`` (the Trainer's ``torch.save``), and ``model.safetensors``
+of a model that is not a ``PreTrainedModel`` (the Trainer's own
+``safetensors.torch.save_file``). The folder layout,
 index files and names are the Trainer's own; the files are the ones
 ``torch.load``/``safetensors`` read.
 
@@ -113,6 +115,21 @@ def latest_complete_checkpoint(output_dir: str) -> Optional[str]:
     return max(found)[1] if found else None
 
 
+def _safetensors_via(save: Optional[BackgroundSaves] = None, load: bool = False) -> Any:
+    """A stand-in for the ``safetensors`` package as the Trainer's module
+    sees it (``safetensors.torch.save_file`` for a model that is not a
+    ``PreTrainedModel``, ``load_file`` when resuming)."""
+    import safetensors
+    import safetensors.torch
+
+    names: Dict[str, Any] = {}
+    if save is not None:
+        names["save_file"] = safe_save_file_via(save)
+    if load:
+        names["load_file"] = safe_load_file_via()
+    return module_with(safetensors, torch=module_with(safetensors.torch, **names))
+
+
 class FastPersistTrainerMixin:
     """Put first in the bases: ``class MyTrainer(FastPersistTrainerMixin, Trainer)``."""
 
@@ -158,7 +175,7 @@ class FastPersistTrainerMixin:
         try:
             with (
                 routed(modeling_utils, safe_save_file=safe_save_file_via(saves)),
-                routed(trainer_mod, torch=torch_module_via(saves)),
+                routed(trainer_mod, torch=torch_module_via(saves), safetensors=_safetensors_via(save=saves)),
             ):
                 super()._save_checkpoint(model, trial)  # type: ignore[misc]
         except BaseException:
@@ -201,16 +218,10 @@ class FastPersistTrainerMixin:
         """The Trainer's loads (``torch.load``, safetensors' ``load_file``
         and the sharded loader's) read through fastpersist, CRCs checked."""
         _, trainer_mod, trainer_utils = _framework()
-        import safetensors
 
-        safe_load = safe_load_file_via()
         with (
-            routed(trainer_mod, torch=torch_module_via(load=True)),
-            routed(
-                trainer_mod,
-                safetensors=module_with(safetensors, torch=module_with(safetensors.torch, load_file=safe_load)),
-            ),
-            routed(trainer_utils, torch=torch_module_via(load=True), safe_load_file=safe_load),
+            routed(trainer_mod, torch=torch_module_via(load=True), safetensors=_safetensors_via(load=True)),
+            routed(trainer_utils, torch=torch_module_via(load=True), safe_load_file=safe_load_file_via()),
         ):
             yield
 
