@@ -1,5 +1,9 @@
 """Runs DeepSpeed scenarios for test_deepspeed.py in a process of its own
-(one gloo rank on the CPU accelerator); prints one JSON line of results."""
+(one gloo rank on the CPU accelerator); prints one JSON line of results.
+
+``ds_worker.py DIR two-ranks`` is one of two ranks (RANK, WORLD_SIZE and
+MASTER_PORT set by the caller): the ranks agree on the step at which a tag
+is committed."""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ import threading
 import zipfile
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1")
+if sys.argv[2:] != ["two-ranks"]:
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
 import deepspeed  # noqa: E402
 import fastpersist  # noqa: E402
@@ -228,5 +234,60 @@ def main(tmp):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def two_ranks(tmp):
+    """Rank 1's optimizer file is held after it has been read, before its
+    durable commit: no rank may commit (nor write ``latest``) at step 3,
+    although rank 0's files are durable; both commit at step 4."""
+    import fastpersist.async_save as async_save
+
+    rank = int(os.environ["RANK"])
+    d = os.path.join(tmp, "two")
+    eng = engine({"mode": "pipelined"})
+    for i in range(1, 3):
+        step(eng, i)
+    gate = threading.Event()
+    real_write = async_save.write_torch_zip
+
+    def gated(obj, path, opts, on_gathered=None, **kw):
+        if rank != 1 or "optim_states" not in path:
+            return real_write(obj, path, opts, on_gathered=on_gathered, **kw)
+
+        def gathered():
+            on_gathered()
+            gate.wait()
+
+        return real_write(obj, path, opts, on_gathered=gathered, **kw)
+
+    committed = []
+    real_commit = eng.checkpoint_engine.commit
+
+    def commit(info):
+        committed.append(eng.global_steps + 1)
+        return real_commit(info)
+
+    async_save.write_torch_zip = gated
+    eng.checkpoint_engine.commit = commit
+    out = {"rank": rank}
+    try:
+        eng.save_checkpoint(d)
+        if rank == 0:
+            eng.checkpoint_engine.saves.settle()  # rank 0's files are durable before its step 3
+        step(eng, 3)
+        out["latest_after_step3"] = latest(d) if os.path.exists(os.path.join(d, "latest")) else None
+        gate.set()
+        eng.checkpoint_engine.saves.settle()
+        step(eng, 4)
+        out["latest_after_step4"] = latest(d)
+    finally:
+        gate.set()
+        async_save.write_torch_zip = real_write
+    out["committed_at_steps"] = committed
+    eng.destroy()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:] == ["two-ranks"]:
+        two_ranks(sys.argv[1])
+    else:
+        main(sys.argv[1])

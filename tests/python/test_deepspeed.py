@@ -116,3 +116,53 @@ def test_real_deepspeed_engine_on_cpu(tmp_path):
     assert out["full_latest"] == "global_step2"
     assert out["full_loaded"] == "global_step2"
     assert out["engine_class_ok"]
+
+
+def test_real_deepspeed_engine_two_ranks_commit_at_the_same_step(tmp_path):
+    """Rank 1's save is durable only after step 3 (held at a gate), rank 0's
+    before it: neither rank commits at step 3 (one that did would wait in
+    the commit's collective for a rank gone on to the optimizer step: a
+    hang), both at step 4, and only then does ``latest`` name the tag."""
+    if shutil.which("ninja") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ninja")):
+        pytest.skip("DeepSpeed's CPU accelerator JIT-builds its comm op with ninja, which is not installed")
+    port = str(_free_port())
+    procs, logs = [], []
+    for rank in (0, 1):
+        env = dict(
+            os.environ,
+            DS_ACCELERATOR="cpu",
+            MASTER_PORT=port,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_SIZE="2",
+        )
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        log = open(tmp_path / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below; a pipe could fill and block
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "ds_worker.py"), str(tmp_path), "two-ranks"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    results = []
+    try:
+        for p, log in zip(procs, logs):
+            p.wait(timeout=600)
+            log.seek(0)
+            text = log.read()
+            lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+            assert p.returncode == 0 and lines, text[-6000:]
+            results.append(json.loads(lines[-1][len("RESULT ") :]))
+    finally:
+        for p, log in zip(procs, logs):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    for out in results:
+        assert out["committed_at_steps"] == [4], out
+        assert out["latest_after_step3"] is None and out["latest_after_step4"] == "global_step2", out
