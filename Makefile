@@ -23,7 +23,7 @@ $(VENV)/.deps-ok: pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch>=2.1" numpy safetensors "hypothesis>=6" "pytest>=7" "maturin>=1.5,<2" "ruff>=0.6" "mypy>=1.10"
-	$(PY) -m pip install -q "lightning>=2.5,<3" "pytorch_lightning>=2.5,<3" "transformers>=5.0,<6" "accelerate>=1.0,<2" ninja
+	$(PY) -m pip install -q "lightning>=2.5,<3" "pytorch_lightning>=2.5,<3" "transformers>=5.0,<6" "accelerate>=1.0,<2" "trl>=1.16,<2" ninja
 	$(PY) -m pip install -q "s3fs>=2024.6" "moto[server]>=5" "jsonargparse[signatures]>=4.27"
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "deepspeed>=0.19,<0.20"
 	$(PY) -m pip install -q --no-deps "torchtitan>=0.3,<0.4"

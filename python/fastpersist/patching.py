@@ -481,3 +481,10 @@ def patch(**options: Any) -> Patch:
     (file objects, ``mmap=True``, custom pickle modules, the legacy format,
     other arguments) go to the original function."""
     return Patch(options).start()
+
+
+# The routing decisions of torch.load and load_file, shared with the framework adapters' loaders
+# (fastpersist.integrations.common), as torch_save_route is with their savers.
+torch_load_route = _torch_load_route
+load_file_route = _load_file_route
+__all__ += ["torch_load_route", "load_file_route"]

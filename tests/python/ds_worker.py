@@ -1,5 +1,9 @@
 """Runs DeepSpeed scenarios for test_deepspeed.py in a process of its own
-(one gloo rank on the CPU accelerator); prints one JSON line of results."""
+(one gloo rank on the CPU accelerator); prints one JSON line of results.
+
+``ds_worker.py DIR two-ranks`` is one of two ranks (RANK, WORLD_SIZE and
+MASTER_PORT set by the caller): the ranks agree on the step at which a tag
+is committed."""
 
 from __future__ import annotations
 
@@ -8,10 +12,13 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import zipfile
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1")
+if sys.argv[2:] != ["two-ranks"]:
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
 import deepspeed  # noqa: E402
 import fastpersist  # noqa: E402
@@ -64,6 +71,102 @@ def ours(path):
         return bool(names) and z.read(names[0]) == b"4096"
 
 
+def tensors(obj, prefix=""):
+    """{path: tensor} of every tensor in nested dicts/lists."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
+    out = {}
+    for k, v in items:
+        out.update(tensors(v, f"{prefix}/{k}"))
+    return out
+
+
+def same(a, b):
+    a, b = tensors(a), b
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def overlap(tmp, out):
+    """Pipelined and decoupled, with the ZeRO optimizer file's save held at
+    two gates: before it reads the tensors (gate 1, opened by a timer) and
+    after it has read them, before its durable commit (gate 2, opened by
+    this thread). The optimizer step must wait for the first gate only;
+    ``latest`` must name the tag only once the file is durable."""
+    import fastpersist.async_save as async_save
+
+    d = os.path.join(tmp, "overlap")
+    eng = engine({"mode": "pipelined"})
+    for i in range(1, 3):
+        step(eng, i)
+    log = []
+    gate1, gate2 = threading.Event(), threading.Event()
+    real_write = async_save.write_torch_zip
+
+    def gated(obj, path, opts, on_gathered=None, **kw):
+        if "optim_states" not in path:
+            return real_write(obj, path, opts, on_gathered=on_gathered, **kw)
+        gate1.wait()
+        log.append("reading optimizer state")
+
+        def gathered():
+            log.append("optimizer state read")
+            on_gathered()  # the snapshot phase ends: the fence opens
+            gate2.wait()  # ... and the durable commit waits here
+
+        return real_write(obj, path, opts, on_gathered=gathered, **kw)
+
+    real_step = eng._take_model_step
+
+    def model_step(*a, **kw):
+        log.append(f"optimizer step {eng.global_steps + 1}")
+        return real_step(*a, **kw)
+
+    async_save.write_torch_zip = gated
+    eng._take_model_step = model_step
+    try:
+        module_then = {k: v.clone() for k, v in eng.module.state_dict().items()}
+        optim_then = {k: v.detach().clone() for k, v in tensors(eng.optimizer.state_dict()).items()}
+        eng.save_checkpoint(d)
+        log.append("save_checkpoint returned")
+
+        def open_gate1():
+            log.append("latest before the read: " + (latest(d) if os.path.exists(os.path.join(d, "latest")) else "-"))
+            gate1.set()
+
+        def open_gate2():  # only if the optimizer step waits for the durable commit (it must not)
+            if not gate2.is_set():
+                log.append("gate 2 opened by the timer")
+                gate2.set()
+
+        timer = threading.Timer(1.0, open_gate1)
+        timer.start()
+        late = threading.Timer(60.0, open_gate2)
+        late.daemon = True
+        late.start()
+        step(eng, 3)  # forward and backward run while the save waits; the optimizer step waits for the read
+        out["overlap_latest_after_step3"] = latest(d) if os.path.exists(os.path.join(d, "latest")) else None
+        gate2.set()
+        late.cancel()
+        eng.checkpoint_engine.saves.settle()
+        step(eng, 4)  # the tag is durable now: committed in this step
+        out["overlap_latest_after_step4"] = latest(d)
+        timer.join()
+    finally:
+        async_save.write_torch_zip = real_write
+        gate1.set()
+        gate2.set()
+    out["overlap_log"] = log
+    tag = os.path.join(d, "global_step2")
+    saved = torch.load(os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt"), weights_only=False)
+    out["overlap_optim_is_the_saved_state"] = same(saved["optimizer_state_dict"], optim_then)
+    out["overlap_optim_changed_since"] = not same(eng.optimizer.state_dict(), optim_then)
+    model = torch.load(os.path.join(tag, "mp_rank_00_model_states.pt"), weights_only=False)
+    out["overlap_module_is_the_saved_state"] = same(model["module"], tensors(module_then))
+    out["overlap_files_ours"] = all(ours(os.path.join(tag, n)) for n in os.listdir(tag))
+    eng.destroy()
+
+
 def main(tmp):
     out = {}
     ref = engine()
@@ -91,6 +194,8 @@ def main(tmp):
         out[f"{mode}_digest"] = digest(again)
         again.destroy()
 
+    overlap(tmp, out)
+
     # Not decoupled, set on an engine: save_checkpoint commits before it returns.
     d = os.path.join(tmp, "sync")
     eng = engine()
@@ -107,10 +212,13 @@ def main(tmp):
     for i in range(1, 3):
         step(eng, i)
     eng.save_checkpoint(d)
-    step(eng, 3)  # commits step 2
+    eng.checkpoint_engine.saves.settle()
+    step(eng, 3)  # commits step 2 (durable by now)
+    assert latest(d) == "global_step2"
     get_engine(EngineOptions.resolve())[1].set_fault(0, errno.ENOSPC)
     step(eng, 4)
     eng.save_checkpoint(d)
+    eng.checkpoint_engine.saves.settle()  # the save has failed: the next step() commits, and raises
     try:
         step(eng, 5)
         out["full_error"] = None
@@ -126,5 +234,60 @@ def main(tmp):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def two_ranks(tmp):
+    """Rank 1's optimizer file is held after it has been read, before its
+    durable commit: no rank may commit (nor write ``latest``) at step 3,
+    although rank 0's files are durable; both commit at step 4."""
+    import fastpersist.async_save as async_save
+
+    rank = int(os.environ["RANK"])
+    d = os.path.join(tmp, "two")
+    eng = engine({"mode": "pipelined"})
+    for i in range(1, 3):
+        step(eng, i)
+    gate = threading.Event()
+    real_write = async_save.write_torch_zip
+
+    def gated(obj, path, opts, on_gathered=None, **kw):
+        if rank != 1 or "optim_states" not in path:
+            return real_write(obj, path, opts, on_gathered=on_gathered, **kw)
+
+        def gathered():
+            on_gathered()
+            gate.wait()
+
+        return real_write(obj, path, opts, on_gathered=gathered, **kw)
+
+    committed = []
+    real_commit = eng.checkpoint_engine.commit
+
+    def commit(info):
+        committed.append(eng.global_steps + 1)
+        return real_commit(info)
+
+    async_save.write_torch_zip = gated
+    eng.checkpoint_engine.commit = commit
+    out = {"rank": rank}
+    try:
+        eng.save_checkpoint(d)
+        if rank == 0:
+            eng.checkpoint_engine.saves.settle()  # rank 0's files are durable before its step 3
+        step(eng, 3)
+        out["latest_after_step3"] = latest(d) if os.path.exists(os.path.join(d, "latest")) else None
+        gate.set()
+        eng.checkpoint_engine.saves.settle()
+        step(eng, 4)
+        out["latest_after_step4"] = latest(d)
+    finally:
+        gate.set()
+        async_save.write_torch_zip = real_write
+    out["committed_at_steps"] = committed
+    eng.destroy()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:] == ["two-ranks"]:
+        two_ranks(sys.argv[1])
+    else:
+        main(sys.argv[1])

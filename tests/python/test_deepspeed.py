@@ -38,8 +38,10 @@ def test_engine_interface_latest_only_after_every_file_is_durable(tmp_path):
     eng.save({"module": {"w": big}, "step": 2}, str(tmp_path / "global_step2" / "model.pt"))
     big.zero_()  # snapshot mode: save returned after the copy
     assert not (tmp_path / "latest").exists()
+    eng.saves.settle()  # get_commit_info hands the tag out once its saves are done (durable or failed)
     assert eng.get_commit_info() == i
     assert eng.commit(i) is True
+    assert not i.save_latest  # written already, atomically: DeepSpeed must not rewrite it in place
     assert (tmp_path / "latest").read_text() == "global_step2"
     fastpersist.verify.verify_file(tmp_path / "global_step2" / "model.pt")
     got = eng.load(str(tmp_path / "global_step2" / "model.pt"), map_location="cpu")
@@ -94,8 +96,73 @@ def test_real_deepspeed_engine_on_cpu(tmp_path):
         assert out[f"{mode}_files_ours"]
         assert out[f"{mode}_losses"] == out["ref_losses"], mode
         assert out[f"{mode}_digest"] == out["ref_digest"], mode
+    # Pipelined and decoupled: save_checkpoint returns before the optimizer file is read; the optimizer
+    # step waits until it is read (never before), and goes on while it is made durable; latest names
+    # the tag only once it is durable; the file holds the state as of the save.
+    assert out["overlap_log"] == [
+        "save_checkpoint returned",
+        "latest before the read: -",
+        "reading optimizer state",
+        "optimizer state read",
+        "optimizer step 3",
+        "optimizer step 4",
+    ], out["overlap_log"]
+    assert out["overlap_latest_after_step3"] is None
+    assert out["overlap_latest_after_step4"] == "global_step2"
+    assert out["overlap_optim_is_the_saved_state"] and out["overlap_optim_changed_since"]
+    assert out["overlap_module_is_the_saved_state"] and out["overlap_files_ours"]
     assert out["sync_latest"] == "global_step1" and out["sync_loaded_step"]
     assert out["full_error"] == errno.ENOSPC
     assert out["full_latest"] == "global_step2"
     assert out["full_loaded"] == "global_step2"
     assert out["engine_class_ok"]
+
+
+def test_real_deepspeed_engine_two_ranks_commit_at_the_same_step(tmp_path):
+    """Rank 1's save is durable only after step 3 (held at a gate), rank 0's
+    before it: neither rank commits at step 3 (one that did would wait in
+    the commit's collective for a rank gone on to the optimizer step: a
+    hang), both at step 4, and only then does ``latest`` name the tag."""
+    if shutil.which("ninja") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ninja")):
+        pytest.skip("DeepSpeed's CPU accelerator JIT-builds its comm op with ninja, which is not installed")
+    port = str(_free_port())
+    procs, logs = [], []
+    for rank in (0, 1):
+        env = dict(
+            os.environ,
+            DS_ACCELERATOR="cpu",
+            MASTER_PORT=port,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_SIZE="2",
+        )
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        log = open(tmp_path / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below; a pipe could fill and block
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "ds_worker.py"), str(tmp_path), "two-ranks"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    results = []
+    try:
+        for p, log in zip(procs, logs):
+            p.wait(timeout=600)
+            log.seek(0)
+            text = log.read()
+            lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+            assert p.returncode == 0 and lines, text[-6000:]
+            results.append(json.loads(lines[-1][len("RESULT ") :]))
+    finally:
+        for p, log in zip(procs, logs):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    for out in results:
+        assert out["committed_at_steps"] == [4], out
+        assert out["latest_after_step3"] is None and out["latest_after_step4"] == "global_step2", out

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
+import re
 import zipfile
 
 import fastpersist
+import fastpersist.integrations.common
 import pytest
 import torch
 from helpers import bits
@@ -15,6 +18,7 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'fastpersist[transformers]')"
 )
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate")
+from fastpersist.integrations.common import CRC_SIDECAR  # noqa: E402
 from fastpersist.integrations.transformers import FastPersistTrainerMixin, latest_complete_checkpoint  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
@@ -132,3 +136,234 @@ def test_files_are_the_ones_the_trainer_reads_without_fastpersist(tmp_path):
     plain = Trainer(model=model(), args=args(out, max_steps=4), train_dataset=data())
     plain.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert plain.state.global_step == 4
+
+
+class ShardedGPT2(GPT2LMHeadModel):
+    """save_pretrained with a small ``max_shard_size`` (the Trainer passes none): 7 shards."""
+
+    def save_pretrained(self, *a, **kw):
+        kw.setdefault("max_shard_size", "20KB")
+        return super().save_pretrained(*a, **kw)
+
+
+def sharded_model():
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.1)
+    return ShardedGPT2(cfg)
+
+
+def test_sharded_model_files_and_index_are_the_stock_trainers_and_resume_matches(tmp_path):
+    stock = Trainer(
+        model=sharded_model(), args=args(tmp_path / "stock", max_steps=4, save_steps=4), train_dataset=data()
+    )
+    stock.train()
+    out = tmp_path / "run"
+    a = FPTrainer(model=sharded_model(), args=args(out, max_steps=4, save_steps=4), train_dataset=data())
+    a.train()
+    want, got = tmp_path / "stock" / "checkpoint-4", out / "checkpoint-4"
+    shards = sorted(n for n in os.listdir(got) if n.endswith(".safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(os.listdir(got)) == sorted(os.listdir(want) + [CRC_SIDECAR])
+    index = "model.safetensors.index.json"
+    assert (got / index).read_text() == (want / index).read_text()  # same weight map, sizes, byte for byte
+    from safetensors.torch import load_file
+
+    for n in shards:
+        assert (got / n).read_bytes()[8:4096].endswith(b" "), n  # header padded to 4096: written by fastpersist
+        x, y = load_file(got / n), load_file(want / n)
+        assert x.keys() == y.keys() and all(bits(x[k]) == bits(y[k]) for k in x), n
+
+    # Resume from the sharded checkpoint (checkpoint-2 of a run stopped at 2) matches a run that never stopped.
+    run2 = tmp_path / "run2"
+    FPTrainer(model=sharded_model(), args=args(run2, max_steps=4), train_dataset=data(), callbacks=[StopAt(2)]).train()
+    assert (run2 / "checkpoint-2" / index).is_file()
+    b = FPTrainer(model=sharded_model(), args=args(run2, max_steps=4), train_dataset=data())
+    b.train(resume_from_checkpoint=True)
+    assert [losses(b)[s] for s in (3, 4)] == [losses(stock)[s] for s in (3, 4)]
+    for (k, x), (_, y) in zip(stock.model.state_dict().items(), b.model.state_dict().items()):
+        assert bits(x) == bits(y), k
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def data_offset(path, record):
+    """File offset of the first byte of a zip record."""
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(record)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        n, m = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+    return info.header_offset + 30 + n + m
+
+
+@pytest.mark.parametrize(
+    "victim",
+    ["optimizer.pt", "scheduler.pt", "rng_state.pth", "model-00002-of-00007.safetensors", "model.safetensors"],
+)
+def test_resume_reads_through_fastpersist_and_a_damaged_file_is_named(tmp_path, victim):
+    sharded = victim.startswith("model-")
+    make = sharded_model if sharded else model
+    out = tmp_path / "run"
+    FPTrainer(model=make(), args=args(out, max_steps=2), train_dataset=data()).train()
+    ck = out / "checkpoint-2"
+    side = json.loads((ck / CRC_SIDECAR).read_text())
+    assert sorted(side["files"]) == sorted(n for n in os.listdir(ck) if n.endswith(".safetensors"))
+
+    # Undamaged: every file the resume reads goes through fastpersist's reader, CRCs checked.
+    seen = []
+    real = fastpersist.integrations.common.read_state_dict
+
+    def spy(path, **kw):
+        seen.append(os.path.basename(path))
+        return real(path, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastpersist.integrations.common, "read_state_dict", spy)
+        t = FPTrainer(model=make(), args=args(out, max_steps=3), train_dataset=data())
+        t.train(resume_from_checkpoint=str(ck))
+    assert t.state.global_step == 3
+    weights = sorted(side["files"])
+    assert set(seen) >= {"optimizer.pt", "scheduler.pt", "rng_state.pth", *weights}, seen
+
+    path = ck / victim
+    if victim.endswith(".safetensors"):
+        n = int.from_bytes(path.read_bytes()[:8], "little")
+        flip_byte(path, 8 + n + 5)  # a byte of tensor data: safetensors itself would load it
+    else:
+        with zipfile.ZipFile(path) as z:
+            record = max(z.infolist(), key=lambda i: ("/data/" in i.filename, i.file_size)).filename
+        flip_byte(path, data_offset(path, record) + 5)  # torch.load checks no CRC: it would load this
+    t = FPTrainer(model=make(), args=args(out, max_steps=4), train_dataset=data())
+    with pytest.raises(fastpersist.CorruptCheckpointError, match=re.escape(victim)):
+        t.train(resume_from_checkpoint=str(ck))
+
+
+def test_a_checkpoint_written_by_the_stock_trainer_still_resumes(tmp_path):
+    out = tmp_path / "run"
+    Trainer(model=model(), args=args(out, max_steps=2), train_dataset=data()).train()
+    assert not (out / "checkpoint-2" / CRC_SIDECAR).exists()
+    t = FPTrainer(model=model(), args=args(out, max_steps=3), train_dataset=data())
+    t.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert t.state.global_step == 3
+
+
+def test_trl_sft_trainer_saves_through_fastpersist_and_resumes_as_if_it_never_stopped(tmp_path):
+    pytest.importorskip("trl", reason="TRL is not installed")
+    datasets = pytest.importorskip("datasets", reason="TRL needs datasets")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    class FPSFTTrainer(FastPersistTrainerMixin, SFTTrainer):
+        pass
+
+    words = [f"w{i}" for i in range(60)]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(words[j] for j in torch.randint(0, 60, (12,), generator=g).tolist()) for _ in range(64)]
+    train = datasets.Dataset.from_dict({"text": texts})
+
+    def trainer(out, cls=FPSFTTrainer, **kw):
+        base = dict(
+            output_dir=str(out),
+            max_steps=6,
+            save_steps=2,
+            per_device_train_batch_size=4,
+            logging_steps=1,
+            learning_rate=1e-3,
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            data_seed=0,
+            max_length=16,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        base.update(kw)
+        return cls(model=model(), args=SFTConfig(**base), train_dataset=train, processing_class=tokenizer)
+
+    ref = trainer(tmp_path / "ref", cls=SFTTrainer, save_strategy="no")
+    ref.train()
+    out = tmp_path / "run"
+    a = trainer(out)
+    a.add_callback(StopAt(4))
+    a.train()
+    ck = out / "checkpoint-4"
+    assert written_by_fastpersist(ck / "optimizer.pt") and (ck / CRC_SIDECAR).is_file()
+    assert a._fastpersist.fallbacks == 0
+    b = trainer(out)
+    b.train(resume_from_checkpoint=True)
+    assert b.state.global_step == 6
+    want, got = losses(ref), {**losses(a), **losses(b)}
+    assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]
+    for (k, x), (_, y) in zip(ref.model.state_dict().items(), b.model.state_dict().items()):
+        assert bits(x) == bits(y), k
+
+
+def test_crc_sidecar_checks_safetensors_loads(tmp_path):
+    from fastpersist.integrations.common import safe_load_file_via, write_crc_sidecar
+
+    t = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)}
+    p = tmp_path / "model.safetensors"
+    stats = fastpersist.write_state_dict(t, p, format="safetensors")
+    other = fastpersist.write_state_dict(t, tmp_path / "sub.pt")  # not a safetensors file: not listed
+    assert write_crc_sidecar(str(tmp_path), [stats, other]) == str(tmp_path / CRC_SIDECAR)
+    assert list(json.loads((tmp_path / CRC_SIDECAR).read_text())["files"]) == ["model.safetensors"]
+    load = safe_load_file_via()
+    got = load(str(p))
+    assert got.keys() == t.keys() and all(bits(got[k]) == bits(t[k]) for k in t)
+
+    flip_byte(p, os.path.getsize(p) - 1)  # the last byte of "b"
+    with pytest.raises(fastpersist.CorruptCheckpointError, match=r"model\.safetensors: tensor 'b' fails its CRC32"):
+        load(str(p))
+    flip_byte(p, os.path.getsize(p) - 1)
+    with open(p, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="model.safetensors"):
+        load(str(p))
+    os.truncate(p, stats.bytes)
+    assert load(str(p)).keys() == t.keys()
+    (tmp_path / CRC_SIDECAR).write_text("{not json")
+    with pytest.raises(fastpersist.CorruptCheckpointError, match=CRC_SIDECAR):
+        load(str(p))
+    os.remove(tmp_path / CRC_SIDECAR)  # no sidecar: read as fastpersist.patch() reads it, unchecked
+    assert load(str(p)).keys() == t.keys()
+
+
+class PlainLM(torch.nn.Module):
+    """Not a PreTrainedModel: the Trainer saves its state dict with safetensors' save_file itself."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 16)
+        self.out = torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.out(self.emb(input_ids))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_model_that_is_not_a_pretrained_model_is_saved_and_resumed_through_fastpersist(tmp_path):
+    ref = FPTrainer(model=PlainLM(), args=args(tmp_path / "ref", max_steps=4, save_strategy="no"), train_dataset=data())
+    ref.train()
+    out = tmp_path / "run"
+    FPTrainer(model=PlainLM(), args=args(out, max_steps=4), train_dataset=data(), callbacks=[StopAt(2)]).train()
+    ck = out / "checkpoint-2"
+    assert (ck / "model.safetensors").read_bytes()[8:4096].endswith(b" ")  # written by fastpersist
+    assert list(json.loads((ck / CRC_SIDECAR).read_text())["files"]) == ["model.safetensors"]
+    b = FPTrainer(model=PlainLM(), args=args(out, max_steps=4), train_dataset=data())
+    b.train(resume_from_checkpoint=True)
+    assert [losses(b)[s] for s in (3, 4)] == [losses(ref)[s] for s in (3, 4)]
+    for (k, x), (_, y) in zip(ref.model.state_dict().items(), b.model.state_dict().items()):
+        assert bits(x) == bits(y), k

@@ -10,17 +10,28 @@
   own code (configs, JSON), then the folders: a folder checkpoint is durable
   as a whole.
 * :func:`routed`: replace, for the length of one call, the names a
-  framework's module saves through (``torch``, ``safe_save_file``) with
-  ones that write through fastpersist (:func:`torch_save_via`,
-  :func:`safe_save_file_via`). A name that is missing means a framework
-  version outside the tested range: a clear error, never a silent miss.
+  framework's module saves or loads through (``torch``, ``safe_save_file``,
+  ``safe_load_file``) with ones that go through fastpersist
+  (:func:`torch_save_via`, :func:`safe_save_file_via`,
+  :func:`torch_load_via`, :func:`safe_load_file_via`). A name that is
+  missing means a framework version outside the tested range: a clear
+  error, never a silent miss.
+* CRC32 sidecar (:func:`write_crc_sidecar`): safetensors has no checksums,
+  so a folder checkpoint records the CRC32 of every tensor of its
+  safetensors files (computed while they were written) in
+  ``fastpersist.crc32.json``; :func:`safe_load_file_via` checks them on
+  load and raises :class:`~fastpersist.CorruptCheckpointError` naming the
+  file and tensor. Torch zip files carry their own CRCs, checked by
+  :func:`~fastpersist.read_state_dict`.
 
 No framework is imported here.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -29,9 +40,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from .. import _core
 from ..async_save import MODES, AsyncSaver, CheckpointFuture
-from ..options import EngineOptions
-from ..patching import torch_save_route
+from ..errors import CorruptCheckpointError
+from ..options import EngineOptions, WriteStats
+from ..patching import load_file_route, torch_load_route, torch_save_route
+from ..reader import detect_format, read_state_dict
 from ..writer import write_state_dict
 
 __all__ = [
@@ -42,8 +56,13 @@ __all__ = [
     "fsync_dir",
     "routed",
     "torch_save_via",
-    "torch_module_via",
     "safe_save_file_via",
+    "torch_load_via",
+    "torch_module_via",
+    "safe_load_file_via",
+    "module_with",
+    "write_crc_sidecar",
+    "CRC_SIDECAR",
     "check_version",
 ]
 
@@ -69,11 +88,19 @@ class PendingCheckpoint:
     """The saves of one checkpoint. :meth:`result` waits for them and
     raises the first failure; when they all commit, ``finalize`` (if any)
     runs once, on a thread of its own that is not a daemon, so an exiting
-    interpreter still finishes it."""
+    interpreter still finishes it. With ``with_stats``, ``finalize`` is
+    called with the :class:`~fastpersist.WriteStats` of every save."""
 
-    def __init__(self, name: str, futures: List[CheckpointFuture], finalize: Optional[Callable[[], None]]) -> None:
+    def __init__(
+        self,
+        name: str,
+        futures: List[CheckpointFuture],
+        finalize: Optional[Callable[..., None]],
+        with_stats: bool = False,
+    ) -> None:
         self.name = name
         self.futures = futures
+        self._with_stats = with_stats
         self._error: Optional[BaseException] = None
         self._done = threading.Event()
         if finalize is None:
@@ -98,7 +125,10 @@ class PendingCheckpoint:
         try:
             self._error = self._wait_saves()
             if self._error is None and self._finalize is not None:
-                self._finalize()
+                if self._with_stats:
+                    self._finalize([f.result() for f in self.futures])
+                else:
+                    self._finalize()
         except BaseException as e:  # noqa: BLE001 - reported by result()
             self._error = e
         finally:
@@ -174,7 +204,11 @@ class BackgroundSaves:
         if metadata is not None:
             opts["metadata"] = metadata
         if not self.async_save:
-            write_state_dict(obj, path, **opts)
+            stats = write_state_dict(obj, path, **opts)
+            done = CheckpointFuture(stats.path, "sync")
+            done._succeed(stats)  # its stats reach the checkpoint's finalize like those of background saves
+            with self._lock:
+                self._current.append(done)
             return
         fut = self._get_saver().save(obj, path, mode=self.mode, **opts)
         with self._lock:
@@ -188,15 +222,44 @@ class BackgroundSaves:
                         self._current.remove(fut)  # reported here, not again at the commit
                 raise
 
-    def commit(self, name: str, finalize: Optional[Callable[[], None]] = None) -> PendingCheckpoint:
+    def commit(
+        self, name: str, finalize: Optional[Callable[..., None]] = None, *, with_stats: bool = False
+    ) -> PendingCheckpoint:
         """Close the checkpoint made of the saves since the last commit;
-        ``finalize`` runs once they are all durable (in the background)."""
+        ``finalize`` runs once they are all durable (in the background),
+        with their :class:`~fastpersist.WriteStats` if ``with_stats``."""
         with self._lock:
             futures, self._current = self._current, []
-        pending = PendingCheckpoint(name, futures, finalize)
+        pending = PendingCheckpoint(name, futures, finalize, with_stats)
         with self._lock:
             self._pending.append(pending)
         return pending
+
+    def fence(self) -> None:
+        """Wait until the saves not yet committed have all finished their
+        snapshot phase (every byte copied, or streamed out of the live
+        tensors in ``"pipelined"`` mode): the tensors may change after it.
+        Raises nothing: a failed save is reported at its commit."""
+        with self._lock:
+            current = list(self._current)
+        for f in current:
+            try:
+                f.wait_snapshot()
+            except Exception:  # noqa: BLE001 - reported by the commit, the defined point
+                pass
+
+    def settle(self) -> None:
+        """Wait until every save not yet committed has finished (durable,
+        or failed); raises nothing (a failure is reported at its commit)."""
+        with self._lock:
+            current = list(self._current)
+        concurrent.futures.wait(current)
+
+    def settled(self) -> bool:
+        """Whether every save not yet committed has finished (durable, or
+        failed), so a :meth:`commit` now would not wait."""
+        with self._lock:
+            return all(f.done() for f in self._current)
 
     def in_flight(self) -> int:
         """Checkpoints not yet committed (and not yet reported)."""
@@ -298,21 +361,163 @@ def safe_save_file_via(saves: BackgroundSaves) -> Callable[..., None]:
     return save_file
 
 
-class _TorchWithSave(types.ModuleType):
-    """``torch`` as one framework module sees it, with its own ``save``."""
+class _ModuleWith(types.ModuleType):
+    """A module as one framework module sees it, with some names of its own."""
 
-    def __init__(self, save: Callable[..., None]) -> None:
-        super().__init__("torch")
-        self.save = save
+    def __init__(self, real: types.ModuleType, names: Dict[str, Any]) -> None:
+        super().__init__(real.__name__)
+        self._real = real
+        for n, v in names.items():
+            setattr(self, n, v)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
+        return getattr(self._real, name)
 
 
-def torch_module_via(saves: BackgroundSaves) -> types.ModuleType:
+def module_with(real: types.ModuleType, **names: Any) -> types.ModuleType:
+    """A stand-in for ``real`` (as a framework module's global) whose
+    ``names`` are the given ones; everything else is ``real``'s."""
+    return _ModuleWith(real, names)
+
+
+def torch_module_via(saves: Optional[BackgroundSaves] = None, *, load: bool = False) -> types.ModuleType:
     """A stand-in for a module's ``torch`` global whose ``save`` writes
-    through ``saves`` (everything else is torch's)."""
-    return _TorchWithSave(torch_save_via(saves))
+    through ``saves`` (if given) and whose ``load`` reads through
+    fastpersist (if ``load``); everything else is torch's."""
+    names: Dict[str, Any] = {}
+    if saves is not None:
+        names["save"] = torch_save_via(saves)
+    if load:
+        names["load"] = torch_load_via()
+    return module_with(torch, **names)
+
+
+def torch_load_via() -> Callable[..., Any]:
+    """A ``torch.load`` that reads paths of torch zip files with
+    :func:`~fastpersist.read_state_dict`, every record's CRC32 checked: a
+    damaged file raises :class:`~fastpersist.CorruptCheckpointError` naming
+    it, never loads. Calls it cannot take as torch.load would (file
+    objects, ``mmap=True``, custom pickle modules, legacy files:
+    :func:`fastpersist.patch`'s decision) go to the real ``torch.load``."""
+    real = torch.load
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        call, why = torch_load_route(real, args, kwargs)
+        if call is None:
+            log.debug("fastpersist: torch.load left to torch (%s)", why)
+            return real(*args, **kwargs)
+        return read_state_dict(call["path"], map_location=call["map_location"], weights_only=call["weights_only"])
+
+    return load
+
+
+#: The CRC32 sidecar of a folder checkpoint's safetensors files.
+CRC_SIDECAR = "fastpersist.crc32.json"
+_SIDECAR_FORMAT = "fastpersist.safetensors.crc32"
+
+
+def write_crc_sidecar(folder: str, stats: List[WriteStats]) -> Optional[str]:
+    """Record, durably, the CRC32 of every tensor of the safetensors files
+    among ``stats`` that lie in ``folder`` (by name), in
+    ``folder/fastpersist.crc32.json``. Returns its path, or None when
+    there are no such files."""
+    root = os.path.abspath(folder)
+    files: Dict[str, Any] = {}
+    for st in stats:
+        p = os.path.abspath(st.path)
+        if os.path.dirname(p) != root or not p.endswith(".safetensors"):
+            continue
+        files[os.path.basename(p)] = {"bytes": st.bytes, "crc32": dict(st.crc32)}
+    if not files:
+        return None
+    out = os.path.join(root, CRC_SIDECAR)
+    body = json.dumps({"format": _SIDECAR_FORMAT, "version": 1, "files": files}, indent=1, sort_keys=True)
+    _core.atomic_write(out, body.encode())
+    return out
+
+
+def _sidecar_entry(path: str) -> Optional[Dict[str, Any]]:
+    """The record of ``path`` in the CRC32 sidecar of its folder; None if
+    there is no sidecar or it does not list the file."""
+    path = os.path.abspath(path)
+    side = os.path.join(os.path.dirname(path), CRC_SIDECAR)
+    try:
+        with open(side, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(raw)
+        files = doc["files"] if doc.get("format") == _SIDECAR_FORMAT else None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{side}: not a readable fastpersist CRC32 sidecar ({e})") from None
+    if not isinstance(files, dict):
+        raise CorruptCheckpointError(f"{side}: not a fastpersist CRC32 sidecar")
+    entry = files.get(os.path.basename(path))
+    if entry is not None and not isinstance(entry, dict):
+        raise CorruptCheckpointError(f"{side}: the entry of {os.path.basename(path)!r} is malformed")
+    return entry
+
+
+def check_safetensors_crcs(path: str, tensors: Dict[str, torch.Tensor], entry: Dict[str, Any]) -> None:
+    """Compare the tensors read from ``path`` (on the CPU) with the CRC32s
+    the sidecar ``entry`` recorded; raise
+    :class:`~fastpersist.CorruptCheckpointError` naming the file and
+    tensor on any difference."""
+    try:
+        want: Dict[str, int] = {str(k): int(v) for k, v in entry["crc32"].items()}
+        size = int(entry["bytes"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise CorruptCheckpointError(f"{path}: its entry in {CRC_SIDECAR} is malformed") from None
+    got_size = os.path.getsize(path)
+    if got_size != size:
+        raise CorruptCheckpointError(f"{path}: {got_size} bytes, {size} when written ({CRC_SIDECAR})")
+    if set(want) != set(tensors):
+        odd = sorted(set(want) ^ set(tensors))[:5]
+        raise CorruptCheckpointError(f"{path}: its tensors differ from those written ({CRC_SIDECAR}): {odd}")
+    names = list(tensors)
+    ranges = []
+    for n in names:
+        t = tensors[n]
+        ranges.append((t.data_ptr(), t.numel() * t.element_size(), -1))
+    for n, crc in zip(names, _core.crc32_ranges(ranges)):
+        if crc != want[n]:
+            raise CorruptCheckpointError(
+                f"{path}: tensor {n!r} fails its CRC32 check (recorded {want[n]:08x}, data has {crc:08x})"
+            )
+
+
+def safe_load_file_via() -> Callable[..., Dict[str, torch.Tensor]]:
+    """A ``safetensors.torch.load_file`` that reads with
+    :func:`~fastpersist.read_state_dict`; a file a CRC32 sidecar lists
+    (:data:`CRC_SIDECAR`) is checked against it, and any damage raises
+    :class:`~fastpersist.CorruptCheckpointError` naming the file. Other
+    files are read as :func:`fastpersist.patch` reads them (calls it cannot
+    take go to safetensors)."""
+    from safetensors.torch import load_file as real
+
+    def load_file(*args: Any, **kwargs: Any) -> Dict[str, torch.Tensor]:
+        call, why = load_file_route(real, args, kwargs)
+        path = call["path"] if call is not None else None
+        given = args[0] if args else kwargs.get("filename")
+        if path is None and isinstance(given, (str, os.PathLike)) and os.path.isfile(given):
+            path = os.fspath(given)
+        entry = _sidecar_entry(path) if path is not None else None
+        if entry is not None:
+            if detect_format(path) != "safetensors":
+                raise CorruptCheckpointError(f"{path}: not a safetensors file any more ({CRC_SIDECAR} lists it)")
+            out: Dict[str, torch.Tensor] = read_state_dict(path)
+            check_safetensors_crcs(path, out, entry)
+            device = call["map_location"] if call is not None else kwargs.get("device", "cpu")
+            if str(device) != "cpu":
+                out = {k: v.to(device) for k, v in out.items()}
+            return out
+        if call is None:
+            log.debug("fastpersist: load_file left to safetensors (%s)", why)
+            return real(*args, **kwargs)
+        return read_state_dict(call["path"], map_location=call["map_location"])
+
+    return load_file
 
 
 @contextlib.contextmanager

@@ -23,12 +23,23 @@ or set on an engine: ``use_fastpersist(engine, mode="pipelined")``.
   writes ``latest`` atomically and durably. DeepSpeed writes ``latest``
   only after ``commit`` returns, so ``latest`` never names a tag that is not
   durable. A failed save raises its error from ``commit``.
-* ``decoupled=True`` (default) makes DeepSpeed call ``commit`` at the next
-  ``engine.step()``, before the optimizer step (as its own
-  ``DecoupledCheckpointEngine`` does): the write overlaps the next forward
-  and backward. With ``decoupled=False``, ``save_checkpoint`` commits before
-  it returns. ``engine.destroy()`` (or :meth:`~FastPersistCheckpointEngine.cleanup`)
-  commits a checkpoint still pending.
+* ``decoupled=True`` (default): ``save_checkpoint`` returns without waiting
+  for the disk and training goes on while the tag is written. DeepSpeed
+  asks for the pending checkpoint (``get_commit_info``) in every
+  ``engine.step()`` just before the optimizer step; that is the fence:
+  it waits until every save of the tag has finished its snapshot phase
+  (``"pipelined"``: every byte streamed out of the live tensors, which
+  the optimizer step then updates in place; each tensor's version counter
+  is checked too, so an in-place change made before the fence, by a
+  forward pass for instance, fails the save rather than writing a mix).
+  The durable part (fsync, rename) goes on across optimizer steps: the tag
+  is handed to DeepSpeed for ``commit`` (and its ``latest``) at the first
+  step at which every rank's saves are done, so ``commit`` does not wait
+  for the disk and ``latest`` still names only durable tags. The next
+  ``save_checkpoint``, ``load_checkpoint`` and ``engine.destroy()`` (or
+  :meth:`~FastPersistCheckpointEngine.cleanup`) commit a tag still pending,
+  waiting for it. With ``decoupled=False``, ``save_checkpoint`` commits
+  before it returns.
 * ``load`` reads with :func:`fastpersist.read_state_dict` (checksums
   verified; DeepSpeed checkpoints hold Python objects, so
   ``weights_only=False``: load only checkpoints you trust); files in
@@ -117,6 +128,8 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         self.saves.save(state_dict, path, fence=not (self.decoupled and self.mode == "pipelined"))
 
     def load(self, path: str, map_location: Any = None) -> Any:
+        if self.commit_info is not None:  # a tag saved and not yet committed: commit it first
+            self.commit(self.commit_info)
         self.saves.wait()
         try:
             detect_format(path)
@@ -146,13 +159,29 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
             raise err
         if info.save_latest and (dist is None or dist.get_rank() == 0):
             _core.atomic_write(os.path.join(info.save_dir, "latest"), str(info.tag).encode(), durable=True)
+        if self.decoupled:
+            # DeepSpeed's engine writes ``latest`` after a decoupled commit by truncating and writing it in
+            # place (a crash in between leaves it empty): it is written, atomically and durably, already.
+            info.save_latest = False
         return True
 
     def is_decoupled(self) -> bool:
         return self.decoupled
 
     def get_commit_info(self) -> Any:
-        return self.commit_info
+        """The pending tag, once it can be committed without waiting; else
+        None. DeepSpeed calls this in ``engine.step()`` right before the
+        optimizer step, so it is the fence: it first waits until every save
+        of the tag has left the tensors (:meth:`BackgroundSaves.fence`)."""
+        info = self.commit_info
+        if info is None or not self.decoupled:
+            return info
+        self.saves.fence()
+        ready = self.saves.settled()
+        dist = _dist()
+        if dist is not None and dist.get_world_size() > 1:
+            ready = all(gather(ready, checkpoint_group(None)))  # every rank commits at the same step, or none
+        return info if ready else None
 
     def cleanup(self) -> None:
         """Commit a checkpoint still pending (``engine.destroy()`` calls this)."""

@@ -9,7 +9,9 @@ The Trainer has no writer hook, so the mixin routes, for the length of each
 ``_save_checkpoint``, the calls the Trainer's own code saves through: the
 model's safetensors shards (``save_pretrained``'s ``safe_save_file``),
 ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth`` and
-``training_args.bin`` (the Trainer's ``torch.save``). The folder layout,
+``training_args.bin`` (the Trainer's ``torch.save``), and ``model.safetensors``
+of a model that is not a ``PreTrainedModel`` (the Trainer's own
+``safetensors.torch.save_file``). The folder layout,
 index files and names are the Trainer's own; the files are the ones
 ``torch.load``/``safetensors`` read.
 
@@ -21,7 +23,20 @@ renamed). A folder without ``trainer_state.json`` is an incomplete one:
 ``train(resume_from_checkpoint=True)`` resumes from the newest complete
 checkpoint, and an explicit path to an incomplete one is refused.
 Rotation (``save_total_limit``) runs after that commit, so an older
-checkpoint is deleted only once a newer one is durable. A failed save is
+checkpoint is deleted only once a newer one is durable. A model bigger than
+``save_pretrained``'s ``max_shard_size`` gets the Trainer's own shards
+(``model-0000k-of-0000n.safetensors``) and ``model.safetensors.index.json``.
+
+safetensors files carry no checksums, so before ``trainer_state.json`` the
+commit writes ``fastpersist.crc32.json``: the CRC32 of every tensor of the
+folder's safetensors files, computed while they were written. Resuming
+(``resume_from_checkpoint``) reads the model weights (one file or the
+shards), ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` and the RNG
+state through :func:`fastpersist.read_state_dict`: every CRC32 is checked
+(the torch files' own, the sidecar's for safetensors) and a damaged file
+raises :class:`~fastpersist.CorruptCheckpointError` naming it, where
+``torch.load`` and safetensors would load the damaged bytes. Checkpoints
+written without fastpersist load as before (their zip CRCs checked too). A failed save is
 raised at the next checkpoint, at the end of ``train`` (which waits for the
 last one), or by :meth:`FastPersistTrainerMixin.fastpersist_wait`.
 
@@ -32,11 +47,23 @@ same names to the trainer's constructor.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Tuple
 
-from .common import BackgroundSaves, check_version, fsync_dir, routed, safe_save_file_via, sync_tree, torch_module_via
+from .common import (
+    BackgroundSaves,
+    check_version,
+    fsync_dir,
+    module_with,
+    routed,
+    safe_load_file_via,
+    safe_save_file_via,
+    sync_tree,
+    torch_module_via,
+    write_crc_sidecar,
+)
 
 __all__ = ["FastPersistTrainerMixin", "latest_complete_checkpoint"]
 
@@ -56,11 +83,17 @@ def _framework() -> Tuple[Any, Any, Any]:
         for m, n in [
             (modeling_utils, "safe_save_file"),
             (trainer, "torch"),
+            (trainer, "safetensors"),
+            (trainer_utils, "torch"),
+            (trainer_utils, "safe_load_file"),
             (trainer_utils, "rotate_checkpoints"),
             (trainer_utils, "PREFIX_CHECKPOINT_DIR"),
             (trainer.Trainer, "_save_checkpoint"),
             (trainer.Trainer, "_get_output_dir"),
             (trainer.Trainer, "_finalize_training"),
+            (trainer.Trainer, "_load_from_checkpoint"),
+            (trainer.Trainer, "_load_optimizer_and_scheduler"),
+            (trainer.Trainer, "_load_rng_state"),
         ]
         if not hasattr(m, n)
     ]
@@ -80,6 +113,21 @@ def latest_complete_checkpoint(output_dir: str) -> Optional[str]:
         if m and os.path.isfile(os.path.join(p, STATE_NAME)):
             found.append((int(m.group(1)), p))
     return max(found)[1] if found else None
+
+
+def _safetensors_via(save: Optional[BackgroundSaves] = None, load: bool = False) -> Any:
+    """A stand-in for the ``safetensors`` package as the Trainer's module
+    sees it (``safetensors.torch.save_file`` for a model that is not a
+    ``PreTrainedModel``, ``load_file`` when resuming)."""
+    import safetensors
+    import safetensors.torch
+
+    names: Dict[str, Any] = {}
+    if save is not None:
+        names["save_file"] = safe_save_file_via(save)
+    if load:
+        names["load_file"] = safe_load_file_via()
+    return module_with(safetensors, torch=module_with(safetensors.torch, **names))
 
 
 class FastPersistTrainerMixin:
@@ -127,7 +175,7 @@ class FastPersistTrainerMixin:
         try:
             with (
                 routed(modeling_utils, safe_save_file=safe_save_file_via(saves)),
-                routed(trainer_mod, torch=torch_module_via(saves)),
+                routed(trainer_mod, torch=torch_module_via(saves), safetensors=_safetensors_via(save=saves)),
             ):
                 super()._save_checkpoint(model, trial)  # type: ignore[misc]
         except BaseException:
@@ -139,8 +187,9 @@ class FastPersistTrainerMixin:
         should_save = bool(args.should_save)
         best = state.best_model_checkpoint
 
-        def finalize() -> None:
+        def finalize(stats: List[Any]) -> None:
             if os.path.isdir(folder):
+                write_crc_sidecar(folder, stats)
                 sync_tree(folder)
             for pending, final in deferred:
                 os.replace(pending, final)
@@ -150,7 +199,7 @@ class FastPersistTrainerMixin:
                     output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=False
                 )
 
-        saves.commit(folder, finalize)
+        saves.commit(folder, finalize, with_stats=True)
 
     def fastpersist_wait(self) -> None:
         """Wait until every checkpoint saved so far is committed; raise a
@@ -163,6 +212,30 @@ class FastPersistTrainerMixin:
         return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
 
     # -- resuming --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _fastpersist_reading(self) -> Iterator[None]:
+        """The Trainer's loads (``torch.load``, safetensors' ``load_file``
+        and the sharded loader's) read through fastpersist, CRCs checked."""
+        _, trainer_mod, trainer_utils = _framework()
+
+        with (
+            routed(trainer_mod, torch=torch_module_via(load=True), safetensors=_safetensors_via(load=True)),
+            routed(trainer_utils, torch=torch_module_via(load=True), safe_load_file=safe_load_file_via()),
+        ):
+            yield
+
+    def _load_from_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        with self._fastpersist_reading():
+            return super()._load_from_checkpoint(*args, **kwargs)  # type: ignore[misc]
+
+    def _load_optimizer_and_scheduler(self, *args: Any, **kwargs: Any) -> Any:
+        with self._fastpersist_reading():
+            return super()._load_optimizer_and_scheduler(*args, **kwargs)  # type: ignore[misc]
+
+    def _load_rng_state(self, *args: Any, **kwargs: Any) -> Any:
+        with self._fastpersist_reading():
+            return super()._load_rng_state(*args, **kwargs)  # type: ignore[misc]
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         self._fastpersist.wait()
