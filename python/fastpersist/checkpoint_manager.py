@@ -681,22 +681,8 @@ class Checkpointer:
             self._staged.add(step)
             if self.store is None:
                 self._mark_valid(dst)
-        seconds = time.perf_counter() - t0
-        size = os.path.getsize(src) if os.path.exists(src) else None
-        self._log_event(
-            {
-                "event": "staged",
-                "step": step,
-                "path": dst,
-                "seconds": seconds,
-                "bytes": size,
-                "gbps": size / seconds / 1e9 if size and seconds > 0 else None,
-                # How far this tier is behind: steps from this checkpoint to
-                # the newest one committed locally when it got there.
-                "lag_steps": max(_scan(self.directory, "local"), default=step) - step,
-                "tier": "object" if self.store is not None else "shared",
-            }
-        )
+        tier = "object" if self.store is not None else "shared"
+        self._log_transfer("staged", step, src, time.perf_counter() - t0, tier, path=dst)
         self._retain()
 
     # -- the peer tier -------------------------------------------------------
@@ -760,21 +746,8 @@ class Checkpointer:
                     {"event": "replica_rejected", "step": got.step, "from_rank": source, "error": got.error}
                 )
             if acked is not None:
-                size = os.path.getsize(path) if path and os.path.exists(path) else None
-                self._log_event(
-                    {
-                        "event": "replicated" if acked else "replicate_failed",
-                        "step": step,
-                        "to_rank": holder,
-                        "bytes": size,
-                        "seconds": seconds,
-                        "gbps": size / seconds / 1e9 if size and seconds > 0 else None,
-                        # Steps from this checkpoint to the newest one
-                        # committed locally when the holder had it.
-                        "lag_steps": max(_scan(self.directory, "local"), default=step) - step,
-                        "tier": "peer",
-                    }
-                )
+                event = "replicated" if acked else "replicate_failed"
+                self._log_transfer(event, step, path, seconds, "peer", to_rank=holder)
                 if not acked:
                     return
         if path is not None:
@@ -1151,6 +1124,22 @@ class Checkpointer:
         return CheckpointInfo(c.step, local, "local", st.bytes)
 
     # -- telemetry -----------------------------------------------------------
+
+    def _log_transfer(self, event: str, step: int, src: Optional[str], seconds: float, tier: str, **extra: Any) -> None:
+        """Telemetry of one copy of checkpoint ``step`` (the local file
+        ``src``) to another tier: bytes, seconds, GB/s and how far the tier
+        is behind (steps from this checkpoint to the newest one committed
+        locally when the copy got there)."""
+        size = os.path.getsize(src) if src and os.path.exists(src) else None
+        ev: Dict[str, Any] = {"event": event, "step": step, **extra}
+        ev.update(
+            seconds=seconds,
+            bytes=size,
+            gbps=size / seconds / 1e9 if size and seconds > 0 else None,
+            lag_steps=max(_scan(self.directory, "local"), default=step) - step,
+            tier=tier,
+        )
+        self._log_event(ev)
 
     def _log_event(self, ev: Dict[str, Any]) -> None:
         """Append ``ev`` to ``checkpoints.jsonl``. Telemetry never fails a
