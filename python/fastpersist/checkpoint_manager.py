@@ -31,7 +31,11 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
   ``stage_dir`` URL (``s3://bucket/prefix``, any fsspec URL) is an object
   store tier (:mod:`fastpersist.tiers`): uploads in the background, data
   first and a commit marker last; a checkpoint missing or damaged locally is
-  downloaded (CRCs verified) by ``latest()``/``load_latest()``.
+  downloaded (CRCs verified) by ``latest()``/``load_latest()``. When the
+  tier is slower than the checkpoints, a checkpoint that a newer one has
+  overtaken in the queue is not copied (``stage_skipped`` in the log;
+  ``keep_every`` steps are always copied), so the backlog, and the local
+  copies retention keeps for it, stay bounded.
 * With ``group=`` (a torch.distributed process group; the Checkpointer is
   then made on every rank, and its methods called on every rank), all ranks
   checkpoint the same steps and ``latest()``/``load_latest()`` agree on one
@@ -367,7 +371,8 @@ class Checkpointer:
     tuning, keeping the measured overhead under ``max_overhead``).
     ``keep_last`` valid checkpoints are kept, plus every ``keep_every``-th
     step. ``stage_dir`` (a shared file system) receives a copy of each
-    committed checkpoint in the background. ``mode`` is that of
+    committed checkpoint in the background (one that a newer checkpoint
+    overtook while it waited is skipped, unless ``keep_every`` keeps it). ``mode`` is that of
     :func:`~fastpersist.save_async` (``"pipelined"``: call :meth:`fence`
     before ``optimizer.step()``; ``"snapshot"``). Other keyword arguments
     are engine options of :func:`~fastpersist.write_state_dict`. ``clock``
@@ -450,6 +455,8 @@ class Checkpointer:
             except OSError as e:
                 log.error("fastpersist: cannot list %s: %s", self.stage_url, e)
         self._stage_futures: List[Any] = []
+        #: Steps handed to the stager that it has not started on.
+        self._stage_queue: set = set()
         #: File identity (dev, ino, size, mtime_ns) -> whether it verified.
         self._valid: Dict[Tuple[int, int, int, int], bool] = {}
         self.replicate = replicate
@@ -479,7 +486,7 @@ class Checkpointer:
             newest = max(self._staged, default=-1)
             for step, info in sorted(_scan(self.directory, "local").items()):
                 if step > newest:
-                    self._stage_futures.append(self._stager.submit(self._stage, step, info.path))
+                    self._queue_stage(step, info.path)
 
     def _join_group(self, group: Any, replicate: int, nodes: Optional[Sequence[Hashable]]) -> None:
         import torch.distributed as dist
@@ -502,6 +509,7 @@ class Checkpointer:
         self._inflight = None
         self._last_step_at = None
         self._stage_futures = []
+        self._stage_queue = set()
         if self._stager is not None:
             self._stager = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-stage")
         self._replica_futures = []
@@ -630,7 +638,7 @@ class Checkpointer:
         with self._lock:
             self._mark_valid(st.path)
         if self._stager is not None:
-            self._stage_futures.append(self._stager.submit(self._stage, fl.step, st.path))
+            self._queue_stage(fl.step, st.path)
         self._submit_replica(fl.step, st.path)
         self._retain()
 
@@ -663,7 +671,24 @@ class Checkpointer:
 
     # -- staging and retention ----------------------------------------------
 
+    def _queue_stage(self, step: int, src: str) -> None:
+        assert self._stager is not None
+        with self._lock:
+            self._stage_queue.add(step)
+        self._stage_futures = [f for f in self._stage_futures if not f.done()]
+        self._stage_futures.append(self._stager.submit(self._stage, step, src))
+
     def _stage(self, step: int, src: str) -> None:
+        # A tier slower than the checkpoints would otherwise fall further
+        # behind at every one, and the local copies it has not taken (which
+        # retention keeps) would fill the disk: a checkpoint superseded by a
+        # newer one already queued is skipped, unless keep_every keeps it.
+        with self._lock:
+            self._stage_queue.discard(step)
+            newer = max(self._stage_queue, default=step)
+        if newer > step and not (self.keep_every and step % self.keep_every == 0):
+            self._log_event({"event": "stage_skipped", "step": step, "newer": newer})
+            return
         t0 = time.perf_counter()
         where = self.stage_url or self.stage_dir
         try:

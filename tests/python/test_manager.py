@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -282,3 +283,46 @@ def test_a_file_of_another_format_named_as_a_checkpoint_is_skipped(tmp_path):
     step, state = ck.load_latest()
     assert step == 1 and torch.equal(state["w"], torch.ones(3))
     ck.close()
+
+
+@pytest.mark.parametrize("keep_every", [None, 2])
+def test_a_slow_tier_skips_checkpoints_overtaken_in_its_queue(tmp_path, monkeypatch, keep_every):
+    """A tier slower than the checkpoints: while step 1 is being copied,
+    steps 2..5 commit. Copying each in turn would fall further behind at
+    every checkpoint (and keep every local copy for it); steps 2..4 are
+    skipped (logged), 5 is copied, keep_every steps are still copied."""
+    import threading
+
+    from fastpersist import checkpoint_manager as cm
+
+    gate, started = threading.Event(), threading.Event()
+    copy = cm._copy_durably
+    copied = []
+
+    def slow_copy(src, dst):
+        started.set()
+        gate.wait(60)
+        copied.append(os.path.basename(dst))
+        copy(src, dst)
+
+    monkeypatch.setattr(cm, "_copy_durably", slow_copy)
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    ck = fastpersist.Checkpointer(local, every=1, keep_last=5, keep_every=keep_every, stage_dir=shared)
+    try:
+        ck.save(1, state(1))
+        ck.save(2, state(2))  # commits step 1: its copy starts and is held
+        assert started.wait(60)
+        for s in range(3, 6):
+            ck.save(s, state(s))
+        ck._finish(ck._inflight, wait=True)  # step 5 committed and queued
+        gate.set()
+        ck.wait()
+    finally:
+        gate.set()
+        ck.close()
+    want = [1, 5] if keep_every is None else [1, 2, 4, 5]
+    assert copied == [ckpt_name(s) for s in want]
+    assert steps_in(shared) == want
+    events = [json.loads(line) for line in (local / "checkpoints.jsonl").read_text().splitlines()]
+    skipped = [e["step"] for e in events if e["event"] == "stage_skipped"]
+    assert skipped == sorted(set(range(1, 6)) - set(want))
