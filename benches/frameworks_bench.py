@@ -130,6 +130,27 @@ def hf_rows(weights, optim, base, rounds):
     }
 
 
+def _deepspeed_fast_engine():
+    """DeepSpeed's own FastPersist engine, as its config would make it:
+    ``"checkpoint": {"writer": {"type": "fast"}}`` parsed by DeepSpeed's
+    own parsers, one data-parallel writer, its aio op built (libaio, ninja).
+    Its I/O buffer is pinned with ``Tensor.pin_memory()``, which needs an
+    NVIDIA driver: on a CPU-only machine it cannot be made (the reason is
+    printed)."""
+    import types
+
+    from deepspeed.runtime.checkpoint_engine import FastCheckpointEngine
+    from deepspeed.runtime.model_checkpointing.config import get_checkpoint_config
+    from deepspeed.runtime.model_checkpointing.data_parallel_writer_factory import DataParallelWriterConfig
+    from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    cfg = {"checkpoint": {"writer": {"type": "fast"}}}
+    params = types.SimpleNamespace(checkpoint_config=get_checkpoint_config(cfg), aio_config=get_aio_config(cfg))
+    dp = DataParallelWriterConfig(world_size=1, rank=0, global_rank=0, local_rank=0, pure_dp=True)
+    return FastCheckpointEngine(params, dp, False)
+
+
 def deepspeed_rows(weights, optim, base, rounds):
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
@@ -138,10 +159,8 @@ def deepspeed_rows(weights, optim, base, rounds):
     sd = {"module": weights, "optimizer": optim, "global_steps": 1}
     out = {}
     engines = [("TorchCheckpointEngine", TorchCheckpointEngine()), ("fastpersist", FastPersistCheckpointEngine())]
-    try:  # DeepSpeed's own FastPersist writer needs its aio op and a writer config
-        from deepspeed.runtime.checkpoint_engine import FastCheckpointEngine
-
-        engines.insert(1, ("FastCheckpointEngine", FastCheckpointEngine(None, None, False)))
+    try:
+        engines.insert(1, ("FastCheckpointEngine", _deepspeed_fast_engine()))
     except Exception as e:  # noqa: BLE001 - reported
         print(f"  (DeepSpeed FastCheckpointEngine unavailable here: {type(e).__name__}: {e})")
     for name, eng in engines:
