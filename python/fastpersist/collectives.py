@@ -62,6 +62,21 @@ def _ranks(group: Any) -> Tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
+def _every_rank_set(ranks: Tuple[int, ...]) -> List[Tuple[int, ...]]:
+    """The distinct sets of ranks that the processes of the world pass
+    (this one passes ``ranks``), sorted: the groups every process must make,
+    in the same order. Collective over the world (``all_gather_object`` on
+    the default group) unless ``ranks`` is the whole world."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if len(ranks) == world:
+        return [ranks]
+    every: List[Optional[Tuple[int, ...]]] = [None] * world
+    dist.all_gather_object(every, ranks)
+    return sorted({r for r in every if r is not None})
+
+
 def checkpoint_group(group: Any) -> Any:
     """The gloo group for checkpoint collectives among the ranks of
     ``group`` (None: the world). Collective over the world the first time
@@ -73,13 +88,7 @@ def checkpoint_group(group: Any) -> Any:
         hit = _groups.get(ranks)
     if hit is not None:
         return hit
-    world = dist.get_world_size()
-    if len(ranks) == world:
-        wanted = [ranks]
-    else:
-        every: List[Optional[Tuple[int, ...]]] = [None] * world
-        dist.all_gather_object(every, ranks)  # on the default group: every process calls this
-        wanted = sorted({r for r in every if r is not None and r not in _groups})
+    wanted = [rs for rs in _every_rank_set(ranks) if rs not in _groups]
     made: Dict[Tuple[int, ...], Any] = {}
     for rs in wanted:
         # Every process makes every group, in the same (sorted) order.
@@ -99,15 +108,8 @@ def dedicated_groups(group: Any, count: int) -> List[Any]:
     import torch.distributed as dist
 
     ranks = _ranks(group)
-    world = dist.get_world_size()
-    if len(ranks) == world:
-        wanted = [ranks]
-    else:
-        every: List[Optional[Tuple[int, ...]]] = [None] * world
-        dist.all_gather_object(every, ranks)
-        wanted = sorted({r for r in every if r is not None})
     mine: List[Any] = []
-    for rs in wanted:
+    for rs in _every_rank_set(ranks):
         made = [dist.new_group(ranks=list(rs), backend="gloo") for _ in range(count)]
         if rs == ranks:
             mine = made
