@@ -41,12 +41,12 @@ def data():
     return [{"input_ids": x, "labels": x} for x in ids]
 
 
-def args(out, **kw):
+def run_args(out, **kw) -> dict:
+    """The arguments every test run shares (CPU, seeded, a save every 2
+    steps, logs every step), with ``kw`` on top."""
     base = dict(
         output_dir=str(out),
-        max_steps=STEPS,
         save_steps=2,
-        save_total_limit=2,
         per_device_train_batch_size=4,
         logging_steps=1,
         learning_rate=1e-3,
@@ -58,7 +58,11 @@ def args(out, **kw):
         disable_tqdm=True,
     )
     base.update(kw)
-    return TrainingArguments(**base)
+    return base
+
+
+def args(out, **kw):
+    return TrainingArguments(**run_args(out, **{"max_steps": STEPS, "save_total_limit": 2, **kw}))
 
 
 class StopAt(TrainerCallback):
@@ -273,23 +277,8 @@ def test_trl_sft_trainer_saves_through_fastpersist_and_resumes_as_if_it_never_st
     train = datasets.Dataset.from_dict({"text": texts})
 
     def trainer(out, cls=FPSFTTrainer, **kw):
-        base = dict(
-            output_dir=str(out),
-            max_steps=6,
-            save_steps=2,
-            per_device_train_batch_size=4,
-            logging_steps=1,
-            learning_rate=1e-3,
-            report_to=[],
-            use_cpu=True,
-            seed=0,
-            data_seed=0,
-            max_length=16,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-        )
-        base.update(kw)
-        return cls(model=model(), args=SFTConfig(**base), train_dataset=train, processing_class=tokenizer)
+        cfg = SFTConfig(**run_args(out, **{"max_steps": 6, "max_length": 16, **kw}))
+        return cls(model=model(), args=cfg, train_dataset=train, processing_class=tokenizer)
 
     ref = trainer(tmp_path / "ref", cls=SFTTrainer, save_strategy="no")
     ref.train()
