@@ -521,12 +521,32 @@ def storage_element_size(type_name: str) -> int:
 @functools.lru_cache(maxsize=256)
 def _storage_element_sizes(type_name: str) -> Optional[int]:
     cls = getattr(torch, type_name, None) if type_name.endswith("Storage") and type_name.isidentifier() else None
+    dtype = _class_dtype(cls) if isinstance(cls, type) else None
+    return _element_size(dtype) if dtype is not None else None
+
+
+@functools.lru_cache(maxsize=64)
+def _class_dtype(cls: type) -> Optional[torch.dtype]:
+    """``cls.dtype`` for torch's typed storage classes (``torch.FloatStorage``,
+    ...), None for other classes. Their ``dtype`` is behind torch's
+    "TypedStorage is deprecated" warning, which torch.load never shows for
+    it: asking for it is not the user's doing, so it is silenced."""
     with warnings.catch_warnings():
-        # The typed storage classes' dtype is behind torch's "TypedStorage
-        # is deprecated" warning: asking for it is not the user's doing.
         warnings.simplefilter("ignore")
         dtype = getattr(cls, "dtype", None)
-    return _element_size(dtype) if isinstance(dtype, torch.dtype) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _storage_dtype(storage_type: Any) -> torch.dtype:
+    """The dtype of a storage type named by a pickle: torch's typed storage
+    classes when the pickle is loaded with globals, torch's ``StorageType``
+    stand-ins under ``weights_only``."""
+    if storage_type is torch.UntypedStorage:
+        return torch.uint8
+    dtype = _class_dtype(storage_type) if isinstance(storage_type, type) else getattr(storage_type, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{storage_type!r} is not a torch storage type")
+    return dtype
 
 
 class LocationScan(pickle.Unpickler):
@@ -587,7 +607,7 @@ class _StorageLoader:
             raise CorruptCheckpointError(
                 f"{self.path}: the pickle refers to storage {key!r}, which the file does not hold"
             )
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        dtype = _storage_dtype(storage_type)
         st = self.storages[key]
         need = int(numel) * torch._utils._element_size(dtype)
         if need > st.nbytes():

@@ -230,6 +230,33 @@ def test_verifying_a_file_with_typed_storages_warns_nothing(tmp_path):
     assert [str(w.message) for w in seen] == []
 
 
+@pytest.mark.parametrize("writer", ["torch", "fastpersist"])
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_loading_typed_storages_warns_nothing(tmp_path, writer, weights_only):
+    """Loading with weights_only=False (DeepSpeed's load_checkpoint does)
+    looked up each storage's dtype on torch's deprecated typed storage
+    class (torch.FloatStorage, ...), and torch warned "TypedStorage is
+    deprecated" on the user's console, which torch.load of the same file
+    does not. torch warns once per process, so the test re-arms it."""
+    p = tmp_path / "a.pt"
+    sd = {"f": torch.ones(3), "h": torch.ones(2, dtype=torch.float16), "i": torch.arange(3), "b": torch.ones(2) > 0}
+    if writer == "torch":
+        torch.save(sd, p)
+    else:
+        fastpersist.write_state_dict(sd, p)
+    for load in (
+        lambda: fastpersist.read_state_dict(p, weights_only=weights_only),
+        lambda: torch.load(p, weights_only=weights_only),
+    ):
+        torch.storage._reset_warn_typed_storage_removal()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = load()
+        assert [str(w.message) for w in seen] == []
+        for k, v in sd.items():
+            assert torch.equal(got[k], v)
+
+
 def test_read_range_reads_any_span_with_its_crc(tmp_path):
     """options.read_range (uploads and replica transfers read checkpoint
     files in parts through it): any offset and length, unaligned buffers and
