@@ -2,21 +2,28 @@
 //! O_DIRECT reads into the aligned arena (several in flight), then a copy
 //! into each destination with its CRC32 computed on the way.
 //!
-//! Reads are issued in file order and consumed in file order (a completed
-//! buffer waits for the ones before it), so each record's checksum is fed
-//! its bytes in order whatever order the device completes them in.
+//! Reads are issued in file order. With `gather_threads` > 1 each completed
+//! buffer goes to a scatter thread (copy and partial CRC32 per piece: the
+//! per-byte work, which on a fast device is the bound, spread over the
+//! cores), and the partial checksums are folded in file order before the
+//! buffer is reused; with one thread the calling thread scatters the
+//! buffers in file order itself. Either way each record's checksum is its
+//! bytes' in order, whatever order the device completes them in.
 
 use crate::align::{self, align_down, align_up};
+use crate::arena::Arena;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::sink::Job;
+use crate::gather::MIN_PARALLEL_EXTENTS;
+use crate::sink::{Job, Sink};
 use crc32fast::Hasher;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::time::Instant;
+use std::sync::{mpsc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Caller memory to read into.
 #[derive(Debug, Clone, Copy)]
@@ -28,6 +35,10 @@ pub struct MutMemRef {
 // SAFETY: a (pointer, length) pair; `MutMemRef::new`'s contract makes the
 // creator guarantee exclusive, valid memory for the duration of the read.
 unsafe impl Send for MutMemRef {}
+// SAFETY: shared, it hands out only its address and length; the writes
+// through it are `unsafe` and made by the read, which gives each byte of a
+// destination to exactly one scatter thread (extents do not overlap).
+unsafe impl Sync for MutMemRef {}
 
 impl MutMemRef {
     /// # Safety
@@ -150,73 +161,278 @@ impl Engine {
     }
 
     /// Read `extents` (file order) of `fd` into arena buffers, up to
-    /// `queue_depth` in flight, and consume them in file order: each
-    /// request's bytes are copied to its destination and checksummed.
+    /// `queue_depth` in flight; each buffer's bytes are copied to the
+    /// requests' destinations and checksummed (one partial CRC32 per piece),
+    /// on `gather_threads` scatter threads when there are enough extents,
+    /// else on this thread; the partial checksums are folded in file order.
     /// Returns each request's CRC32.
     fn read_extents(
         &mut self,
         fd: RawFd,
-        mut extents: VecDeque<(u64, usize)>,
+        extents: VecDeque<(u64, usize)>,
         reqs: &[ReadReq],
         order: &[usize],
     ) -> Result<Vec<u32>> {
         let qd = self.opts.queue_depth;
+        let threads = self.opts.gather_threads;
+        let extents: Vec<(u64, usize)> = extents.into();
+        let spans = extent_spans(reqs, order, &extents);
+        let plan = ReadPlan {
+            fd,
+            qd,
+            extents: &extents,
+            spans: &spans,
+            reqs,
+            order,
+        };
         let mut hashers = vec![Hasher::new(); reqs.len()];
         self.with_buffers(|sink, arena, free| {
-            // In flight, in file order: (offset, len, buffer).
-            let mut window: VecDeque<(u64, usize, usize)> = VecDeque::new();
-            let mut done = vec![false; arena.nbufs()];
-            let mut next_req = 0usize; // index into `order` of the first request not yet finished
-            let mut freed = Vec::new();
-            loop {
-                while sink.inflight() < qd {
-                    let Some(&b) = free.last() else {
-                        break;
-                    };
-                    let Some((off, len)) = extents.pop_front() else {
-                        break;
-                    };
-                    free.pop();
-                    done[b] = false;
-                    let job = Job {
-                        buf: b,
-                        ptr: arena.buf_ptr(b),
-                        len,
-                        offset: off,
-                        read: true,
-                    };
-                    // SAFETY: buffer `b` came off the free list (no other
-                    // job uses it) and is only read (`scatter`) after the
-                    // sink has returned it; on error `with_buffers` drains
-                    // the sink before the arena is used again. `fd` stays
-                    // open until this closure has returned, after the drain.
-                    unsafe { sink.submit(fd, job) }?;
-                    window.push_back((off, len, b));
-                }
-                let Some(&(off, len, b)) = window.front() else {
-                    break;
-                };
-                while !done[b] {
-                    freed.clear();
-                    sink.reap(&mut freed, true)?;
-                    for &f in &freed {
-                        done[f] = true;
-                    }
-                }
-                window.pop_front();
-                scatter(
-                    reqs,
-                    order,
-                    &mut next_req,
-                    off,
-                    &arena.buf(b)[..len],
-                    &mut hashers,
-                );
-                free.push(b);
+            if threads > 1 && extents.len() >= MIN_PARALLEL_EXTENTS {
+                read_parallel(&plan, sink, arena, free, threads, &mut hashers)
+            } else {
+                read_serial(&plan, sink, arena, free, &mut hashers)
             }
-            Ok(())
         })?;
         Ok(hashers.into_iter().map(Hasher::finalize).collect())
+    }
+}
+
+/// One read, planned: the extents (file order) and, for each, the span of
+/// `order` whose requests it overlaps.
+struct ReadPlan<'a> {
+    fd: RawFd,
+    qd: usize,
+    extents: &'a [(u64, usize)],
+    spans: &'a [(usize, usize)],
+    reqs: &'a [ReadReq],
+    order: &'a [usize],
+}
+
+impl ReadPlan<'_> {
+    /// Start the read of extent `seq` into arena buffer `b`.
+    fn submit(&self, sink: &mut dyn Sink, arena: &Arena, seq: usize, b: usize) -> Result<()> {
+        let (offset, len) = self.extents[seq];
+        let job = Job {
+            buf: b,
+            ptr: arena.buf_ptr(b),
+            len,
+            offset,
+            read: true,
+        };
+        // SAFETY: buffer `b` came off the free list (no other job or
+        // scatter thread uses it) and is only read (scattered) after the
+        // sink has returned it; on error `with_buffers` drains the sink
+        // before the arena is used again. `fd` stays open until the read
+        // has returned, after the drain.
+        unsafe { sink.submit(self.fd, job) }
+    }
+
+    /// Scatter extent `seq`, read into `data`.
+    fn scatter(&self, seq: usize, data: &[u8]) -> Vec<(usize, Hasher)> {
+        scatter(
+            self.reqs,
+            self.order,
+            self.spans[seq],
+            self.extents[seq].0,
+            data,
+        )
+    }
+}
+
+/// Reads in flight, scattered on this thread in file order.
+fn read_serial(
+    plan: &ReadPlan<'_>,
+    sink: &mut dyn Sink,
+    arena: &mut Arena,
+    free: &mut Vec<usize>,
+    hashers: &mut [Hasher],
+) -> Result<()> {
+    // In flight, in file order: (extent, buffer).
+    let mut window: VecDeque<(usize, usize)> = VecDeque::new();
+    let mut done = vec![false; arena.nbufs()];
+    let mut next = 0usize;
+    let mut freed = Vec::new();
+    loop {
+        while sink.inflight() < plan.qd && next < plan.extents.len() {
+            let Some(b) = free.pop() else {
+                break;
+            };
+            done[b] = false;
+            plan.submit(sink, arena, next, b)?;
+            window.push_back((next, b));
+            next += 1;
+        }
+        let Some(&(seq, b)) = window.front() else {
+            break;
+        };
+        while !done[b] {
+            freed.clear();
+            sink.reap(&mut freed, true)?;
+            for &f in &freed {
+                done[f] = true;
+            }
+        }
+        window.pop_front();
+        let len = plan.extents[seq].1;
+        fold(hashers, plan.scatter(seq, &arena.buf(b)[..len]));
+        free.push(b);
+    }
+    Ok(())
+}
+
+/// An extent read into arena buffer `buf` (at `addr`), for a scatter thread.
+struct ScatterTask {
+    seq: usize,
+    buf: usize,
+    addr: usize,
+}
+
+/// A scatter thread's result: the extent's partial checksums.
+struct Scattered {
+    seq: usize,
+    buf: usize,
+    partials: Vec<(usize, Hasher)>,
+}
+
+/// Reads in flight, each completed buffer scattered by one of `threads`
+/// scatter threads (in any order: the copies go to disjoint places), the
+/// partial checksums folded and the buffers reused in file order. On
+/// return (also on an error) no scatter thread touches any buffer or
+/// destination any more.
+fn read_parallel(
+    plan: &ReadPlan<'_>,
+    sink: &mut dyn Sink,
+    arena: &mut Arena,
+    free: &mut Vec<usize>,
+    threads: usize,
+    hashers: &mut [Hasher],
+) -> Result<()> {
+    let (task_tx, task_rx) = mpsc::channel::<ScatterTask>();
+    let task_rx = Mutex::new(task_rx);
+    let (done_tx, done_rx) = mpsc::channel::<Scattered>();
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            let (rx, tx) = (&task_rx, done_tx.clone());
+            scope.spawn(move || scatter_worker(plan, rx, &tx));
+        }
+        drop(done_tx);
+        let res = coordinate_reads(plan, sink, arena, free, hashers, &task_tx, &done_rx);
+        // Workers finish what is queued and end; the scope joins them
+        // before this function returns.
+        drop(task_tx);
+        res
+    })
+}
+
+/// A scatter thread: tasks until the calling thread stops handing them out.
+fn scatter_worker(
+    plan: &ReadPlan<'_>,
+    rx: &Mutex<mpsc::Receiver<ScatterTask>>,
+    tx: &mpsc::Sender<Scattered>,
+) {
+    loop {
+        let task = match rx.lock() {
+            Ok(rx) => rx.recv(),
+            Err(_) => return,
+        };
+        let Ok(t) = task else {
+            return; // the calling thread is done handing out work
+        };
+        let len = plan.extents[t.seq].1;
+        // SAFETY: buffer `t.buf` (at `t.addr`, at least `len` bytes: an
+        // extent is at most one buffer) holds a completed read and was
+        // handed to this task alone; the calling thread neither reuses nor
+        // resubmits it until this worker sends it back, and the arena
+        // outlives the scope.
+        let data = unsafe { std::slice::from_raw_parts(t.addr as *const u8, len) };
+        let partials = plan.scatter(t.seq, data);
+        let done = Scattered {
+            seq: t.seq,
+            buf: t.buf,
+            partials,
+        };
+        if tx.send(done).is_err() {
+            return;
+        }
+    }
+}
+
+/// The calling thread's part of [`read_parallel`].
+fn coordinate_reads(
+    plan: &ReadPlan<'_>,
+    sink: &mut dyn Sink,
+    arena: &mut Arena,
+    free: &mut Vec<usize>,
+    hashers: &mut [Hasher],
+    task_tx: &mpsc::Sender<ScatterTask>,
+    done_rx: &mpsc::Receiver<Scattered>,
+) -> Result<()> {
+    let n = plan.extents.len();
+    let (mut next, mut fin, mut outstanding) = (0usize, 0usize, 0usize);
+    let mut seq_of = vec![usize::MAX; arena.nbufs()];
+    let mut ready: BTreeMap<usize, Scattered> = BTreeMap::new();
+    let mut completed = Vec::new();
+    let lost = || Error::layout("a scatter thread ended early");
+    while fin < n {
+        while sink.inflight() < plan.qd && next < n {
+            let Some(b) = free.pop() else {
+                break;
+            };
+            plan.submit(sink, arena, next, b)?;
+            seq_of[b] = next;
+            next += 1;
+        }
+        sink.reap(&mut completed, false)?;
+        let mut progressed = !completed.is_empty();
+        for b in completed.drain(..) {
+            let task = ScatterTask {
+                seq: seq_of[b],
+                buf: b,
+                addr: arena.buf_ptr(b) as usize,
+            };
+            task_tx.send(task).map_err(|_| lost())?;
+            outstanding += 1;
+        }
+        while let Ok(d) = done_rx.try_recv() {
+            outstanding -= 1;
+            ready.insert(d.seq, d);
+        }
+        while let Some(d) = ready.remove(&fin) {
+            fold(hashers, d.partials);
+            free.push(d.buf);
+            fin += 1;
+            progressed = true;
+        }
+        if progressed || fin >= n {
+            continue;
+        }
+        // Nothing moved: wait for the device or for a scatter thread.
+        if outstanding == 0 {
+            sink.reap(&mut completed, true)?;
+        } else if sink.inflight() == 0 {
+            let d = done_rx.recv().map_err(|_| lost())?;
+            outstanding -= 1;
+            ready.insert(d.seq, d);
+        } else {
+            // Both may finish first: a short wait on the threads, then the
+            // device is polled again.
+            match done_rx.recv_timeout(Duration::from_micros(200)) {
+                Ok(d) => {
+                    outstanding -= 1;
+                    ready.insert(d.seq, d);
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Err(lost()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Fold one extent's partial checksums (file order) into the requests'.
+fn fold(hashers: &mut [Hasher], partials: Vec<(usize, Hasher)>) {
+    for (i, h) in partials {
+        hashers[i].combine(&h);
     }
 }
 
@@ -343,49 +559,67 @@ fn plan_extents(
     Ok(extents)
 }
 
-/// Copy the part of `data` (file bytes at `off`) that each request needs.
+/// For each extent (file order), the span `[k0, k1)` of `order` whose
+/// requests it overlaps (requests are in file order and do not overlap).
+fn extent_spans(
+    reqs: &[ReadReq],
+    order: &[usize],
+    extents: &[(u64, usize)],
+) -> Vec<(usize, usize)> {
+    let mut spans = Vec::with_capacity(extents.len());
+    let mut k0 = 0usize;
+    for &(off, len) in extents {
+        let end = off + len as u64;
+        while k0 < order.len() && {
+            let r = &reqs[order[k0]];
+            r.offset + r.dst.len as u64 <= off
+        } {
+            k0 += 1;
+        }
+        let mut k1 = k0;
+        while k1 < order.len() && reqs[order[k1]].offset < end {
+            k1 += 1;
+        }
+        spans.push((k0, k1));
+    }
+    spans
+}
+
+/// Copy the part of `data` (file bytes at `off`) that each request of
+/// `span` needs to its destination; returns the CRC32 of each piece, with
+/// its request's index, in file order.
 fn scatter(
     reqs: &[ReadReq],
     order: &[usize],
-    next: &mut usize,
+    (k0, k1): (usize, usize),
     off: u64,
     data: &[u8],
-    hashers: &mut [Hasher],
-) {
+) -> Vec<(usize, Hasher)> {
     let end = off + data.len() as u64;
-    let mut k = *next;
-    while k < order.len() {
-        let i = order[k];
+    let mut out = Vec::with_capacity(k1 - k0);
+    for &i in &order[k0..k1] {
         let r = &reqs[i];
-        let r_end = r.offset + r.dst.len as u64;
-        if r.offset >= end {
-            break;
-        }
         let lo = r.offset.max(off);
-        let hi = r_end.min(end);
-        if lo < hi {
-            let src = &data[(lo - off) as usize..(hi - off) as usize];
-            hashers[i].update(src);
-            if !r.dst.ptr.is_null() {
-                // SAFETY: `lo - r.offset + src.len() <= r.dst.len`; the caller
-                // guaranteed exclusive write access to the destination.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src.as_ptr(),
-                        r.dst.ptr.add((lo - r.offset) as usize),
-                        src.len(),
-                    );
-                };
-            }
+        let hi = (r.offset + r.dst.len as u64).min(end);
+        if lo >= hi {
+            continue;
         }
-        if r_end <= end {
-            // Finished: later buffers never touch it again.
-            if k == *next {
-                *next += 1;
-            }
-            k += 1;
-        } else {
-            break;
+        let src = &data[(lo - off) as usize..(hi - off) as usize];
+        let mut h = Hasher::new();
+        h.update(src);
+        out.push((i, h));
+        if !r.dst.ptr.is_null() {
+            // SAFETY: `lo - r.offset + src.len() <= r.dst.len`; the caller
+            // guaranteed exclusive write access to the destination, and no
+            // other extent (so no other scatter thread) covers these bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr(),
+                    r.dst.ptr.add((lo - r.offset) as usize),
+                    src.len(),
+                );
+            };
         }
     }
+    out
 }

@@ -840,3 +840,67 @@ fn fork_child_leaves_the_parents_engine_and_file_alone() {
         assert_eq!(only(d.path()), vec!["a".to_string()]);
     }
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+
+    /// Any records (sizes, gaps that are merged or skipped, records kept or
+    /// only checksummed) read back the same bytes and CRC32s whether the
+    /// buffers are scattered on the calling thread or on several scatter
+    /// threads, with O_DIRECT and buffered, on io_uring and the pool.
+    #[test]
+    fn reads_scatter_the_same_on_any_number_of_threads(
+        recs in proptest::collection::vec((0usize..150_000, 0u64..400_000, proptest::bool::weighted(0.85)), 1..24),
+        seed in 0u8..255,
+        io_uring in proptest::bool::ANY,
+        direct in proptest::bool::ANY,
+    ) {
+        use fastpersist::{MutMemRef, ReadReq};
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("r.bin");
+        let mut ranges = vec![];
+        let mut off = 0u64;
+        for &(n, gap, keep) in &recs {
+            off += gap;
+            ranges.push((off, n, keep));
+            off += n as u64;
+        }
+        let content = pattern(off as usize + 3, seed);
+        std::fs::write(&p, &content).unwrap();
+        let mut got = vec![];
+        for gather_threads in [1, 2, 4] {
+            let mut eng = Engine::new(Options {
+                io_uring,
+                direct,
+                block_size: 64 << 10,
+                arena_bytes: 512 << 10,
+                queue_depth: 4,
+                gather_threads,
+                ..Options::default()
+            })
+            .unwrap();
+            let mut bufs: Vec<Vec<u8>> = ranges.iter().map(|&(_, n, _)| vec![0xAB; n]).collect();
+            let reqs: Vec<ReadReq> = ranges
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(&(offset, n, keep), b)| ReadReq {
+                    offset,
+                    // SAFETY: each buffer is exclusively ours until read_into returns.
+                    dst: if keep { unsafe { MutMemRef::new(b.as_mut_ptr(), b.len()) } } else { MutMemRef::discard(n) },
+                })
+                .collect();
+            let st = eng.read_into(&p, &reqs).unwrap();
+            for (&(o, n, keep), (b, crc)) in ranges.iter().zip(bufs.iter().zip(&st.crcs)) {
+                let want = &content[o as usize..o as usize + n];
+                proptest::prop_assert_eq!(*crc, crc32fast::hash(want));
+                if keep {
+                    proptest::prop_assert!(b[..] == want[..], "threads {}", gather_threads);
+                } else {
+                    proptest::prop_assert!(b.iter().all(|&x| x == 0xAB));
+                }
+            }
+            got.push(st.crcs);
+        }
+        proptest::prop_assert!(got.windows(2).all(|w| w[0] == w[1]));
+    }
+}
