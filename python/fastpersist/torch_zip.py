@@ -54,6 +54,7 @@ _U32 = 0xFFFFFFFF
 _U16 = 0xFFFF
 _FLAGS = 0x0808  # bit 3: sizes and CRC in a data descriptor; bit 11: UTF-8 names
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
+_SIGNATURE = struct.pack("<I", 0x08074B50)  # of a data descriptor
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
 _EOCD = struct.Struct("<IHHHHIIH")  # 22 bytes
 _EOCD64 = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
@@ -195,38 +196,36 @@ class TorchZipLayout:
             len(name_b),
             len(extra),
         )
-        self._blob(head + name_b + extra)
-        data_off = self.cursor
+        data_off = header_off + len(head) + len(name_b) + len(extra)
+        # Data descriptor: signature, CRC, compressed and uncompressed sizes
+        # (64-bit when the record or its offset needs zip64, as miniz does).
+        wide = size >= _U32 or header_off >= _U32
+        sizes = struct.pack("<QQ", size, size) if wide else struct.pack("<II", size, size)
         crc: Optional[int] = None
         crc_id: Optional[int] = None
         if data is not None:
+            # Known bytes: header, data and descriptor are one blob.
             crc = _core.crc32(data)
-            if size:
-                self._blob(data)
+            self._blob(b"".join((head, name_b, extra, data, struct.pack("<II", 0x08074B50, crc), sizes)))
         else:
             assert region is not None
+            self._blob(head + name_b + extra)
             ptr, crc_id = region
             if size and device is not None:
                 self._batch.device.append(DeviceRegion(data_off, device, size, crc_id))
             elif size:
                 self._batch.regions.append(Region(data_off, ptr, size, crc_id))
             self.cursor += size
+            self._blob(_SIGNATURE)
+            self._slot(crc_id)
+            self._blob(sizes)
         self.records.append((name, data_off, size))
-        # Data descriptor: signature, CRC, compressed and uncompressed sizes
-        # (64-bit when the record or its offset needs zip64, as miniz does).
-        wide = size >= _U32 or header_off >= _U32
-        sizes = struct.pack("<QQ", size, size) if wide else struct.pack("<II", size, size)
-        self._blob(struct.pack("<I", 0x08074B50))
-        self._crc(crc, crc_id)
-        self._blob(sizes)
         self.entries.append((name_b, header_off, size, crc, crc_id))
 
-    def _crc(self, value: Optional[int], crc_id: Optional[int]) -> None:
-        if crc_id is None:
-            self._blob(struct.pack("<I", value or 0))
-        else:
-            self._batch.slots.append(Slot(self.cursor, crc_id))
-            self.cursor += 4
+    def _slot(self, crc_id: int) -> None:
+        """Four bytes for checksum ``crc_id``'s final CRC32."""
+        self._batch.slots.append(Slot(self.cursor, crc_id))
+        self.cursor += 4
 
     def _central_directory(self) -> None:
         cd_start = self.cursor
@@ -258,9 +257,12 @@ class TorchZipLayout:
                 min(header_off, _U32),
             )
             # CRC sits at byte 16 of the central header.
-            self._blob(head[:16])
-            self._crc(crc, crc_id)
-            self._blob(head[20:] + name_b + extra)
+            if crc_id is None:
+                self._blob(b"".join((head[:16], struct.pack("<I", crc or 0), head[20:], name_b, extra)))
+            else:
+                self._blob(head[:16])
+                self._slot(crc_id)
+                self._blob(head[20:] + name_b + extra)
         cd_size = self.cursor - cd_start
         n = len(self.entries)
         if n >= _U16 or cd_size >= _U32 or cd_start >= _U32:
