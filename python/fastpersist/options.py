@@ -8,10 +8,11 @@ Environment variables set the defaults (a parameter wins over them):
 ``FASTPERSIST_DIRECT=0``       never use O_DIRECT (buffered writes)
 ``FASTPERSIST_IO_URING=0``     never use io_uring (pwrite thread pool)
 ``FASTPERSIST_ARENA_BYTES``    staging memory, bytes (default 32 MiB)
-``FASTPERSIST_BLOCK_SIZE``     bytes per write (default 1 MiB)
-``FASTPERSIST_QUEUE_DEPTH``    writes in flight (default 32)
+``FASTPERSIST_BLOCK_SIZE``     bytes per write and per read (default 1 MiB)
+``FASTPERSIST_QUEUE_DEPTH``    writes (and reads) in flight (default 32)
 ``FASTPERSIST_GATHER_THREADS`` threads copying into the staging memory and
-                               checksumming (default: the usable cores, at most 8)
+                               checksumming; for reads, copying out of it into
+                               the destinations (default: the usable cores, at most 8)
 
 Engines (staging arena + io_uring ring) are expensive to make and cheap to
 reuse, so one per distinct option set is kept per process; the cache holds
