@@ -904,3 +904,40 @@ proptest::proptest! {
         proptest::prop_assert!(got.windows(2).all(|w| w[0] == w[1]));
     }
 }
+
+#[test]
+fn injected_eio_fails_a_read_and_the_engine_reads_again() {
+    use fastpersist::{MutMemRef, ReadReq};
+    let content = pattern(2_000_000, 5);
+    for mut opts in combos() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("r.bin");
+        std::fs::write(&p, &content).unwrap();
+        // Records spread over many arena buffers, so the failing read comes
+        // while earlier buffers are being scattered.
+        let ranges: Vec<(u64, usize)> = (0..20).map(|i| (i * 100_000, 90_000)).collect();
+        let mut bufs: Vec<Vec<u8>> = ranges.iter().map(|&(_, n)| vec![0; n]).collect();
+        let reqs: Vec<ReadReq> = ranges
+            .iter()
+            .zip(bufs.iter_mut())
+            // SAFETY: each buffer is exclusively ours until read_into returns.
+            .map(|(&(offset, _), b)| ReadReq {
+                offset,
+                dst: unsafe { MutMemRef::new(b.as_mut_ptr(), b.len()) },
+            })
+            .collect();
+        opts.fault = Some(Fault {
+            offset: 1_500_000,
+            errno: libc::EIO,
+        });
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        let e = eng.read_into(&p, &reqs).unwrap_err();
+        assert_eq!(e.errno, Some(libc::EIO), "{opts:?}");
+        eng.set_fault(None, false);
+        let st = eng.read_into(&p, &reqs).unwrap();
+        for ((&(o, n), b), crc) in ranges.iter().zip(&bufs).zip(&st.crcs) {
+            assert!(b[..] == content[o as usize..o as usize + n], "{opts:?}");
+            assert_eq!(*crc, crc32fast::hash(&content[o as usize..o as usize + n]));
+        }
+    }
+}
