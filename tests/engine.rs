@@ -920,9 +920,10 @@ fn injected_eio_fails_a_read_and_the_engine_reads_again() {
         let reqs: Vec<ReadReq> = ranges
             .iter()
             .zip(bufs.iter_mut())
-            // SAFETY: each buffer is exclusively ours until read_into returns.
             .map(|(&(offset, _), b)| ReadReq {
                 offset,
+                // SAFETY: each buffer is exclusively ours until the reads
+                // below return; it is only looked at after them.
                 dst: unsafe { MutMemRef::new(b.as_mut_ptr(), b.len()) },
             })
             .collect();
