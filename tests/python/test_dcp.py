@@ -128,6 +128,39 @@ def test_round_trip_both_readers(tmp_path, threads):
         assert_equal(load(tmp_path, reader, sd), sd, type(reader).__name__)
 
 
+def test_reads_into_destinations_are_not_split_by_the_temporary_buffer_bound(tmp_path, monkeypatch):
+    """The reader bounds the temporary buffers one engine call fills
+    (READ_BATCH_BYTES); it counted every item's bytes, also those read
+    straight into their destination tensors, so a large checkpoint was read
+    in many short engine calls, each draining the reads in flight. Items
+    read into their destinations now cost the bound nothing (one call);
+    items that need a temporary buffer still split calls at the bound."""
+    import fastpersist.integrations.dcp as mod
+
+    g = torch.Generator().manual_seed(5)
+    sd = {f"w{i}": torch.randn(256, 256, generator=g) for i in range(6)}  # 256 KiB each
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    calls = []
+    real = mod.read_with
+
+    def spy(eng, fd, reqs):
+        calls.append(len(reqs))
+        return real(eng, fd, reqs)
+
+    monkeypatch.setattr(mod, "read_with", spy)
+    monkeypatch.setattr(mod, "READ_BATCH_BYTES", 300 << 10)
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+    assert len(calls) == 1, calls
+    # float64 destinations: each item is read into a temporary float32
+    # chunk first (then copied), so the bound splits the calls.
+    calls.clear()
+    out = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in sd.items()}
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path))
+    for k, v in sd.items():
+        assert torch.equal(out[k], v.double()), k
+    assert len(calls) == 3, calls
+
+
 def test_metadata_is_stock(tmp_path):
     """.metadata holds DCP's own _StorageInfo (relative path, offset,
     length): it unpickles where fastpersist is not installed."""

@@ -711,6 +711,30 @@ class _Pending(NamedTuple):
     direct: bool  # read straight into the destination
 
 
+class _ReadBatch:
+    """The reads of one engine call: (file offset, address, bytes) requests,
+    device reads staged, the items they make, the temporary buffers they
+    fill (kept alive until the call returns) and those buffers' bytes."""
+
+    def __init__(self) -> None:
+        self.reqs: List[Tuple[int, int, int]] = []
+        self.staged: List[Tuple[int, Any, int]] = []
+        self.pending: List[_Pending] = []
+        self.keep: List[Any] = []
+        self.temp_bytes = 0
+
+    def add(self, off: int, n: int, addr: Optional[int] = None) -> int:
+        """A request for ``n`` bytes at ``off`` into ``addr`` (else into a
+        temporary buffer); returns its index."""
+        if addr is None:
+            buf = torch.empty(n, dtype=torch.uint8)
+            self.keep.append(buf)
+            self.temp_bytes += n
+            addr = buf.data_ptr()
+        self.reqs.append((off, addr, n))
+        return len(self.reqs) - 1
+
+
 class _Unreadable:
     """Metadata that could not be read, standing in where DCP's loader does
     not let read_metadata's error through: any use raises that error (DCP
@@ -865,8 +889,7 @@ class FastPersistReader(StorageReader):
             raise FileNotFoundError(f"{path}: data file missing (named by {self.path}/{METADATA})") from None
         try:
             size = os.fstat(fd).st_size
-            batch: List[Tuple[Any, Any, Optional[List[int]]]] = []
-            pending_bytes = 0
+            batch = _ReadBatch()
             for req in reqs:
                 info = self.storage_data[req.storage_index]
                 if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
@@ -874,53 +897,48 @@ class FastPersistReader(StorageReader):
                         f"{path}: item {_name(req)} ({info.length} bytes at {info.offset}) lies outside the file "
                         f"({size} bytes): truncated?"
                     )
-                crc = self.crcs.get((rel, info.offset))
-                batch.append((req, info, crc))
-                pending_bytes += info.length
-                if pending_bytes >= READ_BATCH_BYTES:
+                self._plan_item(batch, path, req, info, self.crcs.get((rel, info.offset)), planner)
+                # Items read straight into their destinations cost no memory:
+                # only the temporary buffers bound a batch.
+                if batch.temp_bytes >= READ_BATCH_BYTES:
                     self._read_batch(fd, path, batch, planner)
-                    batch, pending_bytes = [], 0
-            if batch:
+                    batch = _ReadBatch()
+            if batch.pending:
                 self._read_batch(fd, path, batch, planner)
         finally:
             os.close(fd)
 
-    def _read_batch(self, fd: int, path: str, batch: List[Tuple[Any, Any, Optional[List[int]]]], planner: Any) -> None:
-        reqs: List[Tuple[int, int, int]] = []
-        staged: List[Tuple[int, Any, int]] = []
-        pending: List[_Pending] = []
-        keep: List[Any] = []
+    def _plan_item(
+        self, batch: _ReadBatch, path: str, req: Any, info: Any, crc: Optional[List[int]], planner: Any
+    ) -> None:
+        """Add the reads of one item to ``batch``."""
+        if crc is not None and crc[1] != info.length:
+            raise CorruptCheckpointError(f"{path}: item {_name(req)}: sidecar and .metadata disagree on its size")
+        fast = self._fast_target(req, crc, planner) if req.type != LoadItemType.BYTE_IO else None
+        if fast is None:
+            buf = torch.empty(info.length, dtype=torch.uint8)
+            i = batch.add(info.offset, info.length, buf.data_ptr() if info.length else None)
+            batch.keep.append(buf)
+            batch.temp_bytes += info.length
+            batch.pending.append(_Pending(req, info, crc, [i], [info.length], buf, False))
+            return
+        target, direct = fast
+        assert crc is not None
+        data_off, data_len = crc[3], crc[4]
+        tail = info.length - data_off - data_len
+        parts = [batch.add(info.offset, data_off)]
+        if not direct:
+            batch.temp_bytes += data_len
+        if target.device.type == "cpu":
+            parts.append(batch.add(info.offset + data_off, data_len, target.data_ptr() if data_len else None))
+        else:
+            batch.staged.append((info.offset + data_off, target.untyped_storage(), data_len))
+            parts.append(-len(batch.staged))  # a staged read's CRC, by its index
+        parts.append(batch.add(info.offset + data_off + data_len, tail))
+        batch.pending.append(_Pending(req, info, crc, parts, [data_off, data_len, tail], target, direct))
 
-        def add(off: int, n: int, addr: Optional[int] = None) -> int:
-            if addr is None:
-                buf = torch.empty(n, dtype=torch.uint8)
-                keep.append(buf)
-                addr = buf.data_ptr()
-            reqs.append((off, addr, n))
-            return len(reqs) - 1
-
-        for req, info, crc in batch:
-            if crc is not None and crc[1] != info.length:
-                raise CorruptCheckpointError(f"{path}: item {_name(req)}: sidecar and .metadata disagree on its size")
-            fast = self._fast_target(req, crc, planner) if req.type != LoadItemType.BYTE_IO else None
-            if fast is None:
-                buf = torch.empty(info.length, dtype=torch.uint8)
-                i = add(info.offset, info.length, buf.data_ptr() if info.length else None)
-                keep.append(buf)
-                pending.append(_Pending(req, info, crc, [i], [info.length], buf, False))
-                continue
-            target, direct = fast
-            assert crc is not None
-            data_off, data_len = crc[3], crc[4]
-            tail = info.length - data_off - data_len
-            parts = [add(info.offset, data_off)]
-            if target.device.type == "cpu":
-                parts.append(add(info.offset + data_off, data_len, target.data_ptr() if data_len else None))
-            else:
-                staged.append((info.offset + data_off, target.untyped_storage(), data_len))
-                parts.append(-len(staged))  # a staged read's CRC, by its index
-            parts.append(add(info.offset + data_off + data_len, tail))
-            pending.append(_Pending(req, info, crc, parts, [data_off, data_len, tail], target, direct))
+    def _read_batch(self, fd: int, path: str, batch: _ReadBatch, planner: Any) -> None:
+        reqs, staged = batch.reqs, batch.staged
         with use_engine(self.opts) as eng:
             sent = [r for r in reqs if r[2]]
             crcs = iter(read_with(eng, fd, sent) if sent else [])
@@ -929,7 +947,7 @@ class FastPersistReader(StorageReader):
         staged_crcs = read_staged(fd, [s for s in staged if s[2]], self.opts) if staged else []
         it = iter(staged_crcs)
         staged_got = [next(it) if s[2] else 0 for s in staged]
-        for p in pending:
+        for p in batch.pending:
             self._finish_item(path, p, got, staged_got, planner)
 
     def _fast_target(self, req: Any, crc: Optional[List[int]], planner: Any) -> Optional[Tuple[torch.Tensor, bool]]:
