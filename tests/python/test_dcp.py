@@ -161,6 +161,41 @@ def test_reads_into_destinations_are_not_split_by_the_temporary_buffer_bound(tmp
     assert len(calls) == 3, calls
 
 
+def test_templates_outlive_many_shapes_and_stay_bounded(tmp_path, monkeypatch):
+    """The writer's per-(dtype, shape) blob templates were all dropped
+    whenever the cache passed 4096 entries, so every save of a state with
+    more distinct shapes than that (the benchmark's 10,000 small tensors
+    have about 5,300) laid out every blob again. The cache is now bounded
+    by bytes, least recently used dropped first."""
+    import fastpersist.integrations.dcp as mod
+
+    made = []
+    real = mod._make_template
+
+    def counted(t, align):
+        made.append(tuple(t.shape))
+        return real(t, align)
+
+    monkeypatch.setattr(mod, "_make_template", counted)
+    monkeypatch.setattr(mod, "_templates", mod._Templates())
+    sd = {f"t{i}": torch.full((1, i + 1), float(i)) for i in range(4200)}
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path / "a"))
+    assert len(made) == 4200
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path / "b"))
+    assert len(made) == 4200  # every template reused
+    assert_equal(load(tmp_path / "b", dcp.FileSystemReader(tmp_path / "b"), sd), sd)
+
+    monkeypatch.setattr(mod, "TEMPLATE_CACHE_BYTES", 100_000)
+    tpls = mod._Templates()
+    for i in range(200):
+        tpls.get(torch.empty(2, i + 1), 64)
+    tpls.get(torch.empty(2, 150), 64)  # used again: kept over older ones
+    assert 0 < tpls._bytes <= 100_000
+    assert tpls._bytes == sum(t.nbytes for t in tpls._cache.values())
+    keys = [k[1][1] for k in tpls._cache]
+    assert keys[-1] == 150 and 200 in keys and 1 not in keys
+
+
 def test_metadata_is_stock(tmp_path):
     """.metadata holds DCP's own _StorageInfo (relative path, offset,
     length): it unpickles where fastpersist is not installed."""

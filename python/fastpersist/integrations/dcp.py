@@ -52,6 +52,7 @@ import struct
 import threading
 import uuid
 import weakref
+from collections import OrderedDict
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -150,6 +151,11 @@ class _Template(NamedTuple):
     def data_off(self) -> int:
         return len(self.head)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the template holds (its byte strings)."""
+        return len(self.head) + len(self.tail_zero) + sum(len(b) for _, b in self.tail)
+
 
 def _make_template(t: torch.Tensor, align: int) -> _Template:
     """Lay out ``torch.save(t)`` once (its bytes do not depend on values)."""
@@ -176,22 +182,40 @@ def _make_template(t: torch.Tensor, align: int) -> _Template:
     return _Template(bytes(head), data_len, pieces, slots, bytes(tail), plan.file_len, _core.crc32(bytes(head)), align)
 
 
+#: Bytes of per-shape templates kept (most recently used first). A model
+#: has a few hundred distinct (dtype, shape) pairs at most; a state of many
+#: differently shaped small tensors is bound by this, not by a count.
+TEMPLATE_CACHE_BYTES = 64 << 20
+
+
 class _Templates:
     """Templates by (dtype, shape, alignment), for plain tensors (the
-    blob of a tensor subclass or a tensor with extra state is made for it)."""
+    blob of a tensor subclass or a tensor with extra state is made for it),
+    least recently used dropped past ``TEMPLATE_CACHE_BYTES``. Shared by
+    the writer's threads."""
 
     def __init__(self) -> None:
-        self._cache: Dict[Tuple[Any, ...], _Template] = {}
+        self._cache: OrderedDict[Tuple[Any, ...], _Template] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
 
     def get(self, t: torch.Tensor, align: int) -> _Template:
         if type(t) is not torch.Tensor or t.is_conj() or t.is_neg() or t.is_quantized:
             return _make_template(t, align)
         key = (t.dtype, t.shape, align)  # torch.Size hashes as the tuple it is
-        tpl = self._cache.get(key)
-        if tpl is None:
-            if len(self._cache) > 4096:
-                self._cache.clear()
-            tpl = self._cache[key] = _make_template(torch.empty(t.shape, dtype=t.dtype), align)
+        with self._lock:
+            tpl = self._cache.get(key)
+            if tpl is not None:
+                self._cache.move_to_end(key)
+                return tpl
+        tpl = _make_template(torch.empty(t.shape, dtype=t.dtype), align)
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = tpl
+                self._bytes += tpl.nbytes
+                while self._bytes > TEMPLATE_CACHE_BYTES and len(self._cache) > 1:
+                    _, old = self._cache.popitem(last=False)
+                    self._bytes -= old.nbytes
         return tpl
 
 
