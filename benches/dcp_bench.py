@@ -3,8 +3,11 @@
 loading through its own ``FileSystemWriter(thread_count=2)`` /
 ``FileSystemReader`` and through fastpersist's ``FastPersistWriter`` /
 ``FastPersistReader``, with 1 and N gloo ranks on one disk, for a GPT-like
-state dict and for many small tensors, as ratios to fio's limit measured in
-the same run (write: O_DIRECT io_uring 4 MiB x 16; read: the same, cold).
+state dict and for many small tensors, as ratios to the honest device limit
+measured in the same run and directory: the best of several fio
+configurations (O_DIRECT, io_uring; 4 MiB x 16 and 1 MiB x 32, normal and
+huge-page buffers; reads cold), each a median of ``--rounds`` runs, the
+winner named.
 
     python benches/dcp_bench.py [--size 2GiB] [--small-count 10000] [--small-size 1GiB]
                                 [--ranks 1,2] [--rounds 3] [--dir DIR] [--json OUT]
@@ -32,8 +35,8 @@ from datetime import timedelta
 from typing import Dict, List
 
 from fastpersist.bench import (
+    Limit,
     drop_cache,
-    fio_limit,
     gpt_state_dict,
     median,
     nbytes,
@@ -146,9 +149,17 @@ def main() -> None:
         size = max(s for _, s, _ in workloads)
         lim_w = lim_r = None
         if not args.no_fio:
-            lim_w, lim_r = fio_limit(d, size, "write"), fio_limit(d, size, "read")
-        report["limit"] = {"write": lim_w, "read": lim_r}
-        print(f"limits (fio): write {lim_w or float('nan'):.2f} GB/s, read {lim_r or float('nan'):.2f} GB/s")
+            wlim, rlim = Limit(), Limit()
+            for _ in range(args.rounds):
+                wlim.measure(d, size, "write")
+                rlim.measure(d, size, "read")
+            lim_w, lim_r = wlim.gbps, rlim.gbps
+            report["limit"] = {
+                "write": {"gbps": lim_w, "config": wlim.config, "medians": wlim.medians()},
+                "read": {"gbps": lim_r, "config": rlim.config, "medians": rlim.medians()},
+            }
+            print(f"write {wlim.note()}")
+            print(f"read {rlim.note()}")
         print(
             f"{'workload':<8} {'ranks':>5} {'op':<5} {'dcp GB/s':>9} {'fp GB/s':>8} {'dcp/lim':>8} {'fp/lim':>7} {'fp/dcp':>7}"
         )
