@@ -369,14 +369,16 @@ def tensors_in(obj: Any) -> List[torch.Tensor]:
 
 
 def _torch_optimizer(opt: Any) -> Optional[torch.optim.Optimizer]:
-    """The ``torch.optim.Optimizer`` inside a framework's wrapper (``.optimizer``), or None."""
-    for _ in range(8):
+    """The innermost ``torch.optim.Optimizer`` of a framework's wrappers (``.optimizer``), or None."""
+    found: Optional[torch.optim.Optimizer] = None
+    for _ in range(8):  # the innermost: a wrapper's step() may run no hooks of its own
         if isinstance(opt, torch.optim.Optimizer):
-            return opt
-        opt = getattr(opt, "optimizer", None)
-        if opt is None:
-            return None
-    return None
+            found = opt
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner is opt:
+            break
+        opt = inner
+    return found
 
 
 def optimizers_have_state(optimizers: Sequence[Any]) -> bool:
