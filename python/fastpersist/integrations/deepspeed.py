@@ -278,12 +278,8 @@ def _local_state(engine: Any) -> bool:
     """Whether ``engine`` saves the local module's and optimizer's state
     dicts (ZeRO stages 0-2, no MoE, not a pipeline engine): its state dicts
     can then be sized on this rank alone, with no collective call."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    if (
-        not isinstance(engine, DeepSpeedEngine)
-        or type(engine).module_state_dict is not DeepSpeedEngine.module_state_dict
-    ):
+    base: Any = next((c for c in type(engine).__mro__ if c.__name__ == "DeepSpeedEngine"), None)
+    if base is None or getattr(type(engine), "module_state_dict", None) is not base.module_state_dict:
         return False
     if getattr(engine, "has_moe_layers", False):
         return False
