@@ -324,10 +324,14 @@ def test_snapshot_buffer_is_made_before_the_first_save_and_resume_still_matches(
         assert bits(got["state_dict"][k]) == bits(v), k
 
     spy.events.clear()
+    steps.clear()
     resumed = Tiny()
     d2 = str(tmp_path / "ck2")
-    trainer(tmp_path / "b", FastPersistCheckpointIO(), [top_k(d2, 1)], max_epochs=2).fit(resumed, ckpt_path=path)
+    trainer(tmp_path / "b", FastPersistCheckpointIO(), [top_k(d2, 1), Steps()], max_epochs=2).fit(
+        resumed, ckpt_path=path
+    )
     kinds = spy.kinds()
+    assert kinds[: steps[0]].count("prepare") == 1, spy.events  # at the start: the optimizer state was loaded
     assert kinds[0] == "prepare" and spy.prepared_before_first_save(), spy.events
     assert first.losses + resumed.losses == ref.losses
     (last,) = ckpts(d2)

@@ -389,8 +389,10 @@ def test_snapshot_buffers_are_made_before_the_first_checkpoint_and_resume_still_
     assert spy.kinds().count("save") == 2 * FILES
 
     spy.events.clear()
-    b = FPTrainer(model=model(), args=args(out), train_dataset=data())
+    seen.clear()
+    b = FPTrainer(model=model(), args=args(out), train_dataset=data(), callbacks=[Where()])
     b.train(resume_from_checkpoint=True)
+    assert seen[0] == (4, 1), seen  # before the first resumed step: the optimizer state was loaded
     assert spy.kinds()[0] == "prepare" and spy.prepared_before_first_save(FILES), spy.events
     want, got = losses(ref), {**losses(a), **losses(b)}
     assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
