@@ -407,6 +407,9 @@ def test_fastpersist_prepare_false_makes_the_buffers_at_the_first_checkpoint(tmp
     t = FPTrainer(model=model(), args=args(tmp_path, max_steps=2), train_dataset=data(), fastpersist_prepare=False)
     t.train()
     assert "prepare" not in spy.kinds() and "alloc-save" in spy.first_checkpoint(FILES), spy.events
+    spy.events.clear()
+    FPTrainer(model=model(), args=args(tmp_path / "no", max_steps=2, save_strategy="no"), train_dataset=data()).train()
+    assert spy.kinds() == []  # no checkpoints: no buffers
 
 
 def test_a_model_that_grows_after_prepare_is_saved_whole(tmp_path, monkeypatch):

@@ -213,7 +213,8 @@ class FastPersistTrainerMixin:
             return
         args: Any = self.args  # type: ignore[attr-defined]
         if (
-            not args.should_save
+            args.save_strategy == "no"  # no checkpoints: no buffers
+            or not args.should_save
             or getattr(self, "is_deepspeed_enabled", False)
             or getattr(self, "is_fsdp_enabled", False)
         ):
