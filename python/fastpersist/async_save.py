@@ -39,7 +39,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -191,6 +191,39 @@ class SnapshotPool:
             if small:
                 _remove(self._free, max(small, key=lambda b: b.numel()))
             self._free.append(buf)
+
+    def reserve_many(self, requests: Sequence[Tuple[int, bool]]) -> None:
+        """Make sure idle buffers are ready for snapshots in flight at once
+        (the files of one checkpoint), one buffer each: ``requests`` are
+        ``(nbytes, pin)`` pairs. Idle buffers that fit are counted (each
+        once, largest request first, smallest buffer that fits), the
+        missing ones are made now (faulted in), and for each one made a
+        smaller idle buffer not counted is dropped. Snapshots taken in
+        any order then all find a buffer: each takes the smallest that fits."""
+        reqs = [(int(n), bool(pin)) for n, pin in requests]
+        for n, _ in reqs:
+            if n < 0:
+                raise ValueError(f"nbytes must be >= 0, not {n}")
+        counted: List[torch.Tensor] = []
+        missing: List[Tuple[int, bool]] = []
+        with self._lock:
+            idle = list(self._free)
+            for n, pin in sorted(reqs, key=lambda r: -r[0]):
+                fits = [b for b in idle if b.numel() >= n and (not pin or b.is_pinned())]
+                if fits:
+                    buf = min(fits, key=lambda b: b.numel())
+                    _remove(idle, buf)
+                    counted.append(buf)
+                else:
+                    missing.append((n, pin))
+        for n, pin in missing:
+            buf = _new_buffer(n, pin)  # outside the lock: it can take a while
+            with self._lock:
+                small = [b for b in self._free if b.numel() < buf.numel() and not any(b is c for c in counted)]
+                if small:
+                    _remove(self._free, max(small, key=lambda b: b.numel()))
+                self._free.append(buf)
+                counted.append(buf)
 
     def put_back(self, buf: torch.Tensor) -> None:
         """Return a buffer that nothing reads or writes any more (every copy
@@ -450,6 +483,31 @@ class AsyncSaver:
             plan = planner(obj, None)
             pin = bool(plan.device) and torch.cuda.is_available()
             self.pool.reserve(plan.storage_bytes, pin=pin)
+
+        if background:
+            return self._snap.submit(run)
+        run()
+        return None
+
+    def prepare_many(
+        self, objs: Sequence[Any], *, format: str = "torch", background: bool = False
+    ) -> Optional[concurrent.futures.Future]:
+        """:meth:`prepare` for several objects saved at once in snapshot
+        mode (the files of one checkpoint, in flight together): each gets
+        a staging buffer of its own (:meth:`SnapshotPool.reserve_many`).
+        Only the sizes matter: a later state with other tensors is saved
+        all the same (its snapshot then makes the buffer it needs)."""
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
+        planner = _planner(format, None)
+        items = list(objs)
+
+        def run() -> None:
+            requests = []
+            for obj in items:
+                plan = planner(obj, None)
+                requests.append((plan.storage_bytes, bool(plan.device) and torch.cuda.is_available()))
+            self.pool.reserve_many(requests)
 
         if background:
             return self._snap.submit(run)

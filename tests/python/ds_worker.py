@@ -16,7 +16,7 @@ import threading
 import zipfile
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-if sys.argv[2:] != ["two-ranks"]:
+if sys.argv[2:] != ["two-ranks"]:  # one rank (also for "prepare")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
@@ -29,14 +29,14 @@ from fastpersist.options import EngineOptions, get_engine  # noqa: E402
 STEPS = 8
 
 
-def engine(fastpersist_section=None):
+def engine(fastpersist_section=None, stage=1):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     cfg = {
         "train_batch_size": 16,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": stage},
     }
     if fastpersist_section is not None:
         cfg["fastpersist"] = fastpersist_section
@@ -286,8 +286,55 @@ def two_ranks(tmp):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def prepare(tmp):
+    """The snapshot buffers made ahead of the first checkpoint: with ZeRO
+    at ``initialize`` (the optimizer state exists from the start), without
+    it right after the first optimizer step; with ``"prepare": false`` at
+    the first save. Checkpoints load back exactly, one grown by a 4 MiB
+    ``client_state`` tensor after the prepare included."""
+    import pytest
+    from prepare_spy import PrepareSpy
+
+    mp = pytest.MonkeyPatch()
+    spy = PrepareSpy(mp)
+    out = {}
+    for name, stage, section in (
+        ("zero1", 1, {"mode": "snapshot"}),
+        ("zero0", 0, {"mode": "snapshot"}),
+        ("off", 1, {"mode": "snapshot", "prepare": False}),
+    ):
+        spy.events.clear()
+        d = os.path.join(tmp, name)
+        eng = engine(section, stage=stage)
+        out[f"{name}_after_init"] = spy.kinds().count("prepare")
+        step(eng, 1)
+        out[f"{name}_after_step1"] = spy.kinds().count("prepare")
+        step(eng, 2)
+        eng.save_checkpoint(d, client_state={"n": 1})
+        files = spy.kinds().count("save")
+        out[f"{name}_files"] = files
+        out[f"{name}_first"] = spy.first_checkpoint(files)
+        out[f"{name}_prepared"] = spy.prepared_before_first_save(files)
+        want = digest(eng)
+        extra = torch.arange(1 << 20, dtype=torch.float32)
+        step(eng, 3)
+        eng.save_checkpoint(d, tag="grown", client_state={"extra": extra})
+        grown_digest = digest(eng)
+        eng.destroy()
+        again = engine({}, stage=stage)
+        _, client = again.load_checkpoint(d, tag=f"global_step{2}")
+        out[f"{name}_loaded"] = digest(again) == want and client.get("n") == 1
+        _, client = again.load_checkpoint(d, tag="grown")
+        out[f"{name}_grown"] = digest(again) == grown_digest and torch.equal(client["extra"], extra)
+        again.destroy()
+    mp.undo()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[2:] == ["two-ranks"]:
         two_ranks(sys.argv[1])
+    elif sys.argv[2:] == ["prepare"]:
+        prepare(sys.argv[1])
     else:
         main(sys.argv[1])

@@ -114,3 +114,81 @@ def test_disk_full_surfaces_at_the_next_save_and_the_previous_survives(tmp_path,
     assert "checkpoint_0" in os.listdir(ck)  # total_limit=1 did not delete it for a failed save
     fastpersist.verify.verify_file(ck / "checkpoint_0" / "optimizer.bin")
     fp.unregister()
+
+
+# -- the snapshot buffers made ahead of the first save_state ---------------------------
+
+FILES = 4  # model.safetensors, optimizer.bin, scheduler.bin, random_states_0.pkl
+
+
+def test_snapshot_buffers_are_made_before_the_first_save_state(tmp_path, monkeypatch):
+    """Registered after ``accelerator.prepare``: AdamW has no state yet, so
+    the buffers are made right after its first step, before the first
+    ``save_state``, whose files then make none of their own; registered
+    before ``prepare``, the same once ``prepare`` has run; the checkpoint
+    loads back exactly."""
+    from prepare_spy import PrepareSpy
+
+    spy = PrepareSpy(monkeypatch)
+    acc, model, opt, sched = setup(tmp_path / "run")
+    fp = register(acc)
+    assert "prepare" not in spy.kinds()
+    train(acc, model, opt, sched, range(1, 2))
+    assert spy.kinds().count("prepare") == 1
+    train(acc, model, opt, sched, range(2, 3), save_every=2)
+    fp.wait()
+    assert spy.kinds().count("save") == FILES and spy.prepared_before_first_save(FILES), spy.events
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_opt = opt.state_dict()
+    fp.unregister()
+
+    spy.events.clear()
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc2 = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path / "run")))
+    fp2 = register(acc2)  # before prepare: nothing to size yet
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, 3, 0.5)
+    model2, opt2, sched2 = acc2.prepare(model2, opt2, sched2)
+    assert "prepare" not in spy.kinds()
+    acc2.load_state(str(tmp_path / "run" / "checkpoints" / "checkpoint_0"))
+    for k, v in model2.state_dict().items():
+        assert bits(v) == bits(want[k]), k
+    got_opt = opt2.state_dict()["state"]
+    for i, st in want_opt["state"].items():
+        for k, v in st.items():
+            assert bits(got_opt[i][k]) == bits(v), (i, k)
+    fp2.prepare_buffers()  # the optimizer has its (loaded) state now: made at once
+    assert spy.kinds()[0] == "prepare"
+    fp2.unregister()
+    assert acc2.prepare.__func__ is Accelerator.prepare  # put back
+
+
+def test_prepare_false_and_a_state_that_grows_after_prepare(tmp_path, monkeypatch):
+    from prepare_spy import PrepareSpy
+
+    spy = PrepareSpy(monkeypatch)
+    acc, model, opt, sched = setup(tmp_path / "off")
+    fp = register(acc, prepare=False)
+    train(acc, model, opt, sched, range(1, 3), save_every=2)
+    fp.wait()
+    assert "prepare" not in spy.kinds() and "alloc-save" in spy.first_checkpoint(FILES), spy.events
+    fp.unregister()
+
+    spy.events.clear()
+    acc, model, opt, sched = setup(tmp_path / "grow")
+    fp = register(acc)
+    train(acc, model, opt, sched, range(1, 2))
+    acc.unwrap_model(model).register_buffer("extra", torch.arange(1 << 20, dtype=torch.float32))  # 4 MiB more
+    train(acc, model, opt, sched, range(2, 3), save_every=2)
+    fp.wait()
+    assert spy.kinds()[0] == "prepare" and "alloc-save" in spy.kinds()  # the bigger weights made their own
+    from safetensors.torch import load_file
+
+    got = load_file(tmp_path / "grow" / "checkpoints" / "checkpoint_0" / "model.safetensors")
+    for k, v in acc.unwrap_model(model).state_dict().items():
+        assert bits(got[k]) == bits(v), k
+    fp.unregister()

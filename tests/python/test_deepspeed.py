@@ -166,3 +166,44 @@ def test_real_deepspeed_engine_two_ranks_commit_at_the_same_step(tmp_path):
     for out in results:
         assert out["committed_at_steps"] == [4], out
         assert out["latest_after_step3"] is None and out["latest_after_step4"] == "global_step2", out
+
+
+def test_real_deepspeed_engine_makes_the_snapshot_buffers_before_the_first_checkpoint(tmp_path):
+    """ZeRO 1 (a model states and an optimizer states file) and no ZeRO
+    (one file): the buffers are asked for right after the first optimizer
+    step (the state exists from then on), before the first checkpoint,
+    whose saves then make none of their own; with ``"prepare": false`` they
+    do. Both checkpoints load back exactly, the second grown after the
+    prepare by a 4 MiB ``client_state`` tensor."""
+    if shutil.which("ninja") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ninja")):
+        pytest.skip("DeepSpeed's CPU accelerator JIT-builds its comm op with ninja, which is not installed")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(_free_port()))
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "ds_worker.py"), str(tmp_path), "prepare"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-5000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["zero1_files"] == 2 and out["zero0_files"] == 1
+    for name in ("zero1", "zero0"):
+        assert (out[f"{name}_after_init"], out[f"{name}_after_step1"]) == (0, 1), out
+        assert out[f"{name}_prepared"], out[f"{name}_first"]
+    assert out["off_after_step1"] == 0 and not out["off_prepared"] and "alloc-save" in out["off_first"]
+    for name in ("zero1", "zero0", "off"):
+        assert out[f"{name}_loaded"] and out[f"{name}_grown"], (name, out)
+
+
+def test_engine_interface_prepare_option(tmp_path):
+    assert FastPersistCheckpointEngine().prepare_ahead
+    assert not FastPersistCheckpointEngine(prepare=False).prepare_ahead
+    eng = FastPersistCheckpointEngine(mode="pipelined")
+    eng.prepare_for(object())  # nothing to do for pipelined saves (no staging buffer)
+    assert eng.saves._saver is None
+    eng = FastPersistCheckpointEngine()
+    eng.prepare_for(object())  # not a DeepSpeed engine: nothing sized
+    assert eng.saves._saver is None

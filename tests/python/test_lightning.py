@@ -289,3 +289,91 @@ def test_checkpoints_with_one_name_get_versions_as_with_synchronous_saves(tmp_pa
         assert len(cb.best_k_models) == 3
         assert all(_verifies(p) for p in cb.best_k_models)
     assert got["fastpersist"] == got["torch"] == ["fixed-v1.ckpt", "fixed-v2.ckpt", "fixed.ckpt"]
+
+
+# -- the snapshot buffer made ahead of the first checkpoint ---------------------------
+
+
+def test_snapshot_buffer_is_made_before_the_first_save_and_resume_still_matches(tmp_path, monkeypatch):
+    """Fresh run: the optimizer has no state at ``on_train_start``, so the
+    buffer is made right after its first step, before the step-1 save,
+    which then makes none of its own. Resumed run: the optimizer state is
+    loaded, so it is made at the start. Both runs' checkpoints are exact."""
+    from prepare_spy import PrepareSpy
+
+    ref = Tiny()
+    trainer(tmp_path / "ref", FastPersistCheckpointIO(async_save=False), max_epochs=2).fit(ref)
+
+    spy = PrepareSpy(monkeypatch)
+    d = str(tmp_path / "ck")
+    first = Tiny()
+    steps = []
+
+    class Steps(pl.Callback):
+        def on_train_batch_start(self, trainer, *args) -> None:
+            steps.append(len(spy.events))
+
+    io = FastPersistCheckpointIO()
+    trainer(tmp_path / "a", io, [top_k(d, 1), Steps()], max_epochs=1).fit(first)
+    assert spy.prepared_before_first_save(), spy.events
+    assert spy.kinds()[: steps[1]].count("prepare") == 1 and "prepare" not in spy.kinds()[: steps[0]]
+    (path,) = ckpts(d)
+    got = torch.load(path, weights_only=True)
+    assert got["global_step"] == BATCHES
+    for k, v in first.state_dict().items():
+        assert bits(got["state_dict"][k]) == bits(v), k
+
+    spy.events.clear()
+    steps.clear()
+    resumed = Tiny()
+    d2 = str(tmp_path / "ck2")
+    trainer(tmp_path / "b", FastPersistCheckpointIO(), [top_k(d2, 1), Steps()], max_epochs=2).fit(
+        resumed, ckpt_path=path
+    )
+    kinds = spy.kinds()
+    assert kinds[: steps[0]].count("prepare") == 1, spy.events  # at the start: the optimizer state was loaded
+    assert kinds[0] == "prepare" and spy.prepared_before_first_save(), spy.events
+    assert first.losses + resumed.losses == ref.losses
+    (last,) = ckpts(d2)
+    for (k, a), (_, b) in zip(ref.state_dict().items(), torch.load(last, weights_only=True)["state_dict"].items()):
+        assert bits(a) == bits(b), k
+
+
+def test_prepare_false_makes_the_buffer_at_the_first_save(tmp_path, monkeypatch):
+    from prepare_spy import PrepareSpy
+
+    spy = PrepareSpy(monkeypatch)
+    io = FastPersistCheckpointIO(prepare=False)
+    trainer(tmp_path, io, [top_k(str(tmp_path / "ck"), 1)], max_epochs=1).fit(Tiny())
+    assert "prepare" not in spy.kinds() and "alloc-save" in spy.first_checkpoint(), spy.events
+    spy.events.clear()
+    trainer(tmp_path, FastPersistCheckpointIO(mode="pipelined"), [top_k(str(tmp_path / "p"), 1)], max_epochs=1).fit(
+        Tiny()
+    )
+    assert "prepare" not in spy.kinds()  # pipelined saves need no staging buffer
+
+
+class Growing(Tiny):
+    """Adds a 4 MiB buffer to its state at the third step: the checkpoints
+    after it are bigger than the buffer prepared at the first step."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            self.register_buffer("extra", torch.arange(1 << 20, dtype=torch.float32))
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_state_that_grows_after_prepare_is_saved_whole(tmp_path, monkeypatch):
+    from prepare_spy import PrepareSpy
+
+    spy = PrepareSpy(monkeypatch)
+    d = str(tmp_path / "ck")
+    m = Growing()
+    trainer(tmp_path, FastPersistCheckpointIO(), [top_k(d, 1)], max_epochs=1).fit(m)
+    assert spy.prepared_before_first_save() and "alloc-save" in spy.kinds()  # the bigger state made its own
+    (path,) = ckpts(d)
+    verify_file(path)
+    got = torch.load(path, weights_only=True)["state_dict"]
+    assert set(got) == set(m.state_dict()) and "extra" in got
+    for k, v in m.state_dict().items():
+        assert bits(got[k]) == bits(v), k

@@ -356,3 +356,80 @@ def test_a_model_that_is_not_a_pretrained_model_is_saved_and_resumed_through_fas
     assert [losses(b)[s] for s in (3, 4)] == [losses(ref)[s] for s in (3, 4)]
     for (k, x), (_, y) in zip(ref.model.state_dict().items(), b.model.state_dict().items()):
         assert bits(x) == bits(y), k
+
+
+# -- the snapshot buffers made ahead of the first checkpoint ---------------------------
+
+FILES = 5  # model.safetensors, training_args.bin, optimizer.pt, scheduler.pt, rng_state.pth
+
+
+def test_snapshot_buffers_are_made_before_the_first_checkpoint_and_resume_still_matches(tmp_path, monkeypatch):
+    """Fresh run: made right after the optimizer's first step (AdamW has no
+    state before it), before the step-2 checkpoint, whose five files then
+    make no buffer of their own. Resumed run: the optimizer state is loaded
+    before ``on_train_begin``, so they are made there. The resumed run
+    matches one that never stopped."""
+    from prepare_spy import PrepareSpy
+
+    ref = FPTrainer(model=model(), args=args(tmp_path / "ref", save_strategy="no"), train_dataset=data())
+    ref.train()
+
+    spy = PrepareSpy(monkeypatch)
+    seen = []
+
+    class Where(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            seen.append((state.global_step, spy.kinds().count("prepare")))
+
+    out = tmp_path / "run"
+    a = FPTrainer(model=model(), args=args(out), train_dataset=data(), callbacks=[StopAt(4), Where()])
+    a.train()
+    assert seen[:2] == [(0, 0), (1, 1)], seen  # after the first step, before the second
+    assert spy.prepared_before_first_save(FILES), spy.events
+    assert spy.kinds().count("save") == 2 * FILES
+
+    spy.events.clear()
+    seen.clear()
+    b = FPTrainer(model=model(), args=args(out), train_dataset=data(), callbacks=[Where()])
+    b.train(resume_from_checkpoint=True)
+    assert seen[0] == (4, 1), seen  # before the first resumed step: the optimizer state was loaded
+    assert spy.kinds()[0] == "prepare" and spy.prepared_before_first_save(FILES), spy.events
+    want, got = losses(ref), {**losses(a), **losses(b)}
+    assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
+    for (k, x), (_, y) in zip(ref.model.state_dict().items(), b.model.state_dict().items()):
+        assert bits(x) == bits(y), k
+
+
+def test_fastpersist_prepare_false_makes_the_buffers_at_the_first_checkpoint(tmp_path, monkeypatch):
+    from prepare_spy import PrepareSpy
+
+    spy = PrepareSpy(monkeypatch)
+    t = FPTrainer(model=model(), args=args(tmp_path, max_steps=2), train_dataset=data(), fastpersist_prepare=False)
+    t.train()
+    assert "prepare" not in spy.kinds() and "alloc-save" in spy.first_checkpoint(FILES), spy.events
+    spy.events.clear()
+    FPTrainer(model=model(), args=args(tmp_path / "no", max_steps=2, save_strategy="no"), train_dataset=data()).train()
+    assert spy.kinds() == []  # no checkpoints: no buffers
+
+
+def test_a_model_that_grows_after_prepare_is_saved_whole(tmp_path, monkeypatch):
+    """A 4 MiB buffer added to the model at step 3: the step-4 checkpoint's
+    model file is bigger than the buffer made at step 1, and saved whole."""
+    from prepare_spy import PrepareSpy
+    from safetensors.torch import load_file
+
+    spy = PrepareSpy(monkeypatch)
+
+    class Grow(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kw):
+            if state.global_step == 2:
+                model.register_buffer("extra", torch.arange(1 << 20, dtype=torch.float32))
+
+    t = FPTrainer(model=model(), args=args(tmp_path, max_steps=4), train_dataset=data(), callbacks=[Grow()])
+    t.train()
+    assert spy.prepared_before_first_save(FILES) and "alloc-save" in spy.kinds()
+    got = load_file(tmp_path / "checkpoint-4" / "model.safetensors")
+    assert torch.equal(got["extra"], torch.arange(1 << 20, dtype=torch.float32))
+    for k, v in t.model.state_dict().items():
+        if k in got:
+            assert bits(got[k]) == bits(v), k

@@ -14,6 +14,12 @@ each ``save_state`` it also routes the optimizer, scheduler, sampler, scaler
 and RNG files that Accelerate writes through fastpersist. File names and
 formats are Accelerate's own: ``load_state`` works with or without the hooks.
 
+In ``"snapshot"`` mode the host buffers the files are copied into are made
+ahead of the first ``save_state``, in the background (at ``register`` and
+each ``accelerator.prepare`` if the optimizers have their state, else right
+after their first step), so it blocks no longer than later ones;
+``register(accelerator, prepare=False)`` turns that off.
+
 A ``save_state`` folder is one checkpoint: once every file is durable the
 whole folder is fsynced, in the background. The next ``save_state``,
 ``load_state`` and ``end_training`` first wait for it and raise a failed
@@ -32,7 +38,16 @@ import shutil
 from typing import Any, Callable, Dict, List, Optional
 
 from ..reader import read_state_dict
-from .common import BackgroundSaves, check_version, routed, sync_tree, torch_module_via
+from .common import (
+    BackgroundSaves,
+    after_first_step,
+    check_version,
+    never_raises,
+    optimizers_have_state,
+    routed,
+    sync_tree,
+    torch_module_via,
+)
 
 __all__ = ["register", "FastPersistAccelerate"]
 
@@ -68,13 +83,16 @@ def _weights_name(i: int, safe: bool) -> str:
 class FastPersistAccelerate:
     """What :func:`register` installed on one ``Accelerator``."""
 
-    def __init__(self, accelerator: Any, mode: str = "snapshot", **engine_options: Any) -> None:
+    def __init__(self, accelerator: Any, mode: str = "snapshot", prepare: bool = True, **engine_options: Any) -> None:
         self.checkpointing = _framework()
         self.accelerator = accelerator
         self.saves = BackgroundSaves(mode, max_pending=64, **engine_options)
+        #: Make the snapshot buffers ahead of the first ``save_state`` (see :meth:`prepare_buffers`).
+        self.prepare_ahead = bool(prepare)
+        self._disarm: Optional[Callable[[], None]] = None
         self._safe = True
         self._orig: Dict[str, Callable[..., Any]] = {
-            n: getattr(accelerator, n) for n in ("save_state", "load_state", "end_training")
+            n: getattr(accelerator, n) for n in ("save_state", "load_state", "end_training", "prepare")
         }
         self._handles = [
             accelerator.register_save_state_pre_hook(self._save_weights),
@@ -83,6 +101,52 @@ class FastPersistAccelerate:
         accelerator.save_state = self._save_state
         accelerator.load_state = self._load_state
         accelerator.end_training = self._end_training
+        accelerator.prepare = self._prepare
+        never_raises("preparing the snapshot buffers", self.prepare_buffers)
+
+    # -- the snapshot buffers, made ahead of the first save_state ------------------------
+
+    def prepare_buffers(self) -> None:
+        """Make the host buffers that ``save_state``'s files are
+        snapshotted into (the models' weights, the optimizers' states and
+        a small buffer for each of the other files) now, in the background,
+        so the first ``save_state`` blocks no longer than later ones: at
+        once if the optimizers have their state, else right after their
+        first step. :func:`register` and every ``accelerator.prepare``
+        call it (``prepare=False`` turns that off). Only the sizes count: a
+        later state that differs is saved all the same. Nothing to do in
+        ``"pipelined"`` mode, before any model is prepared, on processes
+        that write no weights, or where another code path saves the models
+        (FSDP, DeepSpeed, Megatron-LM, XLA)."""
+        disarm, self._disarm = self._disarm, None
+        if disarm is not None:
+            disarm()
+        acc = self.accelerator
+        if not self.prepare_ahead or self.saves.mode != "snapshot" or not self.saves.async_save:
+            return
+        if not acc._models or getattr(acc.distributed_type, "name", "") in _OWN_SAVES:
+            return
+        if not self._writes_here(acc.project_configuration.save_on_each_node):
+            return
+        models = list(acc._models)
+        optimizers = list(acc._optimizers)
+        small = len(acc._schedulers) + 2 * len(acc._dataloaders) + len(acc._custom_objects) + 2  # + scaler, RNG
+
+        def prepare() -> None:
+            files: List[Any] = [acc.unwrap_model(m).state_dict() for m in models]
+            files += [o.state_dict() for o in optimizers]
+            self.saves.prepare(files + [{}] * small)
+
+        if optimizers_have_state(optimizers):
+            self._disarm = _nothing
+            prepare()
+        else:
+            self._disarm = after_first_step(optimizers, prepare)
+
+    def _prepare(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._orig["prepare"](*args, **kwargs)
+        never_raises("preparing the snapshot buffers", self.prepare_buffers)  # what it prepared is saved too
+        return out
 
     # -- the wrapped methods -------------------------------------------------------
 
@@ -164,6 +228,9 @@ class FastPersistAccelerate:
 
     def unregister(self) -> None:
         """Wait for saves in flight, then put the Accelerator back as it was."""
+        disarm, self._disarm = self._disarm, None
+        if disarm is not None:
+            disarm()
         try:
             self.saves.close()
         finally:
@@ -199,10 +266,23 @@ def _prune(parent: str, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def register(accelerator: Any, *, mode: str = "snapshot", **engine_options: Any) -> FastPersistAccelerate:
+def register(
+    accelerator: Any, *, mode: str = "snapshot", prepare: bool = True, **engine_options: Any
+) -> FastPersistAccelerate:
     """Make ``accelerator.save_state``/``load_state`` write and read through
     fastpersist (see the module doc). ``mode`` is that of
-    :func:`fastpersist.save_async`; ``engine_options`` those of
+    :func:`fastpersist.save_async`; ``prepare`` (default True): in
+    ``"snapshot"`` mode, make the snapshot buffers ahead of the first
+    ``save_state`` (:meth:`FastPersistAccelerate.prepare_buffers`), False:
+    at the first save; ``engine_options`` those of
     :func:`fastpersist.write_state_dict`. Returns a handle with ``wait()``
     and ``unregister()``."""
-    return FastPersistAccelerate(accelerator, mode, **engine_options)
+    return FastPersistAccelerate(accelerator, mode, prepare, **engine_options)
+
+
+#: Distributed types whose models are saved by their own code paths, not these hooks.
+_OWN_SAVES = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+
+
+def _nothing() -> None:
+    pass

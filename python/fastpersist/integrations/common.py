@@ -6,6 +6,10 @@
   files with a ``finalize`` step run once all of them are durable), with
   defined points where a failed save surfaces (:meth:`~BackgroundSaves.check`
   without waiting, :meth:`~BackgroundSaves.wait` after waiting).
+* :meth:`BackgroundSaves.prepare`: the snapshot staging buffers of a
+  checkpoint's files made ahead of its first save (in the background), so
+  that save blocks no longer than later ones; :func:`after_first_step`
+  defers it to an optimizer's first step, when its state exists.
 * :func:`sync_tree`: fsync every file of a folder written by a framework's
   own code (configs, JSON), then the folders: a folder checkpoint is durable
   as a whole.
@@ -36,7 +40,7 @@ import logging
 import os
 import threading
 import types
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -64,6 +68,11 @@ __all__ = [
     "write_crc_sidecar",
     "CRC_SIDECAR",
     "check_version",
+    "PREPARE_MARGIN",
+    "tensors_in",
+    "optimizers_have_state",
+    "after_first_step",
+    "never_raises",
 ]
 
 log = logging.getLogger("fastpersist")
@@ -183,6 +192,27 @@ class BackgroundSaves:
             if self._saver is None:
                 self._saver = AsyncSaver(max_pending=self.max_pending)
             return self._saver
+
+    def prepare(self, files: Sequence[Any], *, background: bool = True) -> Optional[concurrent.futures.Future]:
+        """Make the staging buffers for a checkpoint whose files hold
+        ``files`` (one object per file saved together) now, ahead of the
+        first save, so that save blocks no longer than later ones
+        (:meth:`~fastpersist.AsyncSaver.prepare_many`). Only the tensors'
+        sizes count, each file with :data:`PREPARE_MARGIN` bytes of room
+        for the small tensors a framework adds; a later state that is
+        bigger is saved all the same (its snapshot makes its own buffer).
+        Nothing to do (None) unless saves are asynchronous snapshots.
+        With ``background`` (default) the buffers are made on the
+        snapshot thread, ahead of any save, and a failure is logged, not
+        raised: what is saved never depends on it."""
+        if not self.async_save or self.mode != "snapshot":
+            return None
+        margin = torch.empty(PREPARE_MARGIN, dtype=torch.uint8)
+        sizing = [tensors_in(f) + [margin] for f in files]
+        fut = self._get_saver().prepare_many(sizing, background=background)
+        if fut is not None:
+            fut.add_done_callback(_log_prepare_failure)
+        return fut
 
     def save(
         self,
@@ -306,6 +336,93 @@ class BackgroundSaves:
                 saver, self._saver = self._saver, None
             if saver is not None:
                 saver.close()
+
+
+#: Room for small tensors a framework adds to a file (counters, RNG state,
+#: metrics) beyond those :meth:`BackgroundSaves.prepare` is shown.
+PREPARE_MARGIN = 64 << 10
+
+
+def _log_prepare_failure(fut: concurrent.futures.Future) -> None:
+    e = fut.exception()
+    if e is not None:
+        log.warning("fastpersist: the staging buffers could not be made ahead of the first save (%r)", e)
+
+
+def tensors_in(obj: Any) -> List[torch.Tensor]:
+    """The tensors in ``obj``'s dicts, lists and tuples (nested), collected
+    on the calling thread: a list that a background thread may read while
+    the containers change."""
+    out: List[torch.Tensor] = []
+    stack = [obj]
+    seen = set()
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (dict, list, tuple)):
+            if id(o) in seen:
+                continue
+            seen.add(id(o))
+            stack.extend(o.values() if isinstance(o, dict) else o)
+    return out
+
+
+def _torch_optimizer(opt: Any) -> Optional[torch.optim.Optimizer]:
+    """The innermost ``torch.optim.Optimizer`` of a framework's wrappers (``.optimizer``), or None."""
+    found: Optional[torch.optim.Optimizer] = None
+    for _ in range(8):  # the innermost: a wrapper's step() may run no hooks of its own
+        if isinstance(opt, torch.optim.Optimizer):
+            found = opt
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner is opt:
+            break
+        opt = inner
+    return found
+
+
+def optimizers_have_state(optimizers: Sequence[Any]) -> bool:
+    """Whether every optimizer has its state (torch optimizers make it at
+    their first step; a checkpoint made before then is smaller than later ones)."""
+    for opt in optimizers:
+        inner = _torch_optimizer(opt)
+        if inner is not None and any(len(g["params"]) for g in inner.param_groups) and not inner.state:
+            return False
+    return True
+
+
+def never_raises(what: str, fn: Callable[[], None]) -> None:
+    """Run ``fn`` (making staging buffers ahead of time, a sizing hint);
+    a failure is logged as a warning, never raised into the training loop."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - a hint never stops training
+        log.warning("fastpersist: %s failed: %r (the first save makes its buffer instead)", what, e)
+
+
+def after_first_step(optimizers: Sequence[Any], fn: Callable[[], None]) -> Callable[[], None]:
+    """Call ``fn`` once, on the training thread, right after the first
+    ``step()`` of any of ``optimizers`` (torch's step post-hooks, removed
+    once it ran). Returns a function that removes them without calling ``fn``."""
+    handles: List[Any] = []
+    fired = threading.Lock()
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+        handles.clear()
+
+    def hook(*_: Any) -> None:
+        if not fired.acquire(blocking=False):
+            return
+        remove()
+        never_raises("preparing the snapshot buffers", fn)
+
+    for opt in optimizers:
+        inner = _torch_optimizer(opt)
+        if inner is not None:
+            handles.append(inner.register_step_post_hook(hook))
+    return remove
 
 
 def fsync_dir(path: str) -> None:

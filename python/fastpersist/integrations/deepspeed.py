@@ -40,6 +40,12 @@ or set on an engine: ``use_fastpersist(engine, mode="pipelined")``.
   :meth:`~FastPersistCheckpointEngine.cleanup`) commit a tag still pending,
   waiting for it. With ``decoupled=False``, ``save_checkpoint`` commits
   before it returns.
+* In ``"snapshot"`` mode the host buffers this rank's files are copied
+  into are made ahead of the first checkpoint, in the background
+  (:meth:`FastPersistCheckpointEngine.prepare_for`, called by
+  :func:`use_fastpersist` and :func:`initialize`): right after the
+  optimizer's first step (its state exists from then on; at once if it
+  has it already). ``"prepare": false`` turns it off.
 * ``load`` reads with :func:`fastpersist.read_state_dict` (checksums
   verified; DeepSpeed checkpoints hold Python objects, so
   ``weights_only=False``: load only checkpoints you trust); files in
@@ -50,13 +56,13 @@ or set on an engine: ``use_fastpersist(engine, mode="pipelined")``.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .. import _core
 from ..collectives import checkpoint_group, describe_error, fail_all, gather
 from ..errors import CorruptCheckpointError
 from ..reader import detect_format, read_state_dict
-from .common import BackgroundSaves, check_version
+from .common import BackgroundSaves, after_first_step, check_version, never_raises, optimizers_have_state
 
 __all__ = ["FastPersistCheckpointEngine", "use_fastpersist", "initialize", "CONFIG_KEY"]
 
@@ -99,21 +105,74 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
     """A DeepSpeed ``CheckpointEngine`` that writes through fastpersist (see
     the module doc). Options come from the config's ``"fastpersist"``
     section, overridden by keyword arguments: ``mode`` (``"snapshot"``),
-    ``decoupled`` (True), and engine options of
-    :func:`fastpersist.write_state_dict`."""
+    ``decoupled`` (True), ``prepare`` (True: the snapshot buffers made
+    ahead of the first checkpoint, see :meth:`prepare_for`), and engine
+    options of :func:`fastpersist.write_state_dict`."""
 
     def __init__(
-        self, config_params: Any = None, *, mode: Optional[str] = None, decoupled: Optional[bool] = None, **options: Any
+        self,
+        config_params: Any = None,
+        *,
+        mode: Optional[str] = None,
+        decoupled: Optional[bool] = None,
+        prepare: Optional[bool] = None,
+        **options: Any,
     ) -> None:
         super().__init__(config_params)
         sec = _section(config_params)
         sec_mode = sec.pop("mode", "snapshot")
         sec_decoupled = sec.pop("decoupled", True)
+        sec_prepare = sec.pop("prepare", True)
         self.name = "FastPersistCheckpointEngine"
         self.mode = mode or sec_mode
         self.decoupled = bool(sec_decoupled if decoupled is None else decoupled)
+        #: Make the snapshot buffers ahead of the first checkpoint (:meth:`prepare_for`).
+        self.prepare_ahead = bool(sec_prepare if prepare is None else prepare)
         self.saves = BackgroundSaves(self.mode, max_pending=64, **{**sec, **options})
         self.commit_info: Any = None
+        self._disarm: Optional[Callable[[], None]] = None
+
+    def prepare_for(self, engine: Any) -> None:
+        """Make the host buffers that this rank's checkpoint files are
+        snapshotted into now, in the background (``"snapshot"`` mode), so
+        the first ``save_checkpoint`` blocks no longer than later ones: the
+        model states file (on the rank that writes it: the module's and, without
+        ZeRO, the optimizer's state) and the ZeRO optimizer states file. Now
+        if the optimizer has its state, else right after its first step
+        (torch's optimizers, also inside ZeRO, make it there). Only the sizes count: a later
+        checkpoint that differs (``client_state``) is saved all the same.
+        :func:`use_fastpersist` calls it unless ``prepare`` is False. Not
+        for ZeRO stage 3, MoE and pipeline engines (gathered or per-layer
+        state)."""
+        if not self.prepare_ahead or self.mode != "snapshot" or self._disarm is not None:
+            return
+        if not _local_state(engine):
+            return
+        module = engine.module
+        optimizer = getattr(engine, "optimizer", None)
+        zero = bool(engine.zero_optimization())
+        files: List[Callable[[], Any]] = []
+        if getattr(engine, "save_non_zero_checkpoint", False):
+            files.append(
+                lambda: {
+                    "module": module.state_dict(),
+                    "optimizer": optimizer.state_dict() if optimizer is not None and not zero else None,
+                }
+            )
+        if getattr(engine, "save_zero_checkpoint", False) and optimizer is not None:
+            files.append(lambda: {"optimizer_state_dict": optimizer.state_dict()})
+        if not files:
+            return
+
+        def prepare() -> None:
+            self.saves.prepare([f() for f in files])
+
+        optimizers = [optimizer] if optimizer is not None else []
+        if optimizers_have_state(optimizers):
+            self._disarm = _nothing
+            prepare()
+        else:
+            self._disarm = after_first_step(optimizers, prepare)
 
     def create(self, info: Any) -> None:
         if self.commit_info is not None:  # a tag saved and never committed: commit it first
@@ -185,6 +244,9 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
 
     def cleanup(self) -> None:
         """Commit a checkpoint still pending (``engine.destroy()`` calls this)."""
+        disarm, self._disarm = self._disarm, None
+        if disarm is not None:
+            disarm()
         if self.commit_info is not None:
             self.commit(self.commit_info)
         self.saves.wait()
@@ -195,13 +257,33 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
 
 def use_fastpersist(engine: Any, **options: Any) -> FastPersistCheckpointEngine:
     """Make ``engine.save_checkpoint``/``load_checkpoint`` use fastpersist
-    (options as for :class:`FastPersistCheckpointEngine`)."""
+    (options as for :class:`FastPersistCheckpointEngine`); in ``"snapshot"``
+    mode the snapshot buffers are made ahead of the first checkpoint
+    (:meth:`FastPersistCheckpointEngine.prepare_for`) unless ``prepare=False``
+    (or ``"prepare": false`` in the config section)."""
     old = getattr(engine, "checkpoint_engine", None)
     if old is not None and old.is_decoupled():
         old.cleanup()
     new = FastPersistCheckpointEngine(getattr(engine, "_config", None), **options)
     engine.checkpoint_engine = new
+    never_raises("preparing the snapshot buffers", lambda: new.prepare_for(engine))
     return new
+
+
+def _nothing() -> None:
+    pass
+
+
+def _local_state(engine: Any) -> bool:
+    """Whether ``engine`` saves the local module's and optimizer's state
+    dicts (ZeRO stages 0-2, no MoE, not a pipeline engine): its state dicts
+    can then be sized on this rank alone, with no collective call."""
+    base: Any = next((c for c in type(engine).__mro__ if c.__name__ == "DeepSpeedEngine"), None)
+    if base is None or getattr(type(engine), "module_state_dict", None) is not base.module_state_dict:
+        return False
+    if getattr(engine, "has_moe_layers", False):
+        return False
+    return int(engine.zero_optimization_stage()) < 3
 
 
 def initialize(*args: Any, **kwargs: Any) -> Any:

@@ -27,6 +27,11 @@ One class serves both import trees: it is a ``CheckpointIO`` of
   (if it has finished by then), ``remove_checkpoint``,
   ``load_checkpoint``, :meth:`FastPersistCheckpointIO.wait` and
   ``teardown`` (end of ``fit``), which waits for everything.
+* In ``"snapshot"`` mode the host buffer is made ahead of the first
+  checkpoint, in the background (``prepare=False`` turns it off): at the
+  start of ``fit`` (a ``ModelCheckpoint`` callback's ``on_train_start``)
+  if the optimizers have their state, else right after their first step;
+  the first save then blocks no longer than later ones.
 * A checkpoint still being saved counts as existing for ``ModelCheckpoint``
   (it then names the next one ``-v1``, as with a synchronous save, rather
   than replacing it): the adapter wraps ``ModelCheckpoint.file_exists``.
@@ -44,12 +49,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..options import has_pending
 from ..reader import read_state_dict
 from ..writer import write_state_dict
-from .common import BackgroundSaves, IntegrationError
+from .common import BackgroundSaves, IntegrationError, after_first_step, never_raises, optimizers_have_state
 
 __all__ = ["FastPersistCheckpointIO"]
 
@@ -101,8 +106,12 @@ class _FastPersistIO:
         io_uring: Optional[bool] = None,
         durable: bool = True,
         gather_threads: Optional[int] = None,
+        prepare: bool = True,
     ) -> None:
         super().__init__()
+        #: Make the snapshot staging buffer ahead of the first save (see :meth:`prepare`).
+        self.prepare_ahead = bool(prepare)
+        self._disarm: Optional[Callable[[], None]] = None
         engine: Dict[str, Any] = {
             "gather_threads": gather_threads,
             "block_size": block_size,
@@ -115,6 +124,38 @@ class _FastPersistIO:
         self.saves = BackgroundSaves(
             mode, async_save=async_save, max_pending=max_pending, **{k: v for k, v in engine.items() if v is not None}
         )
+
+    def prepare(self, checkpoint: Any, background: bool = True) -> None:
+        """Make the host buffer that snapshots of checkpoints like
+        ``checkpoint`` (a dict holding the model's and optimizers' state)
+        are copied into now, faulted in, on fastpersist's snapshot thread
+        (``background``), so the first ``save_checkpoint`` blocks no longer
+        than later ones. Only the sizes count: a later checkpoint that
+        differs is saved all the same. Nothing to do unless saves are
+        asynchronous snapshots. ``fit`` calls it itself (see the class doc)."""
+        self.saves.prepare([checkpoint], background=background)
+
+    def _arm(self, trainer: Any) -> None:
+        """At the start of training: prepare the snapshot buffer for the
+        checkpoints this process writes, now if the optimizers have their
+        state (a resumed run), else right after their first step. Only where
+        Lightning's CheckpointIO writes from local state (the strategy's
+        own state dicts are not collective) and only on the rank that writes."""
+        if not self.prepare_ahead or self._disarm is not None or self.saves.mode != "snapshot":
+            return
+        if not self.saves.async_save or not trainer.is_global_zero or not _writes_local_state(trainer.strategy):
+            return
+        module = trainer.lightning_module
+        optimizers = list(trainer.optimizers)
+
+        def prepare() -> None:
+            self.prepare({"state_dict": module.state_dict(), "optimizer_states": [o.state_dict() for o in optimizers]})
+
+        if optimizers_have_state(optimizers):
+            self._disarm = lambda: None
+            prepare()
+        else:
+            self._disarm = after_first_step(optimizers, prepare)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         """Start saving ``checkpoint`` to ``path``; returns once its tensors
@@ -164,6 +205,9 @@ class _FastPersistIO:
     def teardown(self) -> None:
         """Wait for every save (Lightning calls this at the end of a
         stage); raise a failed save's error."""
+        disarm, self._disarm = self._disarm, None
+        if disarm is not None:
+            disarm()  # the next fit prepares again (its model may differ)
         self.saves.wait()
 
 
@@ -198,12 +242,60 @@ def _see_pending_saves() -> None:
         cls.file_exists = file_exists
 
 
+def _writes_local_state(strategy: Any) -> bool:
+    """Whether ``strategy`` saves through its CheckpointIO the state dicts
+    of the local module and optimizers (single device, DDP), as opposed to
+    gathered or sharded ones (FSDP, ModelParallel, DeepSpeed: collective
+    calls, or no CheckpointIO at all)."""
+    for base in type(strategy).__mro__:
+        if base.__name__ == "Strategy" and base.__module__.endswith("strategies.strategy"):
+            return all(
+                getattr(type(strategy), n, None) is getattr(base, n, None)
+                for n in ("lightning_module_state_dict", "optimizer_state", "save_checkpoint")
+            )
+    return False
+
+
+def _prepare_at_train_start() -> None:
+    """Lightning hands a CheckpointIO nothing before its first save, so the
+    adapter wraps ``ModelCheckpoint.on_train_start`` (both trees): when the
+    trainer's CheckpointIO is fastpersist's, it prepares the snapshot buffer
+    (:meth:`FastPersistCheckpointIO.prepare`) from the trainer's module and
+    optimizers, after the optimizers' first step if they have no state yet."""
+    import importlib
+
+    for modname in ("lightning.pytorch.callbacks.model_checkpoint", "pytorch_lightning.callbacks.model_checkpoint"):
+        try:
+            cls = importlib.import_module(modname).ModelCheckpoint
+        except (ImportError, AttributeError):
+            continue
+        orig = cls.__dict__.get("on_train_start")
+        if orig is None or getattr(orig, "_fastpersist", False):
+            continue
+
+        def on_train_start(self: Any, trainer: Any, pl_module: Any, _orig: Any = orig) -> None:
+            _orig(self, trainer, pl_module)
+            io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+            if isinstance(io, _FastPersistIO):
+                never_raises("preparing the snapshot buffer", lambda: io._arm(trainer))
+
+        on_train_start._fastpersist = True  # type: ignore[attr-defined]
+        cls.on_train_start = on_train_start
+
+
 class FastPersistCheckpointIO(_FastPersistIO, *_bases()):
     """A Lightning ``CheckpointIO`` that writes through fastpersist (see the
     module doc). ``mode``: ``"snapshot"`` (default) or ``"pipelined"``;
     ``async_save=False`` saves synchronously; ``max_pending`` bounds
     checkpoints between call and commit (and so snapshot memory); the rest
-    are engine options of :func:`fastpersist.write_state_dict`."""
+    are engine options of :func:`fastpersist.write_state_dict`.
+    ``prepare`` (default True): in ``"snapshot"`` mode, make the host
+    buffer snapshots are copied into ahead of the first checkpoint, in the
+    background, so it blocks training no longer than later ones (at the
+    start of ``fit`` with a ``ModelCheckpoint`` callback if the optimizers
+    have their state, else right after their first step; or call
+    :meth:`prepare`); ``prepare=False`` makes it at the first save."""
 
 
 _see_pending_saves()
+_prepare_at_train_start()

@@ -40,9 +40,19 @@ written without fastpersist load as before (their zip CRCs checked too). A faile
 raised at the next checkpoint, at the end of ``train`` (which waits for the
 last one), or by :meth:`FastPersistTrainerMixin.fastpersist_wait`.
 
-Options: class attributes ``fastpersist_mode`` (``"snapshot"``) and
-``fastpersist_options`` (engine options), or the keyword arguments of the
-same names to the trainer's constructor.
+In ``"snapshot"`` mode the host buffers the first checkpoint's files are
+copied into are made ahead of it, in the background, so it blocks training
+no longer than later ones: at ``on_train_begin`` (a callback the mixin
+adds) if the optimizer has its state (a resumed run), else right after the
+optimizer's first step. It is a sizing hint only: what is saved does not
+depend on it, and a state that grows later is saved all the same. Not with
+DeepSpeed or FSDP (their saves are their own), nor on processes that do not
+save the model.
+
+Options: class attributes ``fastpersist_mode`` (``"snapshot"``),
+``fastpersist_options`` (engine options) and ``fastpersist_prepare``
+(True: the buffers made ahead, as above; False: at the first save), or the
+keyword arguments of the same names to the trainer's constructor.
 """
 
 from __future__ import annotations
@@ -50,13 +60,17 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from typing import Any, ClassVar, Dict, Iterator, List, Optional, Tuple
+import weakref
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Tuple
 
 from .common import (
     BackgroundSaves,
+    after_first_step,
     check_version,
     fsync_dir,
     module_with,
+    never_raises,
+    optimizers_have_state,
     routed,
     safe_load_file_via,
     safe_save_file_via,
@@ -130,17 +144,48 @@ def _safetensors_via(save: Optional[BackgroundSaves] = None, load: bool = False)
     return module_with(safetensors, torch=module_with(safetensors.torch, **names))
 
 
+#: Files of a checkpoint folder besides the model's and the optimizer's.
+_SMALL_FILES = 4
+
+
+def _nothing() -> None:
+    pass
+
+
+def _prepare_callback(trainer: Any) -> Any:
+    """The ``TrainerCallback`` that makes the snapshot buffers at the start
+    of training (:meth:`FastPersistTrainerMixin._fastpersist_arm`)."""
+    from transformers import TrainerCallback
+
+    ref = weakref.ref(trainer)
+
+    class FastPersistPrepare(TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            t = ref()
+            if t is not None:
+                never_raises("preparing the snapshot buffers", t._fastpersist_arm)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            t = ref()
+            if t is not None:
+                t._fastpersist_end()
+
+    return FastPersistPrepare()
+
+
 class FastPersistTrainerMixin:
     """Put first in the bases: ``class MyTrainer(FastPersistTrainerMixin, Trainer)``."""
 
     fastpersist_mode: ClassVar[str] = "snapshot"
     fastpersist_options: ClassVar[Dict[str, Any]] = {}
+    fastpersist_prepare: ClassVar[bool] = True
 
     def __init__(
         self,
         *args: Any,
         fastpersist_mode: Optional[str] = None,
         fastpersist_options: Optional[Dict[str, Any]] = None,
+        fastpersist_prepare: Optional[bool] = None,
         **kwargs: Any,
     ) -> None:
         _framework()
@@ -149,6 +194,53 @@ class FastPersistTrainerMixin:
         options = dict(self.fastpersist_options if fastpersist_options is None else fastpersist_options)
         # A folder is one checkpoint: its saves are all in flight together.
         self._fastpersist = BackgroundSaves(mode, max_pending=64, **options)
+        self._fastpersist_prepare = bool(
+            self.fastpersist_prepare if fastpersist_prepare is None else fastpersist_prepare
+        )
+        self._fastpersist_disarm: Optional[Callable[[], None]] = None
+        self.add_callback(_prepare_callback(self))  # type: ignore[attr-defined]
+
+    # -- the snapshot buffers, made ahead of the first checkpoint ------------------
+
+    def _fastpersist_arm(self) -> None:
+        """At ``on_train_begin``: make the snapshot buffers of a checkpoint
+        folder's files now if the optimizer has its state, else right after
+        its first step (see the module doc)."""
+        saves: BackgroundSaves = self._fastpersist
+        if not self._fastpersist_prepare or saves.mode != "snapshot" or not saves.async_save:
+            return
+        if self._fastpersist_disarm is not None:
+            return
+        args: Any = self.args  # type: ignore[attr-defined]
+        if (
+            args.save_strategy == "no"  # no checkpoints: no buffers
+            or not args.should_save
+            or getattr(self, "is_deepspeed_enabled", False)
+            or getattr(self, "is_fsdp_enabled", False)
+        ):
+            return
+        model: Any = self.model  # type: ignore[attr-defined]
+        optimizer: Any = None if args.save_only_model else getattr(self, "optimizer", None)
+        optimizers = [optimizer] if optimizer is not None else []
+
+        def prepare() -> None:
+            files: List[Any] = [model.state_dict()]  # model.safetensors (one shard up to save_pretrained's 50 GB)
+            if optimizer is not None:
+                files.append(optimizer.state_dict())  # optimizer.pt
+            # training_args.bin, scheduler.pt, scaler.pt, rng_state.pth: small files, in flight with the rest
+            files += [{}] * _SMALL_FILES
+            saves.prepare(files)
+
+        if optimizers_have_state(optimizers):
+            self._fastpersist_disarm = _nothing
+            prepare()
+        else:
+            self._fastpersist_disarm = after_first_step(optimizers, prepare)
+
+    def _fastpersist_end(self) -> None:
+        disarm, self._fastpersist_disarm = self._fastpersist_disarm, None
+        if disarm is not None:
+            disarm()  # the next train() prepares again
 
     # -- saving ----------------------------------------------------------------
 
@@ -239,6 +331,7 @@ class FastPersistTrainerMixin:
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         self._fastpersist.wait()
+        self._fastpersist_end()  # a train() that raised left its step hook: this one arms afresh
         if resume_from_checkpoint is True:
             out = self.args.output_dir  # type: ignore[attr-defined]
             resume_from_checkpoint = latest_complete_checkpoint(out)
