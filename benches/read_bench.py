@@ -12,7 +12,10 @@ medians of ``--rounds``:
 * fastpersist.read_state_dict of its own file (CRC32 verified) and of a
   safetensors file;
 * torch.load; torch.load(mmap=True) touching every byte (each tensor cloned);
-* safetensors load_file, touching every byte (it may map the file lazily).
+* safetensors load_file, touching every byte (it may map the file lazily);
+* not a reader: allocating and filling new storages of the checkpoint's
+  sizes, the first touch of the memory every reader fills (on virtual
+  machines that return freed memory to the host, a bound below the disk's).
 
     python benches/read_bench.py [--size 2GiB] [--rounds 5] [--dir DIR] [--json out.json]
 """
@@ -44,6 +47,15 @@ def touch_all(obj) -> None:
         v.clone()
 
 
+def fresh_memory(sizes: List[int]) -> None:
+    """New storages of ``sizes`` bytes, each filled once: what any reader
+    pays for the memory it reads into, whatever the disk. On a virtual
+    machine that hands freed guest memory back to the host, this first touch
+    can be slower than the disk."""
+    for n in sizes:
+        torch.ByteTensor(torch.UntypedStorage(n)).fill_(1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="2GiB")
@@ -62,6 +74,7 @@ def main() -> None:
         from safetensors.torch import load_file, save_file
 
         save_file(sd, st_file)
+        storage_sizes = [v.untyped_storage().nbytes() for v in sd.values()]
         del sd
         readers: Dict[str, Callable[[], object]] = {
             "fastpersist": lambda: fastpersist.read_state_dict(fp_file),
@@ -70,6 +83,9 @@ def main() -> None:
             "torch.load(mmap) + touch": lambda: touch_all(torch.load(fp_file, mmap=True, weights_only=True)),
             # load_file may map the file lazily: touch every byte, like mmap.
             "safetensors load_file + touch": lambda: touch_all(load_file(st_file)),
+            # Not a reader: the first touch of new storages of the same sizes
+            # (every reader above fills new tensors), which bounds them all.
+            "fresh memory (allocate + fill)": lambda: fresh_memory(storage_sizes),
         }
         files = {"safetensors load_file + touch": st_file, "fastpersist (safetensors file)": st_file}
         print(
