@@ -71,15 +71,17 @@ def _set_numpy_state(n: Dict[str, Any]) -> None:
         return
     st: Dict[str, Any] = _decode_arrays(n)
     name = st["bit_generator"]
-    current = getattr(np.random, "get_bit_generator", None)  # NumPy >= 1.25
-    if current is None or type(current()).__name__ != name:
+    # NumPy >= 1.25 (and not in its stubs).
+    get_bit_generator = getattr(np.random, "get_bit_generator", None)
+    set_bit_generator = getattr(np.random, "set_bit_generator", None)
+    if get_bit_generator is None or type(get_bit_generator()).__name__ != name:
         kind = getattr(np.random, name, None)
-        if current is None or not (isinstance(kind, type) and issubclass(kind, np.random.BitGenerator)):
+        if set_bit_generator is None or not (isinstance(kind, type) and issubclass(kind, np.random.BitGenerator)):
             raise ValueError(
                 f"the saved NumPy random state is of a {name} bit generator, which NumPy {np.__version__} "
                 "cannot make its global generator"
             )
-        np.random.set_bit_generator(kind())
+        set_bit_generator(kind())
     np.random.set_state(st)
 
 
