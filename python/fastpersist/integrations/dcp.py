@@ -1036,6 +1036,7 @@ def install() -> None:
         return
     _installed["FileSystemWriter"] = _storage_utils.FileSystemWriter
     _installed["FileSystemReader"] = _storage_utils.FileSystemReader
+    # The ignores: mypy forbids assigning to a class name (this patch's purpose).
     _storage_utils.FileSystemWriter = FastPersistWriter  # type: ignore[misc,assignment]
     _storage_utils.FileSystemReader = FastPersistReader  # type: ignore[misc,assignment]
 
@@ -1046,6 +1047,7 @@ def uninstall() -> None:
 
     if not _installed:
         return
+    # The ignores: mypy forbids assigning to a class name (this patch's purpose).
     _storage_utils.FileSystemWriter = _installed.pop("FileSystemWriter")  # type: ignore[misc]
     _storage_utils.FileSystemReader = _installed.pop("FileSystemReader")  # type: ignore[misc]
 
