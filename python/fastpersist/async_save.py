@@ -69,7 +69,7 @@ log = logging.getLogger("fastpersist")
 MODES = ("pipelined", "snapshot")
 
 
-class CheckpointFuture(concurrent.futures.Future):
+class CheckpointFuture(concurrent.futures.Future[WriteStats]):
     """A ``concurrent.futures.Future`` whose result is the :class:`WriteStats`
     of a durable, committed checkpoint, plus the snapshot phase."""
 
@@ -126,7 +126,7 @@ class CheckpointFuture(concurrent.futures.Future):
         dropped first."""
         self._condition = threading.Condition()
         self._waiters = []
-        self._done_callbacks = []
+        self._done_callbacks: List[Callable[[concurrent.futures.Future[WriteStats]], object]] = []
         snapshot = threading.Event()
         if self._snapshot.is_set():
             snapshot.set()
@@ -586,10 +586,12 @@ class AsyncSaver:
         for f in inherited:
             f._inherited(parent)
 
-    def _finished(self, fut: CheckpointFuture) -> None:
+    def _finished(self, fut: concurrent.futures.Future[WriteStats]) -> None:
         with self._lock:
-            if fut in self._inflight:
-                self._inflight.remove(fut)
+            for i, f in enumerate(self._inflight):
+                if f is fut:
+                    del self._inflight[i]
+                    break
         self._slots.release()
 
     def _pipelined(
@@ -671,6 +673,7 @@ class AsyncSaver:
         if not fut.set_running_or_notify_cancel():
             return
         buf = None
+        plan: Optional[Plan] = None
         streams: Optional[_CopyStreams] = None
         try:
             t0 = time.perf_counter()

@@ -224,7 +224,7 @@ def fio_run(
     finally:
         clear(path)
     job = json.loads(out[out.index("{") :])["jobs"][0]
-    return job[rw]["bw_bytes"] / 1e9
+    return float(job[rw]["bw_bytes"]) / 1e9
 
 
 def fio_limits(directory: str, size: int, rw: str = "write") -> Dict[str, float]:
@@ -327,7 +327,7 @@ class Progress:
         self.stream.flush()
 
 
-def timed(fn: Callable[[], None]) -> float:
+def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0

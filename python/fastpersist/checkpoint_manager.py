@@ -52,6 +52,7 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import math
@@ -62,7 +63,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple, TypeVar, Union, overload
 
 from . import _core
 from .async_save import AsyncSaver, CheckpointFuture
@@ -92,6 +93,7 @@ TEMP_RE = re.compile(r"^\.(ckpt-[0-9]{12,20}\.pt)\.[0-9]+\.[0-9]+" + re.escape(_
 LOG_NAME = "checkpoints.jsonl"
 #: How often latest()/load_latest() list again when listed files vanish.
 _RELIST = 20
+_T = TypeVar("_T")
 
 
 def ckpt_name(step: int) -> str:
@@ -467,7 +469,7 @@ class Checkpointer:
         self._ctl_root = 0
         if group is not None:
             self._join_group(group, replicate, nodes)
-        self._replicator = (
+        self._replicator: Optional[ThreadPoolExecutor] = (
             ThreadPoolExecutor(1, thread_name_prefix="fastpersist-replicate") if self._ring is not None else None
         )
         self._replica_futures: List[Any] = []
@@ -740,7 +742,7 @@ class Checkpointer:
                     send_step=step,
                     send_path=path,
                     recv_from=source,
-                    recv_target=lambda s, src=source: self._replica_target(src, s),
+                    recv_target=functools.partial(self._replica_target, source),
                 )
             except (ReplicaError, OSError, RuntimeError) as e:
                 self._replica_broken = repr(e)
@@ -893,7 +895,7 @@ class Checkpointer:
             return [(s, [c for c in (local.get(s), remote.get(s)) if c is not None]) for s in steps]
         return list_checkpoints(self.directory, self.stage_dir)
 
-    def _first_good(self, attempt: Callable[[CheckpointInfo], Any]) -> Any:
+    def _first_good(self, attempt: Callable[[CheckpointInfo], Optional[_T]]) -> Optional[_T]:
         """``attempt`` on each copy, newest first, until one succeeds (not
         None). A copy that vanished since the listing (retention in another
         process) makes the listing start again: retention deletes only
@@ -1003,7 +1005,15 @@ class Checkpointer:
         common = (common or set()) - excluded
         return max(common) if common else None
 
-    def _group_restore(self, verify: bool, load: Optional[Dict[str, Any]]) -> Any:
+    @overload
+    def _group_restore(self, verify: bool, load: None) -> Optional[CheckpointInfo]: ...
+
+    @overload
+    def _group_restore(self, verify: bool, load: Dict[str, Any]) -> Optional[Tuple[int, Any]]: ...
+
+    def _group_restore(
+        self, verify: bool, load: Optional[Dict[str, Any]]
+    ) -> Union[CheckpointInfo, Tuple[int, Any], None]:
         """Agree on the newest step every rank can obtain, obtain it, and
         (``load``: read_state_dict's arguments) load it; a step that some
         rank fails to obtain or load is dropped and the next one tried.
@@ -1019,7 +1029,7 @@ class Checkpointer:
             if step is None:
                 return None
             info, err = self._obtain(step, offers, verify)
-            out: Any = info
+            out: Union[CheckpointInfo, Tuple[int, Any], None] = info
             if info is not None and load is not None:
                 try:
                     payload = read_state_dict(info.path, **load)

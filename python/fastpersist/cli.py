@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import tempfile
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
 
@@ -251,7 +251,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ref = os.path.join(d, "torch.pt")
         steps = ["fio write", "fastpersist write", "torch.save", "fio read", "fastpersist read", "torch.load"]
         prog = bench.Progress(args.rounds * len(steps), "bench", force=args.progress)
-        times = {s: [] for s in steps}
+        times: Dict[str, List[float]] = {s: [] for s in steps}
 
         def save_torch() -> None:
             with open(ref, "wb") as f:

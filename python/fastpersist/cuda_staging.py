@@ -149,10 +149,12 @@ class Staging:
 
     def __init__(self, chunk: int = DEFAULT_CHUNK, register_cuda: bool = True, device: Any = None) -> None:
         self.chunk = chunk
-        self._buf = _core.HostBuffer(chunk * SLOTS)
-        n = self._buf.nbytes
-        raw = (ctypes.c_uint8 * n).from_address(self._buf.ptr)
-        self.tensor = torch.frombuffer(raw, dtype=torch.uint8)
+        buf = _core.HostBuffer(chunk * SLOTS)
+        n = buf.nbytes
+        raw = (ctypes.c_uint8 * n).from_address(buf.ptr)
+        #: None once closed.
+        self._buf: Optional[_core.HostBuffer] = buf
+        self.tensor: Optional[torch.Tensor] = torch.frombuffer(raw, dtype=torch.uint8)
         self._registered = False
         self._device: Optional[torch.device] = None
         self._next = 0
@@ -161,7 +163,7 @@ class Staging:
         if register_cuda:
             dev = torch.device(device) if device is not None else None
             with device_scope(dev):
-                rc = torch.cuda.cudart().cudaHostRegister(self._buf.ptr, n, _HOST_REGISTER_PORTABLE)
+                rc = torch.cuda.cudart().cudaHostRegister(buf.ptr, n, _HOST_REGISTER_PORTABLE)
             if int(rc) != 0:
                 raise RuntimeError(f"cudaHostRegister of {n} bytes failed (error {int(rc)})")
             self._registered = True
@@ -174,6 +176,8 @@ class Staging:
     def slot(self, i: int) -> Tuple[torch.Tensor, int]:
         """Slot ``i``: a uint8 tensor view and its address."""
         off = (i % SLOTS) * self.chunk
+        if self.tensor is None or self._buf is None:
+            raise RuntimeError("fastpersist: a staging buffer was used after it was closed")
         return self.tensor[off : off + self.chunk], self._buf.ptr + off
 
     def take(self) -> int:
@@ -189,19 +193,20 @@ class Staging:
         thread this runs on) and unmap. When CUDA refuses to unregister, the
         mapping is kept for the life of the process rather than unmapped
         while CUDA may still treat it as pinned."""
-        if self._registered:
+        buf = self._buf
+        if self._registered and buf is not None:
             self._registered = False
             with device_scope(self._device):
-                rc = int(torch.cuda.cudart().cudaHostUnregister(self._buf.ptr))
+                rc = int(torch.cuda.cudart().cudaHostUnregister(buf.ptr))
             if rc != 0:
                 log.warning(
                     "fastpersist: cudaHostUnregister of %d bytes of staging memory failed (error %d); "
                     "the memory is kept, not freed",
-                    self._buf.nbytes,
+                    buf.nbytes,
                     rc,
                 )
-                _leaked.append(self._buf)
-        self.tensor = None  # type: ignore[assignment]
+                _leaked.append(buf)
+        self.tensor = None
         self._buf = None
 
     def __del__(self) -> None:
@@ -299,9 +304,10 @@ def active_devices(obj: Any) -> List[torch.device]:
     devs = set(cuda_devices(obj))
     if devs or torch.cuda.is_initialized():
         has_ctx = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-        for i in range(torch.cuda.device_count() if has_ctx is not None else 0):
-            if has_ctx(i):
-                devs.add(torch.device("cuda", i))
+        if has_ctx is not None:
+            for i in range(torch.cuda.device_count()):
+                if has_ctx(i):
+                    devs.add(torch.device("cuda", i))
     return sorted(devs, key=str)
 
 
@@ -623,7 +629,8 @@ class DeviceContext:
         #: The device this call's own threads work under (None: no CUDA
         #: device); the caller's thread is left on its device.
         self.home: Optional[torch.device] = None if test_on_cpu or not cuda else cuda[0]
-        self.staging = acquire_staging(chunk, not test_on_cpu, self.home)
+        #: None once closed.
+        self.staging: Optional[Staging] = acquire_staging(chunk, not test_on_cpu, self.home)
         self.copiers: Dict[str, Any] = {}
         for d in devices:
             self.copier(d)
@@ -632,6 +639,12 @@ class DeviceContext:
         """Make this call's device the current device of the calling thread
         (each thread that stages for the call, before its first CUDA call)."""
         use_device(self.home)
+
+    def live_staging(self) -> Staging:
+        """The call's staging buffer (an error once the context is closed)."""
+        if self.staging is None:
+            raise RuntimeError("fastpersist: a device context was used after it was closed")
+        return self.staging
 
     def copier(self, device: torch.device) -> Any:
         key = str(device)
@@ -731,7 +744,7 @@ def read_staged(fd: int, items: List[DeviceRead], opts: EngineOptions) -> List[i
     try:
         # Two engines, so slot k+1 is being read while slot k's read ends:
         # the device never waits between slots.
-        return read_to_device([reader(0), reader(1)], items, ctx.staging, ctx.copier)
+        return read_to_device([reader(0), reader(1)], items, ctx.live_staging(), ctx.copier)
     finally:
         ctx.close()
 

@@ -219,8 +219,8 @@ def write_replicated(
         if tmp is not None and not committed:
             tmp.abort()
     assert raw is not None and plan is not None
-    raw = dict(raw, bytes=plan.file_len)
-    return write_stats(raw, path, plan.storage_bytes, plan.storage_keys, 0.0, time.perf_counter() - t0)
+    whole: _core.RawWriteStats = {**raw, "bytes": plan.file_len}
+    return write_stats(whole, path, plan.storage_bytes, plan.storage_keys, 0.0, time.perf_counter() - t0)
 
 
 def is_sharded_dir(path: str) -> bool:

@@ -465,7 +465,8 @@ def is_legacy_torch(head: bytes) -> bool:
 def restore_location(map_location: MapLocation) -> Callable[[Any, str], Any]:
     get = getattr(torch.serialization, "_get_restore_location", None)
     if get is not None:
-        return get(map_location)
+        restore: Callable[[Any, str], Any] = get(map_location)
+        return restore
     return lambda storage, location: torch.serialization.default_restore_location(  # pragma: no cover
         storage, location if map_location is None else str(map_location)
     )
@@ -649,7 +650,7 @@ def _torch_wo_message() -> Optional[Callable[[str], str]]:
         cells = tuple(types.CellType(values[name]) for name in code.co_freevars)
         fn = types.FunctionType(code, vars(torch.serialization), "_get_wo_message", None, cells)
         fn("probe")
-        return fn  # type: ignore[no-any-return]
+        return fn
     except Exception:  # noqa: BLE001 - another torch: the fallback below
         return None
 

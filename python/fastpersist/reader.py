@@ -25,7 +25,7 @@ from .distributed import is_sharded_dir, read_sharded
 from .errors import CorruptCheckpointError, drop_frames
 from .options import EngineOptions, PathLike, ReadReq, check_path, read_records
 from .pickling import MapLocation, is_legacy_torch, restore_location, unpickle
-from .safetensors_format import is_safetensors, parse_header, torch_dtype_error, torch_shape
+from .safetensors_format import Entry, is_safetensors, parse_header, torch_dtype_error, torch_shape
 from .torch_zip import ZipRecord, read_zip_directory, unrecorded_crcs, written_by_fastpersist
 
 __all__ = ["read_state_dict", "ReadStats", "detect_format", "detect", "MapLocation", "HEAD_BYTES"]
@@ -271,13 +271,15 @@ def _read_safetensors(
     staged: List[DeviceRead] = []
     _, kind = staging_setup()
     dev = torch.device("cpu") if kind == "cpu" else device_for(map_location, "cpu")
+    typed: List[Tuple[Entry, List[int], torch.dtype]] = []
     for e in entries:
         shape = torch_shape(e)
         if shape is None or e.dtype is None:
             raise torch_dtype_error(e, path)
+        typed.append((e, shape, e.dtype))
     # In file order, as safetensors' load_file gives them.
-    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
-        t = torch.empty(torch_shape(e), dtype=e.dtype, device=dev)  # type: ignore[arg-type]
+    for e, shape, dtype in sorted(typed, key=lambda x: (x[0].begin, x[0].end)):
+        t = torch.empty(shape, dtype=dtype, device=dev)
         out[e.name] = t
         if e.end > e.begin:
             if dev is not None:

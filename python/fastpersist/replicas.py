@@ -221,12 +221,13 @@ def exchange(
     send_step: int = -1,
     send_path: Optional[str] = None,
     recv_from: Optional[int] = None,
-    recv_target: Optional[Callable[[int], str]] = None,
+    recv_target: Optional[Callable[[int], Optional[str]]] = None,
 ) -> Tuple[Optional[bool], Optional[Received]]:
     """One transfer in each direction at once over the gloo ``group``:
     the checkpoint at ``send_path`` (of ``send_step``; None: nothing to
     send, the peer is told so) to global rank ``send_to``, and one from
-    ``recv_from`` committed at ``recv_target(step)``. Both peers must make
+    ``recv_from`` committed at ``recv_target(step)`` (None: refused, there
+    is nowhere to put it). Both peers must make
     the matching call. Returns (whether ``send_to`` committed it: None when
     nothing was sent; what was received: None when ``recv_from`` is None).
     A failure of the transport raises :class:`ReplicaError` (the pair is
@@ -263,7 +264,7 @@ def _exchange(  # noqa: C901 - the four phases of one transfer, in order
     fd: int,
     size: int,
     recv_from: Optional[int],
-    recv_target: Optional[Callable[[int], str]],
+    recv_target: Optional[Callable[[int], Optional[str]]],
 ) -> Tuple[Optional[bool], Optional[Received]]:
     # 1. Headers: (step, size, present).
     hs = torch.tensor([send_step, size, int(fd >= 0)], dtype=torch.int64)
@@ -303,6 +304,7 @@ def _exchange(  # noqa: C901 - the four phases of one transfer, in order
             if i < last:
                 send = recv = None
                 if i < n_send:
+                    assert send_to is not None  # n_send > 0: exchange() opened send_path for send_to
                     off = i * chunk
                     n = min(chunk, size - off)
                     view = memoryview(sbufs[i % 2])[:n]
@@ -314,6 +316,7 @@ def _exchange(  # noqa: C901 - the four phases of one transfer, in order
                         s_bad = 1
                     send = (sts[i % 2][:n], send_to)
                 if i < n_recv:
+                    assert recv_from is not None  # n_recv > 0: a header came from recv_from
                     recv = (rts[i % 2][: min(chunk, r_size - i * chunk)], recv_from)
                 works = _post(group, send, recv)
             for w in pending:
@@ -334,9 +337,8 @@ def _exchange(  # noqa: C901 - the four phases of one transfer, in order
         _pairwise(
             group,
             (ts, send_to) if send_to is not None and fd >= 0 else None,
-            (tr, recv_from) if r_present else None,
+            (tr, recv_from) if recv_from is not None and r_present else None,
         )
-        received: Optional[Received] = None
         if recv_from is not None:
             path = None
             if r_present:

@@ -23,19 +23,9 @@ def capture_rng_state() -> Dict[str, Any]:
         "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
         "torch": torch.get_rng_state(),
     }
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype("int64")),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached": float(cached),
-        }
-    except ImportError:
-        pass
+    numpy_state = _numpy_state()
+    if numpy_state is not None:
+        state["numpy"] = numpy_state
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -46,12 +36,78 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
-        import numpy as np
-
-        n = state["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
+        _set_numpy_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_state() -> Optional[Dict[str, Any]]:
+    """NumPy's global generator state (None without NumPy). The default
+    bit generator (MT19937) is kept as the legacy tuple's fields; another
+    one (``np.random.set_bit_generator``) as its state dict, arrays as byte
+    tensors (``weights_only`` loads no NumPy arrays)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    st = np.random.get_state(legacy=False)
+    if st["bit_generator"] == "MT19937":
+        return {
+            "kind": "MT19937",
+            "keys": torch.from_numpy(st["state"]["key"].astype("int64")),
+            "pos": int(st["state"]["pos"]),
+            "has_gauss": int(st["has_gauss"]),
+            "cached": float(st["gauss"]),
+        }
+    encoded: Dict[str, Any] = _encode_arrays(st)
+    return encoded
+
+
+def _set_numpy_state(n: Dict[str, Any]) -> None:
+    import numpy as np
+
+    if "bit_generator" not in n:  # MT19937: the legacy tuple's fields
+        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
+        return
+    st: Dict[str, Any] = _decode_arrays(n)
+    name = st["bit_generator"]
+    # NumPy >= 1.25 (and not in its stubs).
+    get_bit_generator = getattr(np.random, "get_bit_generator", None)
+    set_bit_generator = getattr(np.random, "set_bit_generator", None)
+    if get_bit_generator is None or type(get_bit_generator()).__name__ != name:
+        kind = getattr(np.random, name, None)
+        if set_bit_generator is None or not (isinstance(kind, type) and issubclass(kind, np.random.BitGenerator)):
+            raise ValueError(
+                f"the saved NumPy random state is of a {name} bit generator, which NumPy {np.__version__} "
+                "cannot make its global generator"
+            )
+        set_bit_generator(kind())
+    np.random.set_state(st)
+
+
+#: Marks an encoded NumPy array (dtype, shape, bytes) in a saved state dict.
+_ARRAY = "__ndarray__"
+
+
+def _encode_arrays(v: Any) -> Any:
+    import numpy as np
+
+    if isinstance(v, dict):
+        return {k: _encode_arrays(x) for k, x in v.items()}
+    if isinstance(v, np.ndarray):
+        data = torch.from_numpy(np.ascontiguousarray(v).reshape(-1).view(np.uint8).copy())
+        return {_ARRAY: v.dtype.str, "shape": list(v.shape), "data": data}
+    return v
+
+
+def _decode_arrays(v: Any) -> Any:
+    import numpy as np
+
+    if isinstance(v, dict):
+        if _ARRAY in v:
+            return np.frombuffer(v["data"].numpy().tobytes(), dtype=np.dtype(v[_ARRAY])).reshape(v["shape"]).copy()
+        return {k: _decode_arrays(x) for k, x in v.items()}
+    return v
 
 
 class ResumableSampler(torch.utils.data.Sampler):

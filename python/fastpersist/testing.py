@@ -96,8 +96,13 @@ def _storage_bytes(st: Any) -> bytes:
     return bytes(torch.empty(0, dtype=torch.uint8).set_(st).numpy().tobytes()) if st.nbytes() else b""
 
 
-def _is_wrapper(t: torch.Tensor) -> bool:
-    return type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__")
+def _wrapper_parts(t: torch.Tensor) -> Optional[Tuple[List[str], Any]]:
+    """A wrapper subclass's ``__tensor_flatten__()`` (its inner tensors'
+    attribute names and its context); None for any other tensor."""
+    if type(t) is torch.Tensor:
+        return None
+    flatten = getattr(t, "__tensor_flatten__", None)
+    return None if flatten is None else flatten()
 
 
 class _Comparison:
@@ -140,9 +145,10 @@ class _Comparison:
                 self.fail(where, f"{attr} {getattr(got, attr)}, expected {getattr(exp, attr)}")
         if self.check_device and exp.device != got.device:
             self.fail(where, f"device {got.device}, expected {exp.device}")
-        if _is_wrapper(exp):
-            names, ctx = exp.__tensor_flatten__()
-            got_names, got_ctx = got.__tensor_flatten__()
+        parts = _wrapper_parts(exp)
+        if parts is not None:
+            names, ctx = parts
+            got_names, got_ctx = _wrapper_parts(got) or ((), None)
             if list(names) != list(got_names) or ctx != got_ctx:
                 self.fail(where, f"wrapper {got_names!r} {got_ctx!r}, expected {names!r} {ctx!r}")
             for n in names:
@@ -353,12 +359,14 @@ def state_dicts(
     reading them needs ``weights_only=False`` or torch's
     ``safe_globals``)."""
     st = _st()
-    two = None
+    two: Optional[type] = None
     if wrapper_subclasses:
         try:
-            from torch.testing._internal.two_tensor import TwoTensor as two
+            from torch.testing._internal.two_tensor import TwoTensor
         except ImportError:
-            two = None
+            pass
+        else:
+            two = TwoTensor
 
     @st.composite
     def build(draw: Any) -> Dict[str, Any]:

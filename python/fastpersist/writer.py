@@ -246,18 +246,22 @@ def stream_plan(plan: Plan, path: str, plan_seconds: float = 0.0, t0: Optional[f
             f.write(bytes(plan.file_len - pos))
     del plan.keepalive[:]
     now = time.perf_counter()
-    raw = {
+    raw: _core.RawWriteStats = {
         "bytes": plan.file_len,
+        "seconds": now - tio,
         "direct": False,
         "io_uring": False,
         "registered": False,
         "locked": False,
         "block": 0,
+        "direct_note": None,
+        "uring_note": None,
         "crcs": [crcs.get(i, 0) for i in range(len(plan.storage_keys))],
+        "open_seconds": 0.0,
         "io_seconds": now - tio,
         "commit_seconds": 0.0,
     }
-    return write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, now - t0)  # type: ignore[arg-type]
+    return write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, now - t0)
 
 
 def write_safetensors(

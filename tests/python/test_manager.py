@@ -166,6 +166,28 @@ def test_rng_state_round_trip(tmp_path):
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
 
 
+@pytest.mark.parametrize("kind", ["PCG64", "Philox"])
+def test_rng_state_round_trip_other_numpy_bit_generator(tmp_path, kind):
+    # NumPy's global generator need not be MT19937 (np.random.set_bit_generator):
+    # its state is a dict (Philox's with uint64 arrays), not the legacy tuple.
+    np = pytest.importorskip("numpy")
+    if not hasattr(np.random, "set_bit_generator"):
+        pytest.skip("NumPy < 1.25 has one global bit generator")
+    original = np.random.get_bit_generator()
+    try:
+        np.random.set_bit_generator(getattr(np.random, kind)(7))
+        np.random.rand(3)
+        saved = fastpersist.capture_rng_state()
+        fastpersist.write_state_dict(saved, tmp_path / "rng.pt")
+        a = np.random.rand(4)
+        np.random.set_bit_generator(np.random.MT19937(1))  # restored whatever is global now
+        fastpersist.restore_rng_state(fastpersist.read_state_dict(tmp_path / "rng.pt"))  # weights_only
+        assert type(np.random.get_bit_generator()).__name__ == kind
+        assert np.array_equal(np.random.rand(4), a)
+    finally:
+        np.random.set_bit_generator(original)
+
+
 def test_ls_command(tmp_path):
     with fastpersist.Checkpointer(tmp_path, every=1) as ck:
         for s in range(1, 3):

@@ -57,7 +57,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -236,9 +236,11 @@ class _ItemInfo(NamedTuple):
 
 def _exact(t: torch.Tensor) -> bool:
     """``t``'s storage is exactly its data, in order (its bytes are the record)."""
+    # int(): torch >= 2.15's stubs type storage_offset() as int | SymInt,
+    # whose == is a SymBool (a plain tensor's offset is an int).
     return (
         t.is_contiguous()
-        and t.storage_offset() == 0
+        and int(t.storage_offset()) == 0
         and t.untyped_storage().nbytes() == t.numel() * t.element_size()
         and t.layout == torch.strided
     )
@@ -609,7 +611,13 @@ class FastPersistWriter(StorageWriter, AsyncStager):
                 layout.add_bytes(item, planner.resolve_data(item))
         for item in items:
             if item.type != WriteItemType.BYTE_IO:
-                layout.add_tensor(item, planner.resolve_data(item))
+                data = planner.resolve_data(item)
+                if not isinstance(data, torch.Tensor):
+                    raise TypeError(
+                        f"the save planner resolved the tensor item {item.index.fqn!r} "
+                        f"to a {type(data).__name__}, not a tensor"
+                    )
+                layout.add_tensor(item, data)
         plan = layout.finish()
         try:
             st = write_plan(plan, os.path.join(self.path, name), self.opts, index=engine_index)
@@ -792,6 +800,8 @@ class FastPersistReader(StorageReader):
         #: Whether the last load checked CRC32s (a sidecar was found).
         self.verified = False
         self.rank: Optional[int] = None
+        #: read_metadata's error (handed to DCP's rank-local retry).
+        self._unreadable: Optional[Exception] = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
@@ -837,9 +847,10 @@ class FastPersistReader(StorageReader):
             raise CorruptCheckpointError(f"{path}: damaged or unknown DCP metadata ({type(e).__name__}: {e})") from e
         if not isinstance(md, Metadata) or not isinstance(getattr(md, "storage_data", None), dict):
             raise CorruptCheckpointError(f"{path}: not DCP metadata (a {type(md).__name__})")
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
+        meta = getattr(md, "storage_meta", None)
+        if meta is None:
+            meta = md.storage_meta = StorageMeta()
+        meta.load_id = self.load_id
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -847,8 +858,9 @@ class FastPersistReader(StorageReader):
         self.storage_data = metadata.storage_data
         self.chunks = {}
         for fqn, md in metadata.state_dict_metadata.items():
-            for ch in getattr(md, "chunks", ()):
-                self.chunks[(fqn, tuple(ch.offsets))] = (tuple(ch.sizes), md.properties.dtype)
+            if isinstance(md, TensorStorageMetadata):  # byte items have no chunks
+                for ch in md.chunks:
+                    self.chunks[(fqn, tuple(ch.offsets))] = (tuple(ch.sizes), md.properties.dtype)
         self.crcs = self._load_sidecar(getattr(metadata.storage_meta, "save_id", None))
         self.verified = self.verify and bool(self.crcs)
 
@@ -1066,6 +1078,7 @@ def install() -> None:
         return
     _installed["FileSystemWriter"] = _storage_utils.FileSystemWriter
     _installed["FileSystemReader"] = _storage_utils.FileSystemReader
+    # The ignores: mypy forbids assigning to a class name (this patch's purpose).
     _storage_utils.FileSystemWriter = FastPersistWriter  # type: ignore[misc,assignment]
     _storage_utils.FileSystemReader = FastPersistReader  # type: ignore[misc,assignment]
 
@@ -1076,6 +1089,7 @@ def uninstall() -> None:
 
     if not _installed:
         return
+    # The ignores: mypy forbids assigning to a class name (this patch's purpose).
     _storage_utils.FileSystemWriter = _installed.pop("FileSystemWriter")  # type: ignore[misc]
     _storage_utils.FileSystemReader = _installed.pop("FileSystemReader")  # type: ignore[misc]
 
