@@ -76,7 +76,7 @@ def _framework() -> Any:
 def _weights_name(i: int, safe: bool) -> str:
     from accelerate.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
-    name = SAFE_WEIGHTS_NAME if safe else WEIGHTS_NAME
+    name: str = SAFE_WEIGHTS_NAME if safe else WEIGHTS_NAME
     return name.replace(".", f"_{i}.") if i > 0 else name
 
 
@@ -174,7 +174,7 @@ class FastPersistAccelerate:
         def finalize() -> None:
             if os.path.isdir(folder):
                 sync_tree(folder)
-            if prune:
+            if prune and limit is not None:
                 _prune(parent, limit)
 
         self.saves.commit(folder, finalize)
@@ -192,7 +192,7 @@ class FastPersistAccelerate:
 
     def _writes_here(self, save_on_each_node: bool = False) -> bool:
         acc = self.accelerator
-        return acc.is_local_main_process if save_on_each_node else acc.is_main_process
+        return bool(acc.is_local_main_process if save_on_each_node else acc.is_main_process)
 
     def _save_file(self, obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization: bool = False) -> None:
         """``accelerate.utils.save``, through fastpersist."""

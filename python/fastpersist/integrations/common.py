@@ -620,7 +620,7 @@ def safe_load_file_via() -> Callable[..., Dict[str, torch.Tensor]]:
         if path is None and isinstance(given, (str, os.PathLike)) and os.path.isfile(given):
             path = os.fspath(given)
         entry = _sidecar_entry(path) if path is not None else None
-        if entry is not None:
+        if entry is not None and path is not None:
             if detect_format(path) != "safetensors":
                 raise CorruptCheckpointError(f"{path}: not a safetensors file any more ({CRC_SIDECAR} lists it)")
             out: Dict[str, torch.Tensor] = read_state_dict(path)
@@ -632,7 +632,8 @@ def safe_load_file_via() -> Callable[..., Dict[str, torch.Tensor]]:
         if call is None:
             log.debug("fastpersist: load_file left to safetensors (%s)", why)
             return real(*args, **kwargs)
-        return read_state_dict(call["path"], map_location=call["map_location"])
+        loaded: Dict[str, torch.Tensor] = read_state_dict(call["path"], map_location=call["map_location"])
+        return loaded
 
     return load_file
 

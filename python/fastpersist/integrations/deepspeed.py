@@ -84,7 +84,8 @@ def _base() -> type:
     missing = [f"CheckpointEngine.{n}" for n in needed if not hasattr(CheckpointEngine, n)]
     check_version("deepspeed", deepspeed.__version__, TESTED, missing)
     del CheckpointCommitInfo
-    return CheckpointEngine
+    base: type = CheckpointEngine
+    return base
 
 
 def _section(config_params: Any) -> Dict[str, Any]:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..options import has_pending
 from ..reader import read_state_dict
@@ -63,7 +63,7 @@ TESTED = ">=2.5,<3"
 
 
 def _bases() -> Tuple[type, ...]:
-    bases = []
+    bases: List[type] = []
     try:
         from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as A
 
@@ -181,11 +181,12 @@ class _FastPersistIO:
         p = os.fspath(path)
         if not os.path.exists(p):
             raise FileNotFoundError(f"Checkpoint file not found: {p}")
-        return read_state_dict(
+        loaded: Dict[str, Any] = read_state_dict(
             p,
             map_location="cpu" if map_location is None else map_location,
             weights_only=_weights_only_default() if weights_only is None else weights_only,
         )
+        return loaded
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete a checkpoint once every save in flight is durable (a
@@ -231,7 +232,7 @@ def _see_pending_saves() -> None:
             continue
 
         def file_exists(self: Any, filepath: Any, trainer: Any, _orig: Any = orig) -> bool:
-            exists = _orig(self, filepath, trainer)
+            exists = bool(_orig(self, filepath, trainer))
             io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
             if not isinstance(io, _FastPersistIO):
                 return exists
@@ -283,7 +284,9 @@ def _prepare_at_train_start() -> None:
         cls.on_train_start = on_train_start
 
 
-class FastPersistCheckpointIO(_FastPersistIO, *_bases()):
+# The bases (Lightning's CheckpointIO from either package name) are found at
+# import, which mypy cannot follow.
+class FastPersistCheckpointIO(_FastPersistIO, *_bases()):  # type: ignore[misc]
     """A Lightning ``CheckpointIO`` that writes through fastpersist (see the
     module doc). ``mode``: ``"snapshot"`` (default) or ``"pipelined"``;
     ``async_save=False`` saves synchronously; ``max_pending`` bounds

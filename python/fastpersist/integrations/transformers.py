@@ -92,25 +92,23 @@ def _framework() -> Tuple[Any, Any, Any]:
     import transformers
     from transformers import modeling_utils, trainer, trainer_utils
 
-    missing = [
-        f"{m.__name__}.{n}"
-        for m, n in [
-            (modeling_utils, "safe_save_file"),
-            (trainer, "torch"),
-            (trainer, "safetensors"),
-            (trainer_utils, "torch"),
-            (trainer_utils, "safe_load_file"),
-            (trainer_utils, "rotate_checkpoints"),
-            (trainer_utils, "PREFIX_CHECKPOINT_DIR"),
-            (trainer.Trainer, "_save_checkpoint"),
-            (trainer.Trainer, "_get_output_dir"),
-            (trainer.Trainer, "_finalize_training"),
-            (trainer.Trainer, "_load_from_checkpoint"),
-            (trainer.Trainer, "_load_optimizer_and_scheduler"),
-            (trainer.Trainer, "_load_rng_state"),
-        ]
-        if not hasattr(m, n)
+    # (module or class, the name it must have)
+    needed: List[Tuple[Any, str]] = [
+        (modeling_utils, "safe_save_file"),
+        (trainer, "torch"),
+        (trainer, "safetensors"),
+        (trainer_utils, "torch"),
+        (trainer_utils, "safe_load_file"),
+        (trainer_utils, "rotate_checkpoints"),
+        (trainer_utils, "PREFIX_CHECKPOINT_DIR"),
+        (trainer.Trainer, "_save_checkpoint"),
+        (trainer.Trainer, "_get_output_dir"),
+        (trainer.Trainer, "_finalize_training"),
+        (trainer.Trainer, "_load_from_checkpoint"),
+        (trainer.Trainer, "_load_optimizer_and_scheduler"),
+        (trainer.Trainer, "_load_rng_state"),
     ]
+    missing = [f"{m.__name__}.{n}" for m, n in needed if not hasattr(m, n)]
     check_version("transformers", transformers.__version__, TESTED, missing)
     return modeling_utils, trainer, trainer_utils
 
@@ -159,7 +157,7 @@ def _prepare_callback(trainer: Any) -> Any:
 
     ref = weakref.ref(trainer)
 
-    class FastPersistPrepare(TrainerCallback):  # type: ignore[misc]
+    class FastPersistPrepare(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             t = ref()
             if t is not None:
