@@ -295,8 +295,8 @@ struct Scattered {
 }
 
 /// Reads in flight, each completed buffer scattered by one of `threads`
-/// scatter threads (in any order: the copies go to disjoint places), the
-/// partial checksums folded and the buffers reused in file order. On
+/// scatter threads (in any order: the copies go to disjoint places) and
+/// reused as soon as it is; the partial checksums are folded in file order. On
 /// return (also on an error) no scatter thread touches any buffer or
 /// destination any more.
 fn read_parallel(
@@ -370,9 +370,20 @@ fn coordinate_reads(
     let n = plan.extents.len();
     let (mut next, mut fin, mut outstanding) = (0usize, 0usize, 0usize);
     let mut seq_of = vec![usize::MAX; arena.nbufs()];
-    let mut ready: BTreeMap<usize, Scattered> = BTreeMap::new();
+    // Partial checksums of extents scattered ahead of `fin`. A buffer goes
+    // back to the free list as soon as it is scattered (whatever its place
+    // in the file): only the checksums wait for file order.
+    let mut ready: BTreeMap<usize, Vec<(usize, Hasher)>> = BTreeMap::new();
     let mut completed = Vec::new();
     let lost = || Error::layout("a scatter thread ended early");
+    let take = |d: Scattered,
+                free: &mut Vec<usize>,
+                ready: &mut BTreeMap<usize, Vec<(usize, Hasher)>>,
+                outstanding: &mut usize| {
+        *outstanding -= 1;
+        free.push(d.buf);
+        ready.insert(d.seq, d.partials);
+    };
     while fin < n {
         while sink.inflight() < plan.qd && next < n {
             let Some(b) = free.pop() else {
@@ -394,14 +405,12 @@ fn coordinate_reads(
             outstanding += 1;
         }
         while let Ok(d) = done_rx.try_recv() {
-            outstanding -= 1;
-            ready.insert(d.seq, d);
-        }
-        while let Some(d) = ready.remove(&fin) {
-            fold(hashers, d.partials);
-            free.push(d.buf);
-            fin += 1;
+            take(d, free, &mut ready, &mut outstanding);
             progressed = true;
+        }
+        while let Some(partials) = ready.remove(&fin) {
+            fold(hashers, partials);
+            fin += 1;
         }
         if progressed || fin >= n {
             continue;
@@ -411,16 +420,12 @@ fn coordinate_reads(
             sink.reap(&mut completed, true)?;
         } else if sink.inflight() == 0 {
             let d = done_rx.recv().map_err(|_| lost())?;
-            outstanding -= 1;
-            ready.insert(d.seq, d);
+            take(d, free, &mut ready, &mut outstanding);
         } else {
             // Both may finish first: a short wait on the threads, then the
             // device is polled again.
             match done_rx.recv_timeout(Duration::from_micros(200)) {
-                Ok(d) => {
-                    outstanding -= 1;
-                    ready.insert(d.seq, d);
-                }
+                Ok(d) => take(d, free, &mut ready, &mut outstanding),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Err(lost()),
             }
