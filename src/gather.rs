@@ -164,12 +164,14 @@ pub(crate) fn pump_parallel(
     })
 }
 
-/// A gather thread: tasks until the calling thread stops handing them out.
-fn worker(
-    layout: &Layout,
-    extents: &[Extent],
-    rx: &Mutex<mpsc::Receiver<Task>>,
-    tx: &mpsc::Sender<Gathered>,
+/// A worker thread's loop: `work` on each task from `rx`, its result sent
+/// to `tx`, until the calling thread stops handing tasks out (or stops
+/// listening). Shared by the gather threads and the read path's scatter
+/// threads.
+pub(crate) fn serve<T, R>(
+    rx: &Mutex<mpsc::Receiver<T>>,
+    tx: &mpsc::Sender<R>,
+    mut work: impl FnMut(T) -> R,
 ) {
     loop {
         let task = match rx.lock() {
@@ -179,6 +181,20 @@ fn worker(
         let Ok(t) = task else {
             return; // the calling thread is done handing out work
         };
+        if tx.send(work(t)).is_err() {
+            return;
+        }
+    }
+}
+
+/// A gather thread: copy (unless already done) and checksum each extent.
+fn worker(
+    layout: &Layout,
+    extents: &[Extent],
+    rx: &Mutex<mpsc::Receiver<Task>>,
+    tx: &mpsc::Sender<Gathered>,
+) {
+    serve(rx, tx, |t: Task| {
         let ext = extents[t.seq];
         // SAFETY: buffer `t.buf` (at `t.addr`, at least `ext.len` bytes:
         // an extent is at most one buffer) was taken off the free list for
@@ -188,16 +204,12 @@ fn worker(
         if t.copy {
             copy_extent(layout, ext, buf);
         }
-        let partials = checksum_extent(layout, ext, buf);
-        let done = Gathered {
+        Gathered {
             seq: t.seq,
             buf: t.buf,
-            partials,
-        };
-        if tx.send(done).is_err() {
-            return;
+            partials: checksum_extent(layout, ext, buf),
         }
-    }
+    });
 }
 
 /// The calling thread's part of [`pump_parallel`].

@@ -14,7 +14,7 @@ use crate::align::{self, align_down, align_up};
 use crate::arena::Arena;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::gather::MIN_PARALLEL_EXTENTS;
+use crate::gather::{serve, MIN_PARALLEL_EXTENTS};
 use crate::sink::{Job, Sink};
 use crc32fast::Hasher;
 use std::collections::{BTreeMap, VecDeque};
@@ -324,20 +324,13 @@ fn read_parallel(
     })
 }
 
-/// A scatter thread: tasks until the calling thread stops handing them out.
+/// A scatter thread: copy each completed buffer to its destinations.
 fn scatter_worker(
     plan: &ReadPlan<'_>,
     rx: &Mutex<mpsc::Receiver<ScatterTask>>,
     tx: &mpsc::Sender<Scattered>,
 ) {
-    loop {
-        let task = match rx.lock() {
-            Ok(rx) => rx.recv(),
-            Err(_) => return,
-        };
-        let Ok(t) = task else {
-            return; // the calling thread is done handing out work
-        };
+    serve(rx, tx, |t: ScatterTask| {
         let len = plan.extents[t.seq].1;
         // SAFETY: buffer `t.buf` (at `t.addr`, at least `len` bytes: an
         // extent is at most one buffer) holds a completed read and was
@@ -345,16 +338,12 @@ fn scatter_worker(
         // resubmits it until this worker sends it back, and the arena
         // outlives the scope.
         let data = unsafe { std::slice::from_raw_parts(t.addr as *const u8, len) };
-        let partials = plan.scatter(t.seq, data);
-        let done = Scattered {
+        Scattered {
             seq: t.seq,
             buf: t.buf,
-            partials,
-        };
-        if tx.send(done).is_err() {
-            return;
+            partials: plan.scatter(t.seq, data),
         }
-    }
+    });
 }
 
 /// The calling thread's part of [`read_parallel`].

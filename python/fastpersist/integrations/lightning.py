@@ -212,6 +212,24 @@ class _FastPersistIO:
         self.saves.wait()
 
 
+def _wrap_model_checkpoint(name: str, wrap: Callable[[Any], Callable[..., Any]]) -> None:
+    """Replace ``ModelCheckpoint.<name>`` in both import trees (``lightning``
+    and ``pytorch_lightning``) by ``wrap(original)``, once per class."""
+    import importlib
+
+    for modname in ("lightning.pytorch.callbacks.model_checkpoint", "pytorch_lightning.callbacks.model_checkpoint"):
+        try:
+            cls = importlib.import_module(modname).ModelCheckpoint
+        except (ImportError, AttributeError):
+            continue
+        orig = cls.__dict__.get(name)
+        if orig is None or getattr(orig, "_fastpersist", False):
+            continue
+        new = wrap(orig)
+        new._fastpersist = True  # type: ignore[attr-defined]
+        setattr(cls, name, new)
+
+
 def _see_pending_saves() -> None:
     """Make ``ModelCheckpoint`` (both trees) see a checkpoint whose save is
     still in flight as existing, as it sees a synchronously written one.
@@ -220,27 +238,19 @@ def _see_pending_saves() -> None:
     ``name.ckpt`` and ``name-v1.ckpt``, and the second would replace the
     first. The original check runs as before; a second broadcast of rank
     0's answer about pending saves is added on every rank, so ranks agree."""
-    import importlib
 
-    for modname in ("lightning.pytorch.callbacks.model_checkpoint", "pytorch_lightning.callbacks.model_checkpoint"):
-        try:
-            cls = importlib.import_module(modname).ModelCheckpoint
-        except (ImportError, AttributeError):
-            continue
-        orig = cls.__dict__.get("file_exists")
-        if orig is None or getattr(orig, "_fastpersist", False):
-            continue
-
-        def file_exists(self: Any, filepath: Any, trainer: Any, _orig: Any = orig) -> bool:
-            exists = bool(_orig(self, filepath, trainer))
+    def wrap(orig: Any) -> Callable[..., bool]:
+        def file_exists(self: Any, filepath: Any, trainer: Any) -> bool:
+            exists = bool(orig(self, filepath, trainer))
             io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
             if not isinstance(io, _FastPersistIO):
                 return exists
             pending = trainer.strategy.broadcast(has_pending(os.fspath(filepath)))
             return bool(exists or pending)
 
-        file_exists._fastpersist = True  # type: ignore[attr-defined]
-        cls.file_exists = file_exists
+        return file_exists
+
+    _wrap_model_checkpoint("file_exists", wrap)
 
 
 def _writes_local_state(strategy: Any) -> bool:
@@ -263,25 +273,17 @@ def _prepare_at_train_start() -> None:
     trainer's CheckpointIO is fastpersist's, it prepares the snapshot buffer
     (:meth:`FastPersistCheckpointIO.prepare`) from the trainer's module and
     optimizers, after the optimizers' first step if they have no state yet."""
-    import importlib
 
-    for modname in ("lightning.pytorch.callbacks.model_checkpoint", "pytorch_lightning.callbacks.model_checkpoint"):
-        try:
-            cls = importlib.import_module(modname).ModelCheckpoint
-        except (ImportError, AttributeError):
-            continue
-        orig = cls.__dict__.get("on_train_start")
-        if orig is None or getattr(orig, "_fastpersist", False):
-            continue
-
-        def on_train_start(self: Any, trainer: Any, pl_module: Any, _orig: Any = orig) -> None:
-            _orig(self, trainer, pl_module)
+    def wrap(orig: Any) -> Callable[..., None]:
+        def on_train_start(self: Any, trainer: Any, pl_module: Any) -> None:
+            orig(self, trainer, pl_module)
             io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
             if isinstance(io, _FastPersistIO):
                 never_raises("preparing the snapshot buffer", lambda: io._arm(trainer))
 
-        on_train_start._fastpersist = True  # type: ignore[attr-defined]
-        cls.on_train_start = on_train_start
+        return on_train_start
+
+    _wrap_model_checkpoint("on_train_start", wrap)
 
 
 # The bases (Lightning's CheckpointIO from either package name) are found at
