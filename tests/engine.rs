@@ -81,6 +81,21 @@ fn sample(big: &[u8], odd: &[u8]) -> (Vec<Segment>, Vec<u8>, u64) {
     (segs, expect, file_len)
 }
 
+/// One read request per `(offset, _)` range, into the buffer of the same
+/// index. The buffers must outlive the reads and not be touched during them.
+fn read_requests(ranges: &[(u64, usize)], bufs: &mut [Vec<u8>]) -> Vec<fastpersist::ReadReq> {
+    ranges
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(&(offset, _), b)| fastpersist::ReadReq {
+            offset,
+            // SAFETY: the caller keeps each buffer alive and untouched until
+            // the reads that use these requests have returned.
+            dst: unsafe { fastpersist::MutMemRef::new(b.as_mut_ptr(), b.len()) },
+        })
+        .collect()
+}
+
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
     (0..n).map(|i| (i * 131 + seed as usize) as u8).collect()
 }
@@ -266,7 +281,6 @@ fn dropped_session_leaves_nothing() {
 
 #[test]
 fn reads_records_back_on_every_backend() {
-    use fastpersist::{MutMemRef, ReadReq};
     let big = pattern(3_000_001, 8);
     let odd = pattern(12_345, 9);
     for opts in combos() {
@@ -282,15 +296,7 @@ fn reads_records_back_on_every_backend() {
             (len - 7, 7),
         ];
         let mut bufs: Vec<Vec<u8>> = ranges.iter().map(|&(_, n)| vec![0xAB; n]).collect();
-        let reqs: Vec<ReadReq> = ranges
-            .iter()
-            .zip(bufs.iter_mut())
-            .map(|(&(offset, _), b)| ReadReq {
-                offset,
-                // SAFETY: each buffer is exclusively ours until read_into returns.
-                dst: unsafe { MutMemRef::new(b.as_mut_ptr(), b.len()) },
-            })
-            .collect();
+        let reqs = read_requests(&ranges, &mut bufs);
         let st = eng.read_into(&p, &reqs).unwrap();
         for (&(off, n), b) in ranges.iter().zip(&bufs) {
             assert!(b[..] == expect[off as usize..off as usize + n], "{opts:?}");
@@ -907,7 +913,6 @@ proptest::proptest! {
 
 #[test]
 fn injected_eio_fails_a_read_and_the_engine_reads_again() {
-    use fastpersist::{MutMemRef, ReadReq};
     let content = pattern(2_000_000, 5);
     for mut opts in combos() {
         let d = tempfile::tempdir().unwrap();
@@ -917,16 +922,7 @@ fn injected_eio_fails_a_read_and_the_engine_reads_again() {
         // while earlier buffers are being scattered.
         let ranges: Vec<(u64, usize)> = (0..20).map(|i| (i * 100_000, 90_000)).collect();
         let mut bufs: Vec<Vec<u8>> = ranges.iter().map(|&(_, n)| vec![0; n]).collect();
-        let reqs: Vec<ReadReq> = ranges
-            .iter()
-            .zip(bufs.iter_mut())
-            .map(|(&(offset, _), b)| ReadReq {
-                offset,
-                // SAFETY: each buffer is exclusively ours until the reads
-                // below return; it is only looked at after them.
-                dst: unsafe { MutMemRef::new(b.as_mut_ptr(), b.len()) },
-            })
-            .collect();
+        let reqs = read_requests(&ranges, &mut bufs);
         opts.fault = Some(Fault {
             offset: 1_500_000,
             errno: libc::EIO,

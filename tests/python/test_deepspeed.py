@@ -75,13 +75,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_real_deepspeed_engine_on_cpu(tmp_path):
+def _run_ds_worker(tmp_path, *args: str) -> dict:
+    """Run ``ds_worker.py`` (one process, DeepSpeed's CPU accelerator) and
+    return the results it prints; skips where its comm op cannot be built."""
     if shutil.which("ninja") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ninja")):
         pytest.skip("DeepSpeed's CPU accelerator JIT-builds its comm op with ninja, which is not installed")
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(_free_port()))
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     r = subprocess.run(
-        [sys.executable, os.path.join(HERE, "ds_worker.py"), str(tmp_path)],
+        [sys.executable, os.path.join(HERE, "ds_worker.py"), str(tmp_path), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -90,6 +92,11 @@ def test_real_deepspeed_engine_on_cpu(tmp_path):
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-5000:]
     out = json.loads(lines[-1][len("RESULT ") :])
+    return out
+
+
+def test_real_deepspeed_engine_on_cpu(tmp_path):
+    out = _run_ds_worker(tmp_path)
     for mode in ("snapshot", "pipelined"):
         assert out[f"{mode}_engine"] == "FastPersistCheckpointEngine"
         assert out[f"{mode}_latest"] == "global_step4"
@@ -175,20 +182,7 @@ def test_real_deepspeed_engine_makes_the_snapshot_buffers_before_the_first_check
     whose saves then make none of their own; with ``"prepare": false`` they
     do. Both checkpoints load back exactly, the second grown after the
     prepare by a 4 MiB ``client_state`` tensor."""
-    if shutil.which("ninja") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ninja")):
-        pytest.skip("DeepSpeed's CPU accelerator JIT-builds its comm op with ninja, which is not installed")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(_free_port()))
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    r = subprocess.run(
-        [sys.executable, os.path.join(HERE, "ds_worker.py"), str(tmp_path), "prepare"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-5000:]
-    out = json.loads(lines[-1][len("RESULT ") :])
+    out = _run_ds_worker(tmp_path, "prepare")
     assert out["zero1_files"] == 2 and out["zero0_files"] == 1
     for name in ("zero1", "zero0"):
         assert (out[f"{name}_after_init"], out[f"{name}_after_step1"]) == (0, 1), out
