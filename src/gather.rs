@@ -102,6 +102,7 @@ pub(crate) fn finish_extent(
 
 /// One extent for a worker: its arena buffer (index and address), and
 /// whether the worker copies it (else it is already copied).
+#[derive(Clone, Copy)]
 struct Task {
     seq: usize,
     buf: usize,
@@ -138,41 +139,54 @@ pub(crate) fn pump_parallel(
     p: &mut Pumping<'_>,
 ) -> Result<()> {
     let guarded = guard::installed();
-    let (task_tx, task_rx) = mpsc::channel::<Task>();
+    with_workers(
+        threads,
+        |t: Task| gather_task(layout, extents, t),
+        |task_tx, done_rx| {
+            coordinate(
+                layout,
+                extents,
+                arena,
+                sink,
+                p,
+                (guarded, threads * 2),
+                task_tx,
+                done_rx,
+            )
+        },
+    )
+}
+
+/// Run `coordinate` on the calling thread with `threads` scoped workers:
+/// each takes tasks from the sender `coordinate` is given, applies `work`
+/// and sends the result back on the receiver. Once `coordinate` returns,
+/// the workers finish what is queued and end; the scope joins them before
+/// this function returns (also on an error). Shared by the gather threads
+/// and the read path's scatter threads.
+pub(crate) fn with_workers<T: Send, R: Send, O>(
+    threads: usize,
+    work: impl Fn(T) -> R + Sync,
+    coordinate: impl FnOnce(&mpsc::Sender<T>, &mpsc::Receiver<R>) -> O,
+) -> O {
+    let (task_tx, task_rx) = mpsc::channel::<T>();
     let task_rx = Mutex::new(task_rx);
-    let (done_tx, done_rx) = mpsc::channel::<Gathered>();
+    let (done_tx, done_rx) = mpsc::channel::<R>();
     std::thread::scope(|scope| {
         for _ in 0..threads {
-            let (rx, tx) = (&task_rx, done_tx.clone());
-            scope.spawn(move || worker(layout, extents, rx, &tx));
+            let (rx, tx, work) = (&task_rx, done_tx.clone(), &work);
+            scope.spawn(move || serve(rx, &tx, work));
         }
         drop(done_tx);
-        let res = coordinate(
-            layout,
-            extents,
-            arena,
-            sink,
-            p,
-            (guarded, threads * 2),
-            &task_tx,
-            &done_rx,
-        );
-        // Workers finish the task they hold and end; the scope joins them
-        // before this function returns.
+        let out = coordinate(&task_tx, &done_rx);
         drop(task_tx);
-        res
+        out
     })
 }
 
 /// A worker thread's loop: `work` on each task from `rx`, its result sent
 /// to `tx`, until the calling thread stops handing tasks out (or stops
-/// listening). Shared by the gather threads and the read path's scatter
-/// threads.
-pub(crate) fn serve<T, R>(
-    rx: &Mutex<mpsc::Receiver<T>>,
-    tx: &mpsc::Sender<R>,
-    mut work: impl FnMut(T) -> R,
-) {
+/// listening).
+fn serve<T, R>(rx: &Mutex<mpsc::Receiver<T>>, tx: &mpsc::Sender<R>, work: impl Fn(T) -> R) {
     loop {
         let task = match rx.lock() {
             Ok(rx) => rx.recv(),
@@ -187,29 +201,23 @@ pub(crate) fn serve<T, R>(
     }
 }
 
-/// A gather thread: copy (unless already done) and checksum each extent.
-fn worker(
-    layout: &Layout,
-    extents: &[Extent],
-    rx: &Mutex<mpsc::Receiver<Task>>,
-    tx: &mpsc::Sender<Gathered>,
-) {
-    serve(rx, tx, |t: Task| {
-        let ext = extents[t.seq];
-        // SAFETY: buffer `t.buf` (at `t.addr`, at least `ext.len` bytes:
-        // an extent is at most one buffer) was taken off the free list for
-        // this task alone; the calling thread does not touch it until this
-        // worker sends it back, and the arena outlives the scope.
-        let buf = unsafe { std::slice::from_raw_parts_mut(t.addr as *mut u8, ext.len) };
-        if t.copy {
-            copy_extent(layout, ext, buf);
-        }
-        Gathered {
-            seq: t.seq,
-            buf: t.buf,
-            partials: checksum_extent(layout, ext, buf),
-        }
-    });
+/// A gather thread's task: copy the extent (unless already done) and
+/// checksum it.
+fn gather_task(layout: &Layout, extents: &[Extent], t: Task) -> Gathered {
+    let ext = extents[t.seq];
+    // SAFETY: buffer `t.buf` (at `t.addr`, at least `ext.len` bytes: an
+    // extent is at most one buffer) was taken off the free list for this
+    // task alone; the calling thread does not touch it until the worker
+    // sends it back, and the arena outlives the workers' scope.
+    let buf = unsafe { std::slice::from_raw_parts_mut(t.addr as *mut u8, ext.len) };
+    if t.copy {
+        copy_extent(layout, ext, buf);
+    }
+    Gathered {
+        seq: t.seq,
+        buf: t.buf,
+        partials: checksum_extent(layout, ext, buf),
+    }
 }
 
 /// The calling thread's part of [`pump_parallel`].

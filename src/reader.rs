@@ -14,7 +14,7 @@ use crate::align::{self, align_down, align_up};
 use crate::arena::Arena;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::gather::{serve, MIN_PARALLEL_EXTENTS};
+use crate::gather::{with_workers, MIN_PARALLEL_EXTENTS};
 use crate::sink::{Job, Sink};
 use crc32fast::Hasher;
 use std::collections::{BTreeMap, VecDeque};
@@ -22,7 +22,7 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::sync::{mpsc, Mutex};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 /// Caller memory to read into.
@@ -281,6 +281,7 @@ fn read_serial(
 }
 
 /// An extent read into arena buffer `buf` (at `addr`), for a scatter thread.
+#[derive(Clone, Copy)]
 struct ScatterTask {
     seq: usize,
     buf: usize,
@@ -307,43 +308,26 @@ fn read_parallel(
     threads: usize,
     hashers: &mut [Hasher],
 ) -> Result<()> {
-    let (task_tx, task_rx) = mpsc::channel::<ScatterTask>();
-    let task_rx = Mutex::new(task_rx);
-    let (done_tx, done_rx) = mpsc::channel::<Scattered>();
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            let (rx, tx) = (&task_rx, done_tx.clone());
-            scope.spawn(move || scatter_worker(plan, rx, &tx));
-        }
-        drop(done_tx);
-        let res = coordinate_reads(plan, sink, arena, free, hashers, &task_tx, &done_rx);
-        // Workers finish what is queued and end; the scope joins them
-        // before this function returns.
-        drop(task_tx);
-        res
-    })
+    with_workers(
+        threads,
+        |t: ScatterTask| scatter_task(plan, t),
+        |task_tx, done_rx| coordinate_reads(plan, sink, arena, free, hashers, task_tx, done_rx),
+    )
 }
 
-/// A scatter thread: copy each completed buffer to its destinations.
-fn scatter_worker(
-    plan: &ReadPlan<'_>,
-    rx: &Mutex<mpsc::Receiver<ScatterTask>>,
-    tx: &mpsc::Sender<Scattered>,
-) {
-    serve(rx, tx, |t: ScatterTask| {
-        let len = plan.extents[t.seq].1;
-        // SAFETY: buffer `t.buf` (at `t.addr`, at least `len` bytes: an
-        // extent is at most one buffer) holds a completed read and was
-        // handed to this task alone; the calling thread neither reuses nor
-        // resubmits it until this worker sends it back, and the arena
-        // outlives the scope.
-        let data = unsafe { std::slice::from_raw_parts(t.addr as *const u8, len) };
-        Scattered {
-            seq: t.seq,
-            buf: t.buf,
-            partials: plan.scatter(t.seq, data),
-        }
-    });
+/// A scatter thread's task: copy a completed buffer to its destinations.
+fn scatter_task(plan: &ReadPlan<'_>, t: ScatterTask) -> Scattered {
+    let len = plan.extents[t.seq].1;
+    // SAFETY: buffer `t.buf` (at `t.addr`, at least `len` bytes: an extent
+    // is at most one buffer) holds a completed read and was handed to this
+    // task alone; the calling thread neither reuses nor resubmits it until
+    // the worker sends it back, and the arena outlives the workers' scope.
+    let data = unsafe { std::slice::from_raw_parts(t.addr as *const u8, len) };
+    Scattered {
+        seq: t.seq,
+        buf: t.buf,
+        partials: plan.scatter(t.seq, data),
+    }
 }
 
 /// The calling thread's part of [`read_parallel`].
