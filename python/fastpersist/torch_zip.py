@@ -206,7 +206,7 @@ class TorchZipLayout:
         if data is not None:
             # Known bytes: header, data and descriptor are one blob.
             crc = _core.crc32(data)
-            self._blob(b"".join((head, name_b, extra, data, struct.pack("<II", 0x08074B50, crc), sizes)))
+            self._blob(b"".join((head, name_b, extra, data, _SIGNATURE, struct.pack("<I", crc), sizes)))
         else:
             assert region is not None
             self._blob(head + name_b + extra)
