@@ -97,7 +97,21 @@ def _is_meta_storage(o: Any) -> bool:
 
 
 def _is_zero_tensor(o: Any) -> bool:
-    return isinstance(o, torch.Tensor) and o._is_zerotensor()
+    return isinstance(o, torch.Tensor) and _zero(o)
+
+
+def _zero(t: torch.Tensor) -> bool:
+    """``t._is_zerotensor()``, asked only of tensors without a data pointer
+    (zero tensors have none): that call releases the GIL, which costs tens
+    of microseconds whenever another thread waits for it (the engine's
+    copies of caller memory, running while the pickle is made), thousands
+    of times per checkpoint of small tensors."""
+    try:
+        if t.data_ptr() != 0:
+            return False
+    except RuntimeError:  # no storage (some subclasses): torch's own answer
+        pass
+    return bool(t._is_zerotensor())
 
 
 def _has_data(t: torch.Tensor) -> bool:
@@ -105,7 +119,7 @@ def _has_data(t: torch.Tensor) -> bool:
     wrapper subclass (TwoTensor, DTensor: their data lives in inner
     tensors, reached through their own reduction), not a zero tensor,
     not on the meta device."""
-    if t.device.type == "meta" or t._is_zerotensor():
+    if t.device.type == "meta" or _zero(t):
         return False
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return True
@@ -194,7 +208,7 @@ class _Pickler(pickle.Pickler):
             and o.dtype not in _V3_DTYPES
             and not o.is_quantized
             and not o.__dict__
-            and not o._is_zerotensor()
+            and not _zero(o)
         ):
             _check_extent(o)
             # Exactly what Tensor._reduce_ex_internal returns for this case.
