@@ -4,7 +4,9 @@ engine (CPU accelerator, one gloo rank) in a process of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import glob
 import json
 import os
 import shutil
@@ -75,20 +77,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _ds_port():
+    """A free port for one DeepSpeed run. DeepSpeed's CPU accelerator leaves
+    its shared-memory allreduce buffers (64 MiB each, named after the
+    address and port) in /dev/shm when the run ends: this run's are removed
+    afterwards, so a test session does not fill the machine's memory."""
+    port = _free_port()
+    try:
+        yield str(port)
+    finally:
+        for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            with contextlib.suppress(OSError):
+                os.unlink(f)
+
+
 def _run_ds_worker(tmp_path, *args: str) -> dict:
     """Run ``ds_worker.py`` (one process, DeepSpeed's CPU accelerator) and
     return the results it prints; skips where its comm op cannot be built."""
     if shutil.which("ninja") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ninja")):
         pytest.skip("DeepSpeed's CPU accelerator JIT-builds its comm op with ninja, which is not installed")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(_free_port()))
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    r = subprocess.run(
-        [sys.executable, os.path.join(HERE, "ds_worker.py"), str(tmp_path), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
+    with _ds_port() as port:
+        env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=port)
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        r = subprocess.run(
+            [sys.executable, os.path.join(HERE, "ds_worker.py"), str(tmp_path), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-5000:]
     out = json.loads(lines[-1][len("RESULT ") :])
@@ -132,7 +150,8 @@ def test_real_deepspeed_engine_two_ranks_commit_at_the_same_step(tmp_path):
     hang), both at step 4, and only then does ``latest`` name the tag."""
     if shutil.which("ninja") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ninja")):
         pytest.skip("DeepSpeed's CPU accelerator JIT-builds its comm op with ninja, which is not installed")
-    port = str(_free_port())
+    shm = contextlib.ExitStack()
+    port = shm.enter_context(_ds_port())
     procs, logs = [], []
     for rank in (0, 1):
         env = dict(
@@ -170,6 +189,7 @@ def test_real_deepspeed_engine_two_ranks_commit_at_the_same_step(tmp_path):
                 p.kill()
                 p.wait()
             log.close()
+        shm.close()
     for out in results:
         assert out["committed_at_steps"] == [4], out
         assert out["latest_after_step3"] is None and out["latest_after_step4"] == "global_step2", out
