@@ -15,9 +15,11 @@
 //!   which [`Layout::new`] checks) and submits the buffer.
 //!
 //! Under a [`crate::guard`] (caller memory that the caller's runtime may
-//! free, read only while the guard is held) the calling thread does the
-//! copies itself under the guard, and the workers only checksum: the copy
-//! stays one memory-speed pass on one thread, the checksum leaves it.
+//! free, read only while the guard is held) the calling thread takes the
+//! guard and checks each extent's memory before handing it out, and keeps
+//! the guard while any worker may still be copying: it gives the guard back
+//! (after a slice, or to wait for the device) only once every extent handed
+//! out has come back. So the copies, too, run on all the workers.
 //!
 //! Workers are scoped to the call: every one has finished with its buffer
 //! before the call returns, also on an error.
@@ -100,14 +102,12 @@ pub(crate) fn finish_extent(
     }
 }
 
-/// One extent for a worker: its arena buffer (index and address), and
-/// whether the worker copies it (else it is already copied).
+/// One extent for a worker: its arena buffer (index and address).
 #[derive(Clone, Copy)]
 struct Task {
     seq: usize,
     buf: usize,
     addr: usize,
-    copy: bool,
 }
 
 /// A worker's result: the extent's partial checksums.
@@ -201,8 +201,7 @@ fn serve<T, R>(rx: &Mutex<mpsc::Receiver<T>>, tx: &mpsc::Sender<R>, work: impl F
     }
 }
 
-/// A gather thread's task: copy the extent (unless already done) and
-/// checksum it.
+/// A gather thread's task: copy the extent and checksum it.
 fn gather_task(layout: &Layout, extents: &[Extent], t: Task) -> Gathered {
     let ext = extents[t.seq];
     // SAFETY: buffer `t.buf` (at `t.addr`, at least `ext.len` bytes: an
@@ -210,9 +209,9 @@ fn gather_task(layout: &Layout, extents: &[Extent], t: Task) -> Gathered {
     // task alone; the calling thread does not touch it until the worker
     // sends it back, and the arena outlives the workers' scope.
     let buf = unsafe { std::slice::from_raw_parts_mut(t.addr as *mut u8, ext.len) };
-    if t.copy {
-        copy_extent(layout, ext, buf);
-    }
+    // Caller memory under a guard: the calling thread checked it and holds
+    // the guard until this task has come back (see `coordinate`).
+    copy_extent(layout, ext, buf);
     Gathered {
         seq: t.seq,
         buf: t.buf,
@@ -233,48 +232,81 @@ fn coordinate(
     done_rx: &mpsc::Receiver<Gathered>,
 ) -> Result<()> {
     let n = extents.len();
+    // Extents handed out but not yet submitted (`outstanding`), of which
+    // `at_workers` have not come back yet: under a guard, those may be
+    // reading caller memory, and the guard stays held until they are back.
     let (mut next, mut fin, mut outstanding) = (0usize, 0usize, 0usize);
+    let mut at_workers = 0usize;
     let mut ready: BTreeMap<usize, Gathered> = BTreeMap::new();
     let lost = || Error::layout("a gather thread ended early");
+    // Before this thread blocks on the device: under a guard, first take
+    // back every extent from the workers (holding the guard meanwhile),
+    // then give the guard back.
+    let quiesce = |ready: &mut BTreeMap<usize, Gathered>, at_workers: &mut usize| -> Result<()> {
+        if guarded {
+            while *at_workers > 0 {
+                let d = done_rx.recv().map_err(|_| lost())?;
+                *at_workers -= 1;
+                ready.insert(d.seq, d);
+            }
+        }
+        guard::before_block();
+        Ok(())
+    };
     while fin < n {
         // Hand out work while there are buffers and room in the window.
         while next < n && outstanding < window && !p.free.is_empty() {
             let ext = extents[next];
-            let b = p.free.pop().expect("a free buffer");
             if guarded {
-                guard::before_gather(|| layout.mem_crc_ids(ext))?;
-                copy_extent(layout, ext, &mut arena.buf_mut(b)[..ext.len]);
+                if at_workers == 0 {
+                    // Nobody reads under the guard: it may be given back
+                    // first, after a slice.
+                    guard::before_gather(|| layout.mem_crc_ids(ext))?;
+                } else if guard::slice_over() {
+                    break; // let the workers finish, then give it back
+                } else {
+                    guard::hold_for_gather(|| layout.mem_crc_ids(ext))?;
+                }
             }
+            let b = p.free.pop().expect("a free buffer");
             let task = Task {
                 seq: next,
                 buf: b,
                 addr: arena.buf_ptr(b) as usize,
-                copy: !guarded,
             };
             task_tx.send(task).map_err(|_| lost())?;
             next += 1;
             outstanding += 1;
+            at_workers += 1;
         }
         // Finish, in file order, what the workers have done.
         while let Ok(d) = done_rx.try_recv() {
+            at_workers -= 1;
             ready.insert(d.seq, d);
         }
         let mut progressed = false;
         while let Some(d) = ready.remove(&fin) {
             outstanding -= 1;
-            submit(layout, extents[fin], &d, arena, sink, p)?;
+            submit(layout, extents[fin], &d, arena, sink, p, &mut || {
+                quiesce(&mut ready, &mut at_workers)
+            })?;
             fin += 1;
             progressed = true;
         }
         if progressed || fin >= n {
             continue;
         }
-        // Nothing to finish yet: wait for a worker, or for the device.
-        guard::before_block();
-        if outstanding > 0 {
+        // Nothing to finish yet: wait for a worker (under a guard, holding
+        // it: the worker may be reading caller memory), or for the device.
+        if at_workers > 0 {
+            if !guarded {
+                guard::before_block();
+            }
             let d = done_rx.recv().map_err(|_| lost())?;
+            at_workers -= 1;
             ready.insert(d.seq, d);
         } else if p.free.is_empty() {
+            quiesce(&mut ready, &mut at_workers)?;
             sink.reap(p.free, true)?;
         }
     }
@@ -284,6 +316,7 @@ fn coordinate(
 /// Fold an extent's checksums, fill its slots and submit it, keeping at
 /// most `qd` writes in flight and starting an fdatasync every
 /// `flush_every` bytes.
+/// `before_block` is called before each wait for the device.
 fn submit(
     layout: &Layout,
     ext: Extent,
@@ -291,15 +324,16 @@ fn submit(
     arena: &mut Arena,
     sink: &mut dyn Sink,
     p: &mut Pumping<'_>,
+    before_block: &mut dyn FnMut() -> Result<()>,
 ) -> Result<()> {
     if p.flush_every > 0 && *p.unflushed >= p.flush_every {
-        guard::before_block();
+        before_block()?;
         sink.submit_datasync(p.fd)?;
         *p.unflushed = 0;
     }
     *p.unflushed += ext.len as u64;
     while sink.inflight() >= p.qd {
-        guard::before_block();
+        before_block()?;
         sink.reap(p.free, true)?;
     }
     finish_extent(

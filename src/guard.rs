@@ -9,7 +9,10 @@
 //! id whose memory the extent reads, and unlocked before the engine blocks
 //! (waiting for the device) and after each [`SLICE`] of gathering, so the
 //! caller's other threads run while the disk works and while the engine
-//! copies. Without a guard, gathering costs nothing extra.
+//! copies. While the guard is held, the gather threads may read caller
+//! memory too (the calling thread hands them extents it has checked, and
+//! gives the guard back only once they are done: [`hold_for_gather`]).
+//! Without a guard, gathering costs nothing extra.
 
 use std::cell::RefCell;
 use std::time::{Duration, Instant};
@@ -21,7 +24,9 @@ pub trait GatherGuard {
     /// Take exclusive access (idempotent while held).
     fn lock(&mut self) -> Result<()>;
     /// With access held: is the memory of checksum `crc_id` still what the
-    /// caller planned? An error abandons the write.
+    /// caller planned? An error abandons the write. It must not give
+    /// access up, even for a moment, also when it fails: other threads may
+    /// be reading caller memory under it.
     fn check(&mut self, crc_id: u32) -> Result<()>;
     /// Give access back (idempotent).
     fn unlock(&mut self);
@@ -66,12 +71,24 @@ pub fn with_guard<R>(guard: Box<dyn GatherGuard>, f: impl FnOnce() -> R) -> R {
 /// only when a guard is installed): lock (giving the guard back first when
 /// it has been held for a [`SLICE`]) and check them.
 pub(crate) fn before_gather<I: Iterator<Item = u32>>(ids: impl FnOnce() -> I) -> Result<()> {
+    take_and_check(ids, true)
+}
+
+/// Like [`before_gather`], while other threads are reading caller memory
+/// under the guard this thread holds: never gives it back, not after a
+/// slice and not on a failed check (the caller lets those threads finish
+/// before it gives the guard back).
+pub(crate) fn hold_for_gather<I: Iterator<Item = u32>>(ids: impl FnOnce() -> I) -> Result<()> {
+    take_and_check(ids, false)
+}
+
+fn take_and_check<I: Iterator<Item = u32>>(ids: impl FnOnce() -> I, may_release: bool) -> Result<()> {
     GUARD.with(|c| {
         let mut slot = c.borrow_mut();
         let Some(inst) = slot.as_mut() else {
             return Ok(());
         };
-        if inst.since.is_some_and(|t| t.elapsed() >= SLICE) {
+        if may_release && inst.since.is_some_and(|t| t.elapsed() >= SLICE) {
             inst.guard.unlock();
             inst.since = None;
         }
@@ -79,13 +96,25 @@ pub(crate) fn before_gather<I: Iterator<Item = u32>>(ids: impl FnOnce() -> I) ->
         inst.since.get_or_insert_with(Instant::now);
         for id in ids() {
             if let Err(e) = inst.guard.check(id) {
-                // The engine now drains what is in flight: not while locked.
-                inst.guard.unlock();
-                inst.since = None;
+                if may_release {
+                    // The engine now drains what is in flight: not while locked.
+                    inst.guard.unlock();
+                    inst.since = None;
+                }
                 return Err(e);
             }
         }
         Ok(())
+    })
+}
+
+/// Whether the guard has been held for a [`SLICE`] (time to give it back
+/// once nothing reads caller memory under it).
+pub(crate) fn slice_over() -> bool {
+    GUARD.with(|c| {
+        c.borrow()
+            .as_ref()
+            .is_some_and(|inst| inst.since.is_some_and(|t| t.elapsed() >= SLICE))
     })
 }
 

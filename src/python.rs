@@ -65,11 +65,11 @@ fn to_py(e: Error) -> PyErr {
 }
 
 /// The GIL as a [`GatherGuard`]: caller memory (tensor storages) is read
-/// only while this thread holds the GIL, after `guard.check([crc_id])` (a
-/// `fastpersist.plan.MemoryGuard`) said the storage is as it was planned;
-/// no Python thread can resize a storage in between. Released whenever the
-/// engine waits for the device. The exception `check` raised is kept in
-/// `err` for the caller to raise.
+/// (by this thread or by gather threads) only while this thread holds the
+/// GIL, after the storage was found as planned in `guard._owners` (a
+/// `fastpersist.plan.MemoryGuard`); no Python thread can resize a storage
+/// in between. Released whenever the engine waits for the device. What a
+/// failed check found is kept in `err`, for the caller to raise.
 struct GilGuard {
     guard: PyObject,
     state: Option<pyo3::ffi::PyGILState_STATE>,
@@ -93,13 +93,22 @@ impl GatherGuard for GilGuard {
         if self.checked.contains(&crc_id) {
             return Ok(()); // checked since the GIL was taken: cannot have changed
         }
-        Python::with_gil(|py| check_owner(self.guard.bind(py), crc_id)).map_err(|e| {
-            let msg = e.to_string();
+        // No Python code runs here, also when the storage has changed (the
+        // GIL must not move while gather threads read under it): the
+        // exception is made by `guard.check` after the engine returned.
+        let failure = Python::with_gil(|py| match owner_unchanged(self.guard.bind(py), crc_id) {
+            Ok(true) => None,
+            Ok(false) => Some(GuardFailure::Changed(self.guard.clone_ref(py), crc_id)),
+            Err(e) => Some(GuardFailure::Raised(e)),
+        });
+        if let Some(f) = failure {
             if let Ok(mut slot) = self.err.lock() {
-                slot.get_or_insert(e);
+                slot.get_or_insert(f);
             }
-            Error::cancelled(msg)
-        })?;
+            return Err(Error::cancelled(format!(
+                "the storage of checksum {crc_id} changed while it was being saved"
+            )));
+        }
         self.checked.insert(crc_id);
         Ok(())
     }
@@ -116,30 +125,49 @@ impl GatherGuard for GilGuard {
 /// Whether the storage behind checksum `crc_id` of `guard` (a
 /// `MemoryGuard`: `_owners` maps ids to (storage, data pointer, size,
 /// name)) still has the pointer and size it was planned with. Runs no
-/// Python bytecode on the way (dict lookups and the storage's C methods),
-/// so the GIL cannot pass to another thread between this check and the
-/// read that follows it; a changed storage is reported by `guard.check`.
-fn check_owner(guard: &Bound<'_, PyAny>, crc_id: u32) -> PyResult<()> {
+/// Python bytecode (dict lookups and the storage's C methods), so the GIL
+/// cannot pass to another thread between this check and the reads that
+/// follow it.
+fn owner_unchanged(guard: &Bound<'_, PyAny>, crc_id: u32) -> PyResult<bool> {
     let owners = guard.getattr("_owners")?;
     let Some(entry) = owners.downcast::<PyDict>()?.get_item(crc_id)? else {
-        return Ok(());
+        return Ok(true);
     };
     let storage = entry.get_item(0)?;
     let ptr: usize = entry.get_item(1)?.extract()?;
     let n: usize = entry.get_item(2)?.extract()?;
     let now_ptr: usize = storage.call_method0("data_ptr")?.extract()?;
     let now_n: usize = storage.call_method0("nbytes")?.extract()?;
-    if now_ptr == ptr && now_n == n {
+    Ok(now_ptr == ptr && now_n == n)
+}
+
+/// [`owner_unchanged`], with a changed storage reported by `guard.check`
+/// (StorageChangedError, naming the tensor).
+fn check_owner(guard: &Bound<'_, PyAny>, crc_id: u32) -> PyResult<()> {
+    if owner_unchanged(guard, crc_id)? {
         return Ok(());
     }
     guard.call_method1("check", (vec![crc_id],))?; // raises StorageChangedError
-    Err(PyRuntimeError::new_err(format!(
-        "the storage of checksum {crc_id} changed while it was being saved"
-    )))
+    Err(changed_err(crc_id))
 }
 
-/// Where a [`GilGuard`] leaves the exception its check raised.
-type GuardErr = std::sync::Arc<Mutex<Option<PyErr>>>;
+fn changed_err(crc_id: u32) -> PyErr {
+    PyRuntimeError::new_err(format!(
+        "the storage of checksum {crc_id} changed while it was being saved"
+    ))
+}
+
+/// What a [`GilGuard`]'s failed check leaves for the caller.
+enum GuardFailure {
+    /// An exception raised while checking.
+    Raised(PyErr),
+    /// The storage of this checksum id (of this `MemoryGuard`) changed:
+    /// its `check` makes the exception, once the engine has returned.
+    Changed(PyObject, u32),
+}
+
+/// Where a [`GilGuard`] leaves what its failed check found.
+type GuardErr = std::sync::Arc<Mutex<Option<GuardFailure>>>;
 
 /// Run an engine call (inside `allow_threads`) with the GIL guard of
 /// `guard` (a `MemoryGuard`, or None: no guard) installed.
@@ -158,12 +186,18 @@ fn guarded<R>(guard: Option<PyObject>, err: &GuardErr, f: impl FnOnce() -> R) ->
     }
 }
 
-/// The exception a guard's check raised, else the engine's error.
+/// The exception for what a guard's check found, else the engine's error.
 fn guard_err(err: &GuardErr, e: Error) -> PyErr {
-    err.lock()
-        .ok()
-        .and_then(|mut s| s.take())
-        .unwrap_or_else(|| to_py(e))
+    match err.lock().ok().and_then(|mut s| s.take()) {
+        Some(GuardFailure::Raised(pe)) => pe,
+        Some(GuardFailure::Changed(guard, crc_id)) => Python::with_gil(|py| {
+            match guard.call_method1(py, "check", (vec![crc_id],)) {
+                Err(pe) => pe, // StorageChangedError, naming the tensor
+                Ok(_) => changed_err(crc_id), // changed back since
+            }
+        }),
+        None => to_py(e),
+    }
 }
 
 /// A Python int of any size, for an argument whose range is checked here:

@@ -938,3 +938,71 @@ fn injected_eio_fails_a_read_and_the_engine_reads_again() {
         }
     }
 }
+
+/// Stands for a runtime that may free or reuse caller memory whenever the
+/// guard is not held: giving the guard back scribbles over the memory,
+/// taking it puts the bytes back. A copy made outside the guard (by the
+/// calling thread, or by a gather thread still at work after the guard was
+/// given back) would write scribbles into the file.
+struct Scribbling {
+    mem: *mut u8,
+    saved: Vec<u8>,
+    held: bool,
+    cycles: std::rc::Rc<std::cell::Cell<usize>>,
+}
+
+impl fastpersist::GatherGuard for Scribbling {
+    fn lock(&mut self) -> fastpersist::Result<()> {
+        if !self.held {
+            // SAFETY: `mem` is the test's buffer of `saved.len()` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(self.saved.as_ptr(), self.mem, self.saved.len()) };
+            self.held = true;
+        }
+        Ok(())
+    }
+    fn check(&mut self, _crc_id: u32) -> fastpersist::Result<()> {
+        assert!(self.held, "checked without the guard");
+        Ok(())
+    }
+    fn unlock(&mut self) {
+        if self.held {
+            self.held = false;
+            self.cycles.set(self.cycles.get() + 1);
+            // SAFETY: as in `lock`; the hazard this test is about.
+            unsafe { std::ptr::write_bytes(self.mem, 0xFF, self.saved.len()) };
+        }
+    }
+}
+
+#[test]
+fn caller_memory_is_read_only_under_the_guard_also_by_gather_threads() {
+    let data = pattern(4 << 20, 5);
+    for opts in combos() {
+        let mut mem = vec![0xFFu8; data.len()]; // scribbled until first locked
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("g.bin");
+        // SAFETY: `mem` outlives the write; only the guard writes it.
+        let m = unsafe { MemRef::new(mem.as_ptr(), mem.len()) };
+        let segs = vec![Segment {
+            offset: 0,
+            source: Source::Mem(m),
+            crc_id: Some(0),
+        }];
+        let cycles = std::rc::Rc::new(std::cell::Cell::new(0));
+        let guard = Scribbling {
+            mem: mem.as_mut_ptr(),
+            saved: data.clone(),
+            held: false,
+            cycles: cycles.clone(),
+        };
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        let st = fastpersist::with_guard(Box::new(guard), || {
+            eng.write_file(&p, segs, data.len() as u64)
+        })
+        .unwrap();
+        assert!(std::fs::read(&p).unwrap() == data, "scribbles written with {opts:?}");
+        assert_eq!(st.crcs, vec![crc32fast::hash(&data)], "{opts:?}");
+        assert!(cycles.get() > 1, "the guard was given back between extents: {opts:?}");
+        drop(mem);
+    }
+}
