@@ -23,7 +23,7 @@ import os
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Set, Tuple
 
 from . import _core
 from .errors import CorruptCheckpointError, UnsupportedFormatError
@@ -49,6 +49,10 @@ STORAGE_ALIGNMENT = DATA_ALIGNMENT
 SMALL_ALIGNMENT = 64
 #: Prefix of every record name; torch.load ignores it.
 ARCHIVE_NAME = "archive"
+#: Storage bytes in the first part of a head laid out in parts; each later
+#: part holds twice as many, up to HEAD_PART_MAX.
+HEAD_FIRST_PART = 8 << 20
+HEAD_PART_MAX = 512 << 20
 
 _U32 = 0xFFFFFFFF
 _U16 = 0xFFFF
@@ -79,9 +83,11 @@ def _local_extra(header_off: int, size: int, align: int, name_len: int) -> bytes
 
 class TorchZipLayout:
     """Lays out a torch.save file in two steps: :meth:`head` (the storages
-    found before pickling, at the start of the file) and :meth:`tail` (the
-    pickle, storages found only by the pickler, the small records and the
-    central directory). Between the two, the head can be written."""
+    found before pickling, at the start of the file; or :meth:`head_parts`,
+    the same in parts, which another thread can lay out and write while
+    this one pickles) and :meth:`tail` (the pickle, storages found only by
+    the pickler, the small records and the central directory). Between the
+    two, the head can be written."""
 
     def __init__(
         self,
@@ -114,16 +120,54 @@ class TorchZipLayout:
         self._batch = Batch()
         self._known = find_storages(obj)
         self._known_keys = {k for k, _ in self._known.values()}
+        # Set once head_parts has laid out its last part.
+        self._head_started = False
+        self._head_complete = False
 
     def head(self) -> Batch:
         """Records of the storages found up front."""
+        whole = Batch()
+        for part in self.head_parts():
+            whole.extend(part)
+        return whole
+
+    def head_parts(self, first: int = HEAD_FIRST_PART) -> Iterator[Batch]:
+        """:meth:`head` in parts, in file order: the first holds about
+        ``first`` storage bytes, each later one twice as many (at most
+        ``HEAD_PART_MAX``), so the first part can be on its way to disk
+        while the rest is laid out. :meth:`tail` refuses to go on unless
+        every part was laid out."""
+        if self._head_started:
+            raise RuntimeError("the head is laid out once")
+        self._head_started = True
+        budget, pending = first, 0
         for key, storage in self._known.values():
-            self._add_storage(key, storage)
-        return self._take()
+            pending += self._add_storage(key, storage)
+            if pending >= budget:
+                yield self._take()
+                budget, pending = min(budget * 2, HEAD_PART_MAX), 0
+        part = self._take()
+        if part.blobs or part.regions or part.device:
+            yield part
+        self._head_complete = True
+
+    def head_hints(self) -> Tuple[int, Set[Any]]:
+        """Before the head is laid out: an upper bound of where it ends (to
+        reserve the file's space) and the devices of the storages it will
+        stage (their copy streams are set up at the call)."""
+        end, devices = 0, set()
+        for _, storage in self._known.values():
+            # Record header, name, zip64 and padding fields, descriptor.
+            end += storage.nbytes() + self.alignment + 128
+            if self.stage(storage):
+                devices.add(storage.device)
+        return end, devices
 
     def tail(self) -> Batch:
         """Pickle the object, then lay out everything else. Raises
         :class:`SerializationError` when the object cannot be saved."""
+        if self._known and not self._head_complete:
+            raise RuntimeError("the head of the file was not laid out to its end")
         data_pkl, storages = pickle_obj(self.obj, self._known, self.versions)
         for key, storage in storages.items():
             if key not in self._known_keys:
@@ -148,7 +192,8 @@ class TorchZipLayout:
         b.end = self.cursor
         return b
 
-    def _add_storage(self, key: str, storage: Any) -> None:
+    def _add_storage(self, key: str, storage: Any) -> int:
+        """Lay out the record of ``storage``; returns its bytes."""
         staged = self.stage(storage)
         if not staged and storage.device.type != "cpu":
             # Other devices: copy to host memory (what torch.save does); the
@@ -158,11 +203,12 @@ class TorchZipLayout:
         self.keepalive.append(storage)
         self.guard.watch(crc_id, storage, f"storage {key} ({storage.device.type})")
         self.storage_keys.append(key)
-        n = storage.nbytes()
+        n: int = storage.nbytes()
         self.storage_bytes += n
         self._add(
             f"data/{key}", n, self.alignment, region=(storage.data_ptr(), crc_id), device=storage if staged else None
         )
+        return n
 
     def _blob(self, data: bytes) -> None:
         self._batch.blobs.append(Blob(self.cursor, data))

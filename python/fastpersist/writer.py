@@ -12,6 +12,7 @@ environment defaults are described in :mod:`fastpersist.options`.
 from __future__ import annotations
 
 import ctypes
+import queue
 import struct
 import threading
 import time
@@ -34,7 +35,7 @@ from .options import (
     write_stats,
 )
 from .pickling import TensorVersions
-from .plan import MemoryGuard, Plan, split_regions
+from .plan import Batch, MemoryGuard, Plan, split_regions
 from .safetensors_format import plan_safetensors
 from .torch_zip import TorchZipLayout, plan_torch_save
 
@@ -51,30 +52,40 @@ __all__ = [
 FORMATS = ("torch", "safetensors")
 
 
-def _head_writer(session: Any, head: Any, ctx: Optional[DeviceContext], guard: MemoryGuard) -> Callable[[], None]:
-    """Start writing ``head`` on a helper thread (the engine releases the
-    GIL); the returned function joins it and raises its error."""
-    if not (head.regions or head.blobs or head.device):
-        return lambda: None
-    failure: List[BaseException] = []
+class _HeadWriter:
+    """Writes the head's parts on a helper thread, in the order they are
+    :meth:`put` (the engine releases the GIL, so the first part is on its
+    way to disk while the calling thread lays out the next and pickles);
+    :meth:`join` waits for the last and raises the thread's error."""
 
-    def write_head() -> None:
+    def __init__(self, session: Any, ctx: Optional[DeviceContext], guard: MemoryGuard) -> None:
+        self._parts: queue.SimpleQueue[Optional[Batch]] = queue.SimpleQueue()
+        self._failure: List[BaseException] = []
+        self._thread = threading.Thread(
+            target=self._run, args=(session, ctx, guard), name="fastpersist-head", daemon=True
+        )
+
+    def _run(self, session: Any, ctx: Optional[DeviceContext], guard: MemoryGuard) -> None:
         try:
             if ctx is not None:
                 ctx.use()  # a fresh thread: on the call's device, never device 0 by default
-            send(session, head, ctx, guard=guard)
+            while (part := self._parts.get()) is not None:
+                send(session, part, ctx, guard=guard)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
-            failure.append(e)
+            self._failure.append(e)
 
-    thread = threading.Thread(target=write_head, name="fastpersist-head", daemon=True)
-    thread.start()
+    def put(self, part: Batch) -> None:
+        self._parts.put(part)
+        if self._thread.ident is None:
+            self._thread.start()  # on the first part: no thread for a file without a head
 
-    def join() -> None:
-        thread.join()
-        if failure:
-            raise failure[0]
-
-    return join
+    def join(self) -> None:
+        if self._thread.ident is None:
+            return
+        self._parts.put(None)
+        self._thread.join()
+        if self._failure:
+            raise self._failure[0]
 
 
 def write_torch_zip(
@@ -117,23 +128,24 @@ def _write_torch_zip(
     gathered = _checked(versions, obj, on_gathered)
     stage, kind = staging_setup()
     layout = TorchZipLayout(obj, stage=stage, versions=versions)
-    head = layout.head()
+    head_end, head_devices = layout.head_hints()
     ctx: Optional[DeviceContext] = None
-    if head.device:
+    if head_devices:
         # Made here, at the call: the copy streams wait on the caller's streams now.
-        devices = sorted({r.storage.device for r in head.device}, key=str)
-        ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)
+        ctx = DeviceContext(sorted(head_devices, key=str), test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)
     try:
         with use_engine(opts) as eng:
-            session = eng.begin(path, head.end)
+            session = eng.begin(path, head_end)
             try:
-                join = _head_writer(session, head, ctx, layout.guard)
+                head = _HeadWriter(session, ctx, layout.guard)
                 try:
                     tp = time.perf_counter()
+                    for part in layout.head_parts():
+                        head.put(part)
                     tail = layout.tail()
                     plan_seconds = time.perf_counter() - tp
                 finally:
-                    join()
+                    head.join()
                 if tail.device and ctx is None:
                     devices = sorted({r.storage.device for r in tail.device}, key=str)
                     ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)

@@ -455,14 +455,14 @@ def test_15_7_guard_refuses_a_changed_storage_before_reading_it(tmp_path, monkey
     before = p.read_bytes()
     t = torch.ones(1 << 20, dtype=torch.uint8)
     if fmt == "torch":
-        real_head = torch_zip.TorchZipLayout.head
+        real_parts = torch_zip.TorchZipLayout.head_parts
 
-        def head(self):
-            batch = real_head(self)
-            t.untyped_storage().resize_(16)
-            return batch
+        def head_parts(self, *a):
+            for part in real_parts(self, *a):
+                t.untyped_storage().resize_(16)  # laid out, not yet handed to the engine
+                yield part
 
-        monkeypatch.setattr(torch_zip.TorchZipLayout, "head", head)
+        monkeypatch.setattr(torch_zip.TorchZipLayout, "head_parts", head_parts)
     else:
         real_plan = writer.plan_safetensors
 

@@ -299,3 +299,59 @@ def test_no_garbage_collection_while_a_save_plans(tmp_path):
     inside = [r for r in during if r[1] != "write_state_dict"]
     assert inside == [] and len(during) <= 1, f"{len(during)} collections during the save: {during[:5]}"
     assert torch.equal(torch.load(tmp_path / "many.pt")["t2999"], sd["t2999"])
+
+
+def test_head_parts_are_the_head(tmp_path):
+    """Laid out in parts, the head is the same pieces as laid out whole, and
+    the file is byte for byte the same."""
+    from fastpersist.torch_zip import TorchZipLayout
+
+    sd = {f"t{i}": torch.full((1000 + i,), float(i)) for i in range(300)}
+    whole = TorchZipLayout(sd).head()
+    parts = list(TorchZipLayout(sd).head_parts(first=64 << 10))
+    assert len(parts) > 3
+    joined = fastpersist.plan.Batch()
+    for part in parts:
+        assert part.regions and part.end > (joined.end if joined.blobs else -1)
+        joined.extend(part)
+    assert (joined.blobs, joined.regions, joined.slots, joined.end) == (
+        whole.blobs,
+        whole.regions,
+        whole.slots,
+        whole.end,
+    )
+    with pytest.raises(RuntimeError, match="not laid out"):
+        TorchZipLayout(sd).tail()  # the head first
+    fastpersist.write_state_dict(sd, tmp_path / "a.pt")
+    assert torch_save_bytes(sd)["data.pkl"] == zipfile.ZipFile(tmp_path / "a.pt").read("archive/data.pkl")
+    roundtrip(sd, tmp_path / "b.pt")
+    assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
+
+
+def test_head_is_written_while_the_rest_is_laid_out(tmp_path, monkeypatch):
+    """The first part of the head reaches the engine before the head's later
+    storages are laid out (then the pickle): the disk starts at once. The
+    layout of a later storage waits (up to 30 s) for the first write to
+    begin; laid out whole first, it would wait in vain."""
+    import threading
+
+    from fastpersist import torch_zip, writer
+
+    sd = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(64)}  # 1 MiB each
+    first_sent = threading.Event()
+    waited: list = []
+    real_send, real_add = writer.send, torch_zip.TorchZipLayout._add_storage
+
+    def send(*a, **kw):
+        first_sent.set()
+        return real_send(*a, **kw)
+
+    def add_storage(self, key, storage):
+        if len(self.storage_keys) == 40:
+            waited.append(first_sent.wait(30))
+        return real_add(self, key, storage)
+
+    monkeypatch.setattr(writer, "send", send)
+    monkeypatch.setattr(torch_zip.TorchZipLayout, "_add_storage", add_storage)
+    roundtrip(sd, tmp_path / "a.pt")
+    assert waited == [True]
