@@ -748,6 +748,33 @@ fn free_later(fd: OwnedFd) {
     }
 }
 
+/// Remove the file at `path` (as `unlink` does: a missing one is an
+/// error of kind `NotFound`); when it is a big regular file with no other
+/// link, its blocks are freed on a background thread, off the caller's
+/// path (see [`free_later`]): the name is gone when this returns, the
+/// space a moment later ([`wait_for_frees`] waits for it).
+pub fn remove_file(path: &Path) -> std::io::Result<()> {
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+    };
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    let dir = File::open(parent)?;
+    let name = CString::new(name.as_bytes()).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    let held = hold_replaced(&dir, &name);
+    // SAFETY: a NUL-terminated name relative to our open directory.
+    if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } != 0 {
+        return Err(std::io::Error::last_os_error()); // `held` (if any) is dropped: nothing freed
+    }
+    if let Some(fd) = held {
+        free_later(fd);
+    }
+    Ok(())
+}
+
 fn freed() {
     let (count, done) = &FREEING;
     let mut n = count
@@ -869,6 +896,34 @@ mod tests {
         assert_eq!(blocks(&t), 0, "tmpfs pages were allocated");
         let e = t.preallocate(u64::MAX / 4).unwrap_err();
         assert_eq!(e.errno, Some(libc::ENOSPC), "{e} (free: {avail:?})");
+    }
+
+    #[test]
+    fn removed_file_is_freed_off_the_call() {
+        let d = tempfile::tempdir_in(".").unwrap();
+        let big = d.path().join("big.bin");
+        std::fs::write(&big, vec![3u8; 32 << 20]).unwrap();
+        std::fs::write(d.path().join("small.bin"), b"tiny").unwrap();
+        remove_file(&big).unwrap();
+        remove_file(&d.path().join("small.bin")).unwrap();
+        assert!(names(d.path()).is_empty(), "both names are gone at once");
+        let e = remove_file(&big).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::NotFound);
+        let sub = d.path().join("sub");
+        std::fs::create_dir(&sub).unwrap();
+        assert!(remove_file(&sub).is_err(), "a directory is not removed");
+        assert!(sub.is_dir());
+        // A second link: the file stays (under its other name), nothing held.
+        std::fs::write(&big, vec![4u8; 32 << 20]).unwrap();
+        std::fs::hard_link(&big, d.path().join("other")).unwrap();
+        remove_file(&big).unwrap();
+        assert_eq!(std::fs::read(d.path().join("other")).unwrap().len(), 32 << 20);
+        wait_for_frees(std::time::Duration::from_secs(30));
+        let held = std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+            .any(|l| l.to_string_lossy().contains("big.bin (deleted)"));
+        assert!(!held, "the background thread let the removed file go");
     }
 
     #[test]

@@ -908,6 +908,22 @@ fn temp_file_in_use(py: Python<'_>, path: PathBuf) -> PyResult<bool> {
         .map_err(to_py)
 }
 
+/// Remove the file at `path` (as `os.unlink`); a big file's blocks are
+/// freed on a background thread, so the caller does not wait for the file
+/// system to free (and discard) them.
+#[pyfunction]
+fn remove_file(py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
+    py.allow_threads(|| crate::commit::remove_file(&path))
+        .map_err(|e| match e.raw_os_error() {
+            Some(code) => {
+                let msg = e.to_string();
+                let msg = msg.split(" (os error").next().unwrap_or(&msg).to_string();
+                PyOSError::new_err((code, msg, path.display().to_string()))
+            }
+            None => PyOSError::new_err(e.to_string()),
+        })
+}
+
 /// Wait (at most `timeout` seconds) until the files that commits replaced
 /// are freed (their blocks are released on background threads). Returns
 /// whether any was still being freed.
@@ -1197,6 +1213,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(temp_file_in_use, m)?)?;
     m.add_function(wrap_pyfunction!(is_temp_name, m)?)?;
     m.add_function(wrap_pyfunction!(wait_for_frees, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_file, m)?)?;
     m.add_function(wrap_pyfunction!(prepare_memory, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
     m.add("TEMP_NAME_PART_MAX", crate::commit::TEMP_NAME_PART_MAX)?;

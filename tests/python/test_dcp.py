@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import pickle
@@ -288,6 +289,54 @@ def test_second_save_replaces_first_and_removes_its_files(tmp_path):
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(d))
     dcp.save(sd, storage_writer=FastPersistWriter(d))
     assert not [n for n in os.listdir(d) if n.endswith(".distcp") and n.count(".") == 1]
+
+
+def test_replaced_files_are_found_while_the_data_is_written(tmp_path):
+    """The replaced checkpoint's file list is read from its .metadata on a
+    thread started at planning (it is pickled away with the writer, not
+    carried: DCP's process-based async mode); its files are removed with
+    ``_core.remove_file`` (the name now, a big file's blocks freed on a
+    background thread)."""
+    from fastpersist import _core
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    sd = {"w": torch.randn(1 << 20)}  # one 4 MiB item
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    first = set(os.listdir(tmp_path)) - {".metadata"}
+    w = FastPersistWriter(tmp_path)
+    w.set_up_storage_writer(True)
+    w.prepare_local_plan(SavePlan([]))
+    assert w._replaced is not None
+    assert w._replaced.result(timeout=30)[0] == {n for n in first if n.endswith(".distcp")}
+    assert pickle.loads(pickle.dumps(w))._replaced is None
+    removed: list = []
+    real = _core.remove_file
+
+    def spy(path):
+        removed.append(os.path.basename(path))
+        return real(path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_core, "remove_file", spy)
+        dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    assert set(removed) == first and not first & set(os.listdir(tmp_path))
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+
+
+def test_remove_file_is_unlink(tmp_path):
+    from fastpersist import _core
+
+    (tmp_path / "f").write_bytes(b"x" * (20 << 20))
+    _core.remove_file(str(tmp_path / "f"))
+    assert not (tmp_path / "f").exists()
+    with pytest.raises(FileNotFoundError) as ei:
+        _core.remove_file(tmp_path / "f")
+    assert ei.value.filename == str(tmp_path / "f") and ei.value.errno == errno.ENOENT
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError):
+        _core.remove_file(tmp_path / "d")
+    assert (tmp_path / "d").is_dir()
+    _core.wait_for_frees(30)
 
 
 def test_failed_write_keeps_previous_checkpoint(tmp_path):

@@ -40,6 +40,7 @@ caller names no storage (``dcp.save(sd, checkpoint_id=path)``);
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import io
@@ -53,7 +54,7 @@ import threading
 import uuid
 import weakref
 from collections import OrderedDict
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
@@ -367,6 +368,20 @@ def _buckets(items: Sequence[WriteItem], n: int) -> List[List[WriteItem]]:
     return [b for b in out if b]
 
 
+def _in_background(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """``fn(*args)`` on a daemon thread; its result (or error) in the future."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed over through the future
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="fastpersist-dcp-replaced", daemon=True).start()
+    return fut
+
+
 def _referenced(directory: str, metadata_file: str) -> Tuple[set, Optional[str]]:
     """Files the checkpoint committed at ``directory`` uses (data files and
     its sidecar), or nothing when there is none or it cannot be read."""
@@ -510,12 +525,16 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         self.is_coordinator = False
         self.use_collectives = True
         self._stager: Optional[_Stager] = None
+        # The files of the checkpoint this save replaces, read from its
+        # .metadata on a thread of its own while the data is written.
+        self._replaced: Optional[concurrent.futures.Future] = None
         #: The :class:`fastpersist.WriteStats` of this rank's files in the last save.
         self.last_stats: List[Any] = []
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state["_stager"] = None  # the pool stays with the process that staged
+        state["_replaced"] = None  # a thread's result: read again where it is needed
         state["last_stats"] = []
         return state
 
@@ -544,6 +563,8 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             raise RuntimeError(f"a checkpoint exists at {self.path} and overwrite=False")
         if not self.use_collectives and self.rank is not None:
             plan = dataclasses.replace(plan, storage_data=_FileNames(f"__{self.rank}_", _tag(self.save_id)))
+        if self.is_coordinator or not self.use_collectives:  # this rank commits a .metadata
+            self._replaced = _in_background(_referenced, self.path, self._metadata_file())
         return plan
 
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
@@ -648,7 +669,8 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         if hasattr(filesystem, "CURRENT_DCP_VERSION"):
             metadata.version = filesystem.CURRENT_DCP_VERSION
         md_file = self._metadata_file()
-        old_files, old_sidecar = _referenced(self.path, md_file)
+        replaced, self._replaced = self._replaced, None
+        old_files, old_sidecar = replaced.result() if replaced is not None else _referenced(self.path, md_file)
         sidecar = {"format": SIDECAR_FORMAT, "version": 1, "save_id": self.save_id, "files": files}
         _core.atomic_write(
             os.path.join(self.path, sidecar_name(self.save_id)),
@@ -680,7 +702,9 @@ class FastPersistWriter(StorageWriter, AsyncStager):
                 doomed.add(n)
         for n in sorted(doomed):
             try:
-                os.unlink(os.path.join(self.path, n))
+                # The name goes now; a big file's blocks are freed (and
+                # discarded) on a background thread, not inside the save.
+                _core.remove_file(os.path.join(self.path, n))
             except FileNotFoundError:
                 pass
             except OSError as e:
