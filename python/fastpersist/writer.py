@@ -17,7 +17,7 @@ import struct
 import threading
 import time
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import _core, distributed
 from .cuda_staging import DeviceContext, ReadyEvents, send, stage_chunk, staging_setup
@@ -44,6 +44,8 @@ __all__ = [
     "write_state_dict",
     "write_torch_zip",
     "write_plan",
+    "write_streamed",
+    "PartWriter",
     "write_safetensors",
     "write_distributed",
     "FORMATS",
@@ -52,11 +54,13 @@ __all__ = [
 FORMATS = ("torch", "safetensors")
 
 
-class _HeadWriter:
-    """Writes the head's parts on a helper thread, in the order they are
-    :meth:`put` (the engine releases the GIL, so the first part is on its
-    way to disk while the calling thread lays out the next and pickles);
-    :meth:`join` waits for the last and raises the thread's error."""
+class PartWriter:
+    """Writes the parts of a file (consecutive :class:`Batch` es, in file
+    order) to an engine session on a helper thread, in the order they are
+    :meth:`put` (the engine releases the GIL, so a part is on its way to
+    disk while the calling thread lays out the next, or pickles); :meth:`join`
+    waits for the last and raises the thread's error. The session is the
+    caller's again after the join (to finish it, or abort it)."""
 
     def __init__(self, session: Any, ctx: Optional[DeviceContext], guard: MemoryGuard) -> None:
         self._parts: queue.SimpleQueue[Optional[Batch]] = queue.SimpleQueue()
@@ -75,6 +79,8 @@ class _HeadWriter:
             self._failure.append(e)
 
     def put(self, part: Batch) -> None:
+        if self._failure:  # no use laying out more: the join raises it
+            raise self._failure[0]
         self._parts.put(part)
         if self._thread.ident is None:
             self._thread.start()  # on the first part: no thread for a file without a head
@@ -137,7 +143,7 @@ def _write_torch_zip(
         with use_engine(opts) as eng:
             session = eng.begin(path, head_end)
             try:
-                head = _HeadWriter(session, ctx, layout.guard)
+                head = PartWriter(session, ctx, layout.guard)
                 try:
                     tp = time.perf_counter()
                     for part in layout.head_parts():
@@ -220,6 +226,46 @@ def write_plan(
     warn_fallback(raw["direct_note"], opts.direct)
     warn_fallback(raw["uring_note"], opts.io_uring)
     stats = write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, time.perf_counter() - t0)
+    sweep_after_commit(path)  # after the timing: housekeeping, not the save
+    return stats
+
+
+def write_streamed(
+    plan: Plan, parts: Iterator[Batch], path: str, opts: EngineOptions, size_hint: int, index: int = 0
+) -> WriteStats:
+    """Write and commit a file that is laid out while it is written:
+    ``parts`` yields its pieces in file order (each written by a helper
+    thread while the next is laid out on this one); once it is exhausted,
+    ``plan`` holds the rest (pieces not yielded, device storages, which are
+    staged, ``file_len``), written last. ``plan.guard`` watches the memory
+    of every region, also of those yielded (it is consulted as they are
+    written); ``size_hint``: about the file's length, reserved up front."""
+    t0 = time.perf_counter()
+    ctx: Optional[DeviceContext] = None
+    try:
+        with use_engine(opts, index) as eng:
+            session = eng.begin(path, size_hint)
+            try:
+                writer = PartWriter(session, None, plan.guard)
+                try:
+                    for part in parts:
+                        writer.put(part)
+                finally:
+                    writer.join()
+                if plan.device:
+                    _, kind = staging_setup()
+                    devices = sorted({r.storage.device for r in plan.device}, key=str)
+                    ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk())
+                raw = send(session, plan, ctx, plan.file_len, guard=plan.guard if plan.guard else None)
+            except BaseException:
+                session.abort()
+                raise
+    finally:
+        if ctx is not None:
+            ctx.close()
+    warn_fallback(raw["direct_note"], opts.direct)
+    warn_fallback(raw["uring_note"], opts.io_uring)
+    stats = write_stats(raw, path, plan.storage_bytes, plan.storage_keys, 0.0, time.perf_counter() - t0)
     sweep_after_commit(path)  # after the timing: housekeeping, not the save
     return stats
 

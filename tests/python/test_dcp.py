@@ -413,6 +413,49 @@ def test_gc_paused_while_items_are_laid_out(tmp_path):
     assert not any(enabled for _, enabled in seen), seen
 
 
+def test_data_file_is_written_while_later_items_are_resolved(tmp_path, monkeypatch):
+    """The first part of a rank's data file reaches the engine before the
+    later items are resolved (the disk starts at once): resolving item 40
+    waits (up to 30 s) for the first write; laid out whole first, it would
+    wait in vain. A planner that fails mid-way leaves the previous
+    checkpoint and no stray file."""
+    import threading
+
+    from fastpersist import writer
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    sd = {f"t{i:02d}": torch.full((1 << 18,), float(i)) for i in range(64)}  # 1 MiB each
+    first_sent = threading.Event()
+    waited: list = []
+    real_send = writer.send
+
+    def send(*a, **kw):
+        first_sent.set()
+        return real_send(*a, **kw)
+
+    class Save(DefaultSavePlanner):
+        def resolve_data(self, item):
+            if item.index.fqn == "t40":
+                waited.append(first_sent.wait(30))
+            return super().resolve_data(item)
+
+    monkeypatch.setattr(writer, "send", send)
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path), planner=Save())
+    assert waited == [True]
+    assert_equal(load(tmp_path, dcp.FileSystemReader(tmp_path), sd), sd)
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+
+    class Broken(DefaultSavePlanner):
+        def resolve_data(self, item):
+            if item.index.fqn == "t50":
+                raise RuntimeError("planner broke at t50")
+            return super().resolve_data(item)
+
+    with raises(Exception, "planner broke at t50"):
+        dcp.save(sd, storage_writer=FastPersistWriter(tmp_path), planner=Broken())
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before
+
+
 def test_overwrite_false_refuses(tmp_path):
     dcp.save(state(), storage_writer=FastPersistWriter(tmp_path))
     with raises(RuntimeError, "overwrite=False"):

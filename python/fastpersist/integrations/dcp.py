@@ -54,7 +54,7 @@ import threading
 import uuid
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
@@ -77,9 +77,9 @@ from ..async_save import SnapshotPool
 from ..cuda_staging import read_staged, staging_setup
 from ..errors import CorruptCheckpointError
 from ..options import EngineOptions, gc_paused, read_with, use_engine
-from ..plan import Blob, DeviceRegion, Plan, Region, Slot
+from ..plan import Batch, Blob, DeviceRegion, Plan, Region, Slot
 from ..torch_zip import SMALL_ALIGNMENT, STORAGE_ALIGNMENT, plan_torch_save
-from ..writer import write_plan
+from ..writer import write_streamed
 
 __all__ = [
     "FastPersistWriter",
@@ -100,6 +100,10 @@ SUFFIX = ".distcp"
 #: Tensors of at least this many bytes get their data at a 4096-byte
 #: boundary of the file; smaller ones are packed at 64 bytes.
 ALIGN_ABOVE = 64 << 10
+#: Tensor bytes in the first part of a data file written while it is laid
+#: out; each later part holds twice as many, up to STREAM_PART_MAX.
+STREAM_FIRST_PART = 8 << 20
+STREAM_PART_MAX = 512 << 20
 SIDECAR_FORMAT = "fastpersist.dcp.crc32"
 _TAG_LEN = 16
 #: Data files this module names: ``__<rank>_<n>.<save tag>.distcp``.
@@ -270,7 +274,8 @@ class _FileLayout:
         self.cursor += len(b)
         self.items.append((item, off, len(b), None, -1, _core.crc32(b)))
 
-    def add_tensor(self, item: WriteItem, t: torch.Tensor) -> None:
+    def add_tensor(self, item: WriteItem, t: torch.Tensor) -> int:
+        """Lay out the record of ``t``; returns its length in the file."""
         # Run once per item (10,000 small tensors: 10,000 times): each
         # attribute and tensor call is paid per item, so they are spared.
         t = t.detach()
@@ -302,6 +307,7 @@ class _FileLayout:
         plan.slots += [Slot(end + s, cid) for s in tpl.slots]
         self.cursor = base + tpl.length
         self.items.append((item, base, tpl.length, tpl, cid, 0))
+        return tpl.length
 
     def _staged(self, t: torch.Tensor) -> bool:
         if self.stage is None:  # the common case first: one attribute, no device object
@@ -313,6 +319,16 @@ class _FileLayout:
     def finish(self) -> Plan:
         self.plan.file_len = self.cursor
         return self.plan
+
+    def take(self) -> Batch:
+        """The pieces laid out since the last take (none of them a device
+        storage's: those stay in the plan, to be staged at the end)."""
+        plan, part = self.plan, Batch()
+        part.blobs, plan.blobs = plan.blobs, []
+        part.regions, plan.regions = plan.regions, []
+        part.slots, plan.slots = plan.slots, []
+        part.end = self.cursor
+        return part
 
     def results(self, crcs: Dict[str, int]) -> List[WriteResult]:
         out = []
@@ -630,20 +646,32 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 layout.add_bytes(item, planner.resolve_data(item))
-        for item in items:
-            if item.type != WriteItemType.BYTE_IO:
+
+        def parts() -> Iterator[Batch]:
+            # Tensors laid out in parts (8 MiB, then twice as much each time),
+            # each written while the next is resolved and laid out; once a
+            # device tensor comes, the rest is written at the end (staged).
+            budget, pending = STREAM_FIRST_PART, 0
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    continue
                 data = planner.resolve_data(item)
                 if not isinstance(data, torch.Tensor):
                     raise TypeError(
                         f"the save planner resolved the tensor item {item.index.fqn!r} "
                         f"to a {type(data).__name__}, not a tensor"
                     )
-                layout.add_tensor(item, data)
-        plan = layout.finish()
+                pending += layout.add_tensor(item, data)
+                if pending >= budget and not layout.plan.device:
+                    yield layout.take()
+                    budget, pending = min(2 * budget, STREAM_PART_MAX), 0
+            layout.finish()  # the file's length, for the rest written last
+
+        hint = sum(_item_size(it) + SMALL_ALIGNMENT + STORAGE_ALIGNMENT for it in items)
         try:
-            st = write_plan(plan, os.path.join(self.path, name), self.opts, index=engine_index)
+            st = write_streamed(layout.plan, parts(), os.path.join(self.path, name), self.opts, hint, engine_index)
         finally:
-            del plan.keepalive[:]
+            del layout.plan.keepalive[:]
         return layout.results(st.crc32), st
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
