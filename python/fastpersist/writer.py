@@ -204,25 +204,17 @@ def write_plan(
     t0 = time.perf_counter() if t0 is None else t0
     if is_special_file(path) and not plan.device:
         return stream_plan(plan, path, plan_seconds, t0)
-    guard = plan.guard if plan.guard else None
     if plan.device or on_gathered is not None:
-        _, kind = staging_setup()
-        devices = sorted({r.storage.device for r in plan.device}, key=str)
-        ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk()) if plan.device else None
-        try:
-            with use_engine(opts, index) as eng:
-                session = eng.begin(path, plan.file_len)
-                try:
-                    raw = send(session, plan, ctx, plan.file_len, on_gathered, guard=guard)
-                except BaseException:
-                    session.abort()
-                    raise
-        finally:
-            if ctx is not None:
-                ctx.close()
-    else:
-        with use_engine(opts, index) as eng:
-            raw = eng.write_file(path, plan.blobs, plan.regions, plan.slots, plan.file_len, guard)
+        return write_streamed(plan, iter(()), path, opts, plan.file_len, index, on_gathered, plan_seconds, t0)
+    with use_engine(opts, index) as eng:
+        raw = eng.write_file(
+            path, plan.blobs, plan.regions, plan.slots, plan.file_len, plan.guard if plan.guard else None
+        )
+    return _committed(raw, plan, path, opts, plan_seconds, t0)
+
+
+def _committed(raw: Any, plan: Plan, path: str, opts: EngineOptions, plan_seconds: float, t0: float) -> WriteStats:
+    """The stats of a committed plan (fallback notes warned about)."""
     warn_fallback(raw["direct_note"], opts.direct)
     warn_fallback(raw["uring_note"], opts.io_uring)
     stats = write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, time.perf_counter() - t0)
@@ -231,7 +223,15 @@ def write_plan(
 
 
 def write_streamed(
-    plan: Plan, parts: Iterator[Batch], path: str, opts: EngineOptions, size_hint: int, index: int = 0
+    plan: Plan,
+    parts: Iterator[Batch],
+    path: str,
+    opts: EngineOptions,
+    size_hint: int,
+    index: int = 0,
+    on_gathered: Optional[Callable[[], None]] = None,
+    plan_seconds: float = 0.0,
+    t0: Optional[float] = None,
 ) -> WriteStats:
     """Write and commit a file that is laid out while it is written:
     ``parts`` yields its pieces in file order (each written by a helper
@@ -239,8 +239,9 @@ def write_streamed(
     ``plan`` holds the rest (pieces not yielded, device storages, which are
     staged, ``file_len``), written last. ``plan.guard`` watches the memory
     of every region, also of those yielded (it is consulted as they are
-    written); ``size_hint``: about the file's length, reserved up front."""
-    t0 = time.perf_counter()
+    written); ``size_hint``: about the file's length, reserved up front;
+    ``index`` and ``on_gathered``: as for :func:`write_plan`."""
+    t0 = time.perf_counter() if t0 is None else t0
     ctx: Optional[DeviceContext] = None
     try:
         with use_engine(opts, index) as eng:
@@ -256,18 +257,14 @@ def write_streamed(
                     _, kind = staging_setup()
                     devices = sorted({r.storage.device for r in plan.device}, key=str)
                     ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk())
-                raw = send(session, plan, ctx, plan.file_len, guard=plan.guard if plan.guard else None)
+                raw = send(session, plan, ctx, plan.file_len, on_gathered, plan.guard if plan.guard else None)
             except BaseException:
                 session.abort()
                 raise
     finally:
         if ctx is not None:
             ctx.close()
-    warn_fallback(raw["direct_note"], opts.direct)
-    warn_fallback(raw["uring_note"], opts.io_uring)
-    stats = write_stats(raw, path, plan.storage_bytes, plan.storage_keys, 0.0, time.perf_counter() - t0)
-    sweep_after_commit(path)  # after the timing: housekeeping, not the save
-    return stats
+    return _committed(raw, plan, path, opts, plan_seconds, t0)
 
 
 def stream_plan(plan: Plan, path: str, plan_seconds: float = 0.0, t0: Optional[float] = None) -> WriteStats:
