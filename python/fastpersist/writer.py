@@ -66,7 +66,7 @@ class PartWriter:
         self._parts: queue.SimpleQueue[Optional[Batch]] = queue.SimpleQueue()
         self._failure: List[BaseException] = []
         self._thread = threading.Thread(
-            target=self._run, args=(session, ctx, guard), name="fastpersist-head", daemon=True
+            target=self._run, args=(session, ctx, guard), name="fastpersist-parts", daemon=True
         )
 
     def _run(self, session: Any, ctx: Optional[DeviceContext], guard: MemoryGuard) -> None:
