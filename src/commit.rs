@@ -763,7 +763,8 @@ pub fn remove_file(path: &Path) -> std::io::Result<()> {
         parent
     };
     let dir = File::open(parent)?;
-    let name = CString::new(name.as_bytes()).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    let name = CString::new(name.as_bytes())
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
     let held = hold_replaced(&dir, &name);
     // SAFETY: a NUL-terminated name relative to our open directory.
     if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } != 0 {
@@ -917,7 +918,10 @@ mod tests {
         std::fs::write(&big, vec![4u8; 32 << 20]).unwrap();
         std::fs::hard_link(&big, d.path().join("other")).unwrap();
         remove_file(&big).unwrap();
-        assert_eq!(std::fs::read(d.path().join("other")).unwrap().len(), 32 << 20);
+        assert_eq!(
+            std::fs::read(d.path().join("other")).unwrap().len(),
+            32 << 20
+        );
         wait_for_frees(std::time::Duration::from_secs(30));
         let held = std::fs::read_dir("/proc/self/fd")
             .unwrap()

@@ -82,7 +82,10 @@ pub(crate) fn hold_for_gather<I: Iterator<Item = u32>>(ids: impl FnOnce() -> I) 
     take_and_check(ids, false)
 }
 
-fn take_and_check<I: Iterator<Item = u32>>(ids: impl FnOnce() -> I, may_release: bool) -> Result<()> {
+fn take_and_check<I: Iterator<Item = u32>>(
+    ids: impl FnOnce() -> I,
+    may_release: bool,
+) -> Result<()> {
     GUARD.with(|c| {
         let mut slot = c.borrow_mut();
         let Some(inst) = slot.as_mut() else {

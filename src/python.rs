@@ -192,7 +192,7 @@ fn guard_err(err: &GuardErr, e: Error) -> PyErr {
         Some(GuardFailure::Raised(pe)) => pe,
         Some(GuardFailure::Changed(guard, crc_id)) => Python::with_gil(|py| {
             match guard.call_method1(py, "check", (vec![crc_id],)) {
-                Err(pe) => pe, // StorageChangedError, naming the tensor
+                Err(pe) => pe,                // StorageChangedError, naming the tensor
                 Ok(_) => changed_err(crc_id), // changed back since
             }
         }),

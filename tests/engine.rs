@@ -955,7 +955,9 @@ impl fastpersist::GatherGuard for Scribbling {
     fn lock(&mut self) -> fastpersist::Result<()> {
         if !self.held {
             // SAFETY: `mem` is the test's buffer of `saved.len()` bytes.
-            unsafe { std::ptr::copy_nonoverlapping(self.saved.as_ptr(), self.mem, self.saved.len()) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(self.saved.as_ptr(), self.mem, self.saved.len())
+            };
             self.held = true;
         }
         Ok(())
@@ -1000,9 +1002,15 @@ fn caller_memory_is_read_only_under_the_guard_also_by_gather_threads() {
             eng.write_file(&p, segs, data.len() as u64)
         })
         .unwrap();
-        assert!(std::fs::read(&p).unwrap() == data, "scribbles written with {opts:?}");
+        assert!(
+            std::fs::read(&p).unwrap() == data,
+            "scribbles written with {opts:?}"
+        );
         assert_eq!(st.crcs, vec![crc32fast::hash(&data)], "{opts:?}");
-        assert!(cycles.get() > 1, "the guard was given back between extents: {opts:?}");
+        assert!(
+            cycles.get() > 1,
+            "the guard was given back between extents: {opts:?}"
+        );
         drop(mem);
     }
 }
