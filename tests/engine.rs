@@ -956,8 +956,8 @@ impl fastpersist::GatherGuard for Scribbling {
         if !self.held {
             // SAFETY: `mem` is the test's buffer of `saved.len()` bytes.
             unsafe {
-                std::ptr::copy_nonoverlapping(self.saved.as_ptr(), self.mem, self.saved.len())
-            };
+                std::ptr::copy_nonoverlapping(self.saved.as_ptr(), self.mem, self.saved.len());
+            }
             self.held = true;
         }
         Ok(())
