@@ -58,6 +58,7 @@ __all__ = [
     "is_temp_name",
     "wait_for_frees",
     "prepare_memory",
+    "fast_pickle",
     "TEMP_MARKER",
     "TEMP_NAME_PART_MAX",
     "RawWriteStats",
@@ -247,3 +248,26 @@ def temp_file_in_use(path: _StrPath) -> bool: ...
 def is_temp_name(name: _StrPath) -> bool: ...
 def wait_for_frees(timeout: float) -> bool: ...
 def prepare_memory(addr: int, nbytes: int) -> None: ...
+
+# fastpersist.pickling._fast_context(): torch.Tensor, OrderedDict,
+# torch.strided, "storage", the CPU location tag, (_rebuild_tensor_v2, its
+# GLOBAL bytes), OrderedDict's GLOBAL bytes, get_tensor_metadata or None,
+# dtype -> (storage class, its GLOBAL bytes, element size) or None.
+_PickleContext: TypeAlias = tuple[
+    type,
+    type,
+    object,
+    str,
+    str,
+    tuple[object, bytes],
+    bytes,
+    Callable[[object], dict[str, bool]] | None,
+    Callable[[object], tuple[object, bytes, int] | None],
+]
+
+def fast_pickle(
+    obj: object,
+    ctx: _PickleContext,
+    known: dict[int, tuple[str, object]] | None = None,
+    add: tuple[Callable[[object], object], dict[int, object]] | None = None,
+) -> tuple[bytes, dict[str, object]] | None: ...
