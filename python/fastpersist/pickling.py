@@ -370,10 +370,20 @@ def _fast_context() -> Optional[tuple]:
 def _fast_pickle(
     obj: Any, known: Optional[Dict[int, Tuple[str, Any]]], versions: Optional[TensorVersions]
 ) -> Optional[Tuple[bytes, Dict[str, Any]]]:
-    ctx = _fast_context()
+    """:func:`pickle_obj`'s result written by the Rust core, or None where
+    ``obj`` holds anything it leaves to the pickler (or raised)."""
+    try:
+        ctx = _fast_context()
+    except Exception:  # noqa: BLE001 - another torch: the pickler, as before
+        return None
     if ctx is None:
         return None
-    add = (versions.add, versions._seen) if versions is not None else None
+    add = None
+    if versions is not None:
+        # TensorVersions.add records a tensor its _seen does not hold yet:
+        # the others are not passed to it. Any other add gets every tensor.
+        seen = versions._seen if type(versions).add is TensorVersions.add else None
+        add = (versions.add, seen if type(seen) is dict else {})
     return _core.fast_pickle(obj, ctx, known, add)
 
 

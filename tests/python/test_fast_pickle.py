@@ -434,6 +434,39 @@ def test_versions_added_as_the_pickler_adds_them() -> None:
     assert [t for t, _ in fast._seen.values()] == [a, b] == [t for t, _ in slow._seen.values()]
 
 
+def test_an_overridden_add_gets_the_pickler_calls() -> None:
+    """A TensorVersions whose add is its own gets every tensor the pickler
+    meets first, as the pickler's reducer passes them."""
+
+    class Recording(TensorVersions):
+        def add(self, t: torch.Tensor) -> None:
+            self.calls.append(t)
+            super().add(t)
+
+    a, b = torch.ones(2), torch.zeros(3)
+    sd = {"a": a, "b": [b, a, (b,)], "c": OrderedDict(x=a)}
+    calls = []
+    for fast in (True, False):
+        v = Recording.__new__(Recording)
+        v.calls = []
+        Recording.__init__(v, sd)
+        v.calls.clear()
+        if fast:
+            assert pickling._fast_pickle(sd, None, v) is not None
+        else:
+            assert _outcome(sd, None, v, False)[0] == "ok"
+        calls.append([id(t) for t in v.calls])
+    assert calls[0] == calls[1] == [id(a), id(b)]
+
+
+def test_a_fast_path_that_cannot_start_leaves_it_to_the_pickler(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> None:
+        raise AttributeError("another torch")
+
+    monkeypatch.setattr(pickling, "_fast_context", broken)
+    assert_same({"a": torch.ones(2)}, fast_taken=False)
+
+
 # ---------------------------------------------------------------------------
 # Errors, as before
 
