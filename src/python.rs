@@ -1330,10 +1330,11 @@ impl<'py> PickleWalk<'py> {
             self.keep.push(o.clone());
             return Ok(());
         }
-        if o.get_type().is(&self.ctx.0) {
+        let ty = o.get_type_ptr().cast::<pyo3::ffi::PyObject>();
+        if ty == self.ctx.0.as_ptr() {
             return self.tensor(o, id);
         }
-        if o.get_type().is(&self.ctx.1) {
+        if ty == self.ctx.1.as_ptr() {
             return self.ordered_dict(o, id);
         }
         Err(Stop::Unsupported)
