@@ -1524,7 +1524,7 @@ impl<'py> PickleWalk<'py> {
         let offset: i64 = t
             .call_method0(pyo3::intern!(py, "storage_offset"))?
             .extract()?;
-        let size = int_tuple(&t.call_method0(pyo3::intern!(py, "size"))?)?;
+        let size = int_tuple(&t.getattr(pyo3::intern!(py, "shape"))?)?; // size(), without its argument parsing
         let stride = int_tuple(&t.call_method0(pyo3::intern!(py, "stride"))?)?;
         let nbytes: i64 = storage
             .call_method0(pyo3::intern!(py, "nbytes"))?
