@@ -10,7 +10,7 @@ tuples works, and tuple subclasses (``NamedTuple``) are accepted as tuples.
 from collections.abc import Callable, Sequence
 from os import PathLike
 from types import TracebackType
-from typing import Protocol, TypedDict, final
+from typing import Any, Protocol, TypedDict, final
 
 from typing_extensions import Buffer, Self, TypeAlias
 
@@ -269,5 +269,5 @@ def fast_pickle(
     obj: object,
     ctx: _PickleContext,
     known: dict[int, tuple[str, object]] | None = None,
-    add: tuple[Callable[[object], object], dict[int, object]] | None = None,
+    add: tuple[Callable[[Any], object], dict[int, Any]] | None = None,
 ) -> tuple[bytes, dict[str, object]] | None: ...
