@@ -1234,7 +1234,15 @@ struct PickleWalk<'py> {
     storage_tag: Bound<'py, PyBytes>,
     location: Bound<'py, PyBytes>,
     depth: usize,
+    /// Tensors written since the GIL was last let go.
+    since_release: u32,
 }
+
+/// Tensors between two moments the walk lets go of the GIL: the
+/// interpreter lets other threads run every few milliseconds (the switch
+/// interval), and the engine's copies wait for the GIL; a walk of
+/// thousands of tensors must not hold it throughout.
+const TENSORS_PER_RELEASE: u32 = 128;
 
 fn utf8_of<'py>(s: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
     let s = s.downcast::<PyString>()?;
@@ -1582,6 +1590,13 @@ impl<'py> PickleWalk<'py> {
         }
         self.e.tensor_end(id, meta.is_some())?;
         self.keep.push(t.clone());
+        self.since_release += 1;
+        if self.since_release == TENSORS_PER_RELEASE {
+            self.since_release = 0;
+            // A thread waiting for the GIL takes it here, as at the
+            // interpreter's switch points; no Python object is touched.
+            self.py.allow_threads(|| ());
+        }
         Ok(())
     }
 }
@@ -1674,6 +1689,7 @@ fn fast_pickle_walk<'py>(
         storage_tag,
         location,
         depth: 0,
+        since_release: 0,
     };
     w.save(obj)?;
     let PickleWalk { e, storages, .. } = w;

@@ -467,6 +467,41 @@ def test_a_fast_path_that_cannot_start_leaves_it_to_the_pickler(monkeypatch: pyt
     assert_same({"a": torch.ones(2)}, fast_taken=False)
 
 
+def test_other_threads_run_during_a_long_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk lets go of the GIL now and then (the engine's copies wait
+    for it): a thread waiting for the GIL runs in the middle of the walk.
+    The walk is seen through its metadata function, here a C method that
+    notes each tensor without running Python code (so without the
+    interpreter's own switch points)."""
+    import sys
+    import threading
+
+    walked: List[Any] = []
+    monkeypatch.setattr(pickling, "_metadata_fn", lambda: walked.append)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    sd = {f"t{i}": torch.ones(1) for i in range(20000)}
+    seen: List[int] = []
+    started, stop = threading.Event(), threading.Event()
+
+    def other() -> None:
+        started.set()
+        while not stop.is_set():
+            seen.append(len(walked))
+
+    thread = threading.Thread(target=other)
+    try:
+        thread.start()
+        started.wait()
+        assert pickling._fast_pickle(sd, None, None) is not None
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)
+    assert len(walked) == len(sd)
+    assert any(0 < n < len(sd) for n in seen)
+
+
 # ---------------------------------------------------------------------------
 # Errors, as before
 
