@@ -15,7 +15,9 @@
 //! - [`engine`]: [`Engine`] and [`Options`], the arena, sink and free-buffer
 //!   list that saves and reads share, and who owns the writes in flight;
 //! - [`writer`]: write sessions (`begin`/`write`/`finish`) and `write_part`;
-//! - [`reader`]: many records of one file into caller memory.
+//! - [`reader`]: many records of one file into caller memory;
+//! - [`pickle`]: CPython's protocol-2 pickle opcodes, byte for byte (the
+//!   fast path of the Python side's torch.save pickle).
 //!
 //! The Python extension lives in `python.rs`, behind the `python` feature.
 
@@ -32,6 +34,7 @@ pub mod error;
 pub mod gather;
 pub mod guard;
 pub mod layout;
+pub mod pickle;
 pub mod reader;
 pub(crate) mod sink;
 pub mod writer;

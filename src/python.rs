@@ -18,7 +18,9 @@ use crate::writer::{Session, WriteStats};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyOverflowError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyMemoryView};
+use pyo3::types::{
+    PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple,
+};
 use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -1194,6 +1196,556 @@ fn add_stats_types(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )
 }
 
+// ---------------------------------------------------------------------------
+// The fast path of fastpersist.pickling.pickle_obj: a walk over the plain
+// objects of a state dict that writes, through crate::pickle, the bytes the
+// slow path (a pickle.Pickler with torch.save's persistent ids and a tensor
+// reducer) would write. Anything else stops the walk, and the slow path
+// pickles the object instead.
+
+/// What `pickling._fast_context()` hands over: the objects the slow path
+/// pickles (by identity), and how to learn a dtype's storage class.
+#[derive(FromPyObject)]
+struct PickleCtx<'py>(
+    /// torch.Tensor
+    Bound<'py, PyAny>,
+    /// collections.OrderedDict
+    Bound<'py, PyAny>,
+    /// torch.strided
+    Bound<'py, PyAny>,
+    /// the "storage" of persistent ids
+    Bound<'py, PyString>,
+    /// the location tag of CPU storages ("cpu")
+    Bound<'py, PyString>,
+    /// torch._utils._rebuild_tensor_v2 and its GLOBAL bytes
+    (Bound<'py, PyAny>, Vec<u8>),
+    /// the GLOBAL bytes of OrderedDict
+    Vec<u8>,
+    /// torch._utils.get_tensor_metadata, or None
+    Option<Bound<'py, PyAny>>,
+    /// dtype -> (storage class, its GLOBAL bytes, element size), or None
+    /// for dtypes the tensor reducer leaves to torch
+    Bound<'py, PyAny>,
+);
+
+/// Why the walk stopped: an object the fast path does not write, or a
+/// Python exception (the slow path meets it again and reports it as before).
+enum Stop {
+    Unsupported,
+    Py(PyErr),
+}
+
+impl From<PyErr> for Stop {
+    fn from(e: PyErr) -> Self {
+        Stop::Py(e)
+    }
+}
+
+impl From<crate::pickle::TooLarge> for Stop {
+    fn from(_: crate::pickle::TooLarge) -> Self {
+        Stop::Unsupported
+    }
+}
+
+type Walked<T = ()> = Result<T, Stop>;
+
+/// Deeper nesting is left to the slow path (and its recursion limit).
+const MAX_DEPTH: usize = 200;
+
+struct DtypeInfo<'py> {
+    dtype: Bound<'py, PyAny>,
+    storage_type: Bound<'py, PyAny>,
+    raw: Vec<u8>,
+    elem: i64,
+}
+
+struct StorageKey<'py> {
+    obj: Bound<'py, PyAny>,
+    /// Its UTF-8, once it is first written.
+    utf8: Option<Bound<'py, PyBytes>>,
+}
+
+struct PickleWalk<'py> {
+    py: Python<'py>,
+    ctx: PickleCtx<'py>,
+    e: crate::pickle::Emitter,
+    /// Objects memoized by identity: kept alive until the pickle is done,
+    /// as the C pickler's memo keeps them, so no address is reused.
+    keep: Vec<Bound<'py, PyAny>>,
+    /// `TensorVersions.add` and its `_seen` (id -> record): tensors
+    /// already seen are not passed to it (it would do nothing).
+    add: Option<(Bound<'py, PyAny>, Bound<'py, PyDict>)>,
+    /// storage `_cdata` -> key (the slow path's `_keys`).
+    keys: crate::pickle::IdMap<StorageKey<'py>>,
+    /// storage data pointer -> dtype (the slow path's `_dtypes`).
+    ptr_dtypes: crate::pickle::IdMap<usize>,
+    dtypes: Vec<DtypeInfo<'py>>,
+    storages: Bound<'py, PyDict>,
+    storage_tag: Bound<'py, PyBytes>,
+    location: Bound<'py, PyBytes>,
+    depth: usize,
+    /// Tensors written since the GIL was last let go.
+    since_release: u32,
+}
+
+/// Tensors between two moments the walk lets go of the GIL: the
+/// interpreter lets other threads run every few milliseconds (the switch
+/// interval), and the engine's copies wait for the GIL; a walk of
+/// thousands of tensors must not hold it throughout.
+const TENSORS_PER_RELEASE: u32 = 128;
+
+fn utf8_of<'py>(s: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    let s = s.downcast::<PyString>()?;
+    match s.encode_utf8() {
+        Ok(b) => Ok(b),
+        // Lone surrogates: the C pickler writes them as "surrogatepass".
+        Err(_) => Ok(s
+            .call_method1(pyo3::intern!(s.py(), "encode"), ("utf-8", "surrogatepass"))?
+            .downcast_into::<PyBytes>()?),
+    }
+}
+
+impl<'py> PickleWalk<'py> {
+    fn save(&mut self, o: &Bound<'py, PyAny>) -> Walked {
+        if o.is_none() {
+            self.e.none();
+            return Ok(());
+        }
+        if o.is_exact_instance_of::<PyBool>() {
+            self.e.bool(o.is_truthy()?);
+            return Ok(());
+        }
+        if o.is_exact_instance_of::<PyInt>() {
+            return self.int(o);
+        }
+        if let Ok(f) = o.downcast_exact::<PyFloat>() {
+            self.e.float(f.value());
+            return Ok(());
+        }
+        let id = o.as_ptr() as usize;
+        if self.e.get(id) {
+            return Ok(());
+        }
+        if o.is_exact_instance_of::<PyString>() {
+            let utf8 = utf8_of(o)?;
+            self.e.str(crate::pickle::Str {
+                id,
+                utf8: utf8.as_bytes(),
+            })?;
+            self.keep.push(o.clone());
+            return Ok(());
+        }
+        if self.depth >= MAX_DEPTH {
+            return Err(Stop::Unsupported);
+        }
+        self.depth += 1;
+        let r = self.save_container(o, id);
+        self.depth -= 1;
+        r
+    }
+
+    fn save_container(&mut self, o: &Bound<'py, PyAny>, id: usize) -> Walked {
+        if let Ok(d) = o.downcast_exact::<PyDict>() {
+            self.e.empty_dict(id)?;
+            self.keep.push(o.clone());
+            let items: Vec<_> = d.iter().collect();
+            self.items(crate::pickle::Items::DictExact, &items)?;
+            if d.len() != items.len() {
+                return Err(Stop::Unsupported); // changed size while pickled
+            }
+            return Ok(());
+        }
+        if let Ok(l) = o.downcast_exact::<PyList>() {
+            self.e.empty_list(id)?;
+            self.keep.push(o.clone());
+            let items: Vec<_> = l.iter().collect();
+            let kind = crate::pickle::Items::ListExact;
+            for b in crate::pickle::batches(kind, items.len()) {
+                self.e.begin_batch(&b);
+                for item in &items[b.items.clone()] {
+                    self.save(item)?;
+                }
+                self.e.end_batch(kind, &b);
+            }
+            if l.len() != items.len() {
+                return Err(Stop::Unsupported);
+            }
+            return Ok(());
+        }
+        if let Ok(t) = o.downcast_exact::<PyTuple>() {
+            let n = t.len();
+            if n == 0 {
+                self.e.empty_tuple();
+                return Ok(());
+            }
+            if n > 3 {
+                self.e.mark();
+            }
+            for item in t.iter() {
+                self.save(&item)?;
+            }
+            self.e.end_tuple(n, Some(id))?;
+            self.keep.push(o.clone());
+            return Ok(());
+        }
+        let ty = o.get_type_ptr().cast::<pyo3::ffi::PyObject>();
+        if ty == self.ctx.0.as_ptr() {
+            return self.tensor(o, id);
+        }
+        if ty == self.ctx.1.as_ptr() {
+            return self.ordered_dict(o, id);
+        }
+        Err(Stop::Unsupported)
+    }
+
+    fn items(
+        &mut self,
+        kind: crate::pickle::Items,
+        items: &[(Bound<'py, PyAny>, Bound<'py, PyAny>)],
+    ) -> Walked {
+        for b in crate::pickle::batches(kind, items.len()) {
+            self.e.begin_batch(&b);
+            for (k, v) in &items[b.items.clone()] {
+                self.save(k)?;
+                self.save(v)?;
+            }
+            self.e.end_batch(kind, &b);
+        }
+        Ok(())
+    }
+
+    fn int(&mut self, o: &Bound<'py, PyAny>) -> Walked {
+        if let Ok(v) = o.extract::<i64>() {
+            self.e.int(v);
+            return Ok(());
+        }
+        // Past 64 bits: its bytes as save_long takes them.
+        let py = self.py;
+        let negative = o.lt(0)?;
+        let bits: usize = o.call_method0(pyo3::intern!(py, "bit_length"))?.extract()?;
+        let n = (bits >> 3) + 1;
+        let signed = PyDict::new(py);
+        signed.set_item(pyo3::intern!(py, "signed"), true)?;
+        let le = o.call_method(pyo3::intern!(py, "to_bytes"), (n, "little"), Some(&signed))?;
+        self.e.long(
+            le.downcast::<PyBytes>().map_err(PyErr::from)?.as_bytes(),
+            negative,
+        )?;
+        Ok(())
+    }
+
+    fn ordered_dict(&mut self, o: &Bound<'py, PyAny>, id: usize) -> Walked {
+        let py = self.py;
+        // OrderedDict.__reduce__: (OrderedDict, (), state, None, iter(items)),
+        // state the instance __dict__ (None when empty); nn.Module.state_dict()
+        // sets `_metadata`.
+        let state = o.getattr(pyo3::intern!(py, "__dict__"))?;
+        let state = state
+            .downcast_exact::<PyDict>()
+            .map_err(|_| Stop::Unsupported)?;
+        let has_state = match state.len() {
+            0 => false,
+            1 if state.contains(pyo3::intern!(py, "_metadata"))? => true,
+            _ => return Err(Stop::Unsupported),
+        };
+        let odict_raw = std::mem::take(&mut self.ctx.6);
+        let g = self.e.global(crate::pickle::Global {
+            id: self.ctx.1.as_ptr() as usize,
+            raw: &odict_raw,
+        });
+        self.ctx.6 = odict_raw;
+        g?;
+        self.e.empty_tuple();
+        self.e.reduce();
+        self.e.put(Some(id))?;
+        self.keep.push(o.clone());
+        let mut items = Vec::new();
+        for item in o.call_method0(pyo3::intern!(py, "items"))?.try_iter()? {
+            let item = item?;
+            let pair = item
+                .downcast_exact::<PyTuple>()
+                .map_err(|_| Stop::Unsupported)?;
+            if pair.len() != 2 {
+                return Err(Stop::Unsupported);
+            }
+            items.push((pair.get_item(0)?, pair.get_item(1)?));
+        }
+        self.items(crate::pickle::Items::DictIter, &items)?;
+        if has_state {
+            let state = state.clone().into_any();
+            self.save(&state)?;
+            self.e.build();
+        }
+        Ok(())
+    }
+
+    fn dtype_info(&mut self, dtype: &Bound<'py, PyAny>) -> Walked<usize> {
+        if let Some(i) = self.dtypes.iter().position(|d| d.dtype.is(dtype)) {
+            return Ok(i);
+        }
+        let info = self.ctx.8.call1((dtype,))?;
+        if info.is_none() {
+            return Err(Stop::Unsupported);
+        }
+        let (storage_type, raw, elem): (Bound<'py, PyAny>, Vec<u8>, i64) = info.extract()?;
+        if elem <= 0 {
+            return Err(Stop::Unsupported);
+        }
+        self.dtypes.push(DtypeInfo {
+            dtype: dtype.clone(),
+            storage_type,
+            raw,
+            elem,
+        });
+        Ok(self.dtypes.len() - 1)
+    }
+
+    /// The tests of `_Pickler.reducer_override` for a tensor whose type
+    /// is exactly torch.Tensor: strided, on the CPU, a dtype it reduces
+    /// itself, not quantized, no attributes (the zero tensor test is
+    /// `tensor`'s). Returns its dtype's index in `dtypes`.
+    fn plain_tensor(&mut self, t: &Bound<'py, PyAny>) -> Walked<usize> {
+        let py = self.py;
+        if !t.getattr(pyo3::intern!(py, "layout"))?.is(&self.ctx.2)
+            || !t.getattr(pyo3::intern!(py, "is_cpu"))?.extract::<bool>()?
+        {
+            return Err(Stop::Unsupported);
+        }
+        let dtype = t.getattr(pyo3::intern!(py, "dtype"))?;
+        let di = self.dtype_info(&dtype)?;
+        let attrs = t.getattr(pyo3::intern!(py, "__dict__"))?;
+        if t.getattr(pyo3::intern!(py, "is_quantized"))?
+            .extract::<bool>()?
+            || attrs.len()? != 0
+        {
+            return Err(Stop::Unsupported);
+        }
+        Ok(di)
+    }
+
+    /// `_storage_id`'s key of `storage` (its data at `data`, seen as dtype
+    /// `di`): the known or
+    /// earlier key, else a new one (`str(len(keys))`); the storage noted
+    /// in `storages` under it. Memory seen as two dtypes stops the walk
+    /// (the slow path raises).
+    fn storage_key(
+        &mut self,
+        storage: &Bound<'py, PyAny>,
+        data: usize,
+        di: usize,
+    ) -> Walked<usize> {
+        let py = self.py;
+        let dtype = self.dtypes[di].dtype.as_ptr() as usize;
+        if data != 0 && *self.ptr_dtypes.entry(data).or_insert(dtype) != dtype {
+            return Err(Stop::Unsupported);
+        }
+        let cdata: usize = storage.getattr(pyo3::intern!(py, "_cdata"))?.extract()?;
+        if !self.keys.contains_key(&cdata) {
+            let n = self.keys.len();
+            let Ok(n_obj) = n.into_pyobject(py);
+            let obj = n_obj.str()?.into_any();
+            self.keys.insert(cdata, StorageKey { obj, utf8: None });
+        }
+        let key = self.keys.get_mut(&cdata).ok_or(Stop::Unsupported)?;
+        self.storages.set_item(&key.obj, storage)?;
+        if key.utf8.is_none() && !self.e.memoized(key.obj.as_ptr() as usize) {
+            key.utf8 = Some(utf8_of(&key.obj)?);
+        }
+        Ok(cdata)
+    }
+
+    /// `_Pickler.reducer_override` for a tensor (its type exactly
+    /// torch.Tensor) and `persistent_id` for its storage.
+    fn tensor(&mut self, t: &Bound<'py, PyAny>, id: usize) -> Walked {
+        let py = self.py;
+        if let Some((add, seen)) = &self.add {
+            if !seen.contains(id)? {
+                add.call1((t,))?;
+            }
+        }
+        let di = self.plain_tensor(t)?;
+        let storage = t.call_method0(pyo3::intern!(py, "untyped_storage"))?;
+        let data: usize = storage
+            .call_method0(pyo3::intern!(py, "data_ptr"))?
+            .extract()?;
+        // `_zero`: a tensor with data is no zero tensor, and its data
+        // pointer is past its storage's: not null when that one is not.
+        if data == 0 {
+            let ptr: usize = t.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
+            if ptr == 0
+                && t.call_method0(pyo3::intern!(py, "_is_zerotensor"))?
+                    .extract::<bool>()?
+            {
+                return Err(Stop::Unsupported);
+            }
+        }
+        let offset: i64 = t
+            .call_method0(pyo3::intern!(py, "storage_offset"))?
+            .extract()?;
+        let size = int_tuple(&t.getattr(pyo3::intern!(py, "shape"))?)?; // size(), without its argument parsing
+        let stride = int_tuple(&t.call_method0(pyo3::intern!(py, "stride"))?)?;
+        let nbytes: i64 = storage
+            .call_method0(pyo3::intern!(py, "nbytes"))?
+            .extract()?;
+        let elem = self.dtypes[di].elem;
+        if !size.contains(&0) && !within(offset, &size, &stride, elem, nbytes) {
+            return Err(Stop::Unsupported); // _check_extent raises: the slow path says so
+        }
+        let cdata = self.storage_key(&storage, data, di)?;
+        let requires_grad: bool = t.getattr(pyo3::intern!(py, "requires_grad"))?.extract()?;
+        let meta = match &self.ctx.7 {
+            Some(f) => Some(f.call1((t,))?),
+            None => None,
+        };
+        let meta = match meta {
+            Some(m) if m.is_truthy()? => Some(m),
+            _ => None,
+        };
+        let d = &self.dtypes[di];
+        let key = &self.keys[&cdata];
+        let reduce = crate::pickle::TensorReduce {
+            rebuild: crate::pickle::Global {
+                id: self.ctx.5 .0.as_ptr() as usize,
+                raw: &self.ctx.5 .1,
+            },
+            storage_tag: crate::pickle::Str {
+                id: self.ctx.3.as_ptr() as usize,
+                utf8: self.storage_tag.as_bytes(),
+            },
+            storage_type: crate::pickle::Global {
+                id: d.storage_type.as_ptr() as usize,
+                raw: &d.raw,
+            },
+            key: crate::pickle::Str {
+                id: key.obj.as_ptr() as usize,
+                utf8: key.utf8.as_ref().map_or(&[], |b| b.as_bytes()),
+            },
+            location: crate::pickle::Str {
+                id: self.ctx.4.as_ptr() as usize,
+                utf8: self.location.as_bytes(),
+            },
+            numel: nbytes / d.elem,
+            offset,
+            size: &size,
+            stride: &stride,
+            requires_grad,
+            odict: crate::pickle::Global {
+                id: self.ctx.1.as_ptr() as usize,
+                raw: &self.ctx.6,
+            },
+        };
+        self.e.tensor_begin(&reduce)?;
+        if let Some(m) = &meta {
+            self.save(m)?;
+        }
+        self.e.tensor_end(id, meta.is_some())?;
+        self.keep.push(t.clone());
+        self.since_release += 1;
+        if self.since_release == TENSORS_PER_RELEASE {
+            self.since_release = 0;
+            // A thread waiting for the GIL takes it here, as at the
+            // interpreter's switch points; no Python object is touched.
+            self.py.allow_threads(|| ());
+        }
+        Ok(())
+    }
+}
+
+/// The ints of a tuple (torch.Size, a stride).
+fn int_tuple(t: &Bound<'_, PyAny>) -> Walked<Vec<i64>> {
+    let t = t.downcast::<PyTuple>().map_err(|_| Stop::Unsupported)?;
+    let mut out = Vec::with_capacity(t.len());
+    for i in 0..t.len() {
+        out.push(t.get_item(i)?.extract()?);
+    }
+    Ok(out)
+}
+
+/// `_check_extent`: the tensor lies inside its storage's `nbytes`.
+fn within(offset: i64, size: &[i64], stride: &[i64], elem: i64, nbytes: i64) -> bool {
+    if size.len() != stride.len() {
+        return false;
+    }
+    let last = size
+        .iter()
+        .zip(stride)
+        .map(|(&n, &s)| i128::from(n - 1) * i128::from(s))
+        .sum::<i128>()
+        + i128::from(offset);
+    (last + 1) * i128::from(elem) <= i128::from(nbytes)
+}
+
+/// torch.save's pickle of `obj` (`fastpersist.pickling.pickle_obj`'s bytes
+/// and storages by key), when `obj` is made only of exact dicts, lists,
+/// tuples, strings, ints, floats, bools, None, OrderedDicts (no instance
+/// attribute but `_metadata`) and plain dense CPU tensors; None for anything
+/// else (and on any exception), for the slow path to pickle. `ctx`: see
+/// `pickling._fast_context`; `known`: storage `_cdata` -> (key, storage),
+/// keys kept; `add`: `(TensorVersions.add, TensorVersions._seen)`, add
+/// called with each tensor first met whose id `_seen` does not hold (as the
+/// slow path's reducer calls it, less the calls that would do nothing).
+#[pyfunction]
+#[pyo3(signature = (obj, ctx, known=None, add=None))]
+#[allow(clippy::type_complexity)]
+fn fast_pickle<'py>(
+    py: Python<'py>,
+    obj: &Bound<'py, PyAny>,
+    ctx: PickleCtx<'py>,
+    known: Option<Bound<'py, PyDict>>,
+    add: Option<(Bound<'py, PyAny>, Bound<'py, PyDict>)>,
+) -> PyResult<Option<(Bound<'py, PyBytes>, Bound<'py, PyDict>)>> {
+    match fast_pickle_walk(py, obj, ctx, known, add) {
+        Ok(done) => Ok(Some(done)),
+        Err(Stop::Unsupported) => Ok(None),
+        // Exceptions are the slow path's to raise; KeyboardInterrupt and
+        // other BaseExceptions are not swallowed.
+        Err(Stop::Py(e)) if e.is_instance_of::<pyo3::exceptions::PyException>(py) => Ok(None),
+        Err(Stop::Py(e)) => Err(e),
+    }
+}
+
+fn fast_pickle_walk<'py>(
+    py: Python<'py>,
+    obj: &Bound<'py, PyAny>,
+    ctx: PickleCtx<'py>,
+    known: Option<Bound<'py, PyDict>>,
+    add: Option<(Bound<'py, PyAny>, Bound<'py, PyDict>)>,
+) -> Walked<(Bound<'py, PyBytes>, Bound<'py, PyDict>)> {
+    // Room for a state dict of `hint` tensors (a key, a name, a tensor each).
+    let hint = obj
+        .downcast_exact::<PyDict>()
+        .map_or(0, PyDictMethods::len)
+        .max(known.as_ref().map_or(0, PyDictMethods::len));
+    let mut keys = crate::pickle::IdMap::default();
+    keys.reserve(hint);
+    if let Some(known) = known {
+        for (c, v) in known.iter() {
+            let (k, _): (Bound<'py, PyAny>, Bound<'py, PyAny>) = v.extract()?;
+            keys.insert(c.extract::<usize>()?, StorageKey { obj: k, utf8: None });
+        }
+    }
+    let storage_tag = utf8_of(&ctx.3)?;
+    let location = utf8_of(&ctx.4)?;
+    let mut w = PickleWalk {
+        py,
+        ctx,
+        e: crate::pickle::Emitter::with_capacity(128 * hint + 4096, 4 * hint + 256),
+        keep: Vec::with_capacity(3 * hint + 64),
+        add,
+        keys,
+        ptr_dtypes: crate::pickle::id_map(hint),
+        dtypes: Vec::new(),
+        storages: PyDict::new(py),
+        storage_tag,
+        location,
+        depth: 0,
+        since_release: 0,
+    };
+    w.save(obj)?;
+    let PickleWalk { e, storages, .. } = w;
+    Ok((PyBytes::new(py, &e.finish()), storages))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
@@ -1215,6 +1767,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wait_for_frees, m)?)?;
     m.add_function(wrap_pyfunction!(remove_file, m)?)?;
     m.add_function(wrap_pyfunction!(prepare_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(fast_pickle, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
     m.add("TEMP_NAME_PART_MAX", crate::commit::TEMP_NAME_PART_MAX)?;
     add_stats_types(m)?;

@@ -10,7 +10,7 @@ tuples works, and tuple subclasses (``NamedTuple``) are accepted as tuples.
 from collections.abc import Callable, Sequence
 from os import PathLike
 from types import TracebackType
-from typing import Protocol, TypedDict, final
+from typing import Any, Protocol, TypedDict, final
 
 from typing_extensions import Buffer, Self, TypeAlias
 
@@ -59,6 +59,7 @@ __all__ = [
     "wait_for_frees",
     "prepare_memory",
     "remove_file",
+    "fast_pickle",
     "TEMP_MARKER",
     "TEMP_NAME_PART_MAX",
     "RawWriteStats",
@@ -249,3 +250,26 @@ def is_temp_name(name: _StrPath) -> bool: ...
 def wait_for_frees(timeout: float) -> bool: ...
 def remove_file(path: _StrPath) -> None: ...
 def prepare_memory(addr: int, nbytes: int) -> None: ...
+
+# fastpersist.pickling._fast_context(): torch.Tensor, OrderedDict,
+# torch.strided, "storage", the CPU location tag, (_rebuild_tensor_v2, its
+# GLOBAL bytes), OrderedDict's GLOBAL bytes, get_tensor_metadata or None,
+# dtype -> (storage class, its GLOBAL bytes, element size) or None.
+_PickleContext: TypeAlias = tuple[
+    type,
+    type,
+    object,
+    str,
+    str,
+    tuple[object, bytes],
+    bytes,
+    Callable[[object], dict[str, bool]] | None,
+    Callable[[object], tuple[object, bytes, int] | None],
+]
+
+def fast_pickle(
+    obj: object,
+    ctx: _PickleContext,
+    known: dict[int, tuple[str, object]] | None = None,
+    add: tuple[Callable[[Any], object], dict[int, Any]] | None = None,
+) -> tuple[bytes, dict[str, object]] | None: ...

@@ -15,11 +15,13 @@ Reading: :func:`unpickle` replays a pickle with storages already read, with
 torch's ``weights_only`` unpickler by default; :class:`LocationScan` notes
 where each storage was saved without constructing anything.
 
-A leaf module: it imports only :mod:`fastpersist.errors`.
+It imports only :mod:`fastpersist.errors` and the Rust core (the fast
+path of :func:`pickle_obj`).
 """
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import io
 import logging
@@ -31,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from . import _core
 from .errors import (
     CorruptCheckpointError,
     NoDataError,
@@ -275,13 +278,132 @@ def _element_size(dtype: torch.dtype) -> int:
     return n
 
 
+#: Whether :func:`pickle_obj` tries its fast path first (tests turn it off
+#: to compare with the pickler).
+FAST_PICKLE = True
+
+#: The "storage" of the persistent ids (the very string ``_storage_id``
+#: returns: identifier-like literals are interned, so the pickle's memo
+#: shares it with equal strings of the object exactly as the pickler does).
+_STORAGE_TAG = "storage"
+
+_global_raw_cache: Dict[int, Tuple[Any, Optional[bytes]]] = {}
+
+
+def _global_raw(obj: Any) -> Optional[bytes]:
+    """The bytes ``_Pickler`` writes for the class or function ``obj`` the
+    first time (``GLOBAL module\\nname\\n``), None where it writes anything
+    else (an extension code, say)."""
+    hit = _global_raw_cache.get(id(obj))
+    if hit is not None and hit[0] is obj:
+        return hit[1]
+    buf = io.BytesIO()
+    _Pickler(buf).dump(obj)
+    b = buf.getvalue()
+    raw: Optional[bytes] = b[2:-3] if b[:3] == b"\x80\x02c" and b[-3:] == b"q\x00." else None
+    _global_raw_cache[id(obj)] = (obj, raw)
+    return raw
+
+
+def _fast_dtype(dtype: torch.dtype) -> Optional[Tuple[Any, bytes, int]]:
+    """(storage class, its GLOBAL bytes, element size) of the tensors of
+    ``dtype`` the tensor reducer handles; None for the others."""
+    if dtype in _V3_DTYPES:
+        return None
+    st = _storage_type(dtype)
+    raw = _global_raw(st)
+    return None if raw is None else (st, raw, _element_size(dtype))
+
+
+_CPU_PROBE: Any = None
+
+
+def _metadata_fn() -> Any:
+    """``_get_metadata``, or the C function it wraps where it is torch's own
+    wrapper (an isinstance test, which every tensor the fast path meets
+    passes, and the call): the wrapper's Python frame and isinstance are
+    half its cost."""
+    fn = _get_metadata
+    inner = getattr(torch._C, "_get_tensor_metadata", None)
+    code = getattr(fn, "__code__", None)
+    if fn is None or inner is None or code is None or fn is not getattr(torch._utils, "get_tensor_metadata", None):
+        return fn
+    plain = {"isinstance", "torch", "Tensor", "AssertionError", "type", "__name__", "_C", "_get_tensor_metadata"}
+    return inner if set(code.co_names) <= plain and code.co_argcount == 1 else fn
+
+
+def _fast_context() -> Optional[tuple]:
+    """What the fast path (``_core.fast_pickle``) writes as the slow path
+    does, looked up now (a test or a plugin may have changed torch's
+    registries); None where it cannot be: a location tagger ahead of
+    torch's CPU one, a reducer registered for OrderedDict, extension codes
+    (``copyreg.add_extension``: globals written as EXT opcodes)."""
+    global _CPU_PROBE
+    ser = torch.serialization
+    registry = getattr(ser, "_package_registry", None)
+    cpu_tag = getattr(ser, "_cpu_tag", None)
+    if not registry or cpu_tag is None or registry[0][1] is not cpu_tag:
+        return None
+    if OrderedDict in copyreg.dispatch_table or getattr(copyreg, "_extension_registry", None):
+        return None
+    if _CPU_PROBE is None:
+        _CPU_PROBE = torch.UntypedStorage(0)
+    location = ser.location_tag(_CPU_PROBE)
+    rebuild = torch._utils._rebuild_tensor_v2
+    rebuild_raw = _global_raw(rebuild)
+    odict_raw = _global_raw(OrderedDict)
+    if type(location) is not str or rebuild_raw is None or odict_raw is None:
+        return None
+    return (
+        torch.Tensor,
+        OrderedDict,
+        torch.strided,
+        _STORAGE_TAG,
+        location,
+        (rebuild, rebuild_raw),
+        odict_raw,
+        _metadata_fn(),
+        _fast_dtype,
+    )
+
+
+def _fast_pickle(
+    obj: Any, known: Optional[Dict[int, Tuple[str, Any]]], versions: Optional[TensorVersions]
+) -> Optional[Tuple[bytes, Dict[str, Any]]]:
+    """:func:`pickle_obj`'s result written by the Rust core, or None where
+    ``obj`` holds anything it leaves to the pickler (or raised)."""
+    try:
+        ctx = _fast_context()
+    except Exception:  # noqa: BLE001 - another torch: the pickler, as before
+        return None
+    if ctx is None:
+        return None
+    add = None
+    if versions is not None:
+        # TensorVersions.add records a tensor its _seen does not hold yet:
+        # the others are not passed to it. Any other add gets every tensor.
+        seen = versions._seen if type(versions).add is TensorVersions.add else None
+        add = (versions.add, seen if type(seen) is dict else {})
+    return _core.fast_pickle(obj, ctx, known, add)
+
+
 def pickle_obj(
     obj: Any, known: Optional[Dict[int, Tuple[str, Any]]] = None, versions: Optional[TensorVersions] = None
 ) -> Tuple[bytes, Dict[str, Any]]:
     """Pickle ``obj`` exactly as ``torch.serialization._save`` does, returning
     the pickle and the storages it refers to, by key. ``known`` storages
     (``_cdata`` -> (key, storage)) keep their keys. Tensors the pickler
-    meets that ``versions`` does not know yet are added to it."""
+    meets that ``versions`` does not know yet are added to it.
+
+    Objects made only of exact dicts, lists, tuples, strings, ints, floats,
+    bools, None, OrderedDicts (``state_dict()``'s) and plain dense CPU
+    tensors take a fast path (:data:`FAST_PICKLE`): the same bytes, written
+    by the Rust core without a Python call per object. Anything else, and
+    any error, goes through the pickler as before."""
+    if FAST_PICKLE:
+        done = _fast_pickle(obj, known, versions)
+        if done is not None:
+            return done
     buf = io.BytesIO()
     pickler = _Pickler(buf, known, versions)
     try:
