@@ -59,7 +59,7 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             block_size: 1 << 20,
-            arena_bytes: 32 << 20,
+            arena_bytes: 64 << 20,
             queue_depth: 32,
             direct: true,
             io_uring: true,

@@ -334,7 +334,7 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (*, block_size=IntArg(1<<20), arena_bytes=IntArg(32<<20),
+    #[pyo3(signature = (*, block_size=IntArg(1<<20), arena_bytes=IntArg(64<<20),
         queue_depth=IntArg(32), direct=true, io_uring=true, register_buffers=true,
         lock_memory=true, pool_threads=IntArg(4), durable=true, flush_every=IntArg(256<<20),
         gather_threads=None))]
