@@ -475,16 +475,27 @@ impl PyEngine {
 
     /// `read_into` through an open descriptor: reads the file `fd` refers
     /// to (the same inode even if its path is replaced meanwhile), never
-    /// closing `fd` nor moving its file offset.
+    /// closing `fd` nor moving its file offset. `merge_gap`: requests are
+    /// read as one only across gaps of at most this many bytes (default
+    /// 256 KiB; 0 for scattered small requests such as zip local headers).
+    #[pyo3(signature = (fd, reqs, merge_gap=None))]
     fn read_into_fd<'py>(
         &self,
         py: Python<'py>,
         fd: IntArg,
         reqs: Vec<(u64, usize, usize)>,
+        merge_gap: Option<IntArg>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let fd: RawFd = fd.get("fd")?;
+        let gap: Option<u64> = merge_gap.map(|g| g.get("merge_gap")).transpose()?;
         let rs = read_requests(reqs)?;
-        let st = py.allow_threads(move || self.engine()?.read_into_fd(fd, &rs));
+        let st = py.allow_threads(move || {
+            let mut eng = self.engine()?;
+            match gap {
+                Some(g) => eng.read_into_fd_gap(fd, &rs, g),
+                None => eng.read_into_fd(fd, &rs),
+            }
+        });
         read_stats_dict(py, &st.map_err(to_py)?)
     }
 

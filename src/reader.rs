@@ -102,10 +102,11 @@ impl Engine {
             self.opts.direct,
         )
         .map_err(|e| Error::from_io(&e, "cannot open the checkpoint", Some(path)))?;
-        self.read_file(&file, direct, reqs, t0).map_err(|mut e| {
-            e.path.get_or_insert_with(|| path.to_path_buf());
-            e
-        })
+        self.read_file(&file, direct, reqs, t0, MERGE_GAP)
+            .map_err(|mut e| {
+                e.path.get_or_insert_with(|| path.to_path_buf());
+                e
+            })
     }
 
     /// Read every request from the file open as `fd` (a descriptor the
@@ -117,16 +118,30 @@ impl Engine {
     /// O_DIRECT) a `dup` of `fd` is read with buffered reads. Same results
     /// as [`Engine::read_into`].
     pub fn read_into_fd(&mut self, fd: RawFd, reqs: &[ReadReq]) -> Result<ReadStats> {
+        self.read_into_fd_gap(fd, reqs, MERGE_GAP)
+    }
+
+    /// [`Engine::read_into_fd`] with requests merged into one read only
+    /// across gaps of at most `merge_gap` bytes (`MERGE_GAP` there): 0 reads
+    /// scattered small requests (the local headers of a zip) as that many
+    /// block-sized reads in flight, not the whole span between them.
+    pub fn read_into_fd_gap(
+        &mut self,
+        fd: RawFd,
+        reqs: &[ReadReq],
+        merge_gap: u64,
+    ) -> Result<ReadStats> {
         self.check_process()?;
         self.settle(None);
         let t0 = Instant::now();
         let (file, direct) = reopen_for_read(fd, self.opts.direct)?;
-        self.read_file(&file, direct, reqs, t0).map_err(|mut e| {
-            if e.path.is_none() {
-                e.context = format!("{} (fd {fd})", e.context);
-            }
-            e
-        })
+        self.read_file(&file, direct, reqs, t0, merge_gap)
+            .map_err(|mut e| {
+                if e.path.is_none() {
+                    e.context = format!("{} (fd {fd})", e.context);
+                }
+                e
+            })
     }
 
     /// Read every request from the open `file` (opened with O_DIRECT when
@@ -137,6 +152,7 @@ impl Engine {
         direct: bool,
         reqs: &[ReadReq],
         t0: Instant,
+        merge_gap: u64,
     ) -> Result<ReadStats> {
         let file_len = file
             .metadata()
@@ -148,7 +164,7 @@ impl Engine {
             align::MIN_BLOCK
         } as u64;
         let order = check_requests(reqs, file_len)?;
-        let extents = plan_extents(reqs, &order, block, self.arena.buf_size() as u64)?;
+        let extents = plan_extents(reqs, &order, block, self.arena.buf_size() as u64, merge_gap)?;
         let crcs = self.read_extents(file.as_raw_fd(), extents, reqs, &order)?;
         Ok(ReadStats {
             bytes: reqs.iter().map(|r| r.dst.len as u64).sum(),
@@ -505,7 +521,8 @@ fn check_requests(reqs: &[ReadReq], file_len: u64) -> Result<Vec<usize>> {
     Ok(order)
 }
 
-/// The block-aligned ranges to read, merged across small gaps, cut into
+/// The block-aligned ranges to read, merged across gaps of at most
+/// `merge_gap` bytes (touching ranges always merge), cut into
 /// extents of at most `buf_size` bytes: `(offset, length)` in file order.
 /// The requests lie inside the file ([`check_requests`]).
 fn plan_extents(
@@ -513,6 +530,7 @@ fn plan_extents(
     order: &[usize],
     block: u64,
     buf_size: u64,
+    merge_gap: u64,
 ) -> Result<VecDeque<(u64, usize)>> {
     let mut ranges: Vec<(u64, u64)> = Vec::new();
     for r in order.iter().map(|&i| &reqs[i]).filter(|r| r.dst.len > 0) {
@@ -521,7 +539,7 @@ fn plan_extents(
         let hi = align_up(r.offset + r.dst.len as u64, block)
             .ok_or_else(|| Error::layout(format!("a record at offset {} is too far", r.offset)))?;
         match ranges.last_mut() {
-            Some(last) if lo <= last.1 + MERGE_GAP => last.1 = last.1.max(hi),
+            Some(last) if lo <= last.1.saturating_add(merge_gap) => last.1 = last.1.max(hi),
             _ => ranges.push((lo, hi)),
         }
     }
@@ -600,4 +618,46 @@ fn scatter(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reqs(ranges: &[(u64, usize)]) -> Vec<ReadReq> {
+        ranges
+            .iter()
+            .map(|&(offset, len)| ReadReq {
+                offset,
+                dst: MutMemRef::discard(len),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_zero_merge_gap_reads_scattered_requests_as_separate_blocks() {
+        // Three small requests 100 KiB apart (a zip's local headers), and a
+        // fourth in the same block as the third.
+        let rs = reqs(&[
+            (0, 50),
+            (100 << 10, 60),
+            (200 << 10, 40),
+            ((200 << 10) + 100, 10),
+        ]);
+        let order: Vec<usize> = (0..rs.len()).collect();
+        let merged = plan_extents(&rs, &order, 4096, 1 << 20, MERGE_GAP).unwrap();
+        assert_eq!(merged, VecDeque::from(vec![(0, (200 << 10) + 4096)]));
+        let sparse = plan_extents(&rs, &order, 4096, 1 << 20, 0).unwrap();
+        assert_eq!(
+            sparse,
+            VecDeque::from(vec![(0, 4096), (100 << 10, 4096), (200 << 10, 4096)])
+        );
+        // Touching blocks still merge, and extents stay within a buffer.
+        let rs = reqs(&[(0, 4096), (4096, 10000)]);
+        let order = vec![0, 1];
+        assert_eq!(
+            plan_extents(&rs, &order, 4096, 8192, 0).unwrap(),
+            VecDeque::from(vec![(0, 8192), (8192, 8192)])
+        );
+    }
 }

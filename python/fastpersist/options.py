@@ -273,20 +273,22 @@ def cached_option_sets() -> List[EngineOptions]:
 ReadReq = Tuple[int, int, int]
 
 
-def read_with(eng: _core.Engine, fd: int, reqs: List[ReadReq]) -> List[int]:
+def read_with(eng: _core.Engine, fd: int, reqs: List[ReadReq], merge_gap: Optional[int] = None) -> List[int]:
     """Read (file offset, address, bytes) requests of the open file ``fd``
     with ``eng`` (whose lock the caller holds); returns each one's CRC32.
     The engine reads the file ``fd`` is open on, even if its path has been
-    replaced since (one open file from start to end of a read)."""
+    replaced since (one open file from start to end of a read).
+    ``merge_gap``: requests are read as one only across gaps of at most
+    this many bytes (None: the engine's default, 256 KiB)."""
     if not reqs:
         return []
-    return list(eng.read_into_fd(fd, reqs)["crcs"])
+    return list(eng.read_into_fd(fd, reqs, merge_gap)["crcs"])
 
 
-def read_records(fd: int, reqs: List[ReadReq], opts: EngineOptions) -> List[int]:
+def read_records(fd: int, reqs: List[ReadReq], opts: EngineOptions, merge_gap: Optional[int] = None) -> List[int]:
     """:func:`read_with` on the engine for ``opts``."""
     with use_engine(opts) as eng:
-        return read_with(eng, fd, reqs)
+        return read_with(eng, fd, reqs, merge_gap)
 
 
 def read_range(fd: int, offset: int, buf: Any, opts: Optional[EngineOptions] = None) -> int:

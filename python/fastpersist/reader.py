@@ -217,7 +217,7 @@ def _read_torch(
     opts: EngineOptions,
     unchecked: List[str],
 ) -> Tuple[Any, int, int]:
-    records = read_zip_directory(fd, size, path)
+    records = read_zip_directory(fd, size, path, opts)
     if not records:
         raise CorruptCheckpointError(f"{path}: the zip holds no records")
     prefix = records[0].name.split("/", 1)[0] + "/" if "/" in records[0].name else ""
