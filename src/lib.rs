@@ -17,7 +17,9 @@
 //! - [`writer`]: write sessions (`begin`/`write`/`finish`) and `write_part`;
 //! - [`reader`]: many records of one file into caller memory;
 //! - [`pickle`]: CPython's protocol-2 pickle opcodes, byte for byte (the
-//!   fast path of the Python side's torch.save pickle).
+//!   fast path of the Python side's torch.save pickle);
+//! - [`zip`]: torch.save's zip headers, byte for byte (local headers with
+//!   torch's alignment padding, descriptors, central directory, end records).
 //!
 //! The Python extension lives in `python.rs`, behind the `python` feature.
 
@@ -38,6 +40,7 @@ pub mod pickle;
 pub mod reader;
 pub(crate) mod sink;
 pub mod writer;
+pub mod zip;
 
 #[cfg(feature = "python")]
 mod python;

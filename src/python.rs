@@ -1153,6 +1153,144 @@ fn crc32(py: Python<'_>, data: &[u8]) -> u32 {
     py.allow_threads(|| crc32fast::hash(data))
 }
 
+/// The zip layer's size and alignment limits, as ValueErrors.
+fn zip_checks(name: &[u8], align: u64) -> PyResult<()> {
+    if !align.is_power_of_two() || align > (1 << 15) {
+        return Err(PyValueError::new_err(format!(
+            "record alignment must be a power of two of at most 32768, got {align}"
+        )));
+    }
+    if name.len() > usize::from(u16::MAX) {
+        return Err(PyValueError::new_err(format!(
+            "a zip record name holds at most 65535 bytes, got {}",
+            name.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The local header of a torch zip record (`fastpersist.torch_zip`): the
+/// fixed part, `name` and the extra field, padded so that the data, which
+/// follows it, is aligned to `align`.
+#[pyfunction]
+fn zip_local_header<'py>(
+    py: Python<'py>,
+    name: &[u8],
+    header_off: u64,
+    size: u64,
+    align: u64,
+) -> PyResult<Bound<'py, PyBytes>> {
+    zip_checks(name, align)?;
+    Ok(PyBytes::new(
+        py,
+        &crate::zip::local_header(name, header_off, size, align),
+    ))
+}
+
+/// The sizes that end the data descriptor of a record.
+#[pyfunction]
+fn zip_descriptor_sizes(py: Python<'_>, header_off: u64, size: u64) -> Bound<'_, PyBytes> {
+    PyBytes::new(py, &crate::zip::descriptor_sizes(header_off, size))
+}
+
+/// The records of tensor storages, laid out one after the other from
+/// `cursor`: for each `(name, size, address, crc_id, staged)`, its local
+/// header (data aligned to `align`), its data (a region of `size` bytes at
+/// `address`, checksummed as `crc_id`; none when `staged`, whose bytes come
+/// from a device) and its data descriptor, whose CRC32 is a slot.
+/// `pieces`: the `Blob`, `Region` and `Slot` classes of
+/// `fastpersist.plan`. Returns (blobs, regions, slots, the header and data
+/// offset of each record, the end).
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn zip_storage_records<'py>(
+    py: Python<'py>,
+    cursor: u64,
+    align: u64,
+    records: Vec<(Bound<'py, PyBytes>, u64, usize, u32, bool)>,
+    pieces: (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>),
+) -> PyResult<(
+    Vec<PyObject>,
+    Vec<PyObject>,
+    Vec<PyObject>,
+    Vec<(u64, u64)>,
+    u64,
+)> {
+    let (blob, region, slot) = pieces;
+    let signature = PyBytes::new(py, &crate::zip::DESCRIPTOR_SIG.to_le_bytes());
+    let mut blobs = Vec::with_capacity(records.len() * 3);
+    let mut regions = Vec::with_capacity(records.len());
+    let mut slots = Vec::with_capacity(records.len());
+    let mut offsets = Vec::with_capacity(records.len());
+    let mut at = cursor;
+    let too_far = || PyOverflowError::new_err("the file would be longer than 2**64 bytes");
+    for (name, size, address, crc_id, staged) in records {
+        let name = name.as_bytes();
+        zip_checks(name, align)?;
+        let header = crate::zip::local_header(name, at, size, align);
+        let header_off = at;
+        let data_off = at.checked_add(header.len() as u64).ok_or_else(too_far)?;
+        blobs.push(
+            blob.call1((header_off, PyBytes::new(py, &header)))?
+                .unbind(),
+        );
+        if size > 0 && !staged {
+            regions.push(region.call1((data_off, address, size, crc_id))?.unbind());
+        }
+        at = data_off.checked_add(size).ok_or_else(too_far)?;
+        blobs.push(blob.call1((at, &signature))?.unbind());
+        slots.push(slot.call1((at + 4, crc_id))?.unbind());
+        let sizes = crate::zip::descriptor_sizes(header_off, size);
+        blobs.push(blob.call1((at + 8, PyBytes::new(py, &sizes)))?.unbind());
+        at += 8 + sizes.len() as u64;
+        offsets.push((header_off, data_off));
+    }
+    Ok((blobs, regions, slots, offsets, at))
+}
+
+/// The central directory of a torch zip from `cursor`, and the end records:
+/// for each `(name, header offset, size, crc, crc_id)`, its entry, whose
+/// CRC32 is a slot for checksum `crc_id` when that is given, else `crc`.
+/// `pieces`: the `Blob` and `Slot` classes. Returns (blobs, slots, end).
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn zip_central_directory<'py>(
+    py: Python<'py>,
+    cursor: u64,
+    entries: Vec<(Bound<'py, PyBytes>, u64, u64, Option<u32>, Option<u32>)>,
+    pieces: (Bound<'py, PyAny>, Bound<'py, PyAny>),
+) -> PyResult<(Vec<PyObject>, Vec<PyObject>, u64)> {
+    use crate::zip::CENTRAL_CRC_AT;
+    let (blob, slot) = pieces;
+    let mut blobs = Vec::with_capacity(entries.len() + 1);
+    let mut slots = Vec::new();
+    let mut run: Vec<u8> = Vec::new(); // consecutive bytes not yet a blob
+    let mut run_at = cursor;
+    let mut at = cursor;
+    let n = entries.len() as u64;
+    for (name, header_off, size, crc, crc_id) in entries {
+        let name = name.as_bytes();
+        zip_checks(name, 64)?;
+        let entry = crate::zip::central_entry(name, header_off, size, crc.unwrap_or(0));
+        match crc_id {
+            Some(id) => {
+                run.extend_from_slice(&entry[..CENTRAL_CRC_AT]);
+                blobs.push(blob.call1((run_at, PyBytes::new(py, &run)))?.unbind());
+                slots.push(slot.call1((at + CENTRAL_CRC_AT as u64, id))?.unbind());
+                run.clear();
+                run.extend_from_slice(&entry[CENTRAL_CRC_AT + 4..]);
+                run_at = at + CENTRAL_CRC_AT as u64 + 4;
+            }
+            None => run.extend_from_slice(&entry),
+        }
+        at += entry.len() as u64;
+    }
+    run.extend_from_slice(&crate::zip::end_records(n, cursor, at - cursor));
+    at = run_at + run.len() as u64;
+    blobs.push(blob.call1((run_at, PyBytes::new(py, &run)))?.unbind());
+    Ok((blobs, slots, at))
+}
+
 /// `RawWriteStats` and `RawReadStats`: the keys and value types of the
 /// dicts the writes and reads return, as `typing.TypedDict`s (so Python code
 /// can import them for annotations without a `TYPE_CHECKING` guard).
@@ -1768,6 +1906,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
     m.add_function(wrap_pyfunction!(crc32, m)?)?;
+    m.add_function(wrap_pyfunction!(zip_local_header, m)?)?;
+    m.add_function(wrap_pyfunction!(zip_descriptor_sizes, m)?)?;
+    m.add_function(wrap_pyfunction!(zip_storage_records, m)?)?;
+    m.add_function(wrap_pyfunction!(zip_central_directory, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(copy_memory, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_combine, m)?)?;

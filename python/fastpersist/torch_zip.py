@@ -57,29 +57,12 @@ HEAD_PART_MAX = 512 << 20
 
 _U32 = 0xFFFFFFFF
 _U16 = 0xFFFF
-_FLAGS = 0x0808  # bit 3: sizes and CRC in a data descriptor; bit 11: UTF-8 names
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _SIGNATURE = struct.pack("<I", 0x08074B50)  # of a data descriptor
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
 _EOCD = struct.Struct("<IHHHHIIH")  # 22 bytes
 _EOCD64 = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
 _LOCATOR64 = struct.Struct("<IIQI")  # 20 bytes
-
-
-def _local_extra(header_off: int, size: int, align: int, name_len: int) -> bytes:
-    """Extra field of a local header: zip64 (when needed) plus padding that
-    puts the data at a multiple of ``align``, computed as torch's writer does."""
-    z64 = b""
-    if size >= _U32 or header_off >= _U32:
-        fields = b""
-        if size >= _U32:
-            fields += struct.pack("<QQ", 0, 0)  # sizes live in the data descriptor
-        if header_off >= _U32:
-            fields += struct.pack("<Q", header_off)
-        z64 = struct.pack("<HH", 0x0001, len(fields)) + fields
-    start = header_off + _LOCAL.size + name_len + len(z64) + 4
-    pad = (-start) % align
-    return z64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" padding field
 
 
 class TorchZipLayout:
@@ -142,11 +125,16 @@ class TorchZipLayout:
             raise RuntimeError("the head is laid out once")
         self._head_started = True
         budget, pending = first, 0
-        for key, storage in self._known.values():
-            pending += self._add_storage(key, storage)
+        batch: List[Tuple[str, Any]] = []
+        for item in self._known.values():
+            batch.append(item)
+            pending += item[1].nbytes()
             if pending >= budget:
+                self._add_storages(batch)
+                batch = []
                 yield self._take()
                 budget, pending = min(budget * 2, HEAD_PART_MAX), 0
+        self._add_storages(batch)
         part = self._take()
         if part.blobs or part.regions or part.device:
             yield part
@@ -170,20 +158,18 @@ class TorchZipLayout:
         if self._known and not self._head_complete:
             raise RuntimeError("the head of the file was not laid out to its end")
         data_pkl, storages = pickle_obj(self.obj, self._known, self.versions)
-        for key, storage in storages.items():
-            if key not in self._known_keys:
-                self._add_storage(key, storage)
-        self._add("data.pkl", len(data_pkl), SMALL_ALIGNMENT, data=data_pkl)
-        self._add(".format_version", 1, SMALL_ALIGNMENT, data=b"1")
+        self._add_storages([(key, st) for key, st in storages.items() if key not in self._known_keys])
+        self._add("data.pkl", data_pkl)
+        self._add(".format_version", b"1")
         align_b = str(self.alignment).encode()
-        self._add(".storage_alignment", len(align_b), SMALL_ALIGNMENT, data=align_b)
+        self._add(".storage_alignment", align_b)
         order = sys.byteorder.encode()
-        self._add("byteorder", len(order), SMALL_ALIGNMENT, data=order)
-        self._add("version", 2, SMALL_ALIGNMENT, data=b"3\n")
+        self._add("byteorder", order)
+        self._add("version", b"3\n")
         # torch's writer stores a 40-digit id; ours is derived from the content
         # so the same state writes the same bytes (ranks writing parts agree).
         sid = serialization_id(data_pkl, len(self.storage_keys), self.storage_bytes)
-        self._add(".data/serialization_id", len(sid), SMALL_ALIGNMENT, data=sid.encode())
+        self._add(".data/serialization_id", sid.encode())
         self._central_directory()
         self.file_len = self.cursor
         return self._take()
@@ -193,130 +179,57 @@ class TorchZipLayout:
         b.end = self.cursor
         return b
 
-    def _add_storage(self, key: str, storage: Any) -> int:
-        """Lay out the record of ``storage``; returns its bytes."""
-        staged = self.stage(storage)
-        if not staged and storage.device.type != "cpu":
+    def _add_storages(self, items: List[Tuple[str, Any]]) -> None:
+        """Lay out the records of ``items`` ((key, storage), in file order)."""
+        if not items:
+            return
+        recs, staged_at = [], []
+        for key, found in items:
+            staged = self.stage(found)
             # Other devices: copy to host memory (what torch.save does); the
             # pickle keeps the original location.
-            storage = storage.cpu()
-        crc_id = len(self.storage_keys)
-        self.keepalive.append(storage)
-        self.guard.watch(crc_id, storage, f"storage {key} ({storage.device.type})")
-        self.storage_keys.append(key)
-        n: int = storage.nbytes()
-        self.storage_bytes += n
-        self._add(
-            f"data/{key}", n, self.alignment, region=(storage.data_ptr(), crc_id), device=storage if staged else None
+            storage = found if staged or found.device.type == "cpu" else found.cpu()
+            crc_id = len(self.storage_keys)
+            self.keepalive.append(storage)
+            self.guard.watch(crc_id, storage, f"storage {key} ({storage.device.type})")
+            self.storage_keys.append(key)
+            n: int = storage.nbytes()
+            self.storage_bytes += n
+            recs.append((f"{ARCHIVE_NAME}/data/{key}".encode(), n, storage.data_ptr(), crc_id, staged))
+            if staged and n:
+                staged_at.append((len(recs) - 1, storage))
+        blobs, regions, slots, offsets, self.cursor = _core.zip_storage_records(
+            self.cursor, self.alignment, recs, (Blob, Region, Slot)
         )
-        return n
+        b = self._batch
+        b.blobs += blobs
+        b.regions += regions
+        b.slots += slots
+        for i, storage in staged_at:
+            _, n, _, crc_id, _ = recs[i]
+            b.device.append(DeviceRegion(offsets[i][1], storage, n, crc_id))
+        for (key, _), (name_b, n, _, crc_id, _), (header_off, data_off) in zip(items, recs, offsets):
+            self.records.append((f"data/{key}", data_off, n))
+            self.entries.append((name_b, header_off, n, None, crc_id))
 
-    def _blob(self, data: bytes) -> None:
-        self._batch.blobs.append(Blob(self.cursor, data))
-        self.cursor += len(data)
-
-    def _add(
-        self,
-        name: str,
-        size: int,
-        align: int,
-        data: Optional[bytes] = None,
-        region: Optional[Tuple[int, int]] = None,
-        device: Optional[Any] = None,
-    ) -> None:
-        """A record holding ``data`` (small, bytes) or ``region`` (address,
-        checksum id), ``size`` bytes either way; with ``device``, the region
-        is that storage, to be staged from its device."""
+    def _add(self, name: str, data: bytes) -> None:
+        """A small record holding ``data``, 64-byte aligned as torch aligns
+        its own: header, data and descriptor are one blob."""
         name_b = f"{ARCHIVE_NAME}/{name}".encode()
         header_off = self.cursor
-        extra = _local_extra(header_off, size, align, len(name_b))
-        head = _LOCAL.pack(
-            0x04034B50,
-            20 if size < _U32 and header_off < _U32 else 45,
-            _FLAGS,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            len(name_b),
-            len(extra),
-        )
-        data_off = header_off + len(head) + len(name_b) + len(extra)
-        # Data descriptor: signature, CRC, compressed and uncompressed sizes
-        # (64-bit when the record or its offset needs zip64, as miniz does).
-        wide = size >= _U32 or header_off >= _U32
-        sizes = struct.pack("<QQ", size, size) if wide else struct.pack("<II", size, size)
-        crc: Optional[int] = None
-        crc_id: Optional[int] = None
-        if data is not None:
-            # Known bytes: header, data and descriptor are one blob.
-            crc = _core.crc32(data)
-            self._blob(b"".join((head, name_b, extra, data, _SIGNATURE, struct.pack("<I", crc), sizes)))
-        else:
-            assert region is not None
-            self._blob(head + name_b + extra)
-            ptr, crc_id = region
-            if size and device is not None:
-                self._batch.device.append(DeviceRegion(data_off, device, size, crc_id))
-            elif size:
-                self._batch.regions.append(Region(data_off, ptr, size, crc_id))
-            self.cursor += size
-            self._blob(_SIGNATURE)
-            self._slot(crc_id)
-            self._blob(sizes)
-        self.records.append((name, data_off, size))
-        self.entries.append((name_b, header_off, size, crc, crc_id))
-
-    def _slot(self, crc_id: int) -> None:
-        """Four bytes for checksum ``crc_id``'s final CRC32."""
-        self._batch.slots.append(Slot(self.cursor, crc_id))
-        self.cursor += 4
+        size = len(data)
+        head = _core.zip_local_header(name_b, header_off, size, SMALL_ALIGNMENT)
+        crc = _core.crc32(data)
+        sizes = _core.zip_descriptor_sizes(header_off, size)
+        self._batch.blobs.append(Blob(header_off, b"".join((head, data, _SIGNATURE, struct.pack("<I", crc), sizes))))
+        self.cursor += len(head) + size + 8 + len(sizes)
+        self.records.append((name, header_off + len(head), size))
+        self.entries.append((name_b, header_off, size, crc, None))
 
     def _central_directory(self) -> None:
-        cd_start = self.cursor
-        for name_b, header_off, size, crc, crc_id in self.entries:
-            fields = b""
-            if size >= _U32:
-                fields += struct.pack("<QQ", size, size)
-            if header_off >= _U32:
-                fields += struct.pack("<Q", header_off)
-            extra = struct.pack("<HH", 0x0001, len(fields)) + fields if fields else b""
-            small = min(size, _U32)
-            head = _CENTRAL.pack(
-                0x02014B50,
-                (3 << 8) | 45,
-                45 if fields else 20,
-                _FLAGS,
-                0,
-                0,
-                0,
-                0,
-                small,
-                small,
-                len(name_b),
-                len(extra),
-                0,
-                0,
-                0,
-                0,
-                min(header_off, _U32),
-            )
-            # CRC sits at byte 16 of the central header.
-            if crc_id is None:
-                self._blob(b"".join((head[:16], struct.pack("<I", crc or 0), head[20:], name_b, extra)))
-            else:
-                self._blob(head[:16])
-                self._slot(crc_id)
-                self._blob(head[20:] + name_b + extra)
-        cd_size = self.cursor - cd_start
-        n = len(self.entries)
-        if n >= _U16 or cd_size >= _U32 or cd_start >= _U32:
-            eocd64_off = self.cursor
-            self._blob(_EOCD64.pack(0x06064B50, 44, (3 << 8) | 45, 45, 0, 0, n, n, cd_size, cd_start))
-            self._blob(_LOCATOR64.pack(0x07064B50, 0, eocd64_off, 1))
-        self._blob(_EOCD.pack(0x06054B50, 0, 0, min(n, _U16), min(n, _U16), min(cd_size, _U32), min(cd_start, _U32), 0))
+        blobs, slots, self.cursor = _core.zip_central_directory(self.cursor, self.entries, (Blob, Slot))
+        self._batch.blobs += blobs
+        self._batch.slots += slots
 
 
 def serialization_id(data_pkl: bytes, storages: int, storage_bytes: int) -> str:

@@ -340,18 +340,18 @@ def test_head_is_written_while_the_rest_is_laid_out(tmp_path, monkeypatch):
     sd = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(64)}  # 1 MiB each
     first_sent = threading.Event()
     waited: list = []
-    real_send, real_add = writer.send, torch_zip.TorchZipLayout._add_storage
+    real_send, real_add = writer.send, torch_zip.TorchZipLayout._add_storages
 
     def send(*a, **kw):
         first_sent.set()
         return real_send(*a, **kw)
 
-    def add_storage(self, key, storage):
-        if len(self.storage_keys) == 40:
+    def add_storages(self, items):
+        if len(self.storage_keys) <= 40 < len(self.storage_keys) + len(items):
             waited.append(first_sent.wait(30))
-        return real_add(self, key, storage)
+        return real_add(self, items)
 
     monkeypatch.setattr(writer, "send", send)
-    monkeypatch.setattr(torch_zip.TorchZipLayout, "_add_storage", add_storage)
+    monkeypatch.setattr(torch_zip.TorchZipLayout, "_add_storages", add_storages)
     roundtrip(sd, tmp_path / "a.pt")
     assert waited == [True]

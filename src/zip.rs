@@ -1,0 +1,266 @@
+//! torch.save's zip records, byte for byte: local headers (with the
+//! padding field torch's writer uses to align the data), data descriptors,
+//! central directory entries and the end records (zip64 where needed).
+//!
+//! The Python side (`fastpersist.torch_zip`) decides what goes in the file
+//! and where; this module only spells the headers. CRC32s of tensor data
+//! are not known when the headers are made, so each header that holds one
+//! says where (a *slot* the engine fills while it writes).
+
+/// Bit 3: sizes and CRC in a data descriptor; bit 11: UTF-8 names.
+pub const FLAGS: u16 = 0x0808;
+/// Fixed part of a local header.
+pub const LOCAL_LEN: u64 = 30;
+/// Signature of a data descriptor.
+pub const DESCRIPTOR_SIG: u32 = 0x0807_4B50;
+/// The padding field torch's writer (miniz) puts in local headers ("FB").
+const PAD_TAG: u16 = 0x4246;
+
+const U32: u64 = 0xFFFF_FFFF;
+const U16: u64 = 0xFFFF;
+/// "Version made by": Unix (3 << 8), zip 4.5 (45).
+const MADE_BY: u16 = 0x032D;
+
+/// A record needs zip64 fields when its size or header offset do not fit
+/// 32 bits (miniz's rule, which torch's writer follows).
+fn wide(header_off: u64, size: u64) -> bool {
+    size >= U32 || header_off >= U32
+}
+
+fn put16(out: &mut Vec<u8>, v: u16) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+/// The low 32 bits, or 0xFFFFFFFF when the value needs zip64 (the zip
+/// format's marker).
+fn low32(v: u64) -> u32 {
+    u32::try_from(v.min(U32)).unwrap_or(u32::MAX)
+}
+
+fn low16(v: u64) -> u16 {
+    u16::try_from(v.min(U16)).unwrap_or(u16::MAX)
+}
+
+/// The local header of a record of `size` bytes named `name` at
+/// `header_off`, its data aligned to `align` (a power of two): the fixed
+/// part, the name and the extra field (zip64 when needed, then the padding
+/// field), exactly as torch's writer pads it. The data starts right after:
+/// at `header_off + returned length`.
+///
+/// # Panics
+/// When `align` is not a power of two, or the name or padding do not fit
+/// the 16-bit lengths of the format (names of torch checkpoints are short).
+#[must_use]
+pub fn local_header(name: &[u8], header_off: u64, size: u64, align: u64) -> Vec<u8> {
+    assert!(align.is_power_of_two(), "alignment must be a power of two");
+    let name_len = u16::try_from(name.len()).expect("record name longer than 65535 bytes");
+    let mut z64 = Vec::new();
+    if wide(header_off, size) {
+        let mut fields = Vec::new();
+        if size >= U32 {
+            put64(&mut fields, 0); // the sizes live in the data descriptor
+            put64(&mut fields, 0);
+        }
+        if header_off >= U32 {
+            put64(&mut fields, header_off);
+        }
+        put16(&mut z64, 0x0001);
+        put16(&mut z64, u16::try_from(fields.len()).unwrap_or(u16::MAX));
+        z64.extend_from_slice(&fields);
+    }
+    let start = header_off + LOCAL_LEN + u64::from(name_len) + z64.len() as u64 + 4;
+    let pad = start.wrapping_neg() & (align - 1);
+    let pad16 = u16::try_from(pad).expect("padding longer than 65535 bytes");
+    let extra_len = z64.len() + 4 + usize::from(pad16);
+    let mut out = Vec::with_capacity(30 + name.len() + extra_len);
+    put32(&mut out, 0x0403_4B50);
+    put16(&mut out, if wide(header_off, size) { 45 } else { 20 });
+    put16(&mut out, FLAGS);
+    put16(&mut out, 0); // stored
+    put16(&mut out, 0); // time
+    put16(&mut out, 0); // date
+    put32(&mut out, 0); // CRC, sizes: in the descriptor
+    put32(&mut out, 0);
+    put32(&mut out, 0);
+    put16(&mut out, name_len);
+    put16(
+        &mut out,
+        u16::try_from(extra_len).expect("extra field longer than 65535 bytes"),
+    );
+    out.extend_from_slice(name);
+    out.extend_from_slice(&z64);
+    put16(&mut out, PAD_TAG);
+    put16(&mut out, pad16);
+    out.resize(out.len() + usize::from(pad16), b'Z');
+    out
+}
+
+/// The sizes that end a record's data descriptor (after its signature and
+/// CRC): 64-bit when the record needs zip64, as miniz writes them.
+#[must_use]
+pub fn descriptor_sizes(header_off: u64, size: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(16);
+    if wide(header_off, size) {
+        put64(&mut out, size);
+        put64(&mut out, size);
+    } else {
+        put32(&mut out, low32(size));
+        put32(&mut out, low32(size));
+    }
+    out
+}
+
+/// Offset of the CRC32 inside a central directory entry.
+pub const CENTRAL_CRC_AT: usize = 16;
+
+/// The central directory entry of a record; its CRC32 (bytes 16..20) is
+/// `crc` (0 when it is filled in later, through a slot).
+///
+/// # Panics
+/// When the name does not fit the format's 16-bit length.
+#[must_use]
+pub fn central_entry(name: &[u8], header_off: u64, size: u64, crc: u32) -> Vec<u8> {
+    let mut fields = Vec::new();
+    if size >= U32 {
+        put64(&mut fields, size);
+        put64(&mut fields, size);
+    }
+    if header_off >= U32 {
+        put64(&mut fields, header_off);
+    }
+    let extra_len = if fields.is_empty() {
+        0
+    } else {
+        4 + fields.len()
+    };
+    let mut out = Vec::with_capacity(46 + name.len() + extra_len);
+    put32(&mut out, 0x0201_4B50);
+    put16(&mut out, MADE_BY);
+    put16(&mut out, if fields.is_empty() { 20 } else { 45 });
+    put16(&mut out, FLAGS);
+    put16(&mut out, 0); // stored
+    put16(&mut out, 0); // time
+    put16(&mut out, 0); // date
+    put32(&mut out, crc);
+    put32(&mut out, low32(size));
+    put32(&mut out, low32(size));
+    put16(
+        &mut out,
+        u16::try_from(name.len()).expect("record name longer than 65535 bytes"),
+    );
+    put16(&mut out, u16::try_from(extra_len).unwrap_or(u16::MAX));
+    put16(&mut out, 0); // comment
+    put16(&mut out, 0); // disk
+    put16(&mut out, 0); // internal attributes
+    put32(&mut out, 0); // external attributes
+    put32(&mut out, low32(header_off));
+    out.extend_from_slice(name);
+    if !fields.is_empty() {
+        put16(&mut out, 0x0001);
+        put16(&mut out, u16::try_from(fields.len()).unwrap_or(u16::MAX));
+        out.extend_from_slice(&fields);
+    }
+    out
+}
+
+/// The end of the archive, after `entries` central entries of `cd_size`
+/// bytes starting at `cd_start`: the zip64 end record and its locator when
+/// any of those needs it, then the end record.
+#[must_use]
+pub fn end_records(entries: u64, cd_start: u64, cd_size: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(98);
+    if entries >= U16 || cd_size >= U32 || cd_start >= U32 {
+        let eocd64_off = cd_start + cd_size;
+        put32(&mut out, 0x0606_4B50);
+        put64(&mut out, 44);
+        put16(&mut out, MADE_BY);
+        put16(&mut out, 45);
+        put32(&mut out, 0);
+        put32(&mut out, 0);
+        put64(&mut out, entries);
+        put64(&mut out, entries);
+        put64(&mut out, cd_size);
+        put64(&mut out, cd_start);
+        put32(&mut out, 0x0706_4B50);
+        put32(&mut out, 0);
+        put64(&mut out, eocd64_off);
+        put32(&mut out, 1);
+    }
+    put32(&mut out, 0x0605_4B50);
+    put16(&mut out, 0);
+    put16(&mut out, 0);
+    put16(&mut out, low16(entries));
+    put16(&mut out, low16(entries));
+    put32(&mut out, low32(cd_size));
+    put32(&mut out, low32(cd_start));
+    put16(&mut out, 0);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn u16_at(b: &[u8], at: usize) -> u16 {
+        u16::from_le_bytes([b[at], b[at + 1]])
+    }
+
+    #[test]
+    fn local_headers_align_the_data_as_torch_pads_them() {
+        for (off, align) in [
+            (0u64, 64u64),
+            (100, 64),
+            (4096, 4096),
+            (12345, 4096),
+            (5, 128),
+        ] {
+            let name = b"archive/data/7";
+            let h = local_header(name, off, 1000, align);
+            assert_eq!((off + h.len() as u64) % align, 0, "data aligned");
+            assert_eq!(u16_at(&h, 26) as usize, name.len());
+            assert_eq!(30 + name.len() + u16_at(&h, 28) as usize, h.len());
+            assert_eq!(&h[30..30 + name.len()], name);
+            // The padding field comes last: tag, length, then 'Z's.
+            let pad_at = 30 + name.len();
+            assert_eq!(u16_at(&h, pad_at), PAD_TAG);
+            assert!(h[pad_at + 4..].iter().all(|&c| c == b'Z'));
+        }
+    }
+
+    #[test]
+    fn zip64_fields_where_the_size_or_offset_needs_them() {
+        let small = local_header(b"n", 0, 10, 64);
+        assert_eq!(u16_at(&small, 4), 20);
+        let big = local_header(b"n", 0, 5 << 30, 64);
+        assert_eq!(u16_at(&big, 4), 45);
+        assert_eq!(u16_at(&big, 31), 0x0001);
+        assert_eq!(u16_at(&big, 33), 16);
+        let far = local_header(b"n", 5 << 30, 10, 64);
+        assert_eq!(u16_at(&far, 33), 8);
+        assert_eq!(&far[35..43], &(5u64 << 30).to_le_bytes());
+        assert_eq!(descriptor_sizes(0, 10).len(), 8);
+        assert_eq!(descriptor_sizes(5 << 30, 10).len(), 16);
+        let c = central_entry(b"n", 5 << 30, 5 << 30, 7);
+        assert_eq!(&c[16..20], &7u32.to_le_bytes());
+        assert_eq!(&c[20..24], &u32::MAX.to_le_bytes());
+        assert_eq!(&c[42..46], &u32::MAX.to_le_bytes());
+        assert_eq!(c.len(), 46 + 1 + 4 + 24);
+    }
+
+    #[test]
+    fn end_records_switch_to_zip64_past_the_32_bit_limits() {
+        assert_eq!(end_records(3, 100, 200).len(), 22);
+        let e = end_records(70_000, 100, 200);
+        assert_eq!(e.len(), 56 + 20 + 22);
+        assert_eq!(u16_at(&e, 76 + 8), 0xFFFF);
+        assert_eq!(&e[56 + 8..56 + 16], &300u64.to_le_bytes());
+    }
+}
