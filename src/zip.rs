@@ -60,6 +60,22 @@ fn low16(v: u64) -> u16 {
 /// the 16-bit lengths of the format (names of torch checkpoints are short).
 #[must_use]
 pub fn local_header(name: &[u8], header_off: u64, size: u64, align: u64) -> Vec<u8> {
+    let (mut out, pad) = local_header_split(name, header_off, size, align);
+    out.resize(out.len() + pad, PAD_BYTE);
+    out
+}
+
+/// The padding byte (torch's writer pads with 'Z').
+pub const PAD_BYTE: u8 = b'Z';
+
+/// [`local_header`] without its padding bytes, and how many there are:
+/// the padding of a 4096-aligned record is most of its header, and the
+/// same few lengths recur, so a caller can share them.
+///
+/// # Panics
+/// As [`local_header`].
+#[must_use]
+pub fn local_header_split(name: &[u8], header_off: u64, size: u64, align: u64) -> (Vec<u8>, usize) {
     assert!(align.is_power_of_two(), "alignment must be a power of two");
     let name_len = u16::try_from(name.len()).expect("record name longer than 65535 bytes");
     let mut z64 = Vec::new();
@@ -80,7 +96,7 @@ pub fn local_header(name: &[u8], header_off: u64, size: u64, align: u64) -> Vec<
     let pad = start.wrapping_neg() & (align - 1);
     let pad16 = u16::try_from(pad).expect("padding longer than 65535 bytes");
     let extra_len = z64.len() + 4 + usize::from(pad16);
-    let mut out = Vec::with_capacity(30 + name.len() + extra_len);
+    let mut out = Vec::with_capacity(30 + name.len() + extra_len - usize::from(pad16));
     put32(&mut out, 0x0403_4B50);
     put16(&mut out, if wide(header_off, size) { 45 } else { 20 });
     put16(&mut out, FLAGS);
@@ -99,8 +115,7 @@ pub fn local_header(name: &[u8], header_off: u64, size: u64, align: u64) -> Vec<
     out.extend_from_slice(&z64);
     put16(&mut out, PAD_TAG);
     put16(&mut out, pad16);
-    out.resize(out.len() + usize::from(pad16), b'Z');
-    out
+    (out, usize::from(pad16))
 }
 
 /// The sizes that end a record's data descriptor (after its signature and
@@ -232,6 +247,17 @@ mod tests {
             let pad_at = 30 + name.len();
             assert_eq!(u16_at(&h, pad_at), PAD_TAG);
             assert!(h[pad_at + 4..].iter().all(|&c| c == b'Z'));
+        }
+    }
+
+    #[test]
+    fn the_split_header_is_the_header_without_its_padding() {
+        for off in [0u64, 77, 4095, 5 << 30] {
+            let (head, pad) = local_header_split(b"archive/data/12", off, 100, 4096);
+            let whole = local_header(b"archive/data/12", off, 100, 4096);
+            assert_eq!(whole.len(), head.len() + pad);
+            assert_eq!(&whole[..head.len()], &head[..]);
+            assert!(whole[head.len()..].iter().all(|&c| c == PAD_BYTE));
         }
     }
 
