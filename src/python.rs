@@ -1187,6 +1187,21 @@ fn zip_local_header<'py>(
     ))
 }
 
+/// Where the data of a record starts, from its header's offset (the length
+/// of `zip_local_header` for a name of `name_len` bytes), without making it.
+#[pyfunction]
+fn zip_local_header_len(name_len: usize, header_off: u64, size: u64, align: u64) -> PyResult<u64> {
+    zip_checks(&[], align)?;
+    if name_len > usize::from(u16::MAX) {
+        return Err(PyValueError::new_err(format!(
+            "a zip record name holds at most 65535 bytes, got {name_len}"
+        )));
+    }
+    Ok(crate::zip::local_header_len(
+        name_len, header_off, size, align,
+    ))
+}
+
 /// The sizes that end the data descriptor of a record.
 #[pyfunction]
 fn zip_descriptor_sizes(py: Python<'_>, header_off: u64, size: u64) -> Bound<'_, PyBytes> {
@@ -1965,6 +1980,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
     m.add_function(wrap_pyfunction!(crc32, m)?)?;
     m.add_function(wrap_pyfunction!(zip_local_header, m)?)?;
+    m.add_function(wrap_pyfunction!(zip_local_header_len, m)?)?;
     m.add_function(wrap_pyfunction!(zip_descriptor_sizes, m)?)?;
     m.add_function(wrap_pyfunction!(zip_storage_records, m)?)?;
     m.add_function(wrap_pyfunction!(zip_central_directory, m)?)?;

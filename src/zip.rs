@@ -92,9 +92,8 @@ pub fn local_header_split(name: &[u8], header_off: u64, size: u64, align: u64) -
         put16(&mut z64, u16::try_from(fields.len()).unwrap_or(u16::MAX));
         z64.extend_from_slice(&fields);
     }
-    let start = header_off + LOCAL_LEN + u64::from(name_len) + z64.len() as u64 + 4;
-    let pad = start.wrapping_neg() & (align - 1);
-    let pad16 = u16::try_from(pad).expect("padding longer than 65535 bytes");
+    let pad16 = u16::try_from(pad_len(name.len(), z64.len(), header_off, align))
+        .expect("padding longer than 65535 bytes");
     let extra_len = z64.len() + 4 + usize::from(pad16);
     let mut out = Vec::with_capacity(30 + name.len() + extra_len - usize::from(pad16));
     put32(&mut out, 0x0403_4B50);
@@ -116,6 +115,30 @@ pub fn local_header_split(name: &[u8], header_off: u64, size: u64, align: u64) -
     put16(&mut out, PAD_TAG);
     put16(&mut out, pad16);
     (out, usize::from(pad16))
+}
+
+/// Bytes of padding that align the data of a record whose header at
+/// `header_off` has a name of `name_len` bytes and `z64_len` bytes of zip64
+/// field (torch's rule: the padding field's own 4 bytes come first).
+fn pad_len(name_len: usize, z64_len: usize, header_off: u64, align: u64) -> u64 {
+    let start = header_off + LOCAL_LEN + name_len as u64 + z64_len as u64 + 4;
+    start.wrapping_neg() & (align - 1)
+}
+
+/// Length of [`local_header`] (where the data starts, from the header's
+/// offset), without making it.
+///
+/// # Panics
+/// When `align` is not a power of two.
+#[must_use]
+pub fn local_header_len(name_len: usize, header_off: u64, size: u64, align: u64) -> u64 {
+    assert!(align.is_power_of_two(), "alignment must be a power of two");
+    let z64_len = if wide(header_off, size) {
+        4 + if size >= U32 { 16 } else { 0 } + if header_off >= U32 { 8 } else { 0 }
+    } else {
+        0
+    };
+    LOCAL_LEN + name_len as u64 + z64_len as u64 + 4 + pad_len(name_len, z64_len, header_off, align)
 }
 
 /// The sizes that end a record's data descriptor (after its signature and
@@ -256,6 +279,10 @@ mod tests {
             let (head, pad) = local_header_split(b"archive/data/12", off, 100, 4096);
             let whole = local_header(b"archive/data/12", off, 100, 4096);
             assert_eq!(whole.len(), head.len() + pad);
+            for size in [100, 5 << 30] {
+                let h = local_header(b"archive/data/12", off, size, 4096);
+                assert_eq!(local_header_len(15, off, size, 4096), h.len() as u64);
+            }
             assert_eq!(&whole[..head.len()], &head[..]);
             assert!(whole[head.len()..].iter().all(|&c| c == PAD_BYTE));
         }

@@ -36,6 +36,12 @@ __all__ = [
     "plan_torch_save",
     "ZipRecord",
     "read_zip_directory",
+    "read_central_directory",
+    "resolve_records",
+    "predict_records",
+    "confirm_predicted",
+    "overlap_of",
+    "ZipDirectory",
     "serialization_id",
     "written_by_fastpersist",
     "unrecorded_crcs",
@@ -452,13 +458,21 @@ def _local_headers(
     return out
 
 
-def read_zip_directory(fd: int, file_len: int, path: str = "", opts: Optional[EngineOptions] = None) -> List[ZipRecord]:
-    """Parse the central directory (zip64 included) and every local header.
-    Every offset and length is checked against the file, and the records
-    against each other, before anything is sized from them; anything odd
-    raises :class:`~fastpersist.CorruptCheckpointError` naming what is wrong.
-    ``opts``: of the engine that reads the local headers of a file with
-    many records (default: the environment's)."""
+@dataclass
+class ZipDirectory:
+    """A zip's central directory, checked against the file: each entry's
+    (name, local header offset, size, CRC32, name as stored), and where
+    the directory starts (every record lies before it)."""
+
+    entries: List[Tuple[str, int, int, int, bytes]]
+    cd_offset: int
+    where: str
+
+
+def read_central_directory(fd: int, file_len: int, path: str = "") -> ZipDirectory:
+    """The central directory (zip64 included), every offset and length
+    checked against the file and the records against each other (names
+    unique, no overlaps) before anything is sized from them."""
     where = f"{path}: " if path else ""
     n, cd_size, cd_off, _ = _end_of_directory(fd, file_len, where)
     cd = os.pread(fd, cd_size, cd_off)
@@ -466,29 +480,110 @@ def read_zip_directory(fd: int, file_len: int, path: str = "", opts: Optional[En
         raise _corrupt(f"{where}short read of the central directory")
     entries = _central_entries(cd, n, where)
     _check_extents(entries, cd_off, where)
-    records = []
-    for (name, hoff, size, crc, raw_name), lh in zip(entries, _local_headers(fd, entries, opts, where)):
-        if len(lh) < _LOCAL.size:
-            raise _corrupt(f"{where}record {name!r}: short read of its local header at {hoff}")
-        sig, *_rest = _LOCAL.unpack_from(lh)
-        if sig != 0x04034B50:
-            raise _corrupt(f"{where}record {name!r}: bad local header signature at {hoff}")
-        nlen, xlen = _rest[-2], _rest[-1]
-        data_off = hoff + _LOCAL.size + nlen + xlen
-        if data_off + size > cd_off:
-            raise _corrupt(
-                f"{where}record {name!r}: {size} bytes at {data_off} extend past the start of the central directory "
-                f"({cd_off})"
-            )
-        local_name = lh[_LOCAL.size :] if nlen == len(raw_name) else os.pread(fd, nlen, hoff + _LOCAL.size)
-        if local_name != name.encode("utf-8") and local_name.decode("cp437", "replace") != name:
-            raise _corrupt(f"{where}record {name!r}: local header names {local_name!r}")
-        records.append(ZipRecord(name, hoff, data_off, size, crc))
+    return ZipDirectory(entries, cd_off, where)
+
+
+def _local_record(
+    d: ZipDirectory, entry: Tuple[str, int, int, int, bytes], lh: bytes, fd: int
+) -> Tuple[Optional[ZipRecord], str]:
+    """The record ``entry`` is, from ``lh``: the fixed part and the name of
+    its local header. (None, what is wrong) when the header does not fit."""
+    name, hoff, size, crc, raw_name = entry
+    where = d.where
+    if len(lh) < _LOCAL.size:
+        return None, f"{where}record {name!r}: short read of its local header at {hoff}"
+    sig, *_rest = _LOCAL.unpack_from(lh)
+    if sig != 0x04034B50:
+        return None, f"{where}record {name!r}: bad local header signature at {hoff}"
+    nlen, xlen = _rest[-2], _rest[-1]
+    data_off = hoff + _LOCAL.size + nlen + xlen
+    if data_off + size > d.cd_offset:
+        return None, (
+            f"{where}record {name!r}: {size} bytes at {data_off} extend past the start of the central directory "
+            f"({d.cd_offset})"
+        )
+    local_name = lh[_LOCAL.size :] if nlen == len(raw_name) else os.pread(fd, nlen, hoff + _LOCAL.size)
+    if local_name != name.encode("utf-8") and local_name.decode("cp437", "replace") != name:
+        return None, f"{where}record {name!r}: local header names {local_name!r}"
+    return ZipRecord(name, hoff, data_off, size, crc), ""
+
+
+def overlap_of(records: List[ZipRecord]) -> Optional[str]:
+    """Names two records whose data overlap, if any do."""
     spans = sorted((r.data_offset, r.data_offset + r.size, r.name) for r in records)
     for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
-            raise _corrupt(f"{where}records {n0!r} and {n1!r} overlap")
+            return f"records {n0!r} and {n1!r} overlap"
+    return None
+
+
+def resolve_records(
+    fd: int, d: ZipDirectory, entries: List[Tuple[str, int, int, int, bytes]], opts: Optional[EngineOptions] = None
+) -> List[ZipRecord]:
+    """The records of ``entries`` (of ``d``), each located by reading its
+    local header; anything odd raises
+    :class:`~fastpersist.CorruptCheckpointError` naming what is wrong."""
+    records = []
+    for entry, lh in zip(entries, _local_headers(fd, entries, opts, d.where)):
+        rec, why = _local_record(d, entry, lh, fd)
+        if rec is None:
+            raise _corrupt(why)
+        records.append(rec)
+    clash = overlap_of(records)
+    if clash:
+        raise _corrupt(f"{d.where}{clash}")
     return records
+
+
+def read_zip_directory(fd: int, file_len: int, path: str = "", opts: Optional[EngineOptions] = None) -> List[ZipRecord]:
+    """Parse the central directory (zip64 included) and every local header.
+    Every offset and length is checked against the file, and the records
+    against each other, before anything is sized from them; anything odd
+    raises :class:`~fastpersist.CorruptCheckpointError` naming what is wrong.
+    ``opts``: of the engine that reads the local headers of a file with
+    many records (default: the environment's)."""
+    d = read_central_directory(fd, file_len, path)
+    return resolve_records(fd, d, d.entries, opts)
+
+
+def predict_records(
+    d: ZipDirectory, entries: List[Tuple[str, int, int, int, bytes]], alignment: int
+) -> Optional[Tuple[List[ZipRecord], List[Tuple[int, int]]]]:
+    """The records of ``entries`` as torch's writer (and fastpersist's) lay
+    them out, data aligned to ``alignment`` right after the local header,
+    without reading the headers: the records, and each header's (offset,
+    length of its fixed part and name), to be read along with the data and
+    then confirmed by :func:`confirm_predicted`. None when the prediction
+    cannot be right (records or headers would overlap or run past the
+    central directory): the headers must be read."""
+    records, headers = [], []
+    spans = []
+    for name, hoff, size, crc, raw in entries:
+        data_off = hoff + _core.zip_local_header_len(len(raw), hoff, size, alignment)
+        if data_off + size > d.cd_offset:
+            return None
+        records.append(ZipRecord(name, hoff, data_off, size, crc))
+        headers.append((hoff, _LOCAL.size + len(raw)))
+        spans.append((hoff, hoff + _LOCAL.size + len(raw)))
+        spans.append((data_off, data_off + size))
+    spans.sort()
+    for (_, e0), (b1, _) in zip(spans, spans[1:]):
+        if b1 < e0:
+            return None
+    return records, headers
+
+
+def confirm_predicted(
+    fd: int, d: ZipDirectory, entries: List[Tuple[str, int, int, int, bytes]], records: List[ZipRecord],
+    headers: List[bytes],
+) -> bool:  # fmt: skip
+    """Whether every predicted record is where its local header (``headers``:
+    their fixed parts and names, as read) puts it."""
+    for entry, rec, lh in zip(entries, records, headers):
+        got, _ = _local_record(d, entry, lh, fd)
+        if got != rec:
+            return False
+    return True
 
 
 def _zip64_fields(extra: bytes, usize: int, csize: int, hoff: int, name: str, where: str) -> Tuple[int, int, int]:

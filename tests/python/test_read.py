@@ -365,3 +365,58 @@ def test_fuzz_files_of_many_records(tmp_path, many_records, data):
     except (fastpersist.CorruptCheckpointError, pickle.UnpicklingError):
         return
     assert_same(sd, got)
+
+
+@pytest.mark.parametrize("name", ["fp.pt", "torch.pt"])
+def test_many_records_are_read_where_torch_puts_them_with_their_headers(many_records, name, monkeypatch):
+    """Files laid out by torch's padding rule (torch.save's, fastpersist's)
+    are read without reading the data records' local headers first: they
+    come with the data, in the same engine call, and confirm where it was."""
+    from fastpersist import reader
+
+    sd, d = many_records
+    resolved = []
+    real = reader.resolve_records
+    monkeypatch.setattr(
+        reader,
+        "resolve_records",
+        lambda fd, dd, entries, opts=None: resolved.append(len(entries)) or real(fd, dd, entries, opts),
+    )
+    stats: list = []
+    assert_same(sd, fastpersist.read_state_dict(d / name, stats=stats))
+    assert stats[0].verified and max(resolved) < 10, resolved  # only the few small records
+
+
+@pytest.mark.parametrize("name", ["fp.pt", "torch.pt"])
+def test_many_records_laid_out_another_way_are_read_where_their_headers_say(tmp_path, many_records, name, monkeypatch):
+    """The same records rewritten by Python's zipfile (no padding: data right
+    after each header, while ``.storage_alignment`` still says 4096): the
+    prediction fails and the headers are read; torch.load agrees."""
+    import zipfile
+
+    from fastpersist import reader
+
+    sd, d = many_records
+    src, dst = d / name, tmp_path / f"zipfile-{name}"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+    resolved = []
+    real = reader.resolve_records
+    monkeypatch.setattr(
+        reader,
+        "resolve_records",
+        lambda fd, dd, entries, opts=None: resolved.append(len(entries)) or real(fd, dd, entries, opts),
+    )
+    assert_same(sd, fastpersist.read_state_dict(dst))
+    assert max(resolved) >= 200  # the data records' headers were read
+    assert_same(sd, torch.load(dst, weights_only=True))
+
+
+def test_many_records_staged_to_a_device_with_predicted_headers(many_records, monkeypatch):
+    """Every storage through the device staging path (the CPU stand-in):
+    the predicted headers are then read alone, and still confirmed."""
+    monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")
+    sd, d = many_records
+    for name in ("fp.pt", "torch.pt"):
+        assert_same(sd, fastpersist.read_state_dict(d / name))

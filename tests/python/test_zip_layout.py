@@ -88,6 +88,7 @@ aligns = st.sampled_from([64, 128, 4096, 1 << 15])
 def test_headers_match_the_reference(name, off, size, align):
     assert _core.zip_local_header(name, off, size, align) == ref_local(name, off, size, align)
     assert _core.zip_descriptor_sizes(off, size) == ref_sizes(off, size)
+    assert _core.zip_local_header_len(len(name), off, size, align) == len(ref_local(name, off, size, align))
 
 
 @given(st.lists(st.tuples(names, sizes, st.booleans()), min_size=1, max_size=20), offsets, aligns)
