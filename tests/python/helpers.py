@@ -86,3 +86,16 @@ def cli_exe() -> str:
 
     exe = os.path.join(os.path.dirname(sys.executable), "fastpersist")
     return exe if os.path.exists(exe) else (shutil.which("fastpersist") or exe)
+
+
+def byte_runs(pieces) -> list:
+    """(offset, bytes) pieces merged into maximal runs of contiguous bytes
+    (how a file's bytes are cut into pieces aside); overlaps fail."""
+    out: list = []
+    for off, data in sorted(pieces):
+        if out and out[-1][0] + len(out[-1][1]) == off:
+            out[-1] = (out[-1][0], out[-1][1] + data)
+        else:
+            assert not out or out[-1][0] + len(out[-1][1]) <= off, "pieces overlap"
+            out.append((off, data))
+    return out

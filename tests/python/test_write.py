@@ -9,7 +9,7 @@ import zipfile
 import fastpersist
 import pytest
 import torch
-from helpers import all_dtypes, assert_same, bits, make
+from helpers import all_dtypes, assert_same, bits, byte_runs, make
 
 
 def roundtrip(obj, path, **kw):
@@ -301,17 +301,6 @@ def test_no_garbage_collection_while_a_save_plans(tmp_path):
     assert torch.equal(torch.load(tmp_path / "many.pt")["t2999"], sd["t2999"])
 
 
-def _blob_runs(blobs):
-    """Blobs merged into maximal runs of contiguous bytes."""
-    out = []
-    for off, data in sorted(blobs):
-        if out and out[-1][0] + len(out[-1][1]) == off:
-            out[-1] = (out[-1][0], out[-1][1] + data)
-        else:
-            out.append((off, data))
-    return out
-
-
 def test_head_parts_are_the_head(tmp_path):
     """Laid out in parts, the head is the same pieces as laid out whole, and
     the file is byte for byte the same."""
@@ -326,7 +315,7 @@ def test_head_parts_are_the_head(tmp_path):
         assert part.regions and part.end > (joined.end if joined.blobs else -1)
         joined.extend(part)
     assert (joined.regions, joined.slots, joined.end) == (whole.regions, whole.slots, whole.end)
-    assert _blob_runs(joined.blobs) == _blob_runs(whole.blobs)  # the same bytes where the blobs are
+    assert byte_runs(joined.blobs) == byte_runs(whole.blobs)  # the same bytes where the blobs are
     with pytest.raises(RuntimeError, match="not laid out"):
         TorchZipLayout(sd).tail()  # the head first
     fastpersist.write_state_dict(sd, tmp_path / "a.pt")

@@ -10,6 +10,7 @@ import struct
 
 from fastpersist import _core
 from fastpersist.plan import Blob, Region, Slot
+from helpers import byte_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -114,19 +115,7 @@ def test_storage_records_match_the_reference(recs, start, align):
     got = [(b.offset, b.data) for b in blobs] + [(s.offset, struct.pack("<I", crcs[s.crc_id])) for s in slots]
     assert all(type(b) is Blob for b in blobs) and all(type(s) is Slot for s in slots)
     expected = [(h_off, head) for h_off, head, _, _ in want] + [(t_off, tail) for _, _, t_off, tail in want]
-    assert runs(got) == runs(expected)
-
-
-def runs(pieces):
-    """``pieces`` (offset, bytes) merged into maximal contiguous runs."""
-    out = []
-    for off, data in sorted(pieces):
-        if out and out[-1][0] + len(out[-1][1]) == off:
-            out[-1] = (out[-1][0], out[-1][1] + data)
-        else:
-            assert not out or out[-1][0] + len(out[-1][1]) <= off, "pieces overlap"
-            out.append((off, data))
-    return out
+    assert byte_runs(got) == byte_runs(expected)
 
 
 @given(st.lists(st.tuples(names, offsets, sizes, st.booleans()), min_size=0, max_size=30), offsets)
