@@ -17,7 +17,11 @@ medians of ``--rounds``:
   sizes, the first touch of the memory every reader fills (on virtual
   machines that return freed memory to the host, a bound below the disk's).
 
-    python benches/read_bench.py [--size 2GiB] [--rounds 5] [--dir DIR] [--json out.json]
+Workloads: the GPT-like state dict of ``--size`` and, with
+``--small-count N``, N small tensors (4 KiB to 1 MiB, ``--small-size`` in
+all: per-record costs, the pickle of N tensors).
+
+    python benches/read_bench.py [--size 2GiB] [--small-count 10000] [--rounds 5] [--dir DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from fastpersist.bench import (
     median,
     nbytes,
     parse_size,
+    small_tensors_state_dict,
     timed,
 )
 
@@ -56,79 +61,92 @@ def fresh_memory(sizes: List[int]) -> None:
         torch.ByteTensor(torch.UntypedStorage(n)).fill_(1)
 
 
+def run_workload(name: str, sd: Dict[str, torch.Tensor], d: str, rounds: int, settle: float) -> dict:
+    """Every reader of ``sd``'s files, cold, in rotating order, ``rounds``
+    times, with the read limit of the same size measured among them."""
+    from safetensors.torch import load_file, save_file
+
+    size = nbytes(sd)
+    fp_file = os.path.join(d, "fp.pt")
+    st_file = os.path.join(d, "st.safetensors")
+    fastpersist.write_state_dict(sd, fp_file)
+    save_file(sd, st_file)
+    storage_sizes = [v.untyped_storage().nbytes() for v in sd.values()]
+    readers: Dict[str, Callable[[], object]] = {
+        "fastpersist": lambda: fastpersist.read_state_dict(fp_file),
+        "fastpersist (safetensors file)": lambda: fastpersist.read_state_dict(st_file),
+        "torch.load": lambda: torch.load(fp_file, weights_only=True),
+        "torch.load(mmap) + touch": lambda: touch_all(torch.load(fp_file, mmap=True, weights_only=True)),
+        # load_file may map the file lazily: touch every byte, like mmap.
+        "safetensors load_file + touch": lambda: touch_all(load_file(st_file)),
+        # Not a reader: the first touch of new storages of the same sizes
+        # (every reader above fills new tensors), which bounds them all.
+        "fresh memory (allocate + fill)": lambda: fresh_memory(storage_sizes),
+    }
+    files = {"safetensors load_file + touch": st_file, "fastpersist (safetensors file)": st_file}
+    print(f"{name}: {size / 2**30:.2f} GiB in {len(sd)} tensors, cold reads, {rounds} rounds")
+    slots = ["fio (limit)"] + list(readers)
+    times: Dict[str, List[float]] = {k: [] for k in readers}
+    limit = Limit()
+    for r in range(rounds):
+        order = slots[r % len(slots) :] + slots[: r % len(slots)]
+        for reader in order:
+            os.sync()
+            time.sleep(settle)
+            if reader == "fio (limit)":
+                limit.measure(d, size, rw="read")
+                continue
+            drop_cache(files.get(reader, fp_file))
+            times[reader].append(timed(readers[reader]))
+        print(
+            f"  round {r + 1}: "
+            + "  ".join(f"{k}={size / v[-1] / 1e9:.2f}" for k, v in times.items() if v)
+            + f"  fio best so far={limit.gbps:.2f} GB/s",
+            flush=True,
+        )
+    lim = limit.gbps
+    print(f"  {limit.note()}")
+    print(f"  {'reader':<32} {'GB/s':>7} {'share of limit':>15}")
+    print(f"  {'fio (limit)':<32} {lim:>7.2f} {1.0:>15.2f}")
+    res: dict = {
+        "workload": name,
+        "bytes": size,
+        "tensors": len(sd),
+        "limit_gbps": lim,
+        "limit_config": limit.config,
+        "fio_medians": limit.medians(),
+        "readers": {},
+    }
+    for k, v in times.items():
+        g = size / median(v) / 1e9
+        res["readers"][k] = {"gbps": g, "share": g / lim, "seconds": v}
+        print(f"  {k:<32} {g:>7.2f} {g / lim:>15.2f}")
+    for f in (fp_file, st_file):
+        os.unlink(f)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="2GiB")
+    ap.add_argument("--size", default="2GiB", help="the GPT-like state dict (0: skip)")
+    ap.add_argument("--small-count", type=int, default=0, help="also a state of this many small tensors")
+    ap.add_argument("--small-size", default="1GiB", help="total size of the small tensors")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--settle", type=float, default=1.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    size_req = parse_size(args.size)
+    print(f"fastpersist {fastpersist.__version__}, torch {torch.__version__}")
+    results = []
     with tempfile.TemporaryDirectory(prefix="fastpersist-rbench-", dir=args.dir or os.getcwd()) as d:
-        sd = gpt_state_dict(size_req)
-        size = nbytes(sd)
-        fp_file = os.path.join(d, "fp.pt")
-        st_file = os.path.join(d, "st.safetensors")
-        fastpersist.write_state_dict(sd, fp_file)
-        from safetensors.torch import load_file, save_file
-
-        save_file(sd, st_file)
-        storage_sizes = [v.untyped_storage().nbytes() for v in sd.values()]
-        del sd
-        readers: Dict[str, Callable[[], object]] = {
-            "fastpersist": lambda: fastpersist.read_state_dict(fp_file),
-            "fastpersist (safetensors file)": lambda: fastpersist.read_state_dict(st_file),
-            "torch.load": lambda: torch.load(fp_file, weights_only=True),
-            "torch.load(mmap) + touch": lambda: touch_all(torch.load(fp_file, mmap=True, weights_only=True)),
-            # load_file may map the file lazily: touch every byte, like mmap.
-            "safetensors load_file + touch": lambda: touch_all(load_file(st_file)),
-            # Not a reader: the first touch of new storages of the same sizes
-            # (every reader above fills new tensors), which bounds them all.
-            "fresh memory (allocate + fill)": lambda: fresh_memory(storage_sizes),
-        }
-        files = {"safetensors load_file + touch": st_file, "fastpersist (safetensors file)": st_file}
-        print(
-            f"fastpersist {fastpersist.__version__}, torch {torch.__version__}, "
-            f"{size / 2**30:.2f} GiB GPT-like, cold reads, {args.rounds} rounds"
-        )
-        slots = ["fio (limit)"] + list(readers)
-        times: Dict[str, List[float]] = {k: [] for k in readers}
-        limit = Limit()
-        for r in range(args.rounds):
-            order = slots[r % len(slots) :] + slots[: r % len(slots)]
-            for name in order:
-                os.sync()
-                time.sleep(args.settle)
-                if name == "fio (limit)":
-                    limit.measure(d, size, rw="read")
-                    continue
-                drop_cache(files.get(name, fp_file))
-                times[name].append(timed(readers[name]))
-            print(
-                f"  round {r + 1}: "
-                + "  ".join(f"{k}={size / v[-1] / 1e9:.2f}" for k, v in times.items() if v)
-                + f"  fio best so far={limit.gbps:.2f} GB/s",
-                flush=True,
-            )
-        lim = limit.gbps
-        print(f"  {limit.note()}")
-        print(f"  {'reader':<32} {'GB/s':>7} {'share of limit':>15}")
-        print(f"  {'fio (limit)':<32} {lim:>7.2f} {1.0:>15.2f}")
-        res = {
-            "bytes": size,
-            "limit_gbps": lim,
-            "limit_config": limit.config,
-            "fio_medians": limit.medians(),
-            "readers": {},
-        }
-        for k, v in times.items():
-            g = size / median(v) / 1e9
-            res["readers"][k] = {"gbps": g, "share": g / lim, "seconds": v}
-            print(f"  {k:<32} {g:>7.2f} {g / lim:>15.2f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=2)
+        if parse_size(args.size):
+            results.append(run_workload("GPT-like", gpt_state_dict(parse_size(args.size)), d, args.rounds, args.settle))
+        if args.small_count:
+            sd = small_tensors_state_dict(args.small_count, parse_size(args.small_size))
+            results.append(run_workload("small tensors", sd, d, args.rounds, args.settle))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":
