@@ -17,7 +17,9 @@
 //! - [`writer`]: write sessions (`begin`/`write`/`finish`) and `write_part`;
 //! - [`reader`]: many records of one file into caller memory;
 //! - [`pickle`]: CPython's protocol-2 pickle opcodes, byte for byte (the
-//!   fast path of the Python side's torch.save pickle).
+//!   fast path of the Python side's torch.save pickle);
+//! - [`unpickle`]: a reader of those opcodes (the fast path of the Python
+//!   side's unpickle of plain state dicts).
 //!
 //! The Python extension lives in `python.rs`, behind the `python` feature.
 
@@ -37,6 +39,7 @@ pub mod layout;
 pub mod pickle;
 pub mod reader;
 pub(crate) mod sink;
+pub mod unpickle;
 pub mod writer;
 
 #[cfg(feature = "python")]
