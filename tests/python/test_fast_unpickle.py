@@ -195,9 +195,13 @@ def test_random_objects_read_as_the_unpickler_reads_them(
         check_file(path, mp, _fast_takes(obj), weights_only=weights_only)
 
 
-def _every_dtype_tensors() -> Dict[str, Any]:
+def _every_dtype_tensors(v3: bool) -> Dict[str, Any]:
+    """Tensors of every saveable dtype that torch rebuilds with
+    _rebuild_tensor_v3 (``v3``: float8, uint16, ...) or with v2 (the others)."""
     out: Dict[str, Any] = {}
     for dt in fastpersist.testing.saveable_dtypes():
+        if (dt in pickling._V3_DTYPES) != v3:
+            continue
         raw = torch.arange(48, dtype=torch.uint8)  # whole elements of every size
         base = raw.view(dt) if dt is not torch.bool else (raw % 2).bool()
         out[str(dt)] = {"t": base, "view": base[1::2], "scalar": base[0], "empty": base[:0]}
@@ -216,7 +220,7 @@ def test_every_dtype_and_a_module_state_dict(
     w = torch.arange(12.0).reshape(3, 4)
     obj = {
         "model": model.state_dict(),
-        "dtypes": _every_dtype_tensors(),
+        "dtypes": _every_dtype_tensors(False),
         "leaf": leaf,
         "w": w,
         "wt": w.t(),  # a non-contiguous view of w's storage
@@ -233,14 +237,24 @@ def test_every_dtype_and_a_module_state_dict(
     obj["shared_list"] = [obj["tuple"], obj["tuple"], obj["od"], obj["od"]]
     path = tmp_path / "ckpt.pt"
     WRITERS[writer](obj, path)
-    got = check_file(
-        path, monkeypatch, not _has(obj, lambda t: t.dtype in pickling._V3_DTYPES), weights_only=weights_only
-    )[1]
+    got = check_file(path, monkeypatch, True, weights_only=weights_only)[1]
     assert got["leaf"].requires_grad and got["leaf"].is_leaf
     assert got["again"] is got["w"]
     assert got["wt"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()
     assert got["model"]._metadata == obj["model"]._metadata
     assert type(got["model"]["0.weight"]._backward_hooks) is OrderedDict
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_v3_dtypes_are_left_to_the_unpickler(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, weights_only: bool
+) -> None:
+    obj = {"dtypes": _every_dtype_tensors(True), "w": torch.ones(2)}
+    if not obj["dtypes"]:
+        pytest.skip("no dtype rebuilt by _rebuild_tensor_v3 in this torch")
+    path = tmp_path / "ckpt.pt"
+    fastpersist.write_state_dict(obj, path)
+    check_file(path, monkeypatch, False, weights_only=weights_only)
 
 
 def test_plain_state_dict_takes_the_fast_path_only(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
