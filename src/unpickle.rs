@@ -8,8 +8,8 @@
 //! allowlist, and any inconsistency (truncated data, a stack underflow, a
 //! memo entry never put, an item left over at `STOP`), is [`Stop::Refused`]:
 //! the caller then runs the full unpickler, which reports the problem in its
-//! own words. The reader never indexes past its input and never panics; it
-//! allocates at most a memo of one entry per input byte.
+//! own words. The reader never indexes past its input and never panics; its
+//! stack and memo hold at most one entry per opcode read.
 //!
 //! The opcodes read are the intersection of what CPython's C unpickler and
 //! torch's `weights_only` unpickler read alike, so that the objects made
@@ -133,18 +133,23 @@ impl<'a> Input<'a> {
     }
 }
 
+/// Memo indices further than this past the entries put in order are
+/// refused: the C unpickler sizes its memo by the index (twice it), so the
+/// slow path is left to meet an index of 2**32 as it does today.
+const MEMO_GAP: usize = 1 << 16;
+
 const TRUNCATED: &str = "truncated pickle";
 const UNDERFLOW: &str = "stack underflow";
 
 /// The stack machine's state: the stack, the start of each open mark
-/// (the C unpickler's fences), the memo.
+/// (the C unpickler's fences), the memo: dense where its indices come in
+/// order (as every pickler writes them), a map for the others, so that it
+/// holds no more entries than the pickle's `PUT`s.
 struct Machine<B: Builder> {
     stack: Vec<B::Obj>,
     marks: Vec<usize>,
-    memo: Vec<Option<B::Obj>>,
-    /// Memo indices at or past this are refused: a pickle of `n` bytes puts
-    /// fewer than `n` entries, so its indices stay below `n`.
-    memo_limit: usize,
+    memo: Vec<B::Obj>,
+    sparse: std::collections::HashMap<u32, B::Obj>,
 }
 
 impl<B: Builder> Machine<B> {
@@ -183,30 +188,27 @@ impl<B: Builder> Machine<B> {
         Ok(self.stack.split_off(len - n))
     }
 
-    fn memo_index(&self, idx: u32) -> Result<usize, Stop<B::Err>> {
-        let i = idx as usize;
-        if i >= self.memo_limit {
-            return Err(Stop::Refused("memo index out of range"));
-        }
-        Ok(i)
-    }
-
     fn put(&mut self, idx: u32) -> Result<(), Stop<B::Err>> {
-        let i = self.memo_index(idx)?;
         let v = self.top()?.clone();
-        if self.memo.len() <= i {
-            self.memo.resize(i + 1, None);
+        let i = idx as usize;
+        match i.cmp(&self.memo.len()) {
+            std::cmp::Ordering::Less => self.memo[i] = v,
+            std::cmp::Ordering::Equal => self.memo.push(v),
+            std::cmp::Ordering::Greater if i - self.memo.len() <= MEMO_GAP => {
+                self.sparse.insert(idx, v);
+            }
+            std::cmp::Ordering::Greater => {
+                return Err(Stop::Refused("memo index far out of order"))
+            }
         }
-        self.memo[i] = Some(v);
         Ok(())
     }
 
     fn get(&mut self, idx: u32) -> Result<(), Stop<B::Err>> {
-        let i = self.memo_index(idx)?;
         let v = self
             .memo
-            .get(i)
-            .and_then(Option::as_ref)
+            .get(idx as usize)
+            .or_else(|| self.sparse.get(&idx))
             .ok_or(Stop::Refused("memo entry never put"))?
             .clone();
         self.stack.push(v);
@@ -283,7 +285,7 @@ pub fn run<B: Builder>(data: &[u8], b: &mut B) -> Result<B::Obj, Stop<B::Err>> {
         stack: Vec::with_capacity(64),
         marks: Vec::with_capacity(16),
         memo: Vec::new(),
-        memo_limit: data.len(),
+        sparse: std::collections::HashMap::new(),
     };
     let err = Stop::Builder;
     loop {
@@ -595,9 +597,28 @@ mod tests {
             panic!()
         };
         assert!(Rc::ptr_eq(a, b));
-        // LONG_BINPUT / LONG_BINGET
+        // LONG_BINPUT / LONG_BINGET, indices out of order (a map, not
+        // 2**32 slots), a later PUT to an index replacing the earlier one
         let v = load(b"\x80\x02]r\x01\x00\x00\x00(j\x01\x00\x00\x00e.");
         assert!(v.is_ok());
+        let v = load(b"\x80\x02]r\x00\x00\x01\x00(j\x00\x00\x01\x00e.");
+        assert!(v.is_ok());
+        let v = load(b"\x80\x02]r\xff\xff\xff\xff(j\xff\xff\xff\xffe.");
+        assert_eq!(v, Err(Stop::Refused("memo index far out of order")));
+        let v = load(
+            b"\x80\x02(K\x01r\x05\x00\x00\x00K\x02q\x00K\x03q\x05h\x05j\x05\x00\x00\x00h\x00t.",
+        );
+        assert_eq!(
+            v,
+            Ok(V::Tuple(Rc::new(vec![
+                V::Int(1),
+                V::Int(2),
+                V::Int(3),
+                V::Int(3),
+                V::Int(3),
+                V::Int(2)
+            ])))
+        );
     }
 
     #[test]
