@@ -1867,10 +1867,9 @@ impl<'py> UnpickleBuild<'py> {
         kwargs.set_item(pyo3::intern!(py, "device"), device)?;
         let t = self.ctx.4.call((&self.empty_shape,), Some(&kwargs))?;
         let t = t.call_method1(pyo3::intern!(py, "set_"), (untyped, offset, size, stride))?;
-        // `tensor.requires_grad = False` on a new tensor changes nothing.
-        if requires_grad.is_truthy()? {
-            t.setattr(pyo3::intern!(py, "requires_grad"), requires_grad)?;
-        }
+        // Both set as _rebuild_tensor_v2 sets them, False included: the
+        // setters are what a TorchFunctionMode sees, as torch.empty and set_.
+        t.setattr(pyo3::intern!(py, "requires_grad"), requires_grad)?;
         t.setattr(pyo3::intern!(py, "_backward_hooks"), hooks)?;
         self.since_release += 1;
         if self.since_release == TENSORS_PER_RELEASE {

@@ -324,6 +324,31 @@ def test_tensor_metadata_and_parameters_are_left_to_the_unpickler(
     assert type(check_file(path, monkeypatch, False, weights_only=weights_only)[1]["p"]) is torch.nn.Parameter
 
 
+def test_a_torch_function_mode_sees_the_unpicklers_calls(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.overrides import TorchFunctionMode
+
+    class Recorder(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: List[str] = []
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.calls.append(getattr(func, "__name__", repr(func)))
+            return func(*args, **(kwargs or {}))
+
+    path = tmp_path / "ckpt.pt"
+    fastpersist.write_state_dict({"a": torch.ones(2), "b": torch.zeros(3, requires_grad=True)}, path)
+    args = _unpickle_args(path, monkeypatch)
+    seen = {}
+    for fast in (False, True):
+        spy = _Spy(monkeypatch)
+        with Recorder() as rec:
+            assert _unpickle(fast, *args[:4], True)[0] == "ok"
+        seen[fast] = rec.calls
+        assert spy.fast_done == fast
+    assert seen[True] == seen[False] and seen[True].count("empty") == 2
+
+
 def test_a_fake_mode_is_left_to_the_unpickler(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
