@@ -943,8 +943,9 @@ def unpickle(
         state.map_location = map_location
     try:
         # Plain state dicts: the Rust core's reader (see _fast_unpickle),
-        # else (None) the unpickler, with the same loader: storages the
-        # fast path already asked for are not restored twice.
+        # else (None) the unpickler, with the same loader: it hands out the
+        # storages the fast path already asked for again, without restoring
+        # them again (empty ones aside: the loader does not keep those).
         obj = _fast_unpickle(pkl, weights_only, loader)
         if obj is None:
             obj = unpickler.load()
