@@ -18,6 +18,8 @@
 //! - [`reader`]: many records of one file into caller memory;
 //! - [`pickle`]: CPython's protocol-2 pickle opcodes, byte for byte (the
 //!   fast path of the Python side's torch.save pickle);
+//! - [`unpickle`]: a reader of those opcodes (the fast path of the Python
+//!   side's unpickle of plain state dicts);
 //! - [`zip`]: torch.save's zip headers, byte for byte (local headers with
 //!   torch's alignment padding, descriptors, central directory, end records).
 //!
@@ -39,6 +41,7 @@ pub mod layout;
 pub mod pickle;
 pub mod reader;
 pub(crate) mod sink;
+pub mod unpickle;
 pub mod writer;
 pub mod zip;
 

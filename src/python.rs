@@ -1968,6 +1968,333 @@ fn fast_pickle_walk<'py>(
     Ok((PyBytes::new(py, &e.finish()), storages))
 }
 
+// ---------------------------------------------------------------------------
+// The fast path of fastpersist.pickling.unpickle: crate::unpickle reads the
+// opcodes torch.save writes for plain state dicts, and `UnpickleBuild` makes
+// the objects the slow path's unpickler (pickle.Unpickler, or torch's
+// weights_only unpickler) would make from them. Anything else is refused,
+// and the slow path unpickles the data instead.
+//
+// weights_only: the objects made here are dicts, lists, tuples, strings,
+// ints, floats, bools, None, OrderedDicts (with a `__dict__` state from
+// BUILD) and tensors rebuilt by `torch._utils._rebuild_tensor_v2` from the
+// storages `persistent_load` hands out; the only globals resolved are those
+// `pickling._fast_unpickle_context` lists, which for weights_only=True are
+// the very objects of torch's allowlist (`_get_allowed_globals`). torch's
+// weights_only unpickler allows every one of them, so one fast path serves
+// both modes; whatever it might refuse never gets past this reader.
+
+/// What `pickling._fast_unpickle_context()` hands over.
+#[derive(FromPyObject)]
+struct UnpickleCtx<'py>(
+    /// (module, name, object): the GLOBALs resolved, to the objects the
+    /// slow path's unpickler resolves them to
+    Vec<(Vec<u8>, Vec<u8>, Bound<'py, PyAny>)>,
+    /// torch._utils._rebuild_tensor_v2
+    Bound<'py, PyAny>,
+    /// collections.OrderedDict
+    Bound<'py, PyAny>,
+    /// torch.storage.TypedStorage
+    Bound<'py, PyAny>,
+    /// torch.empty
+    Bound<'py, PyAny>,
+);
+
+/// Why a builder call failed.
+enum Unpicked {
+    /// Outside the fast path: the slow path unpickles.
+    Refused,
+    /// `persistent_load` raised: raised as is (the slow path would make
+    /// the same call at the same point and raise the same).
+    Load(PyErr),
+    /// Anything else raised: the slow path meets it again and reports it
+    /// in its own words.
+    Py(PyErr),
+}
+
+impl From<PyErr> for Unpicked {
+    fn from(e: PyErr) -> Self {
+        Unpicked::Py(e)
+    }
+}
+
+struct UnpickleBuild<'py> {
+    py: Python<'py>,
+    ctx: UnpickleCtx<'py>,
+    load: Bound<'py, PyAny>,
+    /// `(0,)`, torch.empty's shape.
+    empty_shape: Bound<'py, PyTuple>,
+    /// Tensors made since the GIL was last let go.
+    since_release: u32,
+}
+
+/// Whether `o` is an int (not a bool).
+fn exact_int(o: &Bound<'_, PyAny>) -> bool {
+    o.is_exact_instance_of::<PyInt>()
+}
+
+/// Whether `o` is a tuple of ints.
+fn int_items(o: &Bound<'_, PyAny>) -> bool {
+    o.downcast_exact::<PyTuple>()
+        .is_ok_and(|t| t.iter().all(|x| exact_int(&x)))
+}
+
+impl<'py> UnpickleBuild<'py> {
+    /// `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad,
+    /// backward_hooks[, metadata])` for what torch.save writes for a plain
+    /// tensor (a TypedStorage from `persistent_load`, ints, tuples of ints,
+    /// a bool, an empty OrderedDict, no metadata or empty metadata): what
+    /// it does, less its Python frames; the caller checked that no fake
+    /// mode is active (`_restore_device_fake_mode` then does nothing).
+    fn tensor(&mut self, args: &Bound<'py, PyTuple>) -> Result<Bound<'py, PyAny>, Unpicked> {
+        let py = self.py;
+        let n = args.len();
+        if n != 6 && n != 7 {
+            return Err(Unpicked::Refused);
+        }
+        let storage = args.get_item(0)?;
+        let offset = args.get_item(1)?;
+        let size = args.get_item(2)?;
+        let stride = args.get_item(3)?;
+        let requires_grad = args.get_item(4)?;
+        let hooks = args.get_item(5)?;
+        if !storage.get_type().is(&self.ctx.3)
+            || !exact_int(&offset)
+            || !int_items(&size)
+            || !int_items(&stride)
+            || !requires_grad.is_exact_instance_of::<PyBool>()
+            || !hooks.get_type().is(&self.ctx.2)
+            || hooks.len()? != 0
+        {
+            return Err(Unpicked::Refused);
+        }
+        if n == 7 {
+            // Metadata (conj/neg bits, ...) is set by set_tensor_metadata:
+            // the slow path's. An empty dict is skipped there.
+            let meta = args.get_item(6)?;
+            if !meta
+                .downcast_exact::<PyDict>()
+                .is_ok_and(PyDictMethods::is_empty)
+            {
+                return Err(Unpicked::Refused);
+            }
+        }
+        // _rebuild_tensor: torch.empty((0,), dtype=storage.dtype,
+        // device=storage._untyped_storage.device).set_(...)
+        let dtype = storage.getattr(pyo3::intern!(py, "dtype"))?;
+        let untyped = storage.getattr(pyo3::intern!(py, "_untyped_storage"))?;
+        let device = untyped.getattr(pyo3::intern!(py, "device"))?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item(pyo3::intern!(py, "dtype"), dtype)?;
+        kwargs.set_item(pyo3::intern!(py, "device"), device)?;
+        let t = self.ctx.4.call((&self.empty_shape,), Some(&kwargs))?;
+        let t = t.call_method1(pyo3::intern!(py, "set_"), (untyped, offset, size, stride))?;
+        // Both set as _rebuild_tensor_v2 sets them, False included: the
+        // setters are what a TorchFunctionMode sees, as torch.empty and set_.
+        t.setattr(pyo3::intern!(py, "requires_grad"), requires_grad)?;
+        t.setattr(pyo3::intern!(py, "_backward_hooks"), hooks)?;
+        self.since_release += 1;
+        if self.since_release == TENSORS_PER_RELEASE {
+            self.since_release = 0;
+            // As the slow path's bytecode would, at a switch point: a
+            // thread waiting for the GIL takes it here.
+            py.allow_threads(|| ());
+        }
+        Ok(t)
+    }
+}
+
+impl<'py> crate::unpickle::Builder for UnpickleBuild<'py> {
+    type Obj = Bound<'py, PyAny>;
+    type Err = Unpicked;
+
+    fn none(&mut self) -> Result<Self::Obj, Unpicked> {
+        Ok(self.py.None().into_bound(self.py))
+    }
+
+    fn bool(&mut self, v: bool) -> Result<Self::Obj, Unpicked> {
+        Ok(PyBool::new(self.py, v).to_owned().into_any())
+    }
+
+    fn int(&mut self, v: i64) -> Result<Self::Obj, Unpicked> {
+        let Ok(o) = v.into_pyobject(self.py);
+        Ok(o.into_any())
+    }
+
+    fn long(&mut self, le: &[u8]) -> Result<Self::Obj, Unpicked> {
+        let py = self.py;
+        if le.len() <= 16 {
+            let negative = le.last().is_some_and(|&b| b & 0x80 != 0);
+            let mut b = [if negative { 0xff } else { 0 }; 16];
+            b[..le.len()].copy_from_slice(le);
+            let Ok(o) = i128::from_le_bytes(b).into_pyobject(py);
+            return Ok(o.into_any());
+        }
+        let signed = PyDict::new(py);
+        signed.set_item(pyo3::intern!(py, "signed"), true)?;
+        Ok(py.get_type::<PyInt>().call_method(
+            pyo3::intern!(py, "from_bytes"),
+            (PyBytes::new(py, le), pyo3::intern!(py, "little")),
+            Some(&signed),
+        )?)
+    }
+
+    fn float(&mut self, v: f64) -> Result<Self::Obj, Unpicked> {
+        Ok(PyFloat::new(self.py, v).into_any())
+    }
+
+    fn str(&mut self, utf8: &[u8]) -> Result<Self::Obj, Unpicked> {
+        let py = self.py;
+        if let Ok(s) = std::str::from_utf8(utf8) {
+            return Ok(PyString::new(py, s).into_any());
+        }
+        // Lone surrogates: both unpicklers decode with "surrogatepass".
+        Ok(PyBytes::new(py, utf8).call_method1(
+            pyo3::intern!(py, "decode"),
+            (
+                pyo3::intern!(py, "utf-8"),
+                pyo3::intern!(py, "surrogatepass"),
+            ),
+        )?)
+    }
+
+    fn empty_dict(&mut self) -> Result<Self::Obj, Unpicked> {
+        Ok(PyDict::new(self.py).into_any())
+    }
+
+    fn empty_list(&mut self) -> Result<Self::Obj, Unpicked> {
+        Ok(PyList::empty(self.py).into_any())
+    }
+
+    fn tuple(&mut self, items: Vec<Self::Obj>) -> Result<Self::Obj, Unpicked> {
+        Ok(PyTuple::new(self.py, items)?.into_any())
+    }
+
+    fn global(&mut self, module: &[u8], name: &[u8]) -> Result<Self::Obj, Unpicked> {
+        self.ctx
+            .0
+            .iter()
+            .find(|(m, n, _)| m == module && n == name)
+            .map(|(_, _, o)| o.clone())
+            .ok_or(Unpicked::Refused)
+    }
+
+    fn reduce(&mut self, func: &Self::Obj, args: &Self::Obj) -> Result<Self::Obj, Unpicked> {
+        let args = args
+            .downcast_exact::<PyTuple>()
+            .map_err(|_| Unpicked::Refused)?;
+        if func.is(&self.ctx.1) {
+            return self.tensor(args);
+        }
+        if func.is(&self.ctx.2) && args.is_empty() {
+            return Ok(func.call0()?);
+        }
+        Err(Unpicked::Refused)
+    }
+
+    fn persistent(&mut self, pid: &Self::Obj) -> Result<Self::Obj, Unpicked> {
+        // torch.save's storage ids only: ("storage", type, key, location,
+        // numel); weights_only refuses ids of other kinds in its own words.
+        let pid_t = pid
+            .downcast_exact::<PyTuple>()
+            .map_err(|_| Unpicked::Refused)?;
+        if pid_t.len() != 5
+            || !pid_t
+                .get_item(0)?
+                .downcast_exact::<PyString>()
+                .is_ok_and(|s| s.to_cow().is_ok_and(|s| s == "storage"))
+        {
+            return Err(Unpicked::Refused);
+        }
+        self.load.call1((pid,)).map_err(Unpicked::Load)
+    }
+
+    fn set_items(&mut self, target: &Self::Obj, items: &[Self::Obj]) -> Result<(), Unpicked> {
+        let pairs = items.chunks_exact(2);
+        if let Ok(d) = target.downcast_exact::<PyDict>() {
+            for kv in pairs {
+                d.set_item(&kv[0], &kv[1])?;
+            }
+            return Ok(());
+        }
+        if !target.get_type().is(&self.ctx.2) {
+            return Err(Unpicked::Refused);
+        }
+        for kv in pairs {
+            target.set_item(&kv[0], &kv[1])?;
+        }
+        Ok(())
+    }
+
+    fn append_items(&mut self, target: &Self::Obj, items: &[Self::Obj]) -> Result<(), Unpicked> {
+        let l = target
+            .downcast_exact::<PyList>()
+            .map_err(|_| Unpicked::Refused)?;
+        for x in items {
+            l.append(x)?;
+        }
+        Ok(())
+    }
+
+    fn build(&mut self, inst: &Self::Obj, state: &Self::Obj) -> Result<(), Unpicked> {
+        // An OrderedDict's instance attributes (state_dict()'s `_metadata`):
+        // both unpicklers set them in its __dict__.
+        let state = state
+            .downcast_exact::<PyDict>()
+            .map_err(|_| Unpicked::Refused)?;
+        if !inst.get_type().is(&self.ctx.2)
+            || !state
+                .keys()
+                .iter()
+                .all(|k| k.is_exact_instance_of::<PyString>())
+        {
+            return Err(Unpicked::Refused);
+        }
+        let d = inst.getattr(pyo3::intern!(self.py, "__dict__"))?;
+        d.downcast_exact::<PyDict>()
+            .map_err(|_| Unpicked::Refused)?
+            .update(state.as_mapping())?;
+        Ok(())
+    }
+}
+
+/// The object of the pickle `data` (`fastpersist.pickling.unpickle`'s
+/// result), when it holds only what torch.save writes for plain state
+/// dicts (see `crate::unpickle`), its storages from `persistent_load`;
+/// None for anything else, and when anything but `persistent_load` raised
+/// an Exception, for the slow path to unpickle. `persistent_load`'s own
+/// exceptions are raised as they are. `ctx`: see
+/// `pickling._fast_unpickle_context`.
+#[pyfunction]
+fn fast_unpickle<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyAny>,
+    ctx: UnpickleCtx<'py>,
+    persistent_load: Bound<'py, PyAny>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let data = bytes_like(data)?;
+    let mut b = UnpickleBuild {
+        py,
+        ctx,
+        load: persistent_load,
+        empty_shape: PyTuple::new(py, [0])?,
+        since_release: 0,
+    };
+    match crate::unpickle::run(data.as_bytes(), &mut b) {
+        Ok(obj) => Ok(Some(obj)),
+        Err(
+            crate::unpickle::Stop::Refused(_) | crate::unpickle::Stop::Builder(Unpicked::Refused),
+        ) => Ok(None),
+        // KeyboardInterrupt and other BaseExceptions are not swallowed.
+        Err(crate::unpickle::Stop::Builder(Unpicked::Py(e)))
+            if e.is_instance_of::<pyo3::exceptions::PyException>(py) =>
+        {
+            Ok(None)
+        }
+        Err(crate::unpickle::Stop::Builder(Unpicked::Load(e) | Unpicked::Py(e))) => Err(e),
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
@@ -1995,6 +2322,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(remove_file, m)?)?;
     m.add_function(wrap_pyfunction!(prepare_memory, m)?)?;
     m.add_function(wrap_pyfunction!(fast_pickle, m)?)?;
+    m.add_function(wrap_pyfunction!(fast_unpickle, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
     m.add("TEMP_NAME_PART_MAX", crate::commit::TEMP_NAME_PART_MAX)?;
     add_stats_types(m)?;

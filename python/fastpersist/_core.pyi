@@ -65,6 +65,7 @@ __all__ = [
     "prepare_memory",
     "remove_file",
     "fast_pickle",
+    "fast_unpickle",
     "TEMP_MARKER",
     "TEMP_NAME_PART_MAX",
     "RawWriteStats",
@@ -292,3 +293,20 @@ def fast_pickle(
     known: dict[int, tuple[str, object]] | None = None,
     add: tuple[Callable[[Any], object], dict[int, Any]] | None = None,
 ) -> tuple[bytes, dict[str, object]] | None: ...
+
+# What fastpersist.pickling._fast_unpickle_context() builds: (module, name,
+# object) of each GLOBAL resolved, torch._utils._rebuild_tensor_v2,
+# OrderedDict, torch.storage.TypedStorage, torch.empty.
+_UnpickleContext: TypeAlias = tuple[
+    list[tuple[bytes, bytes, object]],
+    object,
+    type,
+    type,
+    Callable[..., object],
+]
+
+def fast_unpickle(
+    data: Buffer,
+    ctx: _UnpickleContext,
+    persistent_load: Callable[[Any], object],
+) -> object | None: ...

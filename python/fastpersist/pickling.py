@@ -12,11 +12,12 @@ from its call, to tell whether any was changed in place before its bytes
 had all been gathered.
 
 Reading: :func:`unpickle` replays a pickle with storages already read, with
-torch's ``weights_only`` unpickler by default; :class:`LocationScan` notes
-where each storage was saved without constructing anything.
+torch's ``weights_only`` unpickler by default (plain state dicts: the Rust
+core's reader, the same objects); :class:`LocationScan` notes where each
+storage was saved without constructing anything.
 
 It imports only :mod:`fastpersist.errors` and the Rust core (the fast
-path of :func:`pickle_obj`).
+paths of :func:`pickle_obj` and :func:`unpickle`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import io
 import logging
 import pickle
 import re
+import sys
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -833,6 +835,82 @@ def weights_only_message(message: str) -> str:
     return out + "\n\n" + message + docs
 
 
+#: Whether :func:`unpickle` tries its fast path first (tests turn it off
+#: to compare with the unpickler).
+FAST_UNPICKLE = True
+
+# What the fast path does in place of torch's rebuild functions: it stands
+# aside when any of them was replaced since (a patch would not run).
+_REBUILD_V2 = torch._utils._rebuild_tensor_v2
+_REBUILD = torch._utils._rebuild_tensor
+_RESTORE_FAKE = getattr(torch._utils, "_restore_device_fake_mode", None)
+
+
+def _storage_class_names() -> List[str]:
+    """Names of torch's typed storage classes (``FloatStorage``, ...)."""
+    table = getattr(torch.storage, "_dtype_to_storage_type_map", None)
+    return sorted(set(table().values())) if table is not None else []
+
+
+def _fast_unpickle_context(weights_only: bool) -> Optional[tuple]:
+    """What the fast path (``_core.fast_unpickle``) needs to make the
+    objects the slow path's unpickler makes, looked up now: the globals it
+    resolves (``collections.OrderedDict``, ``torch._utils._rebuild_tensor_v2``,
+    torch's typed storage classes), as ``pickle.Unpickler`` resolves them
+    or, for ``weights_only``, as torch's allowlist does (its ``StorageType``
+    stand-ins for the storage classes). None where it cannot be: a rebuild
+    function replaced, a fake tensor mode active (torch's rebuild gives its
+    tensors a fake device), one of those modules blocked."""
+    u = torch._utils
+    if u._rebuild_tensor_v2 is not _REBUILD_V2 or u._rebuild_tensor is not _REBUILD:
+        return None
+    if getattr(u, "_restore_device_fake_mode", None) is not _RESTORE_FAKE or hasattr(OrderedDict, "__setstate__"):
+        return None
+    if _RESTORE_FAKE is not None and torch._guards.detect_fake_mode(None) is not None:
+        return None
+    wanted = [("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2")]
+    wanted += [("torch", name) for name in _storage_class_names()]
+    resolved: List[Tuple[bytes, bytes, Any]] = []
+    if weights_only:
+        from torch import _weights_only_unpickler as wou
+
+        blocked = getattr(wou, "_blocklisted_modules", ())
+        if any(m in blocked for m, _ in wanted):
+            return None
+        allowed = wou._get_allowed_globals()
+        for module, name in wanted:
+            obj = allowed.get(f"{module}.{name}")
+            if obj is not None:
+                resolved.append((module.encode(), name.encode(), obj))
+    else:
+        for module, name in wanted:
+            obj = getattr(sys.modules.get(module), name, None)
+            if obj is not None:
+                resolved.append((module.encode(), name.encode(), obj))
+    if resolved[:2] != [
+        (b"collections", b"OrderedDict", OrderedDict),
+        (b"torch._utils", b"_rebuild_tensor_v2", _REBUILD_V2),
+    ]:
+        return None
+    return (resolved, _REBUILD_V2, OrderedDict, torch.storage.TypedStorage, torch.empty)
+
+
+def _fast_unpickle(pkl: bytes, weights_only: bool, load: Callable[[Any], Any]) -> Any:
+    """:func:`unpickle`'s object made by the Rust core, or None where the
+    pickle holds anything it leaves to the unpickler (or something other
+    than ``load`` raised). ``load``'s exceptions are raised as they are:
+    the unpickler would make the same call at the same point."""
+    if not FAST_UNPICKLE:
+        return None
+    try:
+        ctx = _fast_unpickle_context(weights_only)
+    except Exception:  # noqa: BLE001 - another torch: the unpickler, as before
+        return None
+    if ctx is None:
+        return None
+    return _core.fast_unpickle(pkl, ctx, load)
+
+
 def _unpickler(pkl: bytes, weights_only: bool) -> Any:
     if weights_only:
         from torch import _weights_only_unpickler
@@ -850,15 +928,27 @@ def unpickle(
     placed: Optional[set] = None,
 ) -> Any:
     """Replay the pickle with ``storages``; those in ``placed`` are already
-    where ``map_location`` sends them (torch's restore is skipped)."""
+    where ``map_location`` sends them (torch's restore is skipped).
+
+    Pickles of plain state dicts (dicts, lists, tuples, strings, numbers,
+    OrderedDicts, plain tensors, as torch.save and :func:`pickle_obj` write
+    them) take a fast path (:data:`FAST_UNPICKLE`): the same objects, made
+    by the Rust core without the unpickler's Python frames."""
     unpickler = _unpickler(pkl, weights_only)
-    unpickler.persistent_load = _StorageLoader(storages, path, map_location, placed or set())
+    loader = _StorageLoader(storages, path, map_location, placed or set())
+    unpickler.persistent_load = loader
     state = getattr(torch._utils, "_thread_local_state", None)
     old = getattr(state, "map_location", None) if state is not None else None
     if state is not None:
         state.map_location = map_location
     try:
-        obj = unpickler.load()
+        # Plain state dicts: the Rust core's reader (see _fast_unpickle),
+        # else (None) the unpickler, with the same loader: it hands out the
+        # storages the fast path already asked for again, without restoring
+        # them again (empty ones aside: the loader does not keep those).
+        obj = _fast_unpickle(pkl, weights_only, loader)
+        if obj is None:
+            obj = unpickler.load()
     except CorruptCheckpointError:
         raise
     except _RestoreError as e:  # e.g. map_location="cuda" without a GPU: torch's own error
