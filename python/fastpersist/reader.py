@@ -24,7 +24,7 @@ import torch
 from .cuda_staging import DeviceRead, device_for, read_staged, read_targets, staging_setup
 from .distributed import is_sharded_dir, read_sharded
 from .errors import CorruptCheckpointError, drop_frames
-from .options import EngineOptions, PathLike, ReadReq, check_path, read_records
+from .options import EngineOptions, PathLike, ReadReq, check_path, gc_paused, read_records
 from .pickling import MapLocation, is_legacy_torch, restore_location, unpickle
 from .safetensors_format import Entry, is_safetensors, parse_header, torch_dtype_error, torch_shape
 from .torch_zip import (
@@ -132,6 +132,22 @@ def read_state_dict(
                 stats=stats,
             ),
         )
+    # A read of many tensors makes objects that all live on (storages,
+    # tensors, the containers): cyclic collections meanwhile free nothing
+    # and cost (10,000 tensors: 80 of 220 ms of unpickling), as for saves.
+    with gc_paused():
+        return _read_file(p, map_location, weights_only, verify, direct, io_uring, stats)
+
+
+def _read_file(
+    p: str,
+    map_location: MapLocation,
+    weights_only: bool,
+    verify: bool,
+    direct: Optional[bool],
+    io_uring: Optional[bool],
+    stats: Optional[List[ReadStats]],
+) -> Any:
     t0 = time.perf_counter()
     opts = EngineOptions.resolve(direct=direct, io_uring=io_uring)
     fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
