@@ -328,7 +328,7 @@ def _read_torch(
     keyed = [(r.name[len(data_prefix) :], r) for r in data_recs]
     targets = read_targets(pkl, map_location, [k for k, _ in keyed])
     storages, placed, checked, read_headers = _read_data_records(fd, path, keyed, targets, opts, headers)
-    if headers is not None and not confirm_predicted(fd, d, data_entries, data_recs, read_headers):
+    if headers is not None and not confirm_predicted(data_entries, data_recs, read_headers):
         # Not laid out as torch lays out records: read where the headers say.
         data_recs = resolve_records(fd, d, data_entries, opts)
         records = _all_records(small, data_recs, path)

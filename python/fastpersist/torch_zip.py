@@ -574,14 +574,22 @@ def predict_records(
 
 
 def confirm_predicted(
-    fd: int, d: ZipDirectory, entries: List[Tuple[str, int, int, int, bytes]], records: List[ZipRecord],
-    headers: List[bytes],
-) -> bool:  # fmt: skip
+    entries: List[Tuple[str, int, int, int, bytes]], records: List[ZipRecord], headers: List[bytes]
+) -> bool:
     """Whether every predicted record is where its local header (``headers``:
-    their fixed parts and names, as read) puts it."""
+    their fixed parts and names, as read) puts it: a header naming the
+    record with the central directory's very bytes, whose name and extra
+    field end where the data was read from. (A header that differs in any
+    other way is left to :func:`resolve_records`, which accepts or names it.)"""
+    local = _LOCAL
     for entry, rec, lh in zip(entries, records, headers):
-        got, _ = _local_record(d, entry, lh, fd)
-        if got != rec:
+        raw = entry[4]
+        if len(lh) < local.size:
+            return False
+        sig, *_rest, nlen, xlen = local.unpack_from(lh)
+        if sig != 0x04034B50 or nlen != len(raw) or rec.header_offset + local.size + nlen + xlen != rec.data_offset:
+            return False
+        if lh[local.size :] != raw:
             return False
     return True
 
