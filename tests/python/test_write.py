@@ -351,3 +351,35 @@ def test_head_is_written_while_the_rest_is_laid_out(tmp_path, monkeypatch):
     monkeypatch.setattr(torch_zip.TorchZipLayout, "_add_storages", add_storages)
     roundtrip(sd, tmp_path / "a.pt")
     assert waited == [True]
+
+
+@pytest.mark.parametrize("where", ["value", "nested list", "tuple"])
+def test_a_tensor_changed_in_place_during_a_synchronous_save_is_caught(tmp_path, monkeypatch, where):
+    """write_state_dict records the version counters of every tensor at the
+    call; one changed in place before its bytes are gathered (here: from the
+    layout of the head, before the pickler meets any tensor, as another
+    thread could) raises TensorChangedError naming it, and nothing is
+    committed."""
+    from fastpersist import torch_zip
+
+    target = torch.arange(1000, dtype=torch.float32)
+    sd = {"a": torch.ones(10), "w": target} if where == "value" else {"a": torch.ones(10)}
+    if where == "nested list":
+        sd["l"] = [torch.zeros(3), {"w": target}]
+    elif where == "tuple":
+        sd["t"] = (torch.zeros(3), target)
+    real = torch_zip.TorchZipLayout._add_storages
+    calls = []
+
+    def add_storages(self, items):
+        if not calls:  # the head's first part: before the pickler meets any tensor
+            target.add_(1)  # bumps the version counter
+        calls.append(len(items))
+        return real(self, items)
+
+    p = tmp_path / "a.pt"
+    fastpersist.write_state_dict({"old": torch.ones(2)}, p)
+    monkeypatch.setattr(torch_zip.TorchZipLayout, "_add_storages", add_storages)
+    with pytest.raises(fastpersist.TensorChangedError, match="changed in place"):
+        fastpersist.write_state_dict(sd, p)
+    assert list(torch.load(p)) == ["old"]
