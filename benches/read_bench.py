@@ -112,9 +112,7 @@ def run_workload(name: str, sd: Dict[str, torch.Tensor], d: str, rounds: int, se
         "workload": name,
         "bytes": size,
         "tensors": len(sd),
-        "limit_gbps": lim,
-        "limit_config": limit.config,
-        "fio_medians": limit.medians(),
+        **limit.as_dict(),
         "readers": {},
     }
     for k, v in times.items():

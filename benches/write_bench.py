@@ -178,9 +178,7 @@ def run_workload(name: str, sd, directory: str, rounds: int, writers: Dict[str, 
         "workload": name,
         "bytes": size,
         "tensors": len(sd),
-        "limit_gbps": lim,
-        "limit_config": limit.config,
-        "fio_medians": limit.medians(),
+        **limit.as_dict(),
         "writers": {},
     }
     print(f"  {'writer':<14} {'GB/s':>7} {'share of limit':>15}")

@@ -24,40 +24,51 @@ pub const PROTOCOL: u8 = 2;
 /// Items per `MARK ... SETITEMS`/`APPENDS` batch (`_pickle.c`'s `BATCHSIZE`).
 pub const BATCHSIZE: usize = 1000;
 
-// Opcodes (`pickle.py`'s names).
-const MARK: u8 = b'(';
-const STOP: u8 = b'.';
-const POP: u8 = b'0';
-const POP_MARK: u8 = b'1';
-const BININT: u8 = b'J';
-const BININT1: u8 = b'K';
-const BININT2: u8 = b'M';
-const NONE: u8 = b'N';
-const BINPERSID: u8 = b'Q';
-const REDUCE: u8 = b'R';
-const BINUNICODE: u8 = b'X';
-const APPEND: u8 = b'a';
-const BUILD: u8 = b'b';
-const EMPTY_DICT: u8 = b'}';
-const APPENDS: u8 = b'e';
-const BINGET: u8 = b'h';
-const LONG_BINGET: u8 = b'j';
-const EMPTY_LIST: u8 = b']';
-const BINPUT: u8 = b'q';
-const LONG_BINPUT: u8 = b'r';
-const SETITEM: u8 = b's';
-const TUPLE: u8 = b't';
-const EMPTY_TUPLE: u8 = b')';
-const SETITEMS: u8 = b'u';
-const BINFLOAT: u8 = b'G';
-const PROTO: u8 = 0x80;
-const TUPLE1: u8 = 0x85;
-const TUPLE2: u8 = 0x86;
-const TUPLE3: u8 = 0x87;
-const NEWTRUE: u8 = 0x88;
-const NEWFALSE: u8 = 0x89;
-const LONG1: u8 = 0x8a;
-const LONG4: u8 = 0x8b;
+/// Pickle opcodes (`pickle.py`'s names), shared by the writer and the
+/// reader (`crate::unpickle`).
+pub(crate) mod op {
+    pub(crate) const MARK: u8 = b'(';
+    pub(crate) const STOP: u8 = b'.';
+    pub(crate) const POP: u8 = b'0';
+    pub(crate) const POP_MARK: u8 = b'1';
+    pub(crate) const BININT: u8 = b'J';
+    pub(crate) const BININT1: u8 = b'K';
+    pub(crate) const BININT2: u8 = b'M';
+    pub(crate) const NONE: u8 = b'N';
+    pub(crate) const BINPERSID: u8 = b'Q';
+    pub(crate) const REDUCE: u8 = b'R';
+    pub(crate) const BINUNICODE: u8 = b'X';
+    pub(crate) const APPEND: u8 = b'a';
+    pub(crate) const BUILD: u8 = b'b';
+    pub(crate) const EMPTY_DICT: u8 = b'}';
+    pub(crate) const APPENDS: u8 = b'e';
+    pub(crate) const BINGET: u8 = b'h';
+    pub(crate) const LONG_BINGET: u8 = b'j';
+    pub(crate) const EMPTY_LIST: u8 = b']';
+    pub(crate) const BINPUT: u8 = b'q';
+    pub(crate) const LONG_BINPUT: u8 = b'r';
+    pub(crate) const SETITEM: u8 = b's';
+    pub(crate) const TUPLE: u8 = b't';
+    pub(crate) const EMPTY_TUPLE: u8 = b')';
+    pub(crate) const SETITEMS: u8 = b'u';
+    pub(crate) const BINFLOAT: u8 = b'G';
+    pub(crate) const PROTO: u8 = 0x80;
+    pub(crate) const TUPLE1: u8 = 0x85;
+    pub(crate) const TUPLE2: u8 = 0x86;
+    pub(crate) const TUPLE3: u8 = 0x87;
+    pub(crate) const NEWTRUE: u8 = 0x88;
+    pub(crate) const NEWFALSE: u8 = 0x89;
+    pub(crate) const LONG1: u8 = 0x8a;
+    pub(crate) const LONG4: u8 = 0x8b;
+    pub(crate) const GLOBAL: u8 = b'c';
+}
+
+use op::{
+    APPEND, APPENDS, BINFLOAT, BINGET, BININT, BININT1, BININT2, BINPERSID, BINPUT, BINUNICODE,
+    BUILD, EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE, LONG1, LONG4, LONG_BINGET, LONG_BINPUT, MARK,
+    NEWFALSE, NEWTRUE, NONE, POP, POP_MARK, PROTO, REDUCE, SETITEM, SETITEMS, STOP, TUPLE, TUPLE1,
+    TUPLE2, TUPLE3,
+};
 
 /// What the C pickler refuses (it raises) and the fast path leaves to it:
 /// a memo past 2**32 entries, a string or an int too long for protocol 2.

@@ -21,38 +21,12 @@
 //!
 //! Pure Rust: the Python objects live in the binding.
 
-// Opcodes (`pickle.py`'s names).
-const MARK: u8 = b'(';
-const STOP: u8 = b'.';
-const BININT: u8 = b'J';
-const BININT1: u8 = b'K';
-const BININT2: u8 = b'M';
-const NONE: u8 = b'N';
-const BINPERSID: u8 = b'Q';
-const REDUCE: u8 = b'R';
-const BINUNICODE: u8 = b'X';
-const APPEND: u8 = b'a';
-const BUILD: u8 = b'b';
-const GLOBAL: u8 = b'c';
-const EMPTY_DICT: u8 = b'}';
-const APPENDS: u8 = b'e';
-const BINGET: u8 = b'h';
-const LONG_BINGET: u8 = b'j';
-const EMPTY_LIST: u8 = b']';
-const BINPUT: u8 = b'q';
-const LONG_BINPUT: u8 = b'r';
-const SETITEM: u8 = b's';
-const TUPLE: u8 = b't';
-const EMPTY_TUPLE: u8 = b')';
-const SETITEMS: u8 = b'u';
-const BINFLOAT: u8 = b'G';
-const PROTO: u8 = 0x80;
-const TUPLE1: u8 = 0x85;
-const TUPLE2: u8 = 0x86;
-const TUPLE3: u8 = 0x87;
-const NEWTRUE: u8 = 0x88;
-const NEWFALSE: u8 = 0x89;
-const LONG1: u8 = 0x8a;
+// Opcodes, shared with the writer (`crate::pickle::op`).
+use crate::pickle::op::{
+    APPEND, APPENDS, BINFLOAT, BINGET, BININT, BININT1, BININT2, BINPERSID, BINPUT, BINUNICODE,
+    BUILD, EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE, GLOBAL, LONG1, LONG_BINGET, LONG_BINPUT, MARK,
+    NEWFALSE, NEWTRUE, NONE, PROTO, REDUCE, SETITEM, SETITEMS, STOP, TUPLE, TUPLE1, TUPLE2, TUPLE3,
+};
 
 /// Why [`run`] stopped without an object.
 #[derive(Debug, PartialEq, Eq)]

@@ -11,7 +11,7 @@ import shutil
 import statistics
 import subprocess
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -273,6 +273,11 @@ class Limit:
     def config(self) -> str:
         m = self.medians()
         return max(m, key=lambda k: m[k]) if m else "none"
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The limit, its configuration and every configuration's median,
+        as the benchmarks' JSON records them."""
+        return {"limit_gbps": self.gbps, "limit_config": self.config, "fio_medians": self.medians()}
 
     def note(self) -> str:
         """A line naming the winner and every configuration's median, and

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 import torch
@@ -99,3 +101,34 @@ def byte_runs(pieces) -> list:
             assert not out or out[-1][0] + len(out[-1][1]) <= off, "pieces overlap"
             out.append((off, data))
     return out
+
+
+@contextlib.contextmanager
+def gc_runs_inside_fastpersist():
+    """Cyclic collections made frequent (threshold 50) for the block; yields
+    the list of those that ran from inside fastpersist's own code, each as
+    (generation, the fastpersist function on the stack)."""
+    import gc
+    import sys
+
+    import fastpersist
+
+    pkg = os.path.dirname(fastpersist.__file__) + os.sep
+    runs: list = []
+
+    def cb(phase, info):
+        f = sys._getframe(1) if phase == "start" else None
+        while f is not None:
+            if f.f_code.co_filename.startswith(pkg):
+                runs.append((info["generation"], f.f_code.co_name))
+                break
+            f = f.f_back
+
+    old = gc.get_threshold()
+    gc.set_threshold(50, 1, 1)
+    gc.callbacks.append(cb)
+    try:
+        yield runs
+    finally:
+        gc.callbacks.remove(cb)
+        gc.set_threshold(*old)

@@ -10,7 +10,7 @@ import warnings
 import fastpersist
 import pytest
 import torch
-from helpers import all_dtypes, assert_same, bits, make
+from helpers import all_dtypes, assert_same, bits, gc_runs_inside_fastpersist, make
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -424,25 +424,10 @@ def test_no_garbage_collection_while_a_read_unpickles(tmp_path):
     unpickling 10,000 tensors and freed nothing), and restored afterwards,
     also after a failed read; a caller's own choice is kept."""
     import gc
-    import sys
 
     sd = {f"t{i}": torch.full((3,), float(i)) for i in range(3000)}
     fastpersist.write_state_dict(sd, tmp_path / "many.pt")
-    runs = []
-    pkg = os.path.dirname(fastpersist.__file__) + os.sep
-
-    def cb(phase, info):
-        f = sys._getframe(1) if phase == "start" else None
-        while f is not None:
-            if f.f_code.co_filename.startswith(pkg):
-                runs.append((info["generation"], f.f_code.co_name))
-                break
-            f = f.f_back
-
-    old = gc.get_threshold()
-    gc.set_threshold(50, 1, 1)  # collections would run all through the read
-    gc.callbacks.append(cb)
-    try:
+    with gc_runs_inside_fastpersist() as runs:
         assert_same(sd, fastpersist.read_state_dict(tmp_path / "many.pt"))
         # At most one, at the entry of the call itself (the pause is being set up).
         assert [r for r in runs if r[1] != "read_state_dict"] == [] and len(runs) <= 1, runs[:5]
@@ -454,6 +439,3 @@ def test_no_garbage_collection_while_a_read_unpickles(tmp_path):
         fastpersist.read_state_dict(tmp_path / "many.pt")
         assert not gc.isenabled()
         gc.enable()
-    finally:
-        gc.callbacks.remove(cb)
-        gc.set_threshold(*old)

@@ -9,7 +9,7 @@ import zipfile
 import fastpersist
 import pytest
 import torch
-from helpers import all_dtypes, assert_same, bits, byte_runs, make
+from helpers import all_dtypes, assert_same, bits, byte_runs, gc_runs_inside_fastpersist, make
 
 
 def roundtrip(obj, path, **kw):
@@ -263,25 +263,9 @@ def test_no_garbage_collection_while_a_save_plans(tmp_path):
     cost 0.27 s of a 1.3 s save of 10,000 tensors and freed nothing), and
     restored afterwards, also after a failed save."""
     import gc
-    import sys
 
     sd = {f"t{i}": torch.full((3,), float(i)) for i in range(3000)}
-    runs = []
-    pkg = os.path.dirname(fastpersist.__file__) + os.sep
-
-    def cb(phase, info):
-        # A collection run from inside fastpersist's code (planning, pickling).
-        f = sys._getframe(1) if phase == "start" else None
-        while f is not None:
-            if f.f_code.co_filename.startswith(pkg):
-                runs.append((info["generation"], f.f_code.co_name))
-                break
-            f = f.f_back
-
-    old = gc.get_threshold()
-    gc.set_threshold(50, 1, 1)  # collections would run all through the save
-    gc.callbacks.append(cb)
-    try:
+    with gc_runs_inside_fastpersist() as runs:
         fastpersist.write_state_dict(sd, tmp_path / "many.pt")
         during = list(runs)
         assert gc.isenabled()
@@ -292,9 +276,6 @@ def test_no_garbage_collection_while_a_save_plans(tmp_path):
         fastpersist.write_state_dict({"a": torch.ones(2)}, tmp_path / "a.pt")
         assert not gc.isenabled()
         gc.enable()
-    finally:
-        gc.callbacks.remove(cb)
-        gc.set_threshold(*old)
     # At most the entry of the call itself (the pause is being set up).
     inside = [r for r in during if r[1] != "write_state_dict"]
     assert inside == [] and len(during) <= 1, f"{len(during)} collections during the save: {during[:5]}"
