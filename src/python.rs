@@ -1153,17 +1153,23 @@ fn crc32(py: Python<'_>, data: &[u8]) -> u32 {
     py.allow_threads(|| crc32fast::hash(data))
 }
 
-/// The zip layer's size and alignment limits, as ValueErrors.
-fn zip_checks(name: &[u8], align: u64) -> PyResult<()> {
+/// The zip layer's alignment limit (the padding length is 16 bits), as a
+/// ValueError.
+fn zip_align_check(align: u64) -> PyResult<()> {
     if !align.is_power_of_two() || align > (1 << 15) {
         return Err(PyValueError::new_err(format!(
             "record alignment must be a power of two of at most 32768, got {align}"
         )));
     }
-    if name.len() > usize::from(u16::MAX) {
+    Ok(())
+}
+
+/// The zip format's limit on a record name (a 16-bit length), as a
+/// ValueError.
+fn zip_name_check(name_len: usize) -> PyResult<()> {
+    if name_len > usize::from(u16::MAX) {
         return Err(PyValueError::new_err(format!(
-            "a zip record name holds at most 65535 bytes, got {}",
-            name.len()
+            "a zip record name holds at most 65535 bytes, got {name_len}"
         )));
     }
     Ok(())
@@ -1180,7 +1186,8 @@ fn zip_local_header<'py>(
     size: u64,
     align: u64,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    zip_checks(name, align)?;
+    zip_align_check(align)?;
+    zip_name_check(name.len())?;
     Ok(PyBytes::new(
         py,
         &crate::zip::local_header(name, header_off, size, align),
@@ -1191,12 +1198,8 @@ fn zip_local_header<'py>(
 /// of `zip_local_header` for a name of `name_len` bytes), without making it.
 #[pyfunction]
 fn zip_local_header_len(name_len: usize, header_off: u64, size: u64, align: u64) -> PyResult<u64> {
-    zip_checks(&[], align)?;
-    if name_len > usize::from(u16::MAX) {
-        return Err(PyValueError::new_err(format!(
-            "a zip record name holds at most 65535 bytes, got {name_len}"
-        )));
-    }
+    zip_align_check(align)?;
+    zip_name_check(name_len)?;
     Ok(crate::zip::local_header_len(
         name_len, header_off, size, align,
     ))
@@ -1252,6 +1255,7 @@ fn zip_storage_records<'py>(
     Vec<(u64, u64)>,
     u64,
 )> {
+    zip_align_check(align)?;
     let (blob, region, slot) = pieces;
     let make = named_tuple_maker(py)?;
     let signature = PyBytes::new(py, &crate::zip::DESCRIPTOR_SIG.to_le_bytes());
@@ -1268,7 +1272,7 @@ fn zip_storage_records<'py>(
     let too_far = || PyOverflowError::new_err("the file would be longer than 2**64 bytes");
     for (name, size, address, crc_id, staged) in records {
         let name = name.as_bytes();
-        zip_checks(name, align)?;
+        zip_name_check(name.len())?;
         let (head, pad) = crate::zip::local_header_split(name, at, size, align);
         let header_off = at;
         run.extend_from_slice(&head);
@@ -1334,7 +1338,7 @@ fn zip_central_directory<'py>(
     let n = entries.len() as u64;
     for (name, header_off, size, crc, crc_id) in entries {
         let name = name.as_bytes();
-        zip_checks(name, 64)?;
+        zip_name_check(name.len())?;
         let entry = crate::zip::central_entry(name, header_off, size, crc.unwrap_or(0));
         match crc_id {
             Some(id) => {

@@ -78,20 +78,7 @@ pub const PAD_BYTE: u8 = b'Z';
 pub fn local_header_split(name: &[u8], header_off: u64, size: u64, align: u64) -> (Vec<u8>, usize) {
     assert!(align.is_power_of_two(), "alignment must be a power of two");
     let name_len = u16::try_from(name.len()).expect("record name longer than 65535 bytes");
-    let mut z64 = Vec::new();
-    if wide(header_off, size) {
-        let mut fields = Vec::new();
-        if size >= U32 {
-            put64(&mut fields, 0); // the sizes live in the data descriptor
-            put64(&mut fields, 0);
-        }
-        if header_off >= U32 {
-            put64(&mut fields, header_off);
-        }
-        put16(&mut z64, 0x0001);
-        put16(&mut z64, u16::try_from(fields.len()).unwrap_or(u16::MAX));
-        z64.extend_from_slice(&fields);
-    }
+    let z64 = local_zip64(header_off, size);
     let pad16 = u16::try_from(pad_len(name.len(), z64.len(), header_off, align))
         .expect("padding longer than 65535 bytes");
     let extra_len = z64.len() + 4 + usize::from(pad16);
@@ -117,6 +104,27 @@ pub fn local_header_split(name: &[u8], header_off: u64, size: u64, align: u64) -
     (out, usize::from(pad16))
 }
 
+/// The zip64 field of a local header (empty when the record needs none):
+/// zeros for the sizes, which live in the data descriptor, and the header's
+/// offset, each where it does not fit 32 bits.
+fn local_zip64(header_off: u64, size: u64) -> Vec<u8> {
+    let mut z64 = Vec::new();
+    if wide(header_off, size) {
+        let mut fields = Vec::new();
+        if size >= U32 {
+            put64(&mut fields, 0);
+            put64(&mut fields, 0);
+        }
+        if header_off >= U32 {
+            put64(&mut fields, header_off);
+        }
+        put16(&mut z64, 0x0001);
+        put16(&mut z64, u16::try_from(fields.len()).unwrap_or(u16::MAX));
+        z64.extend_from_slice(&fields);
+    }
+    z64
+}
+
 /// Bytes of padding that align the data of a record whose header at
 /// `header_off` has a name of `name_len` bytes and `z64_len` bytes of zip64
 /// field (torch's rule: the padding field's own 4 bytes come first).
@@ -133,11 +141,7 @@ fn pad_len(name_len: usize, z64_len: usize, header_off: u64, align: u64) -> u64 
 #[must_use]
 pub fn local_header_len(name_len: usize, header_off: u64, size: u64, align: u64) -> u64 {
     assert!(align.is_power_of_two(), "alignment must be a power of two");
-    let z64_len = if wide(header_off, size) {
-        4 + if size >= U32 { 16 } else { 0 } + if header_off >= U32 { 8 } else { 0 }
-    } else {
-        0
-    };
+    let z64_len = local_zip64(header_off, size).len();
     LOCAL_LEN + name_len as u64 + z64_len as u64 + 4 + pad_len(name_len, z64_len, header_off, align)
 }
 

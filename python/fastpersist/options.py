@@ -54,6 +54,7 @@ __all__ = [
     "note_pending",
     "has_pending",
     "gc_paused",
+    "RangeBuffer",
     "wait_for_earlier",
     "env_int",
     "env_flag",
@@ -289,6 +290,30 @@ def read_records(fd: int, reqs: List[ReadReq], opts: EngineOptions, merge_gap: O
     """:func:`read_with` on the engine for ``opts``."""
     with use_engine(opts) as eng:
         return read_with(eng, fd, reqs, merge_gap)
+
+
+class RangeBuffer:
+    """One buffer for many small (file offset, length) ranges: the engine's
+    read requests into it (:attr:`reqs`, to read on their own or along with
+    other requests), then the bytes of each range (:meth:`parts`)."""
+
+    def __init__(self, ranges: List[Tuple[int, int]]) -> None:
+        self._lens = [n for _, n in ranges]
+        self._buf = bytearray(sum(self._lens) or 1)
+        # The buffer stays exported (it cannot be resized) while this lives.
+        self._view = (ctypes.c_char * len(self._buf)).from_buffer(self._buf)
+        at = ctypes.addressof(self._view)
+        self.reqs: List[ReadReq] = []
+        for off, n in ranges:
+            self.reqs.append((off, at, n))
+            at += n
+
+    def parts(self) -> List[bytes]:
+        out, at = [], 0
+        for n in self._lens:
+            out.append(bytes(self._buf[at : at + n]))
+            at += n
+        return out
 
 
 def read_range(fd: int, offset: int, buf: Any, opts: Optional[EngineOptions] = None) -> int:

@@ -10,7 +10,6 @@ same.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import struct
 import sys
@@ -24,7 +23,7 @@ import torch
 from .cuda_staging import DeviceRead, device_for, read_staged, read_targets, staging_setup
 from .distributed import is_sharded_dir, read_sharded
 from .errors import CorruptCheckpointError, drop_frames
-from .options import EngineOptions, PathLike, ReadReq, check_path, gc_paused, read_records
+from .options import EngineOptions, PathLike, RangeBuffer, ReadReq, check_path, gc_paused, read_records
 from .pickling import MapLocation, is_legacy_torch, restore_location, unpickle
 from .safetensors_format import Entry, is_safetensors, parse_header, torch_dtype_error, torch_shape
 from .torch_zip import (
@@ -233,34 +232,21 @@ def _read_data_records(
         if dev.type == "cuda":
             placed.add(key)
         staged.append((r, st))
-    heads = headers or []
-    head_buf = bytearray(sum(n for _, n in heads) or 1)
-    view = (ctypes.c_char * len(head_buf)).from_buffer(head_buf)
+    heads = RangeBuffer(headers or [])
     try:
-        reqs = [(r.data_offset, st.data_ptr(), r.size) for r, st in host]
-        at = ctypes.addressof(view)
-        for off, n in heads:
-            reqs.append((off, at, n))
-            at += n
+        reqs = [(r.data_offset, st.data_ptr(), r.size) for r, st in host] + heads.reqs
         crcs = read_records(fd, reqs, opts)[: len(host)]
         if staged:
             crcs += read_staged(fd, [(r.data_offset, st, r.size) for r, st in staged], opts)
     except ValueError as e:  # the engine's own bounds checks
         raise CorruptCheckpointError(f"{path}: {e}") from None
-    finally:
-        del view
-    read_heads, at = [], 0
-    for _, n in heads:
-        read_heads.append(bytes(head_buf[at : at + n]))
-        at += n
-    return storages, placed, [(r, crc) for (r, _), crc in zip(host + staged, crcs)], read_heads
+    return storages, placed, [(r, crc) for (r, _), crc in zip(host + staged, crcs)], heads.parts()
 
 
-def _all_records(small: List[ZipRecord], data: List[ZipRecord], path: str) -> List[ZipRecord]:
-    clash = overlap_of(small + data)
+def _no_overlap(records: List[ZipRecord], path: str) -> None:
+    clash = overlap_of(records)
     if clash:
         raise CorruptCheckpointError(f"{path}: {clash}")
-    return small + data
 
 
 def _locate_data(
@@ -306,9 +292,12 @@ def _read_torch(
     align_rec = by_name.get(prefix + ".storage_alignment")
     alignment = _small_record(fd, align_rec, path) if align_rec is not None and align_rec.size <= 16 else None
     data_recs, headers = _locate_data(fd, d, data_entries, alignment, opts)
-    if headers is not None and overlap_of(small + data_recs):
+    records = small + data_recs
+    if headers is not None and overlap_of(records):  # the prediction cannot hold: where the headers say
         data_recs, headers = resolve_records(fd, d, data_entries, opts), None
-    records = _all_records(small, data_recs, path)
+        records = small + data_recs
+    if headers is None:  # (predicted records were just found apart)
+        _no_overlap(records, path)
     pkl_rec, order_rec = by_name.get(prefix + "data.pkl"), by_name.get(prefix + "byteorder")
     pkl = _small_record(fd, pkl_rec, path)
     if pkl is None or pkl_rec is None:
@@ -331,7 +320,8 @@ def _read_torch(
     if headers is not None and not confirm_predicted(data_entries, data_recs, read_headers):
         # Not laid out as torch lays out records: read where the headers say.
         data_recs = resolve_records(fd, d, data_entries, opts)
-        records = _all_records(small, data_recs, path)
+        records = small + data_recs
+        _no_overlap(records, path)
         keyed = [(r.name[len(data_prefix) :], r) for r in data_recs]
         storages, placed, checked, _ = _read_data_records(fd, path, keyed, targets, opts)
     if verify:

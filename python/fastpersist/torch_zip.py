@@ -27,7 +27,7 @@ from typing import Any, Iterator, List, Optional, Set, Tuple
 
 from . import _core
 from .errors import CorruptCheckpointError, UnsupportedFormatError
-from .options import EngineOptions, read_records
+from .options import EngineOptions, RangeBuffer, read_records
 from .pickling import TensorVersions, find_storages, pickle_obj
 from .plan import DATA_ALIGNMENT, Batch, Blob, DeviceRegion, MemoryGuard, Plan, Region, Slot
 
@@ -436,26 +436,15 @@ def _local_headers(
 ) -> List[bytes]:
     """The fixed part and the name of every entry's local header (as many
     name bytes as its central entry has), in ``entries``' order."""
-    lens = [_LOCAL.size + len(raw) for _, _, _, _, raw in entries]
+    ranges = [(hoff, _LOCAL.size + len(raw)) for _, hoff, _, _, raw in entries]
     if len(entries) <= HEADERS_BY_ENGINE:
-        return [os.pread(fd, ln, hoff) for (_, hoff, _, _, _), ln in zip(entries, lens)]
-    import ctypes
-
-    buf = bytearray(sum(lens))
-    base = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
-    reqs, pos = [], 0
-    for (_, hoff, _, _, _), ln in zip(entries, lens):
-        reqs.append((hoff, base + pos, ln))
-        pos += ln
+        return [os.pread(fd, ln, hoff) for hoff, ln in ranges]
+    heads = RangeBuffer(ranges)
     try:
-        read_records(fd, reqs, opts or EngineOptions.resolve(), merge_gap=0)
+        read_records(fd, heads.reqs, opts or EngineOptions.resolve(), merge_gap=0)
     except ValueError as e:  # the engine's bounds and overlap checks
         raise _corrupt(f"{where}local headers: {e}") from None
-    out, pos = [], 0
-    for ln in lens:
-        out.append(bytes(buf[pos : pos + ln]))
-        pos += ln
-    return out
+    return heads.parts()
 
 
 @dataclass
