@@ -829,6 +829,15 @@ pub(crate) fn zero_fills(fd: RawFd) -> Option<u64> {
     Some(blocks.saturating_mul(bsize))
 }
 
+/// Whether `fallocate` on the file system of `path` (a directory or a
+/// file) writes every reserved byte itself ([`ZERO_FILLING_FS`]): there a
+/// new file's space is allocated as it is written, which is work every
+/// writer of a new file pays (benchmarks time their limit that way).
+pub fn fallocate_zero_fills(path: &Path) -> std::io::Result<bool> {
+    let f = std::fs::File::open(path)?;
+    Ok(zero_fills(f.as_raw_fd()).is_some())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

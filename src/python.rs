@@ -921,6 +921,16 @@ fn temp_file_in_use(py: Python<'_>, path: PathBuf) -> PyResult<bool> {
         .map_err(to_py)
 }
 
+/// Whether `fallocate` on the file system of `path` (a directory or a
+/// file) writes every byte it reserves (tmpfs, hugetlbfs, FAT): a new
+/// file's pages or clusters are then allocated as it is written.
+#[pyfunction]
+fn fallocate_zero_fills(py: Python<'_>, path: PathBuf) -> PyResult<bool> {
+    py.allow_threads(|| crate::commit::fallocate_zero_fills(&path))
+        .map_err(|e| crate::error::Error::from_io(&e, "cannot stat the file system", Some(&path)))
+        .map_err(to_py)
+}
+
 /// Remove the file at `path` (as `os.unlink`); a big file's blocks are
 /// freed on a background thread, so the caller does not wait for the file
 /// system to free (and discard) them.
@@ -2321,6 +2331,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(atomic_write, m)?)?;
     m.add_function(wrap_pyfunction!(split_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(temp_file_in_use, m)?)?;
+    m.add_function(wrap_pyfunction!(fallocate_zero_fills, m)?)?;
     m.add_function(wrap_pyfunction!(is_temp_name, m)?)?;
     m.add_function(wrap_pyfunction!(wait_for_frees, m)?)?;
     m.add_function(wrap_pyfunction!(remove_file, m)?)?;

@@ -15,6 +15,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from . import _core
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -201,6 +203,12 @@ def fio_run(
         iomem = [f"--iomem=mmaphuge:{os.path.join(mount, f'fio-{os.getpid()}')}"]
     block = parse_size(bs)
     size = max(size // block, 1) * block
+    # Where fallocate writes every byte (tmpfs: it allocates and zeroes each
+    # page), fio's default preallocation would do that work before its clock
+    # starts, and the timed write would only overwrite pages already there.
+    # A checkpoint is a new file, whose pages are allocated as it is written:
+    # fio is made to allocate them the same way.
+    prealloc = [] if not fio_allocates_as_it_writes(directory) else ["--fallocate=none"]
     # The same directory the writers use (not a subdirectory: ext4 places
     # new directories in other block groups, i.e. elsewhere on the disk).
     path = os.path.join(directory, "fio-limit.dat")
@@ -214,6 +222,7 @@ def fio_run(
         "--direct=1",
         f"--size={size}",
         "--output-format=json",
+        *prealloc,
     ]
     try:
         if rw == "read":
@@ -225,6 +234,17 @@ def fio_run(
         clear(path)
     job = json.loads(out[out.index("{") :])["jobs"][0]
     return float(job[rw]["bw_bytes"]) / 1e9
+
+
+def fio_allocates_as_it_writes(directory: str) -> bool:
+    """Whether fio's limit runs in ``directory`` go without preallocation:
+    on file systems where ``fallocate`` writes every byte it reserves
+    (tmpfs, hugetlbfs, FAT), so that fio, like any writer of a new file,
+    pays for the allocation inside the timed write."""
+    try:
+        return _core.fallocate_zero_fills(directory)
+    except OSError:
+        return False
 
 
 def fio_limits(directory: str, size: int, rw: str = "write") -> Dict[str, float]:
@@ -251,6 +271,8 @@ class Limit:
 
     def __init__(self) -> None:
         self.rounds: Dict[str, List[float]] = {}
+        # Whether fio ran without preallocation (see fio_allocates_as_it_writes).
+        self.allocating = False
 
     def add(self, runs: Dict[str, float]) -> None:
         for k, v in runs.items():
@@ -259,6 +281,7 @@ class Limit:
     def measure(self, directory: str, size: int, rw: str = "write") -> Dict[str, float]:
         runs = fio_limits(directory, size, rw)
         self.add(runs)
+        self.allocating = self.allocating or (rw == "write" and fio_allocates_as_it_writes(directory))
         return runs
 
     def medians(self) -> Dict[str, float]:
@@ -277,7 +300,12 @@ class Limit:
     def as_dict(self) -> Dict[str, Any]:
         """The limit, its configuration and every configuration's median,
         as the benchmarks' JSON records them."""
-        return {"limit_gbps": self.gbps, "limit_config": self.config, "fio_medians": self.medians()}
+        return {
+            "limit_gbps": self.gbps,
+            "limit_config": self.config,
+            "fio_medians": self.medians(),
+            "fio_preallocates": not self.allocating,
+        }
 
     def note(self) -> str:
         """A line naming the winner and every configuration's median, and
@@ -287,6 +315,8 @@ class Limit:
             return "fio unavailable: no limit"
         parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(m.items(), key=lambda kv: -kv[1]))
         why = f"; {_HUGE.why}" if _HUGE.why else ""
+        if self.allocating:
+            why += "; without preallocation (fallocate zero-fills here: fio allocates as it writes, as a new file must)"
         return f"limit {self.gbps:.2f} GB/s ({self.config}); fio medians: {parts}{why}"
 
 
