@@ -17,6 +17,7 @@
 
 use crate::arena::Arena;
 use crate::error::{Error, Result};
+use crate::lend::Lending;
 use crate::sink::{Fault, PoolSink, Sink, UringSink};
 
 /// Tuning knobs. The defaults were chosen by measurement (see the README).
@@ -49,6 +50,9 @@ pub struct Options {
     /// fsync the file and the directory (off only for benchmarks of the
     /// non-durable case; a checkpoint should always be durable).
     pub durable: bool,
+    /// Write extents that lie wholly in caller memory straight from there
+    /// when the file takes writes from that address (see [`crate::lend`]).
+    pub zero_copy: bool,
     /// Test hook: the write covering this offset fails with this errno.
     pub fault: Option<Fault>,
     /// Test hook: behave as if the file system refused O_DIRECT writes.
@@ -69,6 +73,7 @@ impl Default for Options {
             gather_threads: crate::gather::default_gather_threads(),
             flush_every: 256 << 20,
             durable: true,
+            zero_copy: true,
             fault: None,
             refuse_direct: false,
         }
@@ -144,6 +149,12 @@ pub struct Engine {
     /// first waits for them ([`Engine::settle`]). When no session streams,
     /// this holds every buffer.
     free: Vec<usize>,
+    /// Ids for writes straight from caller memory (see [`crate::lend`])
+    /// not in flight: `lent_first..lent_first + lent_cap`, past the arena's
+    /// buffer indices. Such writes may stay in flight between the calls of
+    /// a streamed save; whoever reaps them, their ids come back here.
+    lent: Vec<usize>,
+    lent_cap: usize,
     /// The session whose writes are in flight, if any.
     pub(crate) streaming: Option<u64>,
     /// Failures of writes drained on behalf of another session, reported
@@ -204,6 +215,10 @@ impl Engine {
             None
         };
         let free = (0..arena.nbufs()).rev().collect();
+        // Lent writes in flight (at most `queue_depth`) plus those handed to
+        // gather threads (at most two per thread).
+        let lent_cap = opts.queue_depth + 2 * opts.gather_threads + 1;
+        let lent = crate::lend::all_ids(arena.nbufs(), lent_cap);
         Ok(Engine {
             uring,
             pool: None,
@@ -211,6 +226,8 @@ impl Engine {
             opts,
             uring_note,
             free,
+            lent,
+            lent_cap,
             streaming: None,
             lost: Vec::new(),
             dir_fsync_fault: None,
@@ -330,15 +347,38 @@ impl Engine {
         &mut self,
         io: impl FnOnce(&mut dyn Sink, &mut Arena, &mut Vec<usize>) -> Result<T>,
     ) -> Result<T> {
+        self.with_lending(None, |sink, arena, free| io(sink, arena, free))
+    }
+
+    /// [`Engine::with_buffers`] for a pump that may write straight from
+    /// caller memory at `align` (see [`crate::lend`]): the sink it is given
+    /// lends ids from the engine's pool.
+    pub(crate) fn with_lending<T>(
+        &mut self,
+        align: Option<usize>,
+        io: impl FnOnce(&mut Lending<'_>, &mut Arena, &mut Vec<usize>) -> Result<T>,
+    ) -> Result<T> {
         self.check_process()?;
         let mut free = std::mem::take(&mut self.free);
+        let mut lent = std::mem::take(&mut self.lent);
+        let nbufs = self.arena.nbufs();
+        let cap = self.lent_cap;
         let (sink, arena) = self.parts();
-        let res = io(sink, arena, &mut free);
+        let mut lending = Lending::new(sink, nbufs, (&mut lent, cap), align);
+        let res = io(&mut lending, arena, &mut free);
+        // Ids of lent writes reaped outside a lending sink come back too.
+        lending.sort(&mut free);
         if res.is_err() {
-            sink.drain();
+            lending.drain();
             free = (0..arena.nbufs()).rev().collect();
         }
+        drop(lending);
+        debug_assert!(
+            free.len() <= nbufs && lent.len() <= cap,
+            "an I/O id came back twice"
+        );
         self.free = free;
+        self.lent = lent;
         if res.is_err() {
             self.streaming = None;
         }

@@ -34,6 +34,7 @@ use crate::arena::Arena;
 use crate::error::{Error, Result};
 use crate::guard;
 use crate::layout::{Extent, Layout, Source};
+use crate::lend::Lending;
 use crate::sink::{Job, Sink};
 
 /// Fewer extents than this are gathered on the calling thread (starting
@@ -81,6 +82,13 @@ pub(crate) fn checksum_extent(layout: &Layout, ext: Extent, buf: &[u8]) -> Vec<(
     out
 }
 
+/// Fold an extent's partial checksums into `hashers` (in file order).
+fn fold(partials: &[(u32, Hasher)], hashers: &mut [Hasher]) {
+    for (id, h) in partials {
+        hashers[*id as usize].combine(h);
+    }
+}
+
 /// In file order: fold `partials` (of `ext`) into `hashers`, then fill the
 /// extent's checksum slots in `buf`.
 pub(crate) fn finish_extent(
@@ -90,9 +98,7 @@ pub(crate) fn finish_extent(
     partials: &[(u32, Hasher)],
     hashers: &mut [Hasher],
 ) {
-    for (id, h) in partials {
-        hashers[*id as usize].combine(h);
-    }
+    fold(partials, hashers);
     for p in layout.pieces(ext) {
         if let Source::Crc32(id) = layout.segments()[p.segment].source {
             let v = hashers[id as usize].clone().finalize().to_le_bytes();
@@ -102,18 +108,23 @@ pub(crate) fn finish_extent(
     }
 }
 
-/// One extent for a worker: its arena buffer (index and address).
+/// One extent for a worker: its arena buffer (index and address), or, for
+/// an extent written straight from caller memory, a lent id and the
+/// memory's address.
 #[derive(Clone, Copy)]
 struct Task {
     seq: usize,
     buf: usize,
     addr: usize,
+    lent: bool,
 }
 
 /// A worker's result: the extent's partial checksums.
 struct Gathered {
     seq: usize,
     buf: usize,
+    addr: usize,
+    lent: bool,
     partials: Vec<(u32, Hasher)>,
 }
 
@@ -134,7 +145,7 @@ pub(crate) fn pump_parallel(
     layout: &Layout,
     extents: &[Extent],
     arena: &mut Arena,
-    sink: &mut dyn Sink,
+    sink: &mut Lending<'_>,
     threads: usize,
     p: &mut Pumping<'_>,
 ) -> Result<()> {
@@ -201,21 +212,33 @@ fn serve<T, R>(rx: &Mutex<mpsc::Receiver<T>>, tx: &mpsc::Sender<R>, work: impl F
     }
 }
 
-/// A gather thread's task: copy the extent and checksum it.
+/// A gather thread's task: copy the extent and checksum it (an extent
+/// written from caller memory: checksum it where it lies).
 fn gather_task(layout: &Layout, extents: &[Extent], t: Task) -> Gathered {
     let ext = extents[t.seq];
-    // SAFETY: buffer `t.buf` (at `t.addr`, at least `ext.len` bytes: an
-    // extent is at most one buffer) was taken off the free list for this
-    // task alone; the calling thread does not touch it until the worker
-    // sends it back, and the arena outlives the workers' scope.
-    let buf = unsafe { std::slice::from_raw_parts_mut(t.addr as *mut u8, ext.len) };
     // Caller memory under a guard: the calling thread checked it and holds
     // the guard until this task has come back (see `coordinate`).
-    copy_extent(layout, ext, buf);
+    let partials = if t.lent {
+        // SAFETY: `t.addr..+ext.len` is the caller memory of the extent's one
+        // segment (`Lending::source`), valid for reads for the call
+        // (`MemRef`'s contract); nobody writes it through this crate.
+        let mem = unsafe { std::slice::from_raw_parts(t.addr as *const u8, ext.len) };
+        checksum_extent(layout, ext, mem)
+    } else {
+        // SAFETY: buffer `t.buf` (at `t.addr`, at least `ext.len` bytes: an
+        // extent is at most one buffer) was taken off the free list for this
+        // task alone; the calling thread does not touch it until the worker
+        // sends it back, and the arena outlives the workers' scope.
+        let buf = unsafe { std::slice::from_raw_parts_mut(t.addr as *mut u8, ext.len) };
+        copy_extent(layout, ext, buf);
+        checksum_extent(layout, ext, buf)
+    };
     Gathered {
         seq: t.seq,
         buf: t.buf,
-        partials: checksum_extent(layout, ext, buf),
+        addr: t.addr,
+        lent: t.lent,
+        partials,
     }
 }
 
@@ -225,7 +248,7 @@ fn coordinate(
     layout: &Layout,
     extents: &[Extent],
     arena: &mut Arena,
-    sink: &mut dyn Sink,
+    sink: &mut Lending<'_>,
     p: &mut Pumping<'_>,
     (guarded, window): (bool, usize),
     task_tx: &mpsc::Sender<Task>,
@@ -254,9 +277,14 @@ fn coordinate(
         Ok(())
     };
     while fin < n {
-        // Hand out work while there are buffers and room in the window.
-        while next < n && outstanding < window && !p.free.is_empty() {
+        // Hand out work while there are buffers (or memory to lend) and
+        // room in the window.
+        while next < n && outstanding < window {
             let ext = extents[next];
+            let memory = sink.source(layout, ext);
+            if memory.is_none() && p.free.is_empty() {
+                break;
+            }
             if guarded {
                 if at_workers == 0 {
                     // Nobody reads under the guard: it may be given back
@@ -268,11 +296,24 @@ fn coordinate(
                     guard::hold_for_gather(|| layout.mem_crc_ids(ext))?;
                 }
             }
-            let b = p.free.pop().expect("a free buffer");
-            let task = Task {
-                seq: next,
-                buf: b,
-                addr: arena.buf_ptr(b) as usize,
+            let lent = memory.and_then(|(m, id)| Some((m, sink.take(m, id)?)));
+            let task = if let Some((m, id)) = lent {
+                Task {
+                    seq: next,
+                    buf: id,
+                    addr: m.addr(),
+                    lent: true,
+                }
+            } else {
+                let Some(b) = p.free.pop() else {
+                    break; // every lent id is out: wait for the device
+                };
+                Task {
+                    seq: next,
+                    buf: b,
+                    addr: arena.buf_ptr(b) as usize,
+                    lent: false,
+                }
             };
             task_tx.send(task).map_err(|_| lost())?;
             next += 1;
@@ -305,7 +346,8 @@ fn coordinate(
             let d = done_rx.recv().map_err(|_| lost())?;
             at_workers -= 1;
             ready.insert(d.seq, d);
-        } else if p.free.is_empty() {
+        } else {
+            // Handing out waits for a buffer (or a lent id) to come back.
             quiesce(&mut ready, &mut at_workers)?;
             sink.reap(p.free, true)?;
         }
@@ -322,7 +364,7 @@ fn submit(
     ext: Extent,
     d: &Gathered,
     arena: &mut Arena,
-    sink: &mut dyn Sink,
+    sink: &mut Lending<'_>,
     p: &mut Pumping<'_>,
     before_block: &mut dyn FnMut() -> Result<()>,
 ) -> Result<()> {
@@ -336,16 +378,23 @@ fn submit(
         before_block()?;
         sink.reap(p.free, true)?;
     }
-    finish_extent(
-        layout,
-        ext,
-        &mut arena.buf_mut(d.buf)[..ext.len],
-        &d.partials,
-        p.hashers,
-    );
+    let ptr = if d.lent {
+        // One caller-memory segment covers the extent: no slots to fill.
+        fold(&d.partials, p.hashers);
+        d.addr as *const u8
+    } else {
+        finish_extent(
+            layout,
+            ext,
+            &mut arena.buf_mut(d.buf)[..ext.len],
+            &d.partials,
+            p.hashers,
+        );
+        arena.buf_ptr(d.buf)
+    };
     let job = Job {
         buf: d.buf,
-        ptr: arena.buf_ptr(d.buf),
+        ptr,
         len: ext.len,
         offset: ext.offset,
         read: false,
@@ -353,8 +402,10 @@ fn submit(
     // SAFETY: buffer `d.buf` came off the free list for this extent and its
     // worker is done with it; it goes back only when the sink returns it
     // (reap) or has drained; the arena outlives the sink's use of it (the
-    // engine drains on every error path and drops the sink first). `fd` is
-    // open for the whole call (see `writer::pump`).
+    // engine drains on every error path and drops the sink first). Lent
+    // caller memory stays valid for the call and its writes complete before
+    // the call returns (see `crate::lend`). `fd` is open for the whole call
+    // (see `writer::pump`).
     unsafe { sink.submit(p.fd, job) }?;
     sink.reap(p.free, false)
 }

@@ -53,6 +53,24 @@ impl MemRef {
         self.len == 0
     }
 
+    /// The memory's address.
+    pub fn addr(&self) -> usize {
+        self.ptr as usize
+    }
+
+    /// The part `[off, off + len)` of this memory (under the same contract).
+    ///
+    /// # Panics
+    /// When that range is not inside the memory.
+    #[must_use]
+    pub fn sub(&self, off: usize, len: usize) -> MemRef {
+        assert!(off.checked_add(len).is_some_and(|e| e <= self.len));
+        MemRef {
+            ptr: self.ptr.wrapping_add(off),
+            len,
+        }
+    }
+
     /// The bytes `[off, off + len)` of this memory.
     ///
     /// # Panics
@@ -311,6 +329,23 @@ impl Layout {
         })
     }
 
+    /// When the whole of `extent` is the bytes of one caller-memory segment,
+    /// starting at an address that is a multiple of `align`: that memory
+    /// and its checksum id. The extent can then be written from where it
+    /// lies, without gathering it into a buffer.
+    pub(crate) fn lendable(&self, extent: Extent, align: usize) -> Option<(MemRef, Option<u32>)> {
+        let start = extent.offset;
+        let s = &self.segments[self.segments.partition_point(|s| s.end() <= start)..].first()?;
+        let Source::Mem(m) = &s.source else {
+            return None;
+        };
+        if s.offset > start || s.end() < start + extent.len as u64 {
+            return None;
+        }
+        let m = m.sub((start - s.offset) as usize, extent.len);
+        (m.addr() % align.max(1) == 0).then_some((m, s.crc_id))
+    }
+
     /// The segment pieces that make up `extent`, in file order. Bytes of the
     /// extent not covered by any piece are zeros.
     pub fn pieces(&self, extent: Extent) -> Vec<Piece> {
@@ -346,6 +381,59 @@ mod tests {
             source: Source::Bytes(b.to_vec()),
             crc_id: None,
         }
+    }
+
+    #[test]
+    fn lendable_extents_are_whole_aligned_memory() {
+        let store = vec![7u8; 3 * 4096 + 4096];
+        let off = store.as_ptr().align_offset(4096);
+        let mem = &store[off..off + 3 * 4096];
+        // SAFETY: `store` outlives the layout.
+        let m = unsafe { MemRef::new(mem.as_ptr(), mem.len()) };
+        let segs = vec![
+            bytes(0, b"head"),
+            Segment {
+                offset: 4096,
+                source: Source::Mem(m),
+                crc_id: Some(3),
+            },
+            bytes(4 * 4096, b"tail"),
+        ];
+        let l = Layout::new(segs, 5 * 4096, 4096).unwrap();
+        let ext = |i: u64| Extent {
+            offset: i * 4096,
+            len: 4096,
+        };
+        // Bytes, not memory; the end of the file: never.
+        assert!(l.lendable(ext(0), 1).is_none());
+        assert!(l.lendable(ext(4), 1).is_none());
+        for i in 1..4 {
+            let (got, id) = l.lendable(ext(i), 4096).unwrap();
+            assert_eq!(got.addr(), mem.as_ptr() as usize + (i as usize - 1) * 4096);
+            assert_eq!((got.len(), id), (4096, Some(3)));
+        }
+        // Two blocks: inside; past the memory's end: not.
+        let two = |i: u64| Extent {
+            offset: i * 4096,
+            len: 8192,
+        };
+        assert!(l.lendable(two(1), 4096).is_some());
+        assert!(l.lendable(two(3), 4096).is_none());
+        assert!(l.lendable(two(0), 1).is_none());
+        // An address the file does not take writes from.
+        let odd = Layout::new(
+            vec![Segment {
+                offset: 4096,
+                // SAFETY: as above.
+                source: Source::Mem(unsafe { MemRef::new(mem.as_ptr().add(64), 4096 * 2) }),
+                crc_id: None,
+            }],
+            3 * 4096,
+            4096,
+        )
+        .unwrap();
+        assert!(odd.lendable(ext(1), 512).is_none());
+        assert_eq!(odd.lendable(ext(1), 64).unwrap().1, None);
     }
 
     #[test]

@@ -38,6 +38,7 @@ pub mod error;
 pub mod gather;
 pub mod guard;
 pub mod layout;
+mod lend;
 pub mod pickle;
 pub mod reader;
 pub(crate) mod sink;

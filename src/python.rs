@@ -269,6 +269,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &WriteStats) -> PyResult<Bound<'py, PyDic
     d.set_item("open_seconds", s.open_seconds)?;
     d.set_item("io_seconds", s.io_seconds)?;
     d.set_item("commit_seconds", s.commit_seconds)?;
+    d.set_item("zero_copy_bytes", s.zero_copy_bytes)?;
     Ok(d)
 }
 
@@ -337,7 +338,7 @@ impl PyEngine {
     #[pyo3(signature = (*, block_size=IntArg(1<<20), arena_bytes=IntArg(64<<20),
         queue_depth=IntArg(32), direct=true, io_uring=true, register_buffers=true,
         lock_memory=true, pool_threads=IntArg(4), durable=true, flush_every=IntArg(256<<20),
-        gather_threads=None))]
+        gather_threads=None, zero_copy=true))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)] // the Python signature
     fn new(
         block_size: IntArg,
@@ -351,6 +352,7 @@ impl PyEngine {
         durable: bool,
         flush_every: IntArg,
         gather_threads: Option<IntArg>,
+        zero_copy: bool,
     ) -> PyResult<Self> {
         let gather_threads = match gather_threads {
             Some(n) => n.get("gather_threads")?,
@@ -368,6 +370,7 @@ impl PyEngine {
             pool_threads: pool_threads.get("pool_threads")?,
             durable,
             flush_every: flush_every.get("flush_every")?,
+            zero_copy,
             fault: None,
             refuse_direct: false,
         };
@@ -1417,6 +1420,7 @@ fn add_stats_types(m: &Bound<'_, PyModule>) -> PyResult<()> {
             ("open_seconds", &float),
             ("io_seconds", &float),
             ("commit_seconds", &float),
+            ("zero_copy_bytes", &int),
         ],
     )?;
     typed_dict(

@@ -19,8 +19,10 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::guard;
 use crate::layout::{Extent, Layout, Segment, Source};
+use crate::lend::Lending;
 use crate::sink::{Job, Sink};
 use crc32fast::Hasher;
+use std::collections::BTreeSet;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::Instant;
@@ -49,6 +51,8 @@ pub struct WriteStats {
     pub io_seconds: f64,
     /// Time spent truncating, fsyncing, renaming and fsyncing the directory.
     pub commit_seconds: f64,
+    /// Bytes written straight from caller memory (see [`crate::lend`]).
+    pub zero_copy_bytes: u64,
 }
 
 /// One file being written: see [`Engine::begin`].
@@ -71,6 +75,12 @@ pub struct Session {
     io_seconds: f64,
     /// Bytes written since the last fdatasync was started.
     unflushed: u64,
+    /// Memory alignment that writes straight from caller memory need
+    /// (None: always gather).
+    lend_align: Option<usize>,
+    zero_copy_bytes: u64,
+    /// Checksum ids of the caller memory written from where it lies.
+    lent_ids: BTreeSet<u32>,
     failed: bool,
 }
 
@@ -189,6 +199,15 @@ impl Engine {
                 direct_note = Some(why);
             }
         }
+        let lend_align = if !self.opts.zero_copy {
+            None
+        } else if !tmp.is_direct() {
+            Some(1)
+        } else if dio.from_statx {
+            Some(dio.mem_align.max(1) as usize)
+        } else {
+            Some(self.probe_lend_align(&tmp, dio.block)?)
+        };
         Ok(Session {
             id: NEXT_SESSION.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             tmp,
@@ -203,6 +222,9 @@ impl Engine {
             open_seconds: t0.elapsed().as_secs_f64(),
             io_seconds: 0.0,
             unflushed: 0,
+            lend_align,
+            zero_copy_bytes: 0,
+            lent_ids: BTreeSet::new(),
             failed: false,
         })
     }
@@ -283,6 +305,7 @@ impl Engine {
             t0,
             open_seconds,
             io_seconds,
+            zero_copy_bytes,
             ..
         } = session;
         tmp.set_dir_fsync_fault(self.dir_fsync_fault);
@@ -305,6 +328,7 @@ impl Engine {
             direct_note,
             uring_note: self.uring_note.clone(),
             crcs: hashers.into_iter().map(Hasher::finalize).collect(),
+            zero_copy_bytes,
         })
     }
 
@@ -370,8 +394,8 @@ impl Engine {
         let keep = keep_in_flight && self.uring.is_some();
         let fd = session.tmp.fd();
         let written = session.written;
-        let res = self.with_buffers(|sink, arena, free| {
-            pump(
+        let res = self.with_lending(unguarded(session.lend_align), |sink, arena, free| {
+            let lent = pump(
                 &layout,
                 written..upto,
                 arena,
@@ -384,9 +408,10 @@ impl Engine {
                     threads,
                 },
                 (free, &mut session.unflushed),
-                &mut session.hashers,
+                (&mut session.hashers, &mut session.lent_ids),
                 on_gathered,
             )?;
+            session.zero_copy_bytes += lent;
             Ok(sink.pending() > 0)
         });
         session.segments = layout.into_segments();
@@ -444,11 +469,20 @@ impl Engine {
         };
         let layout = Layout::new(segments, file_len, dio.block)?;
         let range = layout.split(parts)[index].clone();
+        // Without statx's word, O_DIRECT memory is taken to need the block's
+        // alignment (no probe: the file is shared with the other parts).
+        let lend_align = match (self.opts.zero_copy, file.direct, dio.from_statx) {
+            (false, _, _) => None,
+            (true, false, _) => Some(1),
+            (true, true, true) => Some(dio.mem_align.max(1) as usize),
+            (true, true, false) => Some(dio.block),
+        };
         let qd = self.opts.queue_depth;
         let threads = self.opts.gather_threads;
         let mut hashers = vec![Hasher::new(); layout.crc_ids() as usize];
+        let mut lent_ids = BTreeSet::new();
         let t_io = Instant::now();
-        let res = self.with_buffers(|sink, arena, free| {
+        let res = self.with_lending(unguarded(lend_align), |sink, arena, free| {
             pump(
                 &layout,
                 range.clone(),
@@ -462,14 +496,17 @@ impl Engine {
                     threads,
                 },
                 (free, &mut 0),
-                &mut hashers,
+                (&mut hashers, &mut lent_ids),
                 &mut || Ok(()),
             )
         });
-        if let Err(mut e) = res {
-            e.path.get_or_insert_with(|| path.to_path_buf());
-            return Err(e);
-        }
+        let zero_copy_bytes = match res {
+            Ok(n) => n,
+            Err(mut e) => {
+                e.path.get_or_insert_with(|| path.to_path_buf());
+                return Err(e);
+            }
+        };
         let io_seconds = t_io.elapsed().as_secs_f64();
         let t_c = Instant::now();
         if self.opts.durable {
@@ -492,6 +529,7 @@ impl Engine {
             direct_note: None,
             uring_note: self.uring_note.clone(),
             crcs: Vec::new(),
+            zero_copy_bytes,
         })
     }
 
@@ -530,6 +568,42 @@ impl Engine {
 }
 
 /// How [`pump`] paces its writes.
+impl Engine {
+    /// The memory alignment O_DIRECT writes to `tmp` need, where `statx`
+    /// did not say: 1 when a write from an odd address is taken (tmpfs
+    /// ignores O_DIRECT's alignment), else `block`.
+    fn probe_lend_align(&mut self, tmp: &TempFile, block: usize) -> Result<usize> {
+        if self.opts.refuse_direct || self.arena.buf_size() <= block {
+            return Ok(block);
+        }
+        self.with_buffers(|_, arena, free| {
+            let b = *free.last().expect("a free buffer");
+            let buf = &mut arena.buf_mut(b)[..=block];
+            buf.fill(0);
+            let file = tmp.file().expect("the temporary file is open");
+            match file.write_at(&buf[1..], 0) {
+                Ok(n) if n == block => Ok(1),
+                Ok(_) => Ok(block),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(block),
+                Err(e) => Err(Error::from_io(
+                    &e,
+                    "probe write failed",
+                    Some(tmp.temp_path()),
+                )),
+            }
+        })
+    }
+}
+
+/// The alignment at which a write may lend caller memory to the kernel:
+/// the file's (`align`), unless a [`crate::guard`] watches the memory. The
+/// caller's runtime may free guarded memory whenever the guard is given
+/// back, and the engine gives it back while it waits for the device: such
+/// memory is only ever read under the guard, so it is gathered.
+fn unguarded(align: Option<usize>) -> Option<usize> {
+    align.filter(|_| !guard::installed())
+}
+
 #[derive(Clone, Copy)]
 struct Pacing {
     /// Writes in flight at most.
@@ -543,20 +617,23 @@ struct Pacing {
 }
 
 /// Gather every extent into arena buffers (taken from `free`) and hand them
-/// to the sink, keeping up to `qd` writes in flight. `unflushed` counts the
-/// bytes since the last fdatasync, across calls.
+/// to the sink, keeping up to `qd` writes in flight; an extent the sink can
+/// write straight from caller memory (see [`crate::lend`]) is only
+/// checksummed, its checksum id added to `lent`. `unflushed` counts the
+/// bytes since the last fdatasync, across calls. Returns the bytes written
+/// straight from caller memory.
 #[allow(clippy::too_many_arguments)] // private; the tuples group what travels together
 fn pump(
     layout: &Layout,
     range: std::ops::Range<u64>,
     arena: &mut Arena,
-    sink: &mut dyn Sink,
+    sink: &mut Lending<'_>,
     fd: i32,
     pacing: Pacing,
     (free, unflushed): (&mut Vec<usize>, &mut u64),
-    hashers: &mut [Hasher],
+    (hashers, lent): (&mut [Hasher], &mut BTreeSet<u32>),
     on_gathered: &mut dyn FnMut() -> Result<()>,
-) -> Result<()> {
+) -> Result<u64> {
     let extents: Vec<Extent> = layout.extents(range, arena.buf_size())?.collect();
     if pacing.threads > 1 && extents.len() >= crate::gather::MIN_PARALLEL_EXTENTS {
         crate::gather::pump_parallel(
@@ -574,7 +651,8 @@ fn pump(
                 hashers,
             },
         )?;
-        return gathered_then_drain(sink, free, pacing, on_gathered);
+        lent.extend(sink.lent_ids());
+        return gathered_then_drain(sink, free, pacing, lent, on_gathered);
     }
     for ext in extents {
         if pacing.flush_every > 0 && *unflushed >= pacing.flush_every {
@@ -583,50 +661,84 @@ fn pump(
             *unflushed = 0;
         }
         *unflushed += ext.len as u64;
-        while free.is_empty() || sink.inflight() >= pacing.qd {
+        let memory = sink.source(layout, ext);
+        while (memory.is_none() && free.is_empty()) || sink.inflight() >= pacing.qd {
             guard::before_block();
             sink.reap(free, true)?;
         }
-        let b = free.pop().expect("a free buffer");
         guard::before_gather(|| layout.mem_crc_ids(ext))?;
-        gather(layout, ext, &mut arena.buf_mut(b)[..ext.len], hashers);
-        let job = Job {
-            buf: b,
-            ptr: arena.buf_ptr(b),
-            len: ext.len,
-            offset: ext.offset,
-            read: false,
+        let lent = memory.and_then(|(m, id)| Some((m, id, sink.take(m, id)?)));
+        let job = if let Some((m, crc_id, id)) = lent {
+            if let Some(c) = crc_id {
+                hashers[c as usize].update(m.slice(0, m.len()));
+            }
+            Job {
+                buf: id,
+                ptr: m.addr() as *const u8,
+                len: ext.len,
+                offset: ext.offset,
+                read: false,
+            }
+        } else {
+            while free.is_empty() {
+                guard::before_block();
+                sink.reap(free, true)?;
+                guard::before_gather(|| layout.mem_crc_ids(ext))?;
+            }
+            let b = free.pop().expect("a free buffer");
+            gather(layout, ext, &mut arena.buf_mut(b)[..ext.len], hashers);
+            Job {
+                buf: b,
+                ptr: arena.buf_ptr(b),
+                len: ext.len,
+                offset: ext.offset,
+                read: false,
+            }
         };
-        // SAFETY: buffer `b` came off the free list, so no other job uses it,
-        // and it goes back only when the sink returns it (reap) or has
-        // drained; the arena outlives the sink's use of it (the engine
-        // drains on every error path and drops the sink first); nobody
-        // writes the buffer before then, since `gather` only fills buffers
-        // from the free list. `fd` is open for the whole call; writes left
-        // in flight past it (`keep_in_flight`) are io_uring's only, which
-        // holds its own reference to the file from submission on.
+        // SAFETY: an arena buffer `b` came off the free list, so no other
+        // job uses it, and it goes back only when the sink returns it (reap)
+        // or has drained; the arena outlives the sink's use of it (the
+        // engine drains on every error path and drops the sink first);
+        // nobody writes the buffer before then, since `gather` only fills
+        // buffers from the free list. Caller memory (a lent id) stays valid
+        // for the call (`MemRef`'s contract) and its writes complete before
+        // the call returns (no lending with `keep_in_flight`; the engine
+        // drains on error). `fd` is open for the whole call; writes left in
+        // flight past it (`keep_in_flight`) are io_uring's only, which holds
+        // its own reference to the file from submission on.
         unsafe { sink.submit(fd, job) }?;
         sink.reap(free, false)?;
     }
-    gathered_then_drain(sink, free, pacing, on_gathered)
+    lent.extend(sink.lent_ids());
+    gathered_then_drain(sink, free, pacing, lent, on_gathered)
 }
 
-/// Every extent is gathered: ask `on_gathered` whether to go on, then wait
-/// for the writes (unless they stay in flight past the call).
+/// Every extent is gathered. Unless writes stay in flight past the call:
+/// wait for the writes from caller memory and check the memory of `lent`
+/// again (see [`crate::lend`]). Then ask `on_gathered` whether to go on,
+/// and wait for the other writes (unless they stay in flight).
 fn gathered_then_drain(
-    sink: &mut dyn Sink,
+    sink: &mut Lending<'_>,
     free: &mut Vec<usize>,
     pacing: Pacing,
+    lent: &BTreeSet<u32>,
     on_gathered: &mut dyn FnMut() -> Result<()>,
-) -> Result<()> {
+) -> Result<u64> {
     guard::before_block();
+    if !pacing.keep_in_flight && (!lent.is_empty() || sink.lent_in_flight() > 0) {
+        // The caller may change its memory once `on_gathered` has run (a
+        // pipelined save), and the kernel may still read what it was lent.
+        sink.drain_checked(free)?;
+        guard::before_gather(|| lent.iter().copied())?;
+        guard::before_block();
+    }
     let gathered = on_gathered();
     if pacing.keep_in_flight {
-        return gathered;
+        return gathered.map(|()| sink.bytes);
     }
     // A refused commit still waits for the writes it started.
     sink.drain_checked(free)?;
-    gathered
+    gathered.map(|()| sink.bytes)
 }
 
 /// Checksum-then-copy in cache-sized steps, so the copy reads what the

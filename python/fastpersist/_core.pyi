@@ -90,6 +90,7 @@ class RawWriteStats(TypedDict):
     open_seconds: float
     io_seconds: float
     commit_seconds: float
+    zero_copy_bytes: int
 
 class RawReadStats(TypedDict):
     """What one read (``read_into``, ``read_into_fd``) did."""
@@ -131,6 +132,7 @@ class Engine:
         durable: bool = True,
         flush_every: int = ...,
         gather_threads: int | None = None,
+        zero_copy: bool = True,
     ) -> Self: ...
     @property
     def arena_ptr(self) -> int: ...

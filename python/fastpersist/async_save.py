@@ -39,7 +39,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -276,6 +276,26 @@ def _new_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return buf
 
 
+#: Storages of at least one write block are placed in the snapshot pool at
+#: their file offset's place within a page (see ``_snapshot_then_write``).
+_PAGE = 4096
+_LEND_MIN = 1 << 20
+
+
+def _lendable_offsets(plan: Plan) -> Dict[int, int]:
+    """Checksum id -> file offset of the storages placed at their file
+    offset's place within a page in a snapshot of ``plan``."""
+    found = {r.crc_id: r.offset for r in plan.regions if r.length >= _LEND_MIN}
+    found.update((r.crc_id, r.offset) for r in plan.device if r.length >= _LEND_MIN)
+    return found
+
+
+def _snapshot_bytes(plan: Plan) -> int:
+    """The pool bytes a snapshot of ``plan`` takes: its storages, and up to
+    a page before each one placed by its file offset."""
+    return plan.storage_bytes + _PAGE * len(_lendable_offsets(plan))
+
+
 def _as_bytes(storage: Any) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
@@ -482,7 +502,7 @@ class AsyncSaver:
         def run() -> None:
             plan = planner(obj, None)
             pin = bool(plan.device) and torch.cuda.is_available()
-            self.pool.reserve(plan.storage_bytes, pin=pin)
+            self.pool.reserve(_snapshot_bytes(plan), pin=pin)
 
         if background:
             return self._snap.submit(run)
@@ -506,7 +526,7 @@ class AsyncSaver:
             requests = []
             for obj in items:
                 plan = planner(obj, None)
-                requests.append((plan.storage_bytes, bool(plan.device) and torch.cuda.is_available()))
+                requests.append((_snapshot_bytes(plan), bool(plan.device) and torch.cuda.is_available()))
             self.pool.reserve_many(requests)
 
         if background:
@@ -682,7 +702,12 @@ class AsyncSaver:
             with gc_paused():
                 plan = planner(obj, versions)
             pin = bool(plan.device) and torch.cuda.is_available()
-            buf = self.pool.acquire(plan.storage_bytes, pin=pin)
+            # A storage of a block or more is placed where its file offset
+            # falls within a page, so that its whole blocks are as aligned
+            # in the pool as in the file: the engine writes those straight
+            # from the pool (no copy into its staging memory).
+            file_offset = _lendable_offsets(plan)
+            buf = self.pool.acquire(_snapshot_bytes(plan), pin=pin)
             # Copy every storage into the pool and point the plan there. A
             # region's checksum id is its storage's index in the plan's
             # storages: copies are found by storage, never by address (two
@@ -695,6 +720,8 @@ class AsyncSaver:
                 plan.guard.check([cid])
                 storage = _kept_bytes(kept)
                 n = storage.numel() if isinstance(storage, torch.Tensor) else storage.nbytes()
+                if cid in file_offset:
+                    off += (file_offset[cid] - (base + off)) % _PAGE
                 if n:
                     streams.copy(buf[off : off + n], storage, plan.guard, cid)
                 moved.append(base + off)

@@ -13,6 +13,9 @@ Environment variables set the defaults (a parameter wins over them):
 ``FASTPERSIST_GATHER_THREADS`` threads copying into the staging memory and
                                checksumming; for reads, copying out of it into
                                the destinations (default: the usable cores, at most 8)
+``FASTPERSIST_ZERO_COPY=0``    always copy into the staging memory (by default
+                               whole blocks of a storage are written straight
+                               from its memory where the file takes that)
 
 Engines (staging arena + io_uring ring) are expensive to make and cheap to
 reuse, so one per distinct option set is kept per process; the cache holds
@@ -137,6 +140,7 @@ class EngineOptions:
     io_uring: bool
     durable: bool
     gather_threads: int = 1
+    zero_copy: bool = True
 
     @classmethod
     def resolve(
@@ -148,6 +152,7 @@ class EngineOptions:
         io_uring: Optional[bool] = None,
         durable: bool = True,
         gather_threads: Optional[int] = None,
+        zero_copy: Optional[bool] = None,
     ) -> EngineOptions:
         """Parameters where given, else the environment, else the defaults.
         Raises ValueError for values no engine can take (negative, zero)."""
@@ -161,6 +166,7 @@ class EngineOptions:
             gather_threads=_count(
                 "gather_threads", gather_threads, "FASTPERSIST_GATHER_THREADS", default_gather_threads()
             ),
+            zero_copy=bool(zero_copy) if zero_copy is not None else env_flag("FASTPERSIST_ZERO_COPY", True),
         )
 
 
@@ -209,6 +215,7 @@ def _new_engine(opts: EngineOptions) -> _core.Engine:
         io_uring=opts.io_uring,
         durable=opts.durable,
         gather_threads=opts.gather_threads,
+        zero_copy=opts.zero_copy,
     )
 
 
@@ -563,6 +570,9 @@ class WriteStats:
     io_seconds: float = 0.0
     #: Seconds spent on truncate, fsync, rename and directory fsync.
     commit_seconds: float = 0.0
+    #: Bytes written straight from the storages' memory (no copy into the
+    #: staging memory), inside ``bytes``.
+    zero_copy_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -593,4 +603,5 @@ def write_stats(
         plan_seconds=plan_seconds,
         io_seconds=raw["io_seconds"],
         commit_seconds=raw["commit_seconds"],
+        zero_copy_bytes=raw["zero_copy_bytes"],
     )

@@ -315,6 +315,7 @@ def stream_plan(plan: Plan, path: str, plan_seconds: float = 0.0, t0: Optional[f
         "open_seconds": 0.0,
         "io_seconds": now - tio,
         "commit_seconds": 0.0,
+        "zero_copy_bytes": 0,
     }
     return write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, now - t0)
 
@@ -378,6 +379,7 @@ def write_state_dict(
     durable: bool = True,
     gather_threads: Optional[int] = None,
     on_change: str = "error",
+    zero_copy: Optional[bool] = None,
 ) -> WriteStats:
     """Save ``obj`` to ``path`` like ``torch.save``, at the speed of the disk.
 
@@ -401,7 +403,10 @@ def write_state_dict(
     ``direct`` O_DIRECT, ``io_uring`` the io_uring back end, ``durable``
     fsync file and directory (leave it on for checkpoints),
     ``gather_threads`` threads that copy into the staging memory and
-    checksum (default: the usable cores, at most 8).
+    checksum (default: the usable cores, at most 8), ``zero_copy`` write
+    whole blocks of a storage straight from its memory where the file
+    takes writes from that address (default on; the stats'
+    ``zero_copy_bytes`` says how much was).
 
     A tensor changed in place (by another thread) while the save reads it
     raises :class:`~fastpersist.TensorChangedError` and nothing is
@@ -416,7 +421,9 @@ def write_state_dict(
         p = resolve_target(path)
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
-        opts = EngineOptions.resolve(block_size, arena_bytes, queue_depth, direct, io_uring, durable, gather_threads)
+        opts = EngineOptions.resolve(
+            block_size, arena_bytes, queue_depth, direct, io_uring, durable, gather_threads, zero_copy
+        )
         versions = TensorVersions(obj, on_change)
         wait_for_earlier(p)
         if group is not None or sharded:
