@@ -14,9 +14,12 @@
 //!   given back (and the caller's runtime could free the memory). Memory a
 //!   save owns (an async save's snapshot) is lent; tensors a synchronous or
 //!   pipelined save reads in place are gathered;
-//! - lent writes may stay in flight between the calls of a streamed save
-//!   (their ids belong to the engine, so whoever reaps them gives the ids
-//!   back), but every one has completed before the writer reports the data
+//! - a call never returns with a lent write in flight: memory handed to
+//!   one call of a streamed save may be reused once it returns (a staging
+//!   slot refilled with the next chunk of a device storage), as when it is
+//!   gathered. Other writes of the call may stay in flight, and whoever
+//!   reaps a lent write gives its id back (the ids belong to the engine).
+//!   So every lent write has completed before the writer reports the data
 //!   gathered (`on_gathered`: the point after which an async save lets the
 //!   caller reuse the memory) and before the file is committed;
 //! - should a guard be installed all the same, the memory of every lent

@@ -713,10 +713,12 @@ fn pump(
     gathered_then_drain(sink, free, pacing, lent, on_gathered)
 }
 
-/// Every extent is gathered. Unless writes stay in flight past the call:
-/// wait for the writes from caller memory and check the memory of `lent`
-/// again (see [`crate::lend`]). Then ask `on_gathered` whether to go on,
-/// and wait for the other writes (unless they stay in flight).
+/// Every extent is gathered. Wait for the writes from caller memory: the
+/// memory handed to a call may be reused once it returns (a staging slot
+/// refilled for the next call), so they never outlive it. At the end of a
+/// file, check the memory of `lent` again (see [`crate::lend`]). Then ask
+/// `on_gathered` whether to go on, and wait for the other writes (unless
+/// they stay in flight past the call).
 fn gathered_then_drain(
     sink: &mut Lending<'_>,
     free: &mut Vec<usize>,
@@ -725,7 +727,11 @@ fn gathered_then_drain(
     on_gathered: &mut dyn FnMut() -> Result<()>,
 ) -> Result<u64> {
     guard::before_block();
-    if !pacing.keep_in_flight && (!lent.is_empty() || sink.lent_in_flight() > 0) {
+    if pacing.keep_in_flight {
+        while sink.lent_in_flight() > 0 {
+            sink.reap(free, true)?;
+        }
+    } else if !lent.is_empty() || sink.lent_in_flight() > 0 {
         // The caller may change its memory once `on_gathered` has run (a
         // pipelined save), and the kernel may still read what it was lent.
         sink.drain_checked(free)?;

@@ -25,7 +25,7 @@ fn combos() -> Vec<Options> {
 }
 
 /// `n` bytes of a pattern at a page-aligned address inside `store`.
-fn aligned(store: &mut Vec<u8>, n: usize, seed: u8) -> &[u8] {
+fn aligned(store: &mut Vec<u8>, n: usize, seed: u8) -> &mut [u8] {
     *store = vec![0u8; n + 4096];
     let off = store.as_ptr().align_offset(4096);
     let s = &mut store[off..off + n];
@@ -174,14 +174,20 @@ fn a_failed_lent_write_fails_the_save_and_loses_no_id() {
 
 #[test]
 fn streamed_saves_lend_across_calls_and_other_uses_of_the_engine() {
-    // A streamed save's lent writes stay in flight between its calls; a
-    // read on the same engine in between waits for them (and takes their
-    // ids back for the engine); the save still commits the right bytes,
-    // and save after save lends as much as the first.
+    // A streamed save's lent writes complete before each call returns: the
+    // memory handed to a call may be reused afterwards (a staging slot
+    // refilled), and here is scribbled over; other writes stay in flight,
+    // and a read on the same engine in between waits for them. The save
+    // still commits the right bytes, and save after save lends as much as
+    // the first (no lent id is lost).
     let d = tempfile::tempdir().unwrap();
     let mut s1 = vec![];
     let mut s2 = vec![];
-    let first = aligned(&mut s1, 1 << 20, 1);
+    let first_ptr = aligned(&mut s1, 1 << 20, 1).as_mut_ptr();
+    // SAFETY: `s1` is not touched again but through this slice and the
+    // pointer, which the test uses only where no write of it is in flight.
+    let first = unsafe { std::slice::from_raw_parts(first_ptr, 1 << 20) };
+    let first_copy = first.to_vec();
     let second_mem = aligned(&mut s2, 1 << 20, 2);
     let other = d.path().join("other.bin");
     std::fs::write(&other, vec![5u8; 200_000]).unwrap();
@@ -208,6 +214,8 @@ fn streamed_saves_lend_across_calls_and_other_uses_of_the_engine() {
                 }],
             )
             .unwrap();
+            // SAFETY: the write of this memory has returned (see above).
+            unsafe { std::ptr::write_bytes(first_ptr, 0xEE, 1 << 20) };
             let mut buf = vec![0u8; 100_000];
             let reqs = vec![fastpersist::ReadReq {
                 offset: 4096,
@@ -229,14 +237,16 @@ fn streamed_saves_lend_across_calls_and_other_uses_of_the_engine() {
                 )
                 .unwrap();
             let got = std::fs::read(&p).unwrap();
-            assert!(got[4096..4096 + n as usize] == *first, "{opts:?}");
+            assert!(got[4096..4096 + n as usize] == *first_copy, "{opts:?}");
             assert!(got[second as usize..] == *second_mem, "{opts:?}");
             assert_eq!(
                 st.crcs,
-                vec![crc32fast::hash(first), crc32fast::hash(second_mem)],
+                vec![crc32fast::hash(&first_copy), crc32fast::hash(second_mem)],
                 "{opts:?}"
             );
             lent.push(st.zero_copy_bytes);
+            // SAFETY: the session is finished; nothing reads the memory.
+            unsafe { std::ptr::copy_nonoverlapping(first_copy.as_ptr(), first_ptr, 1 << 20) };
         }
         assert!(lent[0] > 0, "{opts:?}");
         assert!(lent.iter().all(|&x| x == lent[0]), "{lent:?} {opts:?}");
