@@ -644,6 +644,46 @@ def test_async_save_with_fastpersist_stager(tmp_path):
     w.close()
 
 
+def test_staged_and_viewed_tensors_are_written_from_where_they_lie(tmp_path, monkeypatch):
+    # Every tensor DCP's async_save staged through the writer is a view into
+    # the staging buffer, and state dicts hold views of their own (slices of
+    # a flat buffer): a contiguous view is written in place, not copied once
+    # more; a non-contiguous one is copied, as the record needs.
+    from fastpersist.integrations import dcp as fdcp
+
+    flat = torch.randn(1 << 16)
+    sd = {
+        "slice": flat[1000 : 1000 + 5000],
+        "shaped": flat[8192 : 8192 + 4096].view(64, 64),
+        "transposed": flat[: 64 * 32].view(64, 32).t(),
+        "own": torch.randn(100),
+    }
+    expected = {k: v.clone() for k, v in sd.items()}
+    regions: list = []
+    real = fdcp._FileLayout.finish
+
+    def spy(self):
+        plan = real(self)
+        regions.extend(plan.regions)
+        return plan
+
+    monkeypatch.setattr(fdcp._FileLayout, "finish", spy)
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    addresses = {r.address for r in regions}
+    assert sd["slice"].data_ptr() in addresses and sd["shaped"].data_ptr() in addresses
+    assert sd["own"].data_ptr() in addresses and sd["transposed"].data_ptr() not in addresses
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), expected), expected)
+    assert_equal(load(tmp_path, dcp.FileSystemReader(tmp_path), expected), expected)
+    # Staged: every region lies in the staging buffer.
+    regions.clear()
+    w = FastPersistWriter(tmp_path / "staged")
+    dcp.async_save(sd, storage_writer=w).result()
+    assert_equal(load(tmp_path / "staged", FastPersistReader(tmp_path / "staged"), expected), expected)
+    bufs = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in w._stager.pool._free + w._stager.pool._used]
+    assert regions and all(any(lo <= r.address < hi for lo, hi in bufs) for r in regions)
+    w.close()
+
+
 def test_async_save_with_dcp_stager(tmp_path):
     staging = pytest.importorskip("torch.distributed.checkpoint.staging")
     if not hasattr(staging, "DefaultStager"):

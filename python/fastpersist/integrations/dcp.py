@@ -239,6 +239,12 @@ class _ItemInfo(NamedTuple):
     data_length: int
 
 
+def _in_place(t: torch.Tensor) -> bool:
+    """``t``'s bytes are one run of its storage, in order (a contiguous view
+    counts: its record is written from where it lies, no copy)."""
+    return t.is_contiguous() and t.layout == torch.strided
+
+
 def _exact(t: torch.Tensor) -> bool:
     """``t``'s storage is exactly its data, in order (its bytes are the record)."""
     # int(): torch >= 2.15's stubs type storage_offset() as int | SymInt,
@@ -282,7 +288,11 @@ class _FileLayout:
         staged = self._staged(t)
         if not staged and not t.is_cpu:
             t = t.cpu()
-        if not _exact(t):
+        # A device storage is staged whole, so it must be exactly the data;
+        # a host tensor only needs its bytes in one run: a contiguous view
+        # (every tensor of a state dict that DCP's async_save staged through
+        # this writer is one, into the staging buffer) is written in place.
+        if not (_exact(t) if staged else _in_place(t)):
             t = t.clone(memory_format=torch.contiguous_format)
         nbytes = t.nbytes
         align = STORAGE_ALIGNMENT if nbytes >= ALIGN_ABOVE else SMALL_ALIGNMENT
@@ -298,7 +308,8 @@ class _FileLayout:
             if staged:
                 plan.device.append(DeviceRegion(data_at, storage, nbytes, cid))
             else:
-                plan.regions.append(Region(data_at, storage.data_ptr(), nbytes, cid))
+                at = storage.data_ptr() + int(t.storage_offset()) * t.element_size()
+                plan.regions.append(Region(data_at, at, nbytes, cid))
             plan.keepalive.append(storage)
             plan.guard.watch(cid, storage, f"DCP item {item.index.fqn!r}")
             plan.storage_bytes += nbytes
