@@ -91,7 +91,7 @@ bench-smoke: install
 	$(PY) benches/write_bench.py --size 64MiB --rounds 1 --small-count 200 --small-size 16MiB
 	$(PY) benches/read_bench.py --size 64MiB --small-count 200 --small-size 16MiB --rounds 1 --settle 0
 	$(PY) benches/train_bench.py --layers 1 --dim 64 --heads 2 --vocab 512 --ctx 32 --iters 3 --rounds 1
-	$(PY) benches/dcp_bench.py --size 64MiB --small-count 200 --small-size 16MiB --ranks 1,2 --rounds 1 --settle 0 --no-fio
+	$(PY) benches/dcp_bench.py --size 64MiB --small-count 200 --small-size 16MiB --ranks 1,2 --rounds 1 --settle 0 --no-fio --async
 	$(PY) benches/tiers_bench.py --size 16MiB --rounds 1 --iters 4 --every 2 --dim 64
 	$(PY) benches/sweep_bench.py --size 16MiB --rounds 1 --blocks 1MiB,4MiB --depths 8 --arenas 32MiB --threads 1,2 --settle 0 --no-fio
 

@@ -17,7 +17,12 @@ state (every world-th tensor), so the checkpoint holds the whole state once.
 A save is timed from a barrier to the slowest rank's return (DCP commits
 before any rank returns; both writers fsync: ``sync_files=True``); a load
 from a barrier after the page cache was dropped to the slowest rank's
-return. Throughput counts tensor bytes.
+return. Throughput counts tensor bytes. With ``--async``, also
+``dcp.async_save`` through each writer (DCP's default stager for its own,
+the writer's reusable staging pool for fastpersist's; one writer per rank
+for every round, so the pools are warm after the first), timed from a
+barrier to the slowest rank's durable result (``async``) and to the return
+of the call (``block``: the staging copy the training loop waits for).
 """
 
 from __future__ import annotations
@@ -64,7 +69,12 @@ def worker(rank: int, world: int, port: str, cfg: Dict) -> None:
     del full
     total = [0] * world
     dist.all_gather_object(total, nbytes(mine))
-    res: Dict[str, List[float]] = {f"{w}-{op}": [] for w in WRITERS for op in ("save", "load")}
+    ops = ("save", "load", "async", "block") if cfg.get("async") else ("save", "load")
+    res: Dict[str, List[float]] = {f"{w}-{op}": [] for w in WRITERS for op in ops}
+    async_writers = {
+        "dcp": dcp.FileSystemWriter(os.path.join(cfg["dir"], "async-dcp"), thread_count=2, sync_files=True),
+        "fastpersist": FastPersistWriter(os.path.join(cfg["dir"], "async-fastpersist"), sync_files=True),
+    }
     for r in range(cfg["rounds"]):
         order = WRITERS if r % 2 == 0 else WRITERS[::-1]
         for w in order:
@@ -100,6 +110,20 @@ def worker(rank: int, world: int, port: str, cfg: Dict) -> None:
             res[f"{w}-load"].append(sum(total) / max(t[1] for t in times) / 1e9)
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
+            if cfg.get("async"):
+                if rank == 0:
+                    shutil.rmtree(async_writers[w].path, ignore_errors=True)
+                    os.sync()
+                    time.sleep(cfg["settle"])
+                dist.barrier()
+                t0 = time.perf_counter()
+                fut = dcp.async_save(mine, storage_writer=async_writers[w])
+                t_block = time.perf_counter() - t0
+                fut.result()
+                t_async = time.perf_counter() - t0
+                dist.all_gather_object(times, (t_async, t_block))
+                res[f"{w}-async"].append(sum(total) / max(t[0] for t in times) / 1e9)
+                res[f"{w}-block"].append(max(t[1] for t in times))
     if rank == 0:
         with open(cfg["out"], "w") as f:
             json.dump({"bytes": sum(total), "gbps": res}, f)
@@ -139,6 +163,7 @@ def main() -> None:
     ap.add_argument("--no-fio", action="store_true", help="skip the fio limit (ratios are then not reported)")
     ap.add_argument("--dir", default=None, help="directory on the disk to test (default: a temp dir in the cwd)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--async", dest="async_", action="store_true", help="also time dcp.async_save (see above)")
     args = ap.parse_args()
     ranks = [int(x) for x in args.ranks.split(",")]
     workloads = [("gpt", parse_size(args.size), 0)]
@@ -167,13 +192,17 @@ def main() -> None:
             for world in ranks:
                 cfg = {"workload": name, "size": total, "count": count, "rounds": args.rounds, "dir": d}
                 cfg["settle"] = args.settle
+                cfg["async"] = args.async_
                 res = run(world, cfg)
                 report[f"{name}-{world}"] = res
-                for op, lim in (("save", lim_w), ("load", lim_r)):
+                for op, lim in (("save", lim_w), ("load", lim_r)) + ((("async", lim_w),) if args.async_ else ()):
                     a, b = median(res["gbps"][f"dcp-{op}"]), median(res["gbps"][f"fastpersist-{op}"])
                     ra = f"{a / lim:8.2f}" if lim else f"{'-':>8}"
                     rb = f"{b / lim:7.2f}" if lim else f"{'-':>7}"
                     print(f"{name:<8} {world:>5} {op:<5} {a:9.2f} {b:8.2f} {ra} {rb} {b / a:7.2f}", flush=True)
+                if args.async_:
+                    a, b = median(res["gbps"]["dcp-block"]), median(res["gbps"]["fastpersist-block"])
+                    print(f"{name:<8} {world:>5} block  dcp {a:.3f} s, fastpersist {b:.3f} s (async_save's return)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
