@@ -124,9 +124,12 @@ def worker(rank: int, world: int, port: str, cfg: Dict) -> None:
                 dist.all_gather_object(times, (t_async, t_block))
                 res[f"{w}-async"].append(sum(total) / max(t[0] for t in times) / 1e9)
                 res[f"{w}-block"].append(max(t[1] for t in times))
+    stager = getattr(async_writers["fastpersist"], "_stager", None)
+    pools = [None] * world  # staging memory each rank's writer holds after the rounds
+    dist.all_gather_object(pools, stager.pool.nbytes if stager is not None else 0)
     if rank == 0:
         with open(cfg["out"], "w") as f:
-            json.dump({"bytes": sum(total), "gbps": res}, f)
+            json.dump({"bytes": sum(total), "gbps": res, "staging_pool_bytes": pools}, f)
     dist.barrier()
     os._exit(0)  # skip gloo's C++ teardown, which can abort while a peer closes
 
