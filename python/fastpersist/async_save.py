@@ -278,22 +278,22 @@ def _new_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 
 #: Storages of at least one write block are placed in the snapshot pool at
 #: their file offset's place within a page (see ``_snapshot_then_write``).
-_PAGE = 4096
-_LEND_MIN = 1 << 20
+LEND_PAGE = 4096
+LEND_MIN = 1 << 20
 
 
 def _lendable_offsets(plan: Plan) -> Dict[int, int]:
     """Checksum id -> file offset of the storages placed at their file
     offset's place within a page in a snapshot of ``plan``."""
-    found = {r.crc_id: r.offset for r in plan.regions if r.length >= _LEND_MIN}
-    found.update((r.crc_id, r.offset) for r in plan.device if r.length >= _LEND_MIN)
+    found = {r.crc_id: r.offset for r in plan.regions if r.length >= LEND_MIN}
+    found.update((r.crc_id, r.offset) for r in plan.device if r.length >= LEND_MIN)
     return found
 
 
 def _snapshot_bytes(plan: Plan) -> int:
     """The pool bytes a snapshot of ``plan`` takes: its storages, and up to
     a page before each one placed by its file offset."""
-    return plan.storage_bytes + _PAGE * len(_lendable_offsets(plan))
+    return plan.storage_bytes + LEND_PAGE * len(_lendable_offsets(plan))
 
 
 def _as_bytes(storage: Any) -> torch.Tensor:
@@ -721,7 +721,7 @@ class AsyncSaver:
                 storage = _kept_bytes(kept)
                 n = storage.numel() if isinstance(storage, torch.Tensor) else storage.nbytes()
                 if cid in file_offset:
-                    off += (file_offset[cid] - (base + off)) % _PAGE
+                    off += (file_offset[cid] - (base + off)) % LEND_PAGE
                 if n:
                     streams.copy(buf[off : off + n], storage, plan.guard, cid)
                 moved.append(base + off)

@@ -22,7 +22,7 @@ from helpers import assert_same
 MiB = 1 << 20
 # Up to a page before each storage of 1 MiB or more, which a snapshot places
 # at its file offset's place within a page (zero copy).
-LENT_SLACK = async_save._PAGE
+LENT_SLACK = async_save.LEND_PAGE
 
 
 @pytest.fixture

@@ -73,7 +73,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .. import _core
-from ..async_save import SnapshotPool
+from ..async_save import LEND_MIN, LEND_PAGE, SnapshotPool
 from ..cuda_staging import read_staged, staging_setup
 from ..errors import CorruptCheckpointError
 from ..options import EngineOptions, gc_paused, read_with, use_engine
@@ -264,8 +264,11 @@ def _align(n: int, a: int) -> int:
 class _FileLayout:
     """One data file: byte items, then tensors, each placed in the plan."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, owned: Optional[Callable[[Any], bool]] = None) -> None:
         self.name = name
+        # Whether a storage is the writer's own memory (its stager's), which
+        # no guard needs to watch (and which the engine may then lend).
+        self.owned = owned
         self.plan = Plan()
         self.cursor = 0
         # (write item, offset, length, template or None, crc id or -1, crc for bytes)
@@ -311,7 +314,8 @@ class _FileLayout:
                 at = storage.data_ptr() + int(t.storage_offset()) * t.element_size()
                 plan.regions.append(Region(data_at, at, nbytes, cid))
             plan.keepalive.append(storage)
-            plan.guard.watch(cid, storage, f"DCP item {item.index.fqn!r}")
+            if self.owned is None or not self.owned(storage):
+                plan.guard.watch(cid, storage, f"DCP item {item.index.fqn!r}")
             plan.storage_bytes += nbytes
         end = data_at + nbytes
         plan.blobs += [Blob(end + o, b) for o, b in tpl.tail]
@@ -466,35 +470,59 @@ class _Stager:
     """Copies of a state dict's tensors in one buffer of a
     :class:`~fastpersist.SnapshotPool` (pinned when CUDA tensors are
     staged); the buffer goes back to the pool once the staged state dict
-    (every tensor of it) is gone, i.e. once DCP is done with it."""
+    (every tensor of it) is gone, i.e. once DCP is done with it. A tensor of
+    1 MiB or more starts on a page, as its data does in the file, so the
+    engine writes its whole blocks straight from the buffer (zero copy);
+    memory the stager holds is the writer's own (:meth:`owns`), so no guard
+    watches it."""
 
     def __init__(self) -> None:
         self.pool = SnapshotPool()
+        # Addresses of the buffers leased to staged state dicts still alive.
+        self._live: set = set()
+
+    def owns(self, storage: Any) -> bool:
+        """Whether ``storage`` is a staging buffer leased to a live staged
+        state dict (the storage of every tensor :meth:`stage` returned)."""
+        return storage.data_ptr() in self._live
+
+    def _returned(self, buf: torch.Tensor) -> None:
+        self._live.discard(buf.data_ptr())
+        self.pool.put_back(buf)
 
     def stage(self, state_dict: Any) -> Any:
         sizes: List[int] = []
         cuda = [False]
 
         def measure(t: torch.Tensor) -> torch.Tensor:
-            sizes.append(_align(t.numel() * t.element_size(), SMALL_ALIGNMENT))
+            n = t.numel() * t.element_size()
+            sizes.append(_align(n, SMALL_ALIGNMENT) + (LEND_PAGE if n >= LEND_MIN else 0))
             cuda[0] |= t.device.type == "cuda"
             return t
 
         _map_tensors(state_dict, measure)
         pin = cuda[0] and torch.cuda.is_available()
         buf = self.pool.acquire(max(sum(sizes), 1), pin=pin)
-        # A tensor of its own (not a view) over the buffer: every staged
-        # tensor is a view of it, so it lives exactly as long as they do.
+        # A tensor of its own over the buffer, which every staged tensor
+        # holds (an attribute: a view does not keep its base's Python object
+        # alive, so without it the buffer went back to the pool as soon as
+        # this returned, and the next stage overwrote a staged state dict
+        # still being written): the buffer goes back once they are all gone.
         lease = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
-        weakref.finalize(lease, self.pool.put_back, buf)
+        self._live.add(buf.data_ptr())
+        weakref.finalize(lease, self._returned, buf)
+        base = buf.data_ptr()
         pos = [0]
 
         def copy_one(t: torch.Tensor) -> torch.Tensor:
             n = t.numel() * t.element_size()
+            if n >= LEND_MIN:
+                pos[0] += -(base + pos[0]) % LEND_PAGE
             dst = lease[pos[0] : pos[0] + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
             pos[0] += _align(n, SMALL_ALIGNMENT)
             if n:
                 dst.copy_(t.detach(), non_blocking=pin and t.device.type == "cuda")
+                dst._fastpersist_lease = lease  # type: ignore[attr-defined]
             return dst
 
         staged = _map_tensors(state_dict, copy_one)
@@ -653,7 +681,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
     def _write_file(
         self, name: str, items: List[WriteItem], planner: SavePlanner, engine_index: int
     ) -> Tuple[List[WriteResult], Any]:
-        layout = _FileLayout(name)
+        layout = _FileLayout(name, self._stager.owns if self._stager is not None else None)
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 layout.add_bytes(item, planner.resolve_data(item))
