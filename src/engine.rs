@@ -149,12 +149,6 @@ pub struct Engine {
     /// first waits for them ([`Engine::settle`]). When no session streams,
     /// this holds every buffer.
     free: Vec<usize>,
-    /// Ids for writes straight from caller memory (see [`crate::lend`])
-    /// not in flight: `lent_first..lent_first + lent_cap`, past the arena's
-    /// buffer indices. Such writes may stay in flight between the calls of
-    /// a streamed save; whoever reaps them, their ids come back here.
-    lent: Vec<usize>,
-    lent_cap: usize,
     /// The session whose writes are in flight, if any.
     pub(crate) streaming: Option<u64>,
     /// Failures of writes drained on behalf of another session, reported
@@ -215,10 +209,6 @@ impl Engine {
             None
         };
         let free = (0..arena.nbufs()).rev().collect();
-        // Lent writes in flight (at most `queue_depth`) plus those handed to
-        // gather threads (at most two per thread).
-        let lent_cap = opts.queue_depth + 2 * opts.gather_threads + 1;
-        let lent = crate::lend::all_ids(arena.nbufs(), lent_cap);
         Ok(Engine {
             uring,
             pool: None,
@@ -226,8 +216,6 @@ impl Engine {
             opts,
             uring_note,
             free,
-            lent,
-            lent_cap,
             streaming: None,
             lost: Vec::new(),
             dir_fsync_fault: None,
@@ -351,8 +339,10 @@ impl Engine {
     }
 
     /// [`Engine::with_buffers`] for a pump that may write straight from
-    /// caller memory at `align` (see [`crate::lend`]): the sink it is given
-    /// lends ids from the engine's pool.
+    /// caller memory at `align` (see [`crate::lend`]). No lent write
+    /// outlives the call, so its ids are the call's own: enough for the
+    /// writes in flight (at most `queue_depth`) plus those handed to gather
+    /// threads (at most two per thread).
     pub(crate) fn with_lending<T>(
         &mut self,
         align: Option<usize>,
@@ -360,25 +350,19 @@ impl Engine {
     ) -> Result<T> {
         self.check_process()?;
         let mut free = std::mem::take(&mut self.free);
-        let mut lent = std::mem::take(&mut self.lent);
-        let nbufs = self.arena.nbufs();
-        let cap = self.lent_cap;
+        let ids = self.opts.queue_depth + 2 * self.opts.gather_threads + 1;
         let (sink, arena) = self.parts();
-        let mut lending = Lending::new(sink, nbufs, (&mut lent, cap), align);
+        let mut lending = Lending::new(sink, arena.nbufs(), ids, align);
         let res = io(&mut lending, arena, &mut free);
-        // Ids of lent writes reaped outside a lending sink come back too.
-        lending.sort(&mut free);
         if res.is_err() {
             lending.drain();
             free = (0..arena.nbufs()).rev().collect();
         }
-        drop(lending);
         debug_assert!(
-            free.len() <= nbufs && lent.len() <= cap,
-            "an I/O id came back twice"
+            lending.lent_in_flight() == 0 && free.len() <= arena.nbufs(),
+            "a lent write outlived its call, or an I/O id came back twice"
         );
         self.free = free;
-        self.lent = lent;
         if res.is_err() {
             self.streaming = None;
         }

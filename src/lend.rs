@@ -17,17 +17,17 @@
 //! - a call never returns with a lent write in flight: memory handed to
 //!   one call of a streamed save may be reused once it returns (a staging
 //!   slot refilled with the next chunk of a device storage), as when it is
-//!   gathered. Other writes of the call may stay in flight, and whoever
-//!   reaps a lent write gives its id back (the ids belong to the engine).
-//!   So every lent write has completed before the writer reports the data
+//!   gathered. Other writes of the call may stay in flight. So every lent
+//!   write has completed before the writer reports the data
 //!   gathered (`on_gathered`: the point after which an async save lets the
 //!   caller reuse the memory) and before the file is committed;
 //! - should a guard be installed all the same, the memory of every lent
 //!   extent is checked under it once more after those writes completed.
 //!
-//! [`Lending`] wraps the I/O back end for one pump: a write from caller
-//! memory carries an id past the arena's buffer indices, and the wrapper
-//! keeps those ids out of the free-buffer list the sink fills.
+//! [`Lending`] wraps the I/O back end for one use of it
+//! (`Engine::with_lending`): a write from caller memory carries an id past
+//! the arena's buffer indices, and the wrapper keeps those ids out of the
+//! free-buffer list the sink fills.
 
 use std::collections::BTreeSet;
 
@@ -35,11 +35,6 @@ use crate::error::Result;
 use crate::layout::{Extent, Layout, MemRef};
 use crate::sink::{Fault, Job, Sink};
 use std::os::fd::RawFd;
-
-/// Every lent id, for an arena of `nbufs` buffers and `cap` ids.
-pub(crate) fn all_ids(nbufs: usize, cap: usize) -> Vec<usize> {
-    (nbufs..nbufs + cap).rev().collect()
-}
 
 /// The sink of one use of the engine's I/O back end, lending extents of
 /// caller memory to the kernel when `align` allows it.
@@ -49,8 +44,8 @@ pub(crate) struct Lending<'a> {
     align: Option<usize>,
     /// The first id past the arena's buffers.
     first: usize,
-    /// The engine's ids not lent, and how many there are in all.
-    ids: &'a mut Vec<usize>,
+    /// Ids not lent, and how many there are in all.
+    ids: Vec<usize>,
     cap: usize,
     /// Bytes written from caller memory.
     pub(crate) bytes: u64,
@@ -59,19 +54,18 @@ pub(crate) struct Lending<'a> {
 }
 
 impl<'a> Lending<'a> {
-    /// `nbufs` arena buffers; `ids`: the engine's free lent ids, and how
-    /// many exist.
+    /// `nbufs` arena buffers; `cap` lent writes at most at once.
     pub(crate) fn new(
         sink: &'a mut dyn Sink,
         nbufs: usize,
-        (ids, cap): (&'a mut Vec<usize>, usize),
+        cap: usize,
         align: Option<usize>,
     ) -> Self {
         Lending {
             sink,
             align,
             first: nbufs,
-            ids,
+            ids: all_ids(nbufs, cap),
             cap,
             bytes: 0,
             lent_ids: BTreeSet::new(),
@@ -98,15 +92,15 @@ impl<'a> Lending<'a> {
         &self.lent_ids
     }
 
-    /// Lent writes in flight (of any use of the engine).
+    /// Lent writes in flight.
     pub(crate) fn lent_in_flight(&self) -> usize {
         self.cap - self.ids.len()
     }
 
     /// Move the ids of completed lent writes out of `free` (the arena's).
-    pub(crate) fn sort(&mut self, free: &mut Vec<usize>) {
+    fn sort(&mut self, free: &mut Vec<usize>) {
         let first = self.first;
-        let ids = &mut *self.ids;
+        let ids = &mut self.ids;
         free.retain(|&b| {
             if b >= first {
                 ids.push(b);
@@ -116,6 +110,11 @@ impl<'a> Lending<'a> {
             }
         });
     }
+}
+
+/// Every lent id, for an arena of `nbufs` buffers and `cap` ids.
+fn all_ids(nbufs: usize, cap: usize) -> Vec<usize> {
+    (nbufs..nbufs + cap).rev().collect()
 }
 
 impl Sink for Lending<'_> {
@@ -140,7 +139,7 @@ impl Sink for Lending<'_> {
 
     fn drain(&mut self) {
         self.sink.drain();
-        *self.ids = all_ids(self.first, self.cap);
+        self.ids = all_ids(self.first, self.cap);
     }
 
     fn set_fault(&mut self, fault: Option<Fault>) {

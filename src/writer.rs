@@ -199,15 +199,10 @@ impl Engine {
                 direct_note = Some(why);
             }
         }
-        let lend_align = if !self.opts.zero_copy {
-            None
-        } else if !tmp.is_direct() {
-            Some(1)
-        } else if dio.from_statx {
-            Some(dio.mem_align.max(1) as usize)
-        } else {
-            Some(self.probe_lend_align(&tmp, dio.block)?)
-        };
+        let zero_copy = self.opts.zero_copy;
+        let lend_align = lend_align(zero_copy, tmp.is_direct(), &dio, || {
+            self.probe_lend_align(&tmp, dio.block)
+        })?;
         Ok(Session {
             id: NEXT_SESSION.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             tmp,
@@ -471,12 +466,7 @@ impl Engine {
         let range = layout.split(parts)[index].clone();
         // Without statx's word, O_DIRECT memory is taken to need the block's
         // alignment (no probe: the file is shared with the other parts).
-        let lend_align = match (self.opts.zero_copy, file.direct, dio.from_statx) {
-            (false, _, _) => None,
-            (true, false, _) => Some(1),
-            (true, true, true) => Some(dio.mem_align.max(1) as usize),
-            (true, true, false) => Some(dio.block),
-        };
+        let lend_align = lend_align(self.opts.zero_copy, file.direct, &dio, || Ok(dio.block))?;
         let qd = self.opts.queue_depth;
         let threads = self.opts.gather_threads;
         let mut hashers = vec![Hasher::new(); layout.crc_ids() as usize];
@@ -593,6 +583,24 @@ impl Engine {
             }
         })
     }
+}
+
+/// The memory alignment writes straight from caller memory to a file need
+/// (None: never, `zero_copy` is off): any address for buffered files,
+/// `statx`'s O_DIRECT memory alignment where it says, else what `unknown`
+/// finds.
+fn lend_align(
+    zero_copy: bool,
+    direct: bool,
+    dio: &DioAlign,
+    unknown: impl FnOnce() -> Result<usize>,
+) -> Result<Option<usize>> {
+    Ok(match (zero_copy, direct, dio.from_statx) {
+        (false, _, _) => None,
+        (true, false, _) => Some(1),
+        (true, true, true) => Some(dio.mem_align.max(1) as usize),
+        (true, true, false) => Some(unknown()?),
+    })
 }
 
 /// The alignment at which a write may lend caller memory to the kernel:

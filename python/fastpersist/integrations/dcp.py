@@ -509,9 +509,9 @@ class _Stager:
         # this returned, and the next stage overwrote a staged state dict
         # still being written): the buffer goes back once they are all gone.
         lease = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
-        self._live.add(buf.data_ptr())
-        weakref.finalize(lease, self._returned, buf)
         base = buf.data_ptr()
+        self._live.add(base)
+        weakref.finalize(lease, self._returned, buf)
         pos = [0]
 
         def copy_one(t: torch.Tensor) -> torch.Tensor:
