@@ -23,7 +23,7 @@ use pyo3::types::{
 };
 use std::os::fd::RawFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 create_exception!(
@@ -79,14 +79,51 @@ struct GilGuard {
     err: GuardErr,
 }
 
+/// Engine threads waiting for the GIL to gather caller memory (in
+/// [`GilGuard::lock`]); [`let_engines_in`] hands it to them.
+static GIL_WAITERS: AtomicUsize = AtomicUsize::new(0);
+
+/// The longest [`let_engines_in`] stays out of the GIL for a waiting engine
+/// thread that does not take it (another Python thread may have).
+const HANDOFF_MAX: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Hand the GIL to an engine thread waiting for it, if one is: called by a
+/// thread that lays out or pickles a file while an engine thread writes
+/// its earlier parts. The interpreter itself would make that thread wait
+/// for its switch interval (5 ms by default) on every gather, while the
+/// device drains the writes in flight; here it waits only until this
+/// thread's next call. Does nothing (an atomic load) when none waits;
+/// returns whether one did.
+fn let_engines_in(py: Python<'_>) -> bool {
+    if GIL_WAITERS.load(Ordering::SeqCst) == 0 {
+        return false;
+    }
+    py.allow_threads(|| {
+        let t = std::time::Instant::now();
+        while GIL_WAITERS.load(Ordering::SeqCst) > 0 && t.elapsed() < HANDOFF_MAX {
+            std::thread::yield_now();
+        }
+    });
+    true
+}
+
+/// Python's name for [`let_engines_in`], for layout loops written in Python.
+#[pyfunction]
+#[pyo3(name = "let_engines_in")]
+fn let_engines_in_py(py: Python<'_>) -> bool {
+    let_engines_in(py)
+}
+
 impl GatherGuard for GilGuard {
     fn lock(&mut self) -> Result<(), Error> {
         if self.state.is_none() {
+            GIL_WAITERS.fetch_add(1, Ordering::SeqCst);
             // SAFETY: paired with `PyGILState_Release` in `unlock` on this
             // same thread (the guard is thread-local and `with_guard`
             // unlocks before removing it); the thread has a Python thread
             // state (it released the GIL in `allow_threads`).
             self.state = Some(unsafe { pyo3::ffi::PyGILState_Ensure() });
+            GIL_WAITERS.fetch_sub(1, Ordering::SeqCst);
         }
         Ok(())
     }
@@ -1884,7 +1921,9 @@ impl<'py> PickleWalk<'py> {
         if self.since_release == TENSORS_PER_RELEASE {
             self.since_release = 0;
             // A thread waiting for the GIL takes it here, as at the
-            // interpreter's switch points; no Python object is touched.
+            // interpreter's switch points (an engine thread writing the
+            // head of this file at once); no Python object is touched.
+            let_engines_in(self.py);
             self.py.allow_threads(|| ());
         }
         Ok(())
@@ -2323,6 +2362,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DurabilityError", m.py().get_type::<DurabilityError>())?;
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
+    m.add_function(wrap_pyfunction!(let_engines_in_py, m)?)?;
     m.add_function(wrap_pyfunction!(crc32, m)?)?;
     m.add_function(wrap_pyfunction!(zip_local_header, m)?)?;
     m.add_function(wrap_pyfunction!(zip_local_header_len, m)?)?;

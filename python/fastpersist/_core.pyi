@@ -48,6 +48,7 @@ __all__ = [
     "DurabilityError",
     "partition",
     "dio_alignment",
+    "let_engines_in",
     "crc32",
     "zip_local_header",
     "zip_local_header_len",
@@ -248,6 +249,12 @@ def partition(
     parts: int = 1,
 ) -> list[tuple[tuple[int, int], list[tuple[int, int, list[tuple[int, int, int, int]]]]]]: ...
 def dio_alignment(path: _StrPath) -> tuple[int, int, int, bool]: ...
+def let_engines_in() -> bool:
+    """Hand the GIL to an engine thread waiting for it to gather caller
+    memory, if one is (for loops that lay out a file while its earlier
+    parts are written); an atomic load when none waits. Returns whether
+    one waited."""
+
 def crc32(data: bytes) -> int: ...
 def zip_local_header(name: bytes, header_off: int, size: int, align: int) -> bytes: ...
 def zip_local_header_len(name_len: int, header_off: int, size: int, align: int) -> int: ...

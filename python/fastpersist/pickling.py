@@ -124,10 +124,10 @@ def _has_data(t: torch.Tensor) -> bool:
     wrapper subclass (TwoTensor, DTensor: their data lives in inner
     tensors, reached through their own reduction), not a zero tensor,
     not on the meta device."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return not t.is_meta and not _zero(t)  # is_meta: no device object made
     if t.device.type == "meta" or _zero(t):
         return False
-    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-        return True
     try:
         t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):

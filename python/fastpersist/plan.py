@@ -16,6 +16,7 @@ from .errors import StorageChangedError
 __all__ = [
     "DATA_ALIGNMENT",
     "GUARD_WINDOW",
+    "HANDOFF_RECORDS",
     "Blob",
     "Region",
     "Slot",
@@ -34,6 +35,11 @@ DATA_ALIGNMENT = 4096
 #: Most bytes of caller memory gathered between two checks of the storages
 #: they come from (:meth:`MemoryGuard.windows`).
 GUARD_WINDOW = 64 << 20
+
+#: Records a layout loop lays out between two chances for an engine thread
+#: that waits for the GIL (to gather the parts laid out before) to take it
+#: (``_core.let_engines_in``; a power of two).
+HANDOFF_RECORDS = 32
 
 
 class Blob(NamedTuple):

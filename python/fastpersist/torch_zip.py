@@ -25,11 +25,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Set, Tuple
 
+import torch
+
 from . import _core
 from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .options import EngineOptions, RangeBuffer, read_records
 from .pickling import TensorVersions, find_storages, pickle_obj
-from .plan import DATA_ALIGNMENT, Batch, Blob, DeviceRegion, MemoryGuard, Plan, Region, Slot
+from .plan import DATA_ALIGNMENT, HANDOFF_RECORDS, Batch, Blob, DeviceRegion, MemoryGuard, Plan, Region, Slot
 
 __all__ = [
     "TorchZipLayout",
@@ -56,6 +58,18 @@ STORAGE_ALIGNMENT = DATA_ALIGNMENT
 SMALL_ALIGNMENT = 64
 #: Prefix of every record name; torch.load ignores it.
 ARCHIVE_NAME = "archive"
+#: A storage's device compares with this in tens of nanoseconds; its
+#: ``.type`` is made anew on every call, ten times as long (per storage,
+#: thousands of times per checkpoint of small tensors).
+_CPU = torch.device("cpu")
+
+
+def _on_cuda(storage: Any) -> bool:
+    """The default staging predicate: a CUDA storage."""
+    dev = storage.device
+    return bool(dev != _CPU and dev.type == "cuda")
+
+
 #: Storage bytes in the first part of a head laid out in parts; each later
 #: part holds twice as many, up to HEAD_PART_MAX.
 HEAD_FIRST_PART = 8 << 20
@@ -96,7 +110,7 @@ class TorchZipLayout:
         self.obj = obj
         self.versions = versions
         self.alignment = alignment
-        self.stage = stage if stage is not None else (lambda st: st.device.type == "cuda")
+        self.stage = stage if stage is not None else _on_cuda
         self.cursor = 0
         self.file_len = 0
         # (name, header offset, size, crc value or None, crc id or None)
@@ -190,14 +204,16 @@ class TorchZipLayout:
         if not items:
             return
         recs, staged_at = [], []
-        for key, found in items:
+        for i, (key, found) in enumerate(items):
+            if not i % HANDOFF_RECORDS:
+                _core.let_engines_in()  # the writer may wait to gather earlier parts
             staged = self.stage(found)
             # Other devices: copy to host memory (what torch.save does); the
             # pickle keeps the original location.
-            storage = found if staged or found.device.type == "cpu" else found.cpu()
+            storage = found if staged or found.device == _CPU else found.cpu()
             crc_id = len(self.storage_keys)
             self.keepalive.append(storage)
-            self.guard.watch(crc_id, storage, f"storage {key} ({storage.device.type})")
+            self.guard.watch(crc_id, storage, f"storage {key} ({storage.device.type if staged else 'cpu'})")
             self.storage_keys.append(key)
             n: int = storage.nbytes()
             self.storage_bytes += n

@@ -334,6 +334,50 @@ def test_head_is_written_while_the_rest_is_laid_out(tmp_path, monkeypatch):
     assert waited == [True]
 
 
+def test_the_layout_hands_the_gil_to_the_engine_waiting_for_it(tmp_path, monkeypatch):
+    """While the caller lays out the head, the engine thread writing the
+    parts laid out before waits for the GIL to gather them; the layout loop
+    hands it over (``_core.let_engines_in``) rather than making it wait for
+    the interpreter's switch interval. Here the layout, once the first part
+    was sent, keeps offering the GIL until the engine thread takes it (up to
+    30 s): an offer that no waiting engine ever takes would spin in vain."""
+    import threading
+    import time
+
+    from fastpersist import _core, torch_zip, writer
+
+    assert _core.let_engines_in() is False  # no engine waits: nothing to hand over
+    sd = {f"t{i}": torch.full((1 << 12,), float(i)) for i in range(4096)}  # 16 KiB each
+    first_sent = threading.Event()
+    taken: list = []
+    real_send = writer.send
+
+    def send(*a, **kw):
+        first_sent.set()
+        return real_send(*a, **kw)
+
+    class Core:
+        def __getattr__(self, name):
+            return getattr(_core, name)
+
+        @staticmethod
+        def let_engines_in():
+            if first_sent.is_set() and not taken:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    if _core.let_engines_in():
+                        taken.append(True)
+                        break
+                else:
+                    taken.append(False)
+            return _core.let_engines_in()
+
+    monkeypatch.setattr(writer, "send", send)
+    monkeypatch.setattr(torch_zip, "_core", Core())
+    roundtrip(sd, tmp_path / "a.pt")
+    assert taken == [True]
+
+
 @pytest.mark.parametrize("where", ["value", "nested list", "tuple"])
 def test_a_tensor_changed_in_place_during_a_synchronous_save_is_caught(tmp_path, monkeypatch, where):
     """write_state_dict records the version counters of every tensor at the

@@ -77,7 +77,7 @@ from ..async_save import LEND_MIN, LEND_PAGE, SnapshotPool
 from ..cuda_staging import read_staged, staging_setup
 from ..errors import CorruptCheckpointError
 from ..options import EngineOptions, gc_paused, read_with, use_engine
-from ..plan import Batch, Blob, DeviceRegion, Plan, Region, Slot
+from ..plan import HANDOFF_RECORDS, Batch, Blob, DeviceRegion, Plan, Region, Slot
 from ..torch_zip import SMALL_ALIGNMENT, STORAGE_ALIGNMENT, plan_torch_save
 from ..writer import write_streamed
 
@@ -691,9 +691,11 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             # each written while the next is resolved and laid out; once a
             # device tensor comes, the rest is written at the end (staged).
             budget, pending = STREAM_FIRST_PART, 0
-            for item in items:
+            for i, item in enumerate(items):
                 if item.type == WriteItemType.BYTE_IO:
                     continue
+                if not i % HANDOFF_RECORDS:
+                    _core.let_engines_in()  # the writer may wait to gather earlier parts
                 data = planner.resolve_data(item)
                 if not isinstance(data, torch.Tensor):
                     raise TypeError(
