@@ -18,10 +18,8 @@
 //! free, read only while the guard is held) the calling thread takes the
 //! guard and checks each extent's memory before handing it out, and keeps
 //! the guard while any worker may still be copying: it gives the guard back
-//! (after a slice, or to wait for the device) only once every worker has
-//! said it is done reading caller memory. So the copies, too, run on all
-//! the workers, and the checksums of the last copies (read from the arena)
-//! run while the guard is already back.
+//! (after a slice, or to wait for the device) only once every extent handed
+//! out has come back. So the copies, too, run on all the workers.
 //!
 //! Workers are scoped to the call: every one has finished with its buffer
 //! before the call returns, also on an error.
@@ -152,13 +150,9 @@ pub(crate) fn pump_parallel(
     p: &mut Pumping<'_>,
 ) -> Result<()> {
     let guarded = guard::installed();
-    // Under a guard, a worker says when it has done reading caller memory
-    // (the copy), before it checksums the copy: the guard is not needed for that.
-    let (read_tx, read_rx) = mpsc::channel::<()>();
-    let read_tx = guarded.then_some(&read_tx);
     with_workers(
         threads,
-        |t: Task| gather_task(layout, extents, t, read_tx),
+        |t: Task| gather_task(layout, extents, t),
         |task_tx, done_rx| {
             coordinate(
                 layout,
@@ -168,7 +162,7 @@ pub(crate) fn pump_parallel(
                 p,
                 (guarded, threads * 2),
                 task_tx,
-                (done_rx, &read_rx),
+                done_rx,
             )
         },
     )
@@ -220,29 +214,16 @@ fn serve<T, R>(rx: &Mutex<mpsc::Receiver<T>>, tx: &mpsc::Sender<R>, work: impl F
 
 /// A gather thread's task: copy the extent and checksum it (an extent
 /// written from caller memory: checksum it where it lies).
-fn gather_task(
-    layout: &Layout,
-    extents: &[Extent],
-    t: Task,
-    read: Option<&mpsc::Sender<()>>,
-) -> Gathered {
+fn gather_task(layout: &Layout, extents: &[Extent], t: Task) -> Gathered {
     let ext = extents[t.seq];
     // Caller memory under a guard: the calling thread checked it and holds
-    // the guard until this task has said it is done reading it (`read`).
-    let done_reading = || {
-        if let Some(tx) = read {
-            // A calling thread that stopped listening has returned an error.
-            let _ = tx.send(());
-        }
-    };
+    // the guard until this task has come back (see `coordinate`).
     let partials = if t.lent {
         // SAFETY: `t.addr..+ext.len` is the caller memory of the extent's one
         // segment (`Lending::source`), valid for reads for the call
         // (`MemRef`'s contract); nobody writes it through this crate.
         let mem = unsafe { std::slice::from_raw_parts(t.addr as *const u8, ext.len) };
-        let partials = checksum_extent(layout, ext, mem);
-        done_reading();
-        partials
+        checksum_extent(layout, ext, mem)
     } else {
         // SAFETY: buffer `t.buf` (at `t.addr`, at least `ext.len` bytes: an
         // extent is at most one buffer) was taken off the free list for this
@@ -250,7 +231,6 @@ fn gather_task(
         // sends it back, and the arena outlives the workers' scope.
         let buf = unsafe { std::slice::from_raw_parts_mut(t.addr as *mut u8, ext.len) };
         copy_extent(layout, ext, buf);
-        done_reading(); // the checksums read the copy, not caller memory
         checksum_extent(layout, ext, buf)
     };
     Gathered {
@@ -272,34 +252,27 @@ fn coordinate(
     p: &mut Pumping<'_>,
     (guarded, window): (bool, usize),
     task_tx: &mpsc::Sender<Task>,
-    (done_rx, read_rx): (&mpsc::Receiver<Gathered>, &mpsc::Receiver<()>),
+    done_rx: &mpsc::Receiver<Gathered>,
 ) -> Result<()> {
     let n = extents.len();
     // Extents handed out but not yet submitted (`outstanding`), of which
-    // `at_workers` have not come back yet, and (under a guard) `reading`
-    // may still be reading caller memory: the guard stays held until those
-    // are done (a worker says so before it checksums its copy).
+    // `at_workers` have not come back yet: under a guard, those may be
+    // reading caller memory, and the guard stays held until they are back.
     let (mut next, mut fin, mut outstanding) = (0usize, 0usize, 0usize);
-    let (mut at_workers, mut reading) = (0usize, 0usize);
+    let mut at_workers = 0usize;
     let mut ready: BTreeMap<usize, Gathered> = BTreeMap::new();
     let lost = || Error::layout("a gather thread ended early");
-    // Under a guard: count the workers done reading (waiting for all of
-    // them with `all`, holding the guard meanwhile).
-    let done_reading = |reading: &mut usize, all: bool| -> Result<()> {
-        while *reading > 0 {
-            if all {
-                read_rx.recv().map_err(|_| lost())?;
-            } else if read_rx.try_recv().is_err() {
-                break;
+    // Before this thread blocks on the device: under a guard, first take
+    // back every extent from the workers (holding the guard meanwhile),
+    // then give the guard back.
+    let quiesce = |ready: &mut BTreeMap<usize, Gathered>, at_workers: &mut usize| -> Result<()> {
+        if guarded {
+            while *at_workers > 0 {
+                let d = done_rx.recv().map_err(|_| lost())?;
+                *at_workers -= 1;
+                ready.insert(d.seq, d);
             }
-            *reading -= 1;
         }
-        Ok(())
-    };
-    // Before this thread blocks: under a guard, first let every worker
-    // finish reading caller memory, then give the guard back.
-    let quiesce = |reading: &mut usize| -> Result<()> {
-        done_reading(reading, true)?;
         guard::before_block();
         Ok(())
     };
@@ -313,8 +286,7 @@ fn coordinate(
                 break;
             }
             if guarded {
-                done_reading(&mut reading, false)?;
-                if reading == 0 {
+                if at_workers == 0 {
                     // Nobody reads under the guard: it may be given back
                     // first, after a slice.
                     guard::before_gather(|| layout.mem_crc_ids(ext))?;
@@ -347,7 +319,6 @@ fn coordinate(
             next += 1;
             outstanding += 1;
             at_workers += 1;
-            reading += usize::from(guarded);
         }
         // Finish, in file order, what the workers have done.
         while let Ok(d) = done_rx.try_recv() {
@@ -358,7 +329,7 @@ fn coordinate(
         while let Some(d) = ready.remove(&fin) {
             outstanding -= 1;
             submit(layout, extents[fin], &d, arena, sink, p, &mut || {
-                quiesce(&mut reading)
+                quiesce(&mut ready, &mut at_workers)
             })?;
             fin += 1;
             progressed = true;
@@ -367,9 +338,7 @@ fn coordinate(
             continue;
         }
         // Nothing to finish yet: wait for a worker (under a guard, holding
-        // it: the next extents are handed out under it at once; giving it
-        // back while the workers only checksum measured no faster), or for
-        // the device.
+        // it: the worker may be reading caller memory), or for the device.
         if at_workers > 0 {
             if !guarded {
                 guard::before_block();
@@ -379,7 +348,7 @@ fn coordinate(
             ready.insert(d.seq, d);
         } else {
             // Handing out waits for a buffer (or a lent id) to come back.
-            quiesce(&mut reading)?;
+            quiesce(&mut ready, &mut at_workers)?;
             sink.reap(p.free, true)?;
         }
     }
