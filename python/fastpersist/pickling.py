@@ -54,6 +54,7 @@ __all__ = [
     "ON_CHANGE",
     "pickle_obj",
     "unpickle",
+    "unpickle_before_data",
     "LocationScan",
     "restore_location",
     "storage_element_size",
@@ -316,6 +317,11 @@ def _fast_dtype(dtype: torch.dtype) -> Optional[Tuple[Any, bytes, int]]:
     raw = _global_raw(st)
     return None if raw is None else (st, raw, _element_size(dtype))
 
+
+#: The host device. Comparing a device with it takes tens of nanoseconds;
+#: a device's ``.type`` is made anew on every call, ten times as long
+#: (per storage, thousands of times per checkpoint of small tensors).
+CPU_DEVICE = torch.device("cpu")
 
 _CPU_PROBE: Any = None
 
@@ -724,16 +730,27 @@ class _RestoreError(Exception):
         self.error = error
 
 
+class _DataPending(Exception):
+    """Raised by a loader made for storages whose bytes are still being
+    read, for a storage whose restore might read them."""
+
+
 class _StorageLoader:
     """``persistent_load`` for torch's storage ids: hands out the storages
     read from the file, each checked against what the pickle needs and
-    moved by ``map_location`` unless already ``placed``."""
+    moved by ``map_location`` unless already ``placed``. ``pending``: the
+    storages' bytes are still being read, so only host storages saved on
+    the CPU, which no restore touches, are handed out (anything else:
+    :class:`_DataPending`)."""
 
-    def __init__(self, storages: Dict[str, Any], path: str, map_location: MapLocation, placed: set) -> None:
+    def __init__(
+        self, storages: Dict[str, Any], path: str, map_location: MapLocation, placed: set, pending: bool = False
+    ) -> None:
         self.storages = storages
         self.path = path
         self.placed = placed
         self.restore = restore_location(map_location)
+        self.pending = pending and map_location is None
         self.typed: Dict[str, Any] = {}
 
     def __call__(self, saved_id: Any) -> Any:
@@ -753,6 +770,8 @@ class _StorageLoader:
             raise CorruptCheckpointError(
                 f"{self.path}: storage {key!r} holds {st.nbytes()} bytes, the pickle needs {need}"
             )
+        if self.pending and (location != "cpu" or st.device != CPU_DEVICE):
+            raise _DataPending(key)
         if key not in self.placed:
             try:
                 st = self.restore(st, location)
@@ -919,6 +938,25 @@ def _unpickler(pkl: bytes, weights_only: bool) -> Any:
     return pickle.Unpickler(io.BytesIO(pkl), encoding="utf-8")
 
 
+def unpickle_before_data(pkl: bytes, storages: Dict[str, Any], path: str, weights_only: bool) -> Tuple[Any, bool]:
+    """:func:`unpickle`'s object for ``map_location=None``, made while the
+    storages' bytes are still being read (the caller waits for the read
+    before anyone may use it), and whether :func:`unpickle` should try the
+    fast path again. Made only by the fast path (plain state dicts, whose
+    objects read no storage bytes as they are made) from host storages
+    saved on the CPU (no restore); else None, and anything else (a pickle
+    the fast path leaves to the unpickler: not tried again; damage) is left
+    to :func:`unpickle` once the bytes are in."""
+    if not FAST_UNPICKLE:
+        return None, False
+    loader = _StorageLoader(storages, path, None, set(), pending=True)
+    try:
+        obj = _fast_unpickle(pkl, weights_only, loader)
+    except Exception:  # noqa: BLE001 - a storage to restore, or damage: the unpickle after the read
+        return None, True
+    return obj, False
+
+
 def unpickle(
     pkl: bytes,
     storages: Dict[str, Any],
@@ -926,9 +964,11 @@ def unpickle(
     map_location: MapLocation,
     weights_only: bool,
     placed: Optional[set] = None,
+    fast: bool = True,
 ) -> Any:
     """Replay the pickle with ``storages``; those in ``placed`` are already
     where ``map_location`` sends them (torch's restore is skipped).
+    ``fast=False``: the fast path already declined this pickle.
 
     Pickles of plain state dicts (dicts, lists, tuples, strings, numbers,
     OrderedDicts, plain tensors, as torch.save and :func:`pickle_obj` write
@@ -946,7 +986,7 @@ def unpickle(
         # else (None) the unpickler, with the same loader: it hands out the
         # storages the fast path already asked for again, without restoring
         # them again (empty ones aside: the loader does not keep those).
-        obj = _fast_unpickle(pkl, weights_only, loader)
+        obj = _fast_unpickle(pkl, weights_only, loader) if fast else None
         if obj is None:
             obj = unpickler.load()
     except CorruptCheckpointError:

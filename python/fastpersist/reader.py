@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from .cuda_staging import DeviceRead, device_for, read_staged, read_targets, sta
 from .distributed import is_sharded_dir, read_sharded
 from .errors import CorruptCheckpointError, drop_frames
 from .options import EngineOptions, PathLike, RangeBuffer, ReadReq, check_path, gc_paused, read_records
-from .pickling import MapLocation, is_legacy_torch, restore_location, unpickle
+from .pickling import MapLocation, is_legacy_torch, restore_location, unpickle, unpickle_before_data
 from .safetensors_format import Entry, is_safetensors, parse_header, torch_dtype_error, torch_shape
 from .torch_zip import (
     HEADERS_BY_ENGINE,
@@ -210,14 +211,18 @@ def _read_data_records(
     targets: Dict[str, torch.device],
     opts: EngineOptions,
     headers: Optional[List[Tuple[int, int]]] = None,
-) -> Tuple[Dict[str, Any], set, List[Tuple[ZipRecord, int]], List[bytes]]:
+    while_reading: Optional[Callable[[Dict[str, Any]], Any]] = None,
+) -> Tuple[Dict[str, Any], set, List[Tuple[ZipRecord, int]], List[bytes], Any]:
     """Every data record into a fresh storage on the device it will end up
     on: host records all in one engine call; device records through the
     registered staging slots with host-to-device copies (pipelined).
     ``headers``: (offset, length) ranges read in the host call too (the
-    local headers of predicted records). Returns the storages by key, the
-    keys already on their CUDA device, each record with the CRC32 of the
-    bytes read, and the bytes of ``headers``."""
+    local headers of predicted records). ``while_reading(storages)``: run
+    on this thread while an engine thread reads the host records (where
+    there are no device records); it must not read the storages' bytes.
+    Returns the storages by key, the keys already on their CUDA device,
+    each record with the CRC32 of the bytes read, the bytes of
+    ``headers``, and what ``while_reading`` returned (else None)."""
     storages: Dict[str, Any] = {}
     placed: set = set()
     host: List[Tuple[ZipRecord, Any]] = []
@@ -233,14 +238,47 @@ def _read_data_records(
             placed.add(key)
         staged.append((r, st))
     heads = RangeBuffer(headers or [])
+    early = None
     try:
         reqs = [(r.data_offset, st.data_ptr(), r.size) for r, st in host] + heads.reqs
-        crcs = read_records(fd, reqs, opts)[: len(host)]
+        if while_reading is not None and not staged and host:
+            crcs, early = _read_meanwhile(fd, reqs, opts, (host, heads), lambda: while_reading(storages))
+        else:
+            crcs = read_records(fd, reqs, opts)
+        crcs = crcs[: len(host)]
         if staged:
             crcs += read_staged(fd, [(r.data_offset, st, r.size) for r, st in staged], opts)
     except ValueError as e:  # the engine's own bounds checks
         raise CorruptCheckpointError(f"{path}: {e}") from None
-    return storages, placed, [(r, crc) for (r, _), crc in zip(host + staged, crcs)], heads.parts()
+    return storages, placed, [(r, crc) for (r, _), crc in zip(host + staged, crcs)], heads.parts(), early
+
+
+def _read_meanwhile(
+    fd: int, reqs: List[ReadReq], opts: EngineOptions, keep: Any, meanwhile: Callable[[], Any]
+) -> Tuple[List[int], Any]:
+    """``read_records(fd, reqs, opts)`` on an engine thread while this one
+    runs ``meanwhile()``; returns both results once the read is done (also
+    when ``meanwhile`` raised: it waits for the read first). The thread
+    holds ``keep`` (the memory read into) until the read has ended, so not
+    even an interrupted wait frees memory the engine is writing."""
+    out: List[Any] = []
+
+    def read(_keep: Any) -> None:
+        try:
+            out.append(read_records(fd, reqs, opts))
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            out.append(e)
+
+    t = threading.Thread(target=read, args=(keep,), name="fastpersist-read", daemon=True)
+    t.start()
+    try:
+        early = meanwhile()
+    finally:
+        t.join()
+    got = out[0]
+    if isinstance(got, BaseException):
+        raise got
+    return got, early
 
 
 def _no_overlap(records: List[ZipRecord], path: str) -> None:
@@ -316,18 +354,26 @@ def _read_torch(
         raise CorruptCheckpointError(f"{path}: written on a {order!r}-endian machine; use torch.load, which byte-swaps")
     keyed = [(r.name[len(data_prefix) :], r) for r in data_recs]
     targets = read_targets(pkl, map_location, [k for k, _ in keyed])
-    storages, placed, checked, read_headers = _read_data_records(fd, path, keyed, targets, opts, headers)
+    # Plain state dicts for the host: their objects are made while the
+    # bytes are read (they read none of them); used once the read is done.
+    meanwhile = None if map_location is not None else (lambda sts: unpickle_before_data(pkl, sts, path, weights_only))
+    storages, placed, checked, read_headers, early = _read_data_records(
+        fd, path, keyed, targets, opts, headers, meanwhile
+    )
     if headers is not None and not confirm_predicted(data_entries, data_recs, read_headers):
         # Not laid out as torch lays out records: read where the headers say.
         data_recs = resolve_records(fd, d, data_entries, opts)
         records = small + data_recs
         _no_overlap(records, path)
         keyed = [(r.name[len(data_prefix) :], r) for r in data_recs]
-        storages, placed, checked, _ = _read_data_records(fd, path, keyed, targets, opts)
+        storages, placed, checked, _, early = _read_data_records(fd, path, keyed, targets, opts, None, meanwhile)
     if verify:
         unchecked += check_crcs(checked, unrecorded, path)
     nbytes = sum(r.size for _, r in keyed) + len(pkl)
-    return unpickle(pkl, storages, path, map_location, weights_only, placed), nbytes, len(records)
+    obj, fast = early if early is not None else (None, True)
+    if obj is None:
+        obj = unpickle(pkl, storages, path, map_location, weights_only, placed, fast)
+    return obj, nbytes, len(records)
 
 
 def _read_legacy(fd: int, size: int, path: str, map_location: MapLocation, weights_only: bool) -> Tuple[Any, int, int]:

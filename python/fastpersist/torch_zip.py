@@ -25,12 +25,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Set, Tuple
 
-import torch
-
 from . import _core
 from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .options import EngineOptions, RangeBuffer, read_records
-from .pickling import TensorVersions, find_storages, pickle_obj
+from .pickling import CPU_DEVICE, TensorVersions, find_storages, pickle_obj
 from .plan import DATA_ALIGNMENT, HANDOFF_RECORDS, Batch, Blob, DeviceRegion, MemoryGuard, Plan, Region, Slot
 
 __all__ = [
@@ -58,16 +56,12 @@ STORAGE_ALIGNMENT = DATA_ALIGNMENT
 SMALL_ALIGNMENT = 64
 #: Prefix of every record name; torch.load ignores it.
 ARCHIVE_NAME = "archive"
-#: A storage's device compares with this in tens of nanoseconds; its
-#: ``.type`` is made anew on every call, ten times as long (per storage,
-#: thousands of times per checkpoint of small tensors).
-_CPU = torch.device("cpu")
 
 
 def _on_cuda(storage: Any) -> bool:
     """The default staging predicate: a CUDA storage."""
     dev = storage.device
-    return bool(dev != _CPU and dev.type == "cuda")
+    return bool(dev != CPU_DEVICE and dev.type == "cuda")
 
 
 #: Storage bytes in the first part of a head laid out in parts; each later
@@ -210,7 +204,7 @@ class TorchZipLayout:
             staged = self.stage(found)
             # Other devices: copy to host memory (what torch.save does); the
             # pickle keeps the original location.
-            storage = found if staged or found.device == _CPU else found.cpu()
+            storage = found if staged or found.device == CPU_DEVICE else found.cpu()
             crc_id = len(self.storage_keys)
             self.keepalive.append(storage)
             self.guard.watch(crc_id, storage, f"storage {key} ({storage.device.type if staged else 'cpu'})")

@@ -376,16 +376,18 @@ def test_a_replaced_rebuild_function_is_left_to_the_unpickler(tmp_path: Any, mon
 
 
 def _unpickle_args(path: Any, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> Tuple[Any, ...]:
-    """The arguments read_state_dict hands pickling.unpickle."""
+    """The arguments read_state_dict hands pickling.unpickle (made to: not
+    while the bytes are read, by ``unpickle_before_data``)."""
     seen: List[Tuple[Any, ...]] = []
     real = fastpersist.reader.unpickle
 
     def grab(*args: Any) -> Any:
-        seen.append(args)
+        seen.append(args[:6])
         return real(*args)
 
     with monkeypatch.context() as m:
         m.setattr(fastpersist.reader, "unpickle", grab)
+        m.setattr(fastpersist.reader, "unpickle_before_data", lambda *a: (None, True))
         fastpersist.read_state_dict(path, **kwargs)
     return seen[0]
 

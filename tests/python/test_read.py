@@ -439,3 +439,99 @@ def test_no_garbage_collection_while_a_read_unpickles(tmp_path):
         fastpersist.read_state_dict(tmp_path / "many.pt")
         assert not gc.isenabled()
         gc.enable()
+
+
+def _spy_read(monkeypatch, before=None):
+    """reader.read_records wrapped: ``before()`` runs first on the read's
+    thread; returns a log of (thread name, finished)."""
+    import threading
+
+    from fastpersist import reader
+
+    real, log = reader.read_records, []
+
+    def read_records(*a, **kw):
+        if before is not None:
+            before()
+        out = real(*a, **kw)
+        log.append(threading.current_thread().name)
+        return out
+
+    monkeypatch.setattr(reader, "read_records", read_records)
+    return log
+
+
+def test_plain_state_dicts_are_unpickled_while_their_bytes_are_read(tmp_path, monkeypatch):
+    """The objects of a plain state dict read to the host read none of the
+    storages' bytes as they are made: they are made while an engine thread
+    reads the bytes (here the read waits, up to 30 s, for them to be begun:
+    made only after the read, they would be begun in vain), and the slow
+    unpickle is not run."""
+    import threading
+
+    from fastpersist import reader
+
+    sd = {f"t{i}": make((i % 5 + 1, 40), torch.float32, i) for i in range(300)}
+    sd["view"] = sd["t3"][1:]
+    fastpersist.write_state_dict(sd, tmp_path / "a.pt")
+    begun, waited, slow = threading.Event(), [], []
+    real_early, real_unpickle = reader.unpickle_before_data, reader.unpickle
+
+    def early(*a, **kw):
+        begun.set()
+        return real_early(*a, **kw)
+
+    monkeypatch.setattr(reader, "unpickle_before_data", early)
+    monkeypatch.setattr(reader, "unpickle", lambda *a, **kw: slow.append(1) or real_unpickle(*a, **kw))
+    log = _spy_read(monkeypatch, before=lambda: waited.append(begun.wait(30)))
+    got = fastpersist.read_state_dict(tmp_path / "a.pt")
+    assert_same(sd, got)
+    assert got["view"].untyped_storage().data_ptr() == got["t3"].untyped_storage().data_ptr()
+    assert waited == [True] and log == ["fastpersist-read"] and slow == []
+
+
+@pytest.mark.parametrize("case", ["map_location", "object", "declined"])
+def test_objects_that_may_need_the_bytes_are_made_after_the_read(tmp_path, monkeypatch, case):
+    """Where making the objects may read the storages (a map_location's
+    restore, an arbitrary object's reduction), or the early path declines,
+    they are made once the bytes are in, by the unpickle as before."""
+    import fractions
+
+    from fastpersist import reader
+
+    sd = {"a": make((30, 4), torch.float32, 1), "b": make((7,), torch.int64, 2)}
+    if case == "object":
+        sd["obj"] = fractions.Fraction(3, 4)
+    fastpersist.write_state_dict(sd, tmp_path / "a.pt")
+    kw = {"map_location": "cpu"} if case == "map_location" else {"weights_only": case != "object"}
+    slow = []
+    real_unpickle = reader.unpickle
+    monkeypatch.setattr(reader, "unpickle", lambda *a, **k: slow.append(1) or real_unpickle(*a, **k))
+    if case == "declined":
+        monkeypatch.setattr(reader, "unpickle_before_data", lambda *a, **k: (None, True))
+    assert_same(sd, fastpersist.read_state_dict(tmp_path / "a.pt", **kw))
+    assert slow == [1]
+
+
+def test_an_interrupted_early_unpickle_waits_for_the_read(tmp_path, monkeypatch):
+    """An exception while the objects are made early (Ctrl-C) propagates
+    only once the engine has finished writing into the storages."""
+    import time
+
+    from fastpersist import reader
+
+    sd = {f"t{i}": make((64, 64), torch.float32, i) for i in range(20)}
+    fastpersist.write_state_dict(sd, tmp_path / "a.pt")
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reader, "unpickle_before_data", interrupted)
+    log = _spy_read(monkeypatch, before=lambda: time.sleep(0.3))
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            fastpersist.read_state_dict(tmp_path / "a.pt")
+        finally:
+            assert log == ["fastpersist-read"]  # the read had ended
+    monkeypatch.undo()
+    assert_same(sd, fastpersist.read_state_dict(tmp_path / "a.pt"))
