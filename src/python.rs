@@ -107,6 +107,29 @@ fn let_engines_in(py: Python<'_>) -> bool {
     true
 }
 
+/// In a `fork()` child: no engine thread of the parent exists here, so none
+/// waits (a count inherited from a thread caught waiting at the fork would
+/// make every [`let_engines_in`] wait its full [`HANDOFF_MAX`]).
+extern "C" fn no_waiters_in_child() {
+    GIL_WAITERS.store(0, Ordering::SeqCst);
+}
+
+/// Register [`no_waiters_in_child`] once per process.
+fn reset_waiters_at_fork() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: registers a handler that only stores to an atomic
+        // (async-signal-safe, as a fork child handler must be).
+        unsafe { libc::pthread_atfork(None, None, Some(no_waiters_in_child)) };
+    });
+}
+
+/// How many engine threads wait for the GIL now (diagnostics and tests).
+#[pyfunction]
+fn engines_waiting() -> usize {
+    GIL_WAITERS.load(Ordering::SeqCst)
+}
+
 /// Python's name for [`let_engines_in`], for layout loops written in Python.
 #[pyfunction]
 #[pyo3(name = "let_engines_in")]
@@ -2354,6 +2377,7 @@ fn fast_unpickle<'py>(
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    reset_waiters_at_fork();
     m.add_class::<PyEngine>()?;
     m.add_class::<PySession>()?;
     m.add_class::<PyHostBuffer>()?;
@@ -2363,6 +2387,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
     m.add_function(wrap_pyfunction!(let_engines_in_py, m)?)?;
+    m.add_function(wrap_pyfunction!(engines_waiting, m)?)?;
     m.add_function(wrap_pyfunction!(crc32, m)?)?;
     m.add_function(wrap_pyfunction!(zip_local_header, m)?)?;
     m.add_function(wrap_pyfunction!(zip_local_header_len, m)?)?;

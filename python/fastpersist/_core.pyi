@@ -49,6 +49,7 @@ __all__ = [
     "partition",
     "dio_alignment",
     "let_engines_in",
+    "engines_waiting",
     "crc32",
     "zip_local_header",
     "zip_local_header_len",
@@ -254,6 +255,9 @@ def let_engines_in() -> bool:
     memory, if one is (for loops that lay out a file while its earlier
     parts are written); an atomic load when none waits. Returns whether
     one waited."""
+
+def engines_waiting() -> int:
+    """How many engine threads wait for the GIL now (0 in a fork child)."""
 
 def crc32(data: bytes) -> int: ...
 def zip_local_header(name: bytes, header_off: int, size: int, align: int) -> bytes: ...

@@ -378,6 +378,43 @@ def test_the_layout_hands_the_gil_to_the_engine_waiting_for_it(tmp_path, monkeyp
     assert taken == [True]
 
 
+_AT_FORK: list = []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_fork_child_has_no_engine_waiting_for_the_gil(tmp_path):
+    """A child forked while an engine thread of the parent waits for the GIL
+    (the parent keeps the GIL in a loop of Python until one waits; the
+    count is taken in a before-fork hook, with the GIL held up to the fork)
+    sees none waiting: its layout loops would otherwise wait 1 ms at every
+    offer, for an engine thread that does not exist there."""
+    import threading
+    import time
+
+    from fastpersist import _core
+
+    if not _AT_FORK:
+        _AT_FORK.append(None)
+        os.register_at_fork(before=lambda: _AT_FORK.append(_core.engines_waiting()))
+    seen = []
+    for attempt in range(20):
+        sd = {f"t{i}": torch.full((1 << 12,), float(i)) for i in range(4096)}
+        t = threading.Thread(target=fastpersist.write_state_dict, args=(sd, tmp_path / f"{attempt}.pt"))
+        t.start()
+        deadline = time.monotonic() + 30
+        while _core.engines_waiting() == 0 and time.monotonic() < deadline and t.is_alive():
+            pass
+        pid = os.fork()
+        if pid == 0:
+            os._exit(10 + _core.engines_waiting() + 2 * _core.let_engines_in())
+        _, status = os.waitpid(pid, 0)
+        t.join()
+        seen.append((_AT_FORK[-1], os.waitstatus_to_exitcode(status)))
+        if _AT_FORK[-1]:
+            break
+    assert seen[-1] == (1, 10), seen  # one waited in the parent; none in the child
+
+
 @pytest.mark.parametrize("where", ["value", "nested list", "tuple"])
 def test_a_tensor_changed_in_place_during_a_synchronous_save_is_caught(tmp_path, monkeypatch, where):
     """write_state_dict records the version counters of every tensor at the
