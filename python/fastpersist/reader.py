@@ -204,6 +204,11 @@ def check_crcs(checked: List[Tuple[ZipRecord, int]], unrecorded: Set[str], path:
     return skipped
 
 
+#: Host records from which ``while_reading`` runs while they are read
+#: (fewer: a thread of its own would cost more than the overlap saves).
+MAKE_WHILE_READING = 64
+
+
 def _read_data_records(
     fd: int,
     path: str,
@@ -219,7 +224,8 @@ def _read_data_records(
     ``headers``: (offset, length) ranges read in the host call too (the
     local headers of predicted records). ``while_reading(storages)``: run
     on this thread while an engine thread reads the host records (where
-    there are no device records); it must not read the storages' bytes.
+    there are no device records and at least ``MAKE_WHILE_READING`` host
+    ones); it must not read the storages' bytes.
     Returns the storages by key, the keys already on their CUDA device,
     each record with the CRC32 of the bytes read, the bytes of
     ``headers``, and what ``while_reading`` returned (else None)."""
@@ -241,7 +247,7 @@ def _read_data_records(
     early = None
     try:
         reqs = [(r.data_offset, st.data_ptr(), r.size) for r, st in host] + heads.reqs
-        if while_reading is not None and not staged and host:
+        if while_reading is not None and not staged and len(host) >= MAKE_WHILE_READING:
             crcs, early = _read_meanwhile(fd, reqs, opts, (host, heads), lambda: while_reading(storages))
         else:
             crcs = read_records(fd, reqs, opts)

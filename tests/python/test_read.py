@@ -499,7 +499,8 @@ def test_objects_that_may_need_the_bytes_are_made_after_the_read(tmp_path, monke
 
     from fastpersist import reader
 
-    sd = {"a": make((30, 4), torch.float32, 1), "b": make((7,), torch.int64, 2)}
+    sd = {f"t{i}": make((30, 4), torch.float32, i) for i in range(100)}  # many: the early path is tried
+    sd["b"] = make((7,), torch.int64, 2)
     if case == "object":
         sd["obj"] = fractions.Fraction(3, 4)
     fastpersist.write_state_dict(sd, tmp_path / "a.pt")
@@ -520,7 +521,7 @@ def test_an_interrupted_early_unpickle_waits_for_the_read(tmp_path, monkeypatch)
 
     from fastpersist import reader
 
-    sd = {f"t{i}": make((64, 64), torch.float32, i) for i in range(20)}
+    sd = {f"t{i}": make((64, 64), torch.float32, i) for i in range(100)}
     fastpersist.write_state_dict(sd, tmp_path / "a.pt")
 
     def interrupted(*a, **kw):
@@ -535,3 +536,15 @@ def test_an_interrupted_early_unpickle_waits_for_the_read(tmp_path, monkeypatch)
             assert log == ["fastpersist-read"]  # the read had ended
     monkeypatch.undo()
     assert_same(sd, fastpersist.read_state_dict(tmp_path / "a.pt"))
+
+
+def test_few_records_are_read_before_their_objects_are_made(tmp_path, monkeypatch):
+    """Below ``MAKE_WHILE_READING`` records no thread is started for the
+    read: the objects are made after it, on this thread alone."""
+    from fastpersist import reader
+
+    sd = {f"t{i}": make((8, 8), torch.float32, i) for i in range(reader.MAKE_WHILE_READING - 1)}
+    fastpersist.write_state_dict(sd, tmp_path / "a.pt")
+    log = _spy_read(monkeypatch)
+    assert_same(sd, fastpersist.read_state_dict(tmp_path / "a.pt"))
+    assert log == ["MainThread"]
