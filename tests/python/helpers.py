@@ -132,3 +132,21 @@ def gc_runs_inside_fastpersist():
     finally:
         gc.callbacks.remove(cb)
         gc.set_threshold(*old)
+
+
+def first_part_sent(monkeypatch) -> Any:
+    """A ``threading.Event`` set once the first part of a file is handed to
+    an engine session (``writer.send`` spied on for the test)."""
+    import threading
+
+    from fastpersist import writer
+
+    sent = threading.Event()
+    real_send = writer.send
+
+    def send(*a, **kw):
+        sent.set()
+        return real_send(*a, **kw)
+
+    monkeypatch.setattr(writer, "send", send)
+    return sent

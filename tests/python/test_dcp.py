@@ -27,7 +27,7 @@ import dcp_cases  # noqa: E402
 import fastpersist  # noqa: E402
 from fastpersist.dcp import CorruptCheckpointError, FastPersistReader, FastPersistWriter, sidecar_name  # noqa: E402
 from fastpersist.options import EngineOptions, get_engine  # noqa: E402
-from helpers import make  # noqa: E402
+from helpers import first_part_sent, make  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -419,19 +419,11 @@ def test_data_file_is_written_while_later_items_are_resolved(tmp_path, monkeypat
     waits (up to 30 s) for the first write; laid out whole first, it would
     wait in vain. A planner that fails mid-way leaves the previous
     checkpoint and no stray file."""
-    import threading
-
-    from fastpersist import writer
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     sd = {f"t{i:02d}": torch.full((1 << 18,), float(i)) for i in range(64)}  # 1 MiB each
-    first_sent = threading.Event()
+    first_sent = first_part_sent(monkeypatch)
     waited: list = []
-    real_send = writer.send
-
-    def send(*a, **kw):
-        first_sent.set()
-        return real_send(*a, **kw)
 
     class Save(DefaultSavePlanner):
         def resolve_data(self, item):
@@ -439,7 +431,6 @@ def test_data_file_is_written_while_later_items_are_resolved(tmp_path, monkeypat
                 waited.append(first_sent.wait(30))
             return super().resolve_data(item)
 
-    monkeypatch.setattr(writer, "send", send)
     dcp.save(sd, storage_writer=FastPersistWriter(tmp_path), planner=Save())
     assert waited == [True]
     assert_equal(load(tmp_path, dcp.FileSystemReader(tmp_path), sd), sd)

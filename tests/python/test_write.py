@@ -9,7 +9,7 @@ import zipfile
 import fastpersist
 import pytest
 import torch
-from helpers import all_dtypes, assert_same, bits, byte_runs, gc_runs_inside_fastpersist, make
+from helpers import all_dtypes, assert_same, bits, byte_runs, first_part_sent, gc_runs_inside_fastpersist, make
 
 
 def roundtrip(obj, path, **kw):
@@ -310,25 +310,19 @@ def test_head_is_written_while_the_rest_is_laid_out(tmp_path, monkeypatch):
     storages are laid out (then the pickle): the disk starts at once. The
     layout of a later storage waits (up to 30 s) for the first write to
     begin; laid out whole first, it would wait in vain."""
-    import threading
 
-    from fastpersist import torch_zip, writer
+    from fastpersist import torch_zip
 
     sd = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(64)}  # 1 MiB each
-    first_sent = threading.Event()
+    first_sent = first_part_sent(monkeypatch)
     waited: list = []
-    real_send, real_add = writer.send, torch_zip.TorchZipLayout._add_storages
-
-    def send(*a, **kw):
-        first_sent.set()
-        return real_send(*a, **kw)
+    real_add = torch_zip.TorchZipLayout._add_storages
 
     def add_storages(self, items):
         if len(self.storage_keys) <= 40 < len(self.storage_keys) + len(items):
             waited.append(first_sent.wait(30))
         return real_add(self, items)
 
-    monkeypatch.setattr(writer, "send", send)
     monkeypatch.setattr(torch_zip.TorchZipLayout, "_add_storages", add_storages)
     roundtrip(sd, tmp_path / "a.pt")
     assert waited == [True]
@@ -341,20 +335,14 @@ def test_the_layout_hands_the_gil_to_the_engine_waiting_for_it(tmp_path, monkeyp
     the interpreter's switch interval. Here the layout, once the first part
     was sent, keeps offering the GIL until the engine thread takes it (up to
     30 s): an offer that no waiting engine ever takes would spin in vain."""
-    import threading
     import time
 
-    from fastpersist import _core, torch_zip, writer
+    from fastpersist import _core, torch_zip
 
     assert _core.let_engines_in() is False  # no engine waits: nothing to hand over
     sd = {f"t{i}": torch.full((1 << 12,), float(i)) for i in range(4096)}  # 16 KiB each
-    first_sent = threading.Event()
+    first_sent = first_part_sent(monkeypatch)
     taken: list = []
-    real_send = writer.send
-
-    def send(*a, **kw):
-        first_sent.set()
-        return real_send(*a, **kw)
 
     class Core:
         def __getattr__(self, name):
@@ -372,7 +360,6 @@ def test_the_layout_hands_the_gil_to_the_engine_waiting_for_it(tmp_path, monkeyp
                     taken.append(False)
             return _core.let_engines_in()
 
-    monkeypatch.setattr(writer, "send", send)
     monkeypatch.setattr(torch_zip, "_core", Core())
     roundtrip(sd, tmp_path / "a.pt")
     assert taken == [True]
