@@ -23,7 +23,7 @@ import os
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Set, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 from . import _core
 from .errors import CorruptCheckpointError, UnsupportedFormatError
@@ -309,9 +309,10 @@ def plan_torch_save(
 # Reading: the central directory of a torch zip checkpoint.
 
 
-@dataclass(frozen=True)
-class ZipRecord:
-    """One stored record of a zip file."""
+class ZipRecord(NamedTuple):
+    """One stored record of a zip file (a named tuple: made once per record,
+    ten thousand times for a file of small tensors, at a third of a frozen
+    dataclass's cost)."""
 
     name: str
     header_offset: int
