@@ -38,7 +38,7 @@ GUARD_WINDOW = 64 << 20
 
 #: Records a layout loop lays out between two chances for an engine thread
 #: that waits for the GIL (to gather the parts laid out before) to take it
-#: (``_core.let_engines_in``; a power of two).
+#: (``_core.let_engines_in``).
 HANDOFF_RECORDS = 32
 
 
