@@ -1945,9 +1945,11 @@ impl<'py> PickleWalk<'py> {
             self.since_release = 0;
             // A thread waiting for the GIL takes it here, as at the
             // interpreter's switch points (an engine thread writing the
-            // head of this file at once); no Python object is touched.
-            let_engines_in(self.py);
-            self.py.allow_threads(|| ());
+            // head of this file at once: handed over, the GIL has been let
+            // go already); no Python object is touched.
+            if !let_engines_in(self.py) {
+                self.py.allow_threads(|| ());
+            }
         }
         Ok(())
     }

@@ -58,12 +58,6 @@ SMALL_ALIGNMENT = 64
 ARCHIVE_NAME = "archive"
 
 
-def _on_cuda(storage: Any) -> bool:
-    """The default staging predicate: a CUDA storage."""
-    dev = storage.device
-    return bool(dev != CPU_DEVICE and dev.type == "cuda")
-
-
 #: Storage bytes in the first part of a head laid out in parts; each later
 #: part holds twice as many, up to HEAD_PART_MAX.
 HEAD_FIRST_PART = 8 << 20
@@ -77,6 +71,12 @@ _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
 _EOCD = struct.Struct("<IHHHHIIH")  # 22 bytes
 _EOCD64 = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
 _LOCATOR64 = struct.Struct("<IIQI")  # 20 bytes
+
+
+def _on_cuda(storage: Any) -> bool:
+    """The default staging predicate: a CUDA storage."""
+    dev = storage.device
+    return bool(dev != CPU_DEVICE and dev.type == "cuda")
 
 
 class TorchZipLayout:
