@@ -58,6 +58,7 @@ __all__ = [
     "LocationScan",
     "restore_location",
     "storage_element_size",
+    "element_size",
     "weights_only_message",
     "is_legacy_torch",
     "LEGACY_MAGIC",
@@ -239,7 +240,7 @@ class _Pickler(pickle.Pickler):
         t = type(o)
         if t is _StorageRef:
             storage, dtype = o.storage, o.dtype
-            return self._storage_id(o, storage, dtype, _storage_type(dtype), storage.nbytes() // _element_size(dtype))
+            return self._storage_id(o, storage, dtype, _storage_type(dtype), storage.nbytes() // element_size(dtype))
         if t in _PLAIN:
             return None
         if isinstance(o, torch.storage.TypedStorage):
@@ -274,7 +275,10 @@ class _Pickler(pickle.Pickler):
 _elem_sizes: Dict[torch.dtype, int] = {}
 
 
-def _element_size(dtype: torch.dtype) -> int:
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (looked up once per dtype: asking a
+    tensor made for it costs microseconds, paid per item by callers that
+    size thousands of items)."""
     n = _elem_sizes.get(dtype)
     if n is None:
         n = _elem_sizes[dtype] = torch.empty((), dtype=dtype).element_size()
@@ -315,7 +319,7 @@ def _fast_dtype(dtype: torch.dtype) -> Optional[Tuple[Any, bytes, int]]:
         return None
     st = _storage_type(dtype)
     raw = _global_raw(st)
-    return None if raw is None else (st, raw, _element_size(dtype))
+    return None if raw is None else (st, raw, element_size(dtype))
 
 
 #: The host device. Comparing a device with it takes tens of nanoseconds;
@@ -667,7 +671,7 @@ def storage_element_size(type_name: str) -> int:
 def _storage_element_sizes(type_name: str) -> Optional[int]:
     cls = getattr(torch, type_name, None) if type_name.endswith("Storage") and type_name.isidentifier() else None
     dtype = _class_dtype(cls) if isinstance(cls, type) else None
-    return _element_size(dtype) if dtype is not None else None
+    return element_size(dtype) if dtype is not None else None
 
 
 @functools.lru_cache(maxsize=64)
@@ -765,7 +769,7 @@ class _StorageLoader:
             )
         dtype = _storage_dtype(storage_type)
         st = self.storages[key]
-        need = int(numel) * torch._utils._element_size(dtype)
+        need = int(numel) * element_size(dtype)
         if need > st.nbytes():
             raise CorruptCheckpointError(
                 f"{self.path}: storage {key!r} holds {st.nbytes()} bytes, the pickle needs {need}"

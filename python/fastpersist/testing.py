@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .pickling import element_size
 from .reader import read_state_dict
 from .writer import write_state_dict
 
@@ -242,7 +243,7 @@ def dtypes() -> Any:
 
 def _from_bytes(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
     """A 1-D tensor of ``dtype`` holding ``raw`` (whole elements), bit for bit."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = element_size(dtype)
     if dtype is torch.bool:
         raw = bytes(b & 1 for b in raw)  # a bool byte holds 0 or 1
     n = len(raw) // size

@@ -162,6 +162,36 @@ def test_reads_into_destinations_are_not_split_by_the_temporary_buffer_bound(tmp
     assert len(calls) == 3, calls
 
 
+def test_the_small_pieces_of_many_items_share_temporary_chunks(tmp_path, monkeypatch):
+    """Each item read into its destination also reads its blob's head and
+    tail (a few hundred bytes, for the CRC32). They were two tensors made per
+    item, 20,000 for a checkpoint of 10,000 small tensors; now they are cut
+    from shared chunks. A damaged tail is still caught."""
+    import fastpersist.integrations.dcp as mod
+
+    g = torch.Generator().manual_seed(8)
+    sd = {f"t{i}": torch.randn(16 + i, generator=g) for i in range(300)}
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    kept = []
+    real = mod.FastPersistReader._read_batch
+
+    def spy(self, fd, path, batch, planner):
+        kept.append((len(batch.pending), len(batch.keep)))
+        return real(self, fd, path, batch, planner)
+
+    monkeypatch.setattr(mod.FastPersistReader, "_read_batch", spy)
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+    assert sum(p for p, _ in kept) == len(sd), kept
+    # 600 pieces of at most 512 bytes: a few chunks, not one tensor each.
+    assert sum(k for _, k in kept) <= 4 * len(kept), kept
+    # A byte flipped in the last item's tail (its central directory): caught.
+    rel, entries = next(iter(sidecar(tmp_path)["files"].items()))
+    offset, length = max(entries, key=lambda e: e[0])[:2]
+    _flip(tmp_path / rel, offset + length - 30)
+    with raises(CorruptCheckpointError, "'t299'.*CRC32"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+
+
 def test_templates_outlive_many_shapes_and_stay_bounded(tmp_path, monkeypatch):
     """The writer's per-(dtype, shape) blob templates were all dropped
     whenever the cache passed 4096 entries, so every save of a state with

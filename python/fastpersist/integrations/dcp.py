@@ -77,6 +77,7 @@ from ..async_save import LEND_MIN, LEND_PAGE, SnapshotPool
 from ..cuda_staging import read_staged, staging_setup
 from ..errors import CorruptCheckpointError
 from ..options import EngineOptions, gc_paused, read_with, use_engine
+from ..pickling import element_size
 from ..plan import HANDOFF_RECORDS, Batch, Blob, DeviceRegion, Plan, Region, Slot
 from ..torch_zip import SMALL_ALIGNMENT, STORAGE_ALIGNMENT, plan_torch_save
 from ..writer import write_streamed
@@ -111,6 +112,9 @@ _OWN_DATA = re.compile(rf"__(\d+)_\d+\.([0-9a-f]{{{_TAG_LEN}}})\.distcp")
 _OWN_SIDECAR = re.compile(rf"\.fastpersist-([0-9a-f]{{{_TAG_LEN}}})\.crc32")
 #: Bytes of temporary buffers one read call fills at most.
 READ_BATCH_BYTES = 256 << 20
+#: The small pieces a read batch reads only for their CRC32s (the heads and
+#: tails of items' blobs) share temporary chunks of this many bytes.
+PIECE_CHUNK = 256 << 10
 
 
 def _tag(save_id: Optional[str]) -> str:
@@ -380,7 +384,7 @@ def _item_size(item: WriteItem) -> int:
     n = 1
     for s in item.tensor_data.size:
         n *= s
-    return n * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+    return n * element_size(item.tensor_data.properties.dtype)
 
 
 def _buckets(items: Sequence[WriteItem], n: int) -> List[List[WriteItem]]:
@@ -847,17 +851,39 @@ class _ReadBatch:
         self.pending: List[_Pending] = []
         self.keep: List[Any] = []
         self.temp_bytes = 0
+        # The chunk small pieces are cut from: its address and bytes left.
+        self._piece_at = 0
+        self._piece_room = 0
 
     def add(self, off: int, n: int, addr: Optional[int] = None) -> int:
         """A request for ``n`` bytes at ``off`` into ``addr`` (else into a
         temporary buffer); returns its index."""
         if addr is None:
+            addr = self._temp(n)
+        self.reqs.append((off, addr, n))
+        return len(self.reqs) - 1
+
+    def _temp(self, n: int) -> int:
+        """The address of ``n`` bytes of temporary memory, kept until the
+        batch is read. The heads and tails of items' blobs (read only for
+        their CRC32s; two per item, a few hundred bytes each) are cut from
+        shared chunks: one allocation for thousands of them."""
+        if n > PIECE_CHUNK // 16:
             buf = torch.empty(n, dtype=torch.uint8)
             self.keep.append(buf)
             self.temp_bytes += n
-            addr = buf.data_ptr()
-        self.reqs.append((off, addr, n))
-        return len(self.reqs) - 1
+            return buf.data_ptr()
+        if n > self._piece_room:
+            chunk = torch.empty(PIECE_CHUNK, dtype=torch.uint8)
+            self.keep.append(chunk)
+            self._piece_at, self._piece_room = chunk.data_ptr(), PIECE_CHUNK
+        # The bound counts the bytes cut (a chunk's unused rest, less than
+        # PIECE_CHUNK per batch, is not counted).
+        self.temp_bytes += n
+        addr = self._piece_at
+        self._piece_at += n
+        self._piece_room -= n
+        return addr
 
 
 class _Unreadable:
@@ -1058,7 +1084,7 @@ class FastPersistReader(StorageReader):
         parts = [batch.add(info.offset, data_off)]
         if not direct:
             batch.temp_bytes += data_len
-        if target.device.type == "cpu":
+        if target.is_cpu:
             parts.append(batch.add(info.offset + data_off, data_len, target.data_ptr() if data_len else None))
         else:
             batch.staged.append((info.offset + data_off, target.untyped_storage(), data_len))
@@ -1093,17 +1119,19 @@ class FastPersistReader(StorageReader):
         n = 1
         for s in sizes:
             n *= s
-        if n * torch.empty((), dtype=dtype).element_size() != crc[4] or crc[3] + crc[4] > crc[1]:
+        if n * element_size(dtype) != crc[4] or crc[3] + crc[4] > crc[1]:
             return None
         whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == sizes
         dest = planner.resolve_tensor(req).detach() if whole else None
+        # is_cpu / is_cuda: no device object made (this runs once per item).
         if dest is not None and dest.dtype == dtype and tuple(dest.shape) == sizes:
-            if dest.device.type == "cpu" and dest.is_contiguous():
+            if dest.is_cpu and dest.is_contiguous():
                 return dest, True
-            if dest.device.type == "cuda" and _exact(dest):
+            if dest.is_cuda and _exact(dest):
                 return dest, True
-        device = dest.device if dest is not None and dest.device.type == "cuda" else torch.device("cpu")
-        return torch.empty(sizes, dtype=dtype, device=device), False
+        if dest is not None and dest.is_cuda:
+            return torch.empty(sizes, dtype=dtype, device=dest.device), False
+        return torch.empty(sizes, dtype=dtype), False
 
     def _finish_item(self, path: str, p: _Pending, got: List[int], staged_crcs: List[int], planner: Any) -> None:
         crc_parts = [staged_crcs[-i - 1] if i < 0 else got[i] for i in p.parts]
