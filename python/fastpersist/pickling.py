@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copyreg
 import functools
+import inspect
 import io
 import logging
 import pickle
@@ -59,6 +60,7 @@ __all__ = [
     "restore_location",
     "storage_element_size",
     "element_size",
+    "load_keeps_every_storage",
     "weights_only_message",
     "is_legacy_torch",
     "LEGACY_MAGIC",
@@ -745,7 +747,15 @@ class _StorageLoader:
     moved by ``map_location`` unless already ``placed``. ``pending``: the
     storages' bytes are still being read, so only host storages saved on
     the CPU, which no restore touches, are handed out (anything else:
-    :class:`_DataPending`)."""
+    :class:`_DataPending`).
+
+    A record referenced again gets what the installed ``torch.load`` gives
+    it (:func:`load_keeps_every_storage`): the storage handed out before;
+    where torch keeps only storages with a data pointer, a storage of its
+    own when the first had none (an empty one, or one restored to
+    ``meta``); where torch keeps every storage, a reference of another
+    dtype gets the same bytes under that dtype, or a storage of its own
+    when the sizes disagree."""
 
     def __init__(
         self, storages: Dict[str, Any], path: str, map_location: MapLocation, placed: set, pending: bool = False
@@ -756,13 +766,16 @@ class _StorageLoader:
         self.restore = restore_location(map_location)
         self.pending = pending and map_location is None
         self.typed: Dict[str, Any] = {}
+        # Records handed out and not kept: a later reference gets its own.
+        self.handed: set = set()
 
     def __call__(self, saved_id: Any) -> Any:
         if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] != "storage":
             raise CorruptCheckpointError(f"{self.path}: the pickle names an unknown persistent id {saved_id!r}")
         _, storage_type, key, location, numel = saved_id
-        if key in self.typed:
-            return self.typed[key]
+        kept = self.typed.get(key)
+        if kept is not None and (kept.dtype == _storage_dtype(storage_type) or not load_keeps_every_storage()):
+            return kept  # the older rule hands it out whatever the dtype asked for
         if key not in self.storages:
             raise CorruptCheckpointError(
                 f"{self.path}: the pickle refers to storage {key!r}, which the file does not hold"
@@ -774,17 +787,51 @@ class _StorageLoader:
             raise CorruptCheckpointError(
                 f"{self.path}: storage {key!r} holds {st.nbytes()} bytes, the pickle needs {need}"
             )
+        if kept is not None:  # torch keeps every storage; this reference asks for another dtype
+            if kept._untyped_storage.nbytes() == need:
+                return torch.storage.TypedStorage(wrap_storage=kept._untyped_storage, dtype=dtype, _internal=True)
+            st = _own_copy(st, need)  # a storage of its own; the kept one stays
         if self.pending and (location != "cpu" or st.device != CPU_DEVICE):
             raise _DataPending(key)
+        if key in self.handed:
+            st = _own_copy(st, need)
         if key not in self.placed:
             try:
                 st = self.restore(st, location)
             except Exception as e:
                 raise _RestoreError(e) from e
         ts = torch.storage.TypedStorage(wrap_storage=st, dtype=dtype, _internal=True)
-        if ts._data_ptr() != 0:
-            self.typed[key] = ts
+        if kept is None:
+            if ts._data_ptr() != 0 or load_keeps_every_storage():
+                self.typed[key] = ts
+            else:
+                self.handed.add(key)
         return ts
+
+
+def _own_copy(st: Any, nbytes: int) -> Any:
+    """A new storage holding the first ``nbytes`` of ``st`` (what torch.load
+    makes when it reads a record again), on ``st``'s device."""
+    if nbytes == 0:
+        return torch.UntypedStorage(0, device=st.device)
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)[:nbytes].clone().untyped_storage()
+
+
+@functools.cache
+def load_keeps_every_storage() -> bool:
+    """Whether the installed ``torch.load`` hands every reference to a
+    record the storage it made for the first (torch 2.15 does), or keeps
+    only storages with a data pointer (torch 2.11 does: a reference to an
+    empty storage, or to one restored to ``meta``, gets a storage of its
+    own). Asked of ``torch.save``/``torch.load`` themselves (unpatched),
+    once per process, and only by a load that meets such a storage twice."""
+    save, load = inspect.unwrap(torch.save), inspect.unwrap(torch.load)
+    empty = torch.empty(0)
+    buf = io.BytesIO()
+    save([empty, empty[:0]], buf)  # two tensors (one would be memoized), one storage
+    buf.seek(0)
+    a, b = load(buf, weights_only=True)
+    return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
 
 
 def _torch_wo_message() -> Optional[Callable[[str], str]]:

@@ -449,3 +449,46 @@ def test_17_5_safetensors_refusals_are_value_and_runtime_errors(tmp_path):
         )
         assert isinstance(err, ValueError) or isinstance(err, RuntimeError), err
     assert not os.path.exists(tmp_path / "x.safetensors")
+
+
+def _sharing(obj) -> list:
+    """Which storage each tensor of a list has (numbered by first
+    appearance), and its dtype."""
+    ids: dict = {}
+    return [(ids.setdefault(t.untyped_storage()._cdata, len(ids)), t.dtype, t.device.type) for t in obj]
+
+
+def _shared_storages() -> dict:
+    a, e = torch.arange(4.0), torch.tensor([])
+    return {
+        "empty storage, two tensors": [e, e[:0], e.view(0)],
+        "empty storage, two dtypes": [e, e.view(torch.int32)],
+        "storage with data, two tensors": [a, a[1:], a[:2]],
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_shared_storages()))
+@pytest.mark.parametrize("map_location", [None, "meta"])
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("writer", ["torch.save", "fastpersist"])
+def test_17_6_storages_shared_on_load_as_torch_load_shares_them(
+    tmp_path, monkeypatch, case, map_location, fast, writer
+):
+    """A record that several tensors refer to: torch 2.11's torch.load
+    keeps only storages with a data pointer, so each reference to an empty
+    storage (or to one loaded to ``meta``) gets a storage of its own; torch
+    2.15's keeps every storage. fastpersist's loader shared the empty one
+    under the first rule and gave meta references storages of their own
+    under the second (found by the random-object test on torch 2.11)."""
+    from fastpersist import pickling
+
+    monkeypatch.setattr(pickling, "FAST_UNPICKLE", fast)
+    obj = _shared_storages()[case]
+    path = tmp_path / "x.pt"
+    if writer == "torch.save":
+        torch.save(obj, path)
+    else:
+        fastpersist.write_state_dict(obj, path)
+    want = _sharing(torch.load(path, weights_only=True, map_location=map_location))
+    got = _sharing(fastpersist.read_state_dict(path, weights_only=True, map_location=map_location))
+    assert got == want
