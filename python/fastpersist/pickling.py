@@ -793,8 +793,10 @@ class _StorageLoader:
             st = _own_copy(st, need)  # a storage of its own; the kept one stays
         if self.pending and (location != "cpu" or st.device != CPU_DEVICE):
             raise _DataPending(key)
-        if key in self.handed:
-            st = _own_copy(st, need)
+        if key in self.handed and st.nbytes() == 0:
+            # Its own empty storage (one restored to a device without data,
+            # such as meta, is made anew by the restore: no copy of the bytes).
+            st = torch.UntypedStorage(0, device=st.device)
         if key not in self.placed:
             try:
                 st = self.restore(st, location)
@@ -812,8 +814,6 @@ class _StorageLoader:
 def _own_copy(st: Any, nbytes: int) -> Any:
     """A new storage holding the first ``nbytes`` of ``st`` (what torch.load
     makes when it reads a record again), on ``st``'s device."""
-    if nbytes == 0:
-        return torch.UntypedStorage(0, device=st.device)
     return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)[:nbytes].clone().untyped_storage()
 
 
