@@ -830,8 +830,19 @@ def load_keeps_every_storage() -> bool:
     buf = io.BytesIO()
     save([empty, empty[:0]], buf)  # two tensors (one would be memoized), one storage
     buf.seek(0)
-    a, b = load(buf, weights_only=True)
+    # Asked in the middle of a load: torch versions that keep map_location
+    # in a thread-local (which :func:`unpickle` sets) delete it when they end.
+    state = getattr(torch._utils, "_thread_local_state", None)
+    kept = getattr(state, "map_location", _MISSING)
+    try:
+        a, b = load(buf, weights_only=True)
+    finally:
+        if state is not None and kept is not _MISSING:
+            state.map_location = kept
     return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
+
+
+_MISSING = object()
 
 
 def _torch_wo_message() -> Optional[Callable[[str], str]]:

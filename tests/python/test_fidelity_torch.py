@@ -492,3 +492,33 @@ def test_17_6_storages_shared_on_load_as_torch_load_shares_them(
     want = _sharing(torch.load(path, weights_only=True, map_location=map_location))
     got = _sharing(fastpersist.read_state_dict(path, weights_only=True, map_location=map_location))
     assert got == want
+
+
+def test_17_6_the_sharing_probe_keeps_torchs_thread_local_map_location(monkeypatch):
+    """The probe behind the rule above runs inside a load. torch versions
+    that keep ``map_location`` in ``torch._utils._thread_local_state`` (as
+    fastpersist's unpickle sets it for them) delete it when a load ends; the
+    probe's own torch.load must not take it from the load it runs in."""
+    import threading
+
+    from fastpersist import pickling
+
+    state = threading.local()
+    state.map_location = "cpu"
+    real = torch.load
+
+    def load(*args, **kwargs):  # what torch 2.1's load does with the thread-local
+        state.map_location = kwargs.get("map_location")
+        try:
+            return real(*args, **kwargs)
+        finally:
+            del state.map_location
+
+    monkeypatch.setattr(torch._utils, "_thread_local_state", state, raising=False)
+    monkeypatch.setattr(torch, "load", load)
+    pickling.load_keeps_every_storage.cache_clear()
+    try:
+        pickling.load_keeps_every_storage()
+        assert state.map_location == "cpu"
+    finally:
+        pickling.load_keeps_every_storage.cache_clear()
