@@ -787,12 +787,13 @@ class _StorageLoader:
             raise CorruptCheckpointError(
                 f"{self.path}: storage {key!r} holds {st.nbytes()} bytes, the pickle needs {need}"
             )
-        if kept is not None:  # torch keeps every storage; this reference asks for another dtype
-            if kept._untyped_storage.nbytes() == need:
-                return torch.storage.TypedStorage(wrap_storage=kept._untyped_storage, dtype=dtype, _internal=True)
+        if kept is not None and kept._untyped_storage.nbytes() == need:
+            # torch keeps every storage; this reference asks for another dtype
+            return torch.storage.TypedStorage(wrap_storage=kept._untyped_storage, dtype=dtype, _internal=True)
+        if self.pending and (location != "cpu" or st.device != CPU_DEVICE or kept is not None):
+            raise _DataPending(key)  # (a copy of bytes not read yet: after the read)
+        if kept is not None:
             st = _own_copy(st, need)  # a storage of its own; the kept one stays
-        if self.pending and (location != "cpu" or st.device != CPU_DEVICE):
-            raise _DataPending(key)
         if key in self.handed and st.nbytes() == 0:
             # Its own empty storage (one restored to a device without data,
             # such as meta, is made anew by the restore: no copy of the bytes).

@@ -522,3 +522,27 @@ def test_17_6_the_sharing_probe_keeps_torchs_thread_local_map_location(monkeypat
         assert state.map_location == "cpu"
     finally:
         pickling.load_keeps_every_storage.cache_clear()
+
+
+@pytest.mark.parametrize("keeps_every", [True, False])
+def test_17_6_a_reference_of_another_dtype_gets_what_torch_gives_it(monkeypatch, keeps_every):
+    """One record referenced with two dtypes (files torch.save does not
+    write for storages with data, but a pickle can say it): where torch
+    keeps every storage, the same bytes under the new dtype when the sizes
+    agree, else a storage of its own holding the first bytes; where torch
+    keeps only storages with data, the kept storage as it is."""
+    from fastpersist import pickling
+
+    monkeypatch.setattr(pickling, "load_keeps_every_storage", lambda: keeps_every)
+    record = torch.arange(4, dtype=torch.float32).untyped_storage()
+    loader = pickling._StorageLoader({"0": record}, "x.pt", None, set())
+    first = loader(("storage", torch.FloatStorage, "0", "cpu", 4))
+    same_size = loader(("storage", torch.IntStorage, "0", "cpu", 4))
+    shorter = loader(("storage", torch.ByteStorage, "0", "cpu", 8))
+    assert first.dtype == torch.float32
+    if not keeps_every:
+        assert same_size is first and shorter is first
+        return
+    assert same_size.dtype == torch.int32 and same_size._untyped_storage._cdata == first._untyped_storage._cdata
+    assert shorter.dtype == torch.uint8 and shorter._untyped_storage._cdata != first._untyped_storage._cdata
+    assert bytes(shorter._untyped_storage) == bytes(record)[:8]
