@@ -453,7 +453,7 @@ def test_17_5_safetensors_refusals_are_value_and_runtime_errors(tmp_path):
 
 def _sharing(obj) -> list:
     """Which storage each tensor of a list has (numbered by first
-    appearance), and its dtype."""
+    appearance), with its dtype and device type."""
     ids: dict = {}
     return [(ids.setdefault(t.untyped_storage()._cdata, len(ids)), t.dtype, t.device.type) for t in obj]
 
