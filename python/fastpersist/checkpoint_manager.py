@@ -899,10 +899,15 @@ class Checkpointer:
         """``attempt`` on each copy, newest first, until one succeeds (not
         None). A copy that vanished since the listing (retention in another
         process) makes the listing start again: retention deletes only
-        files older than a committed newer one, which the new listing has."""
+        files older than a committed newer one, which the new listing has.
+        An empty listing is confirmed by a second one: reading a directory
+        while another process renames a new checkpoint into it and removes
+        the old one can miss both names."""
+        empty_before = False
         for _ in range(_RELIST):
             vanished = False
-            for _, copies in self.checkpoints():
+            listing = self.checkpoints()
+            for _, copies in listing:
                 for c in copies:
                     try:
                         out = attempt(c)
@@ -913,8 +918,9 @@ class Checkpointer:
                         return out
                 if vanished:
                     break
-            if not vanished:
+            if not vanished and (listing or empty_before):
                 return None
+            empty_before = not listing
         return None
 
     def latest(self, verify: bool = True) -> Optional[CheckpointInfo]:

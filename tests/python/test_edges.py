@@ -173,6 +173,30 @@ def test_22_5_two_savers_keep_call_order(tmp_path):
 # 6. Readers in another process never see a gap.
 
 
+def test_22_6_an_empty_listing_is_confirmed_before_no_checkpoint_is_reported(tmp_path, monkeypatch):
+    """Reading the directory while another process renames a new checkpoint
+    in and removes the old one can miss both names (seen once in 9,666 loads
+    by the test below): load_latest then reported no checkpoint at all. An
+    empty listing is now listed again before None is returned; a directory
+    that is empty stays None."""
+    from fastpersist import checkpoint_manager
+
+    with fastpersist.Checkpointer(tmp_path, every=1, keep_last=1) as ck:
+        ck.save(3, sd(3)).result()
+    real = checkpoint_manager.list_checkpoints
+    calls = []
+
+    def torn(*args, **kwargs):
+        calls.append(None)
+        return [] if len(calls) == 1 else real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_manager, "list_checkpoints", torn)
+    got = fastpersist.Checkpointer(tmp_path).load_latest()
+    assert got is not None and got[0] == 3, (got, len(calls))
+    monkeypatch.setattr(checkpoint_manager, "list_checkpoints", real)
+    assert fastpersist.Checkpointer(tmp_path / "none").load_latest() is None
+
+
 def test_22_6_reader_in_another_process_always_finds_a_checkpoint(tmp_path):
     with fastpersist.Checkpointer(tmp_path, every=1, keep_last=1) as ck:
         ck.save(0, sd(0)).result()
