@@ -76,7 +76,7 @@ from .. import _core
 from ..async_save import LEND_MIN, LEND_PAGE, SnapshotPool
 from ..cuda_staging import read_staged, staging_setup
 from ..errors import CorruptCheckpointError
-from ..options import EngineOptions, gc_paused, read_with, use_engine
+from ..options import EngineOptions, FullGcDeferral, full_gc_deferral, gc_paused, read_with, use_engine
 from ..pickling import element_size
 from ..plan import HANDOFF_RECORDS, Batch, Blob, DeviceRegion, Plan, Region, Slot
 from ..torch_zip import SMALL_ALIGNMENT, STORAGE_ALIGNMENT, plan_torch_save
@@ -551,10 +551,14 @@ class FastPersistWriter(StorageWriter, AsyncStager):
     and directory; leave it on); ``thread_count``: files per rank written at
     once (default 1: one file saturates a disk); ``overwrite``: replace a
     checkpoint at the path (else refuse, like DCP's ``overwrite=False``);
-    ``engine_options``: those of :func:`fastpersist.write_state_dict`
-    (``block_size``, ``arena_bytes``, ``queue_depth``, ``direct``,
-    ``io_uring``). Engines are made on first use in the process that
-    writes, so the writer pickles (DCP's process-based ``async_save``).
+    ``defer_gc``: Python's full collections deferred on this rank from
+    the save's first call into the writer to its last (DCP's own planning
+    of many items, between those calls, sets them off; see
+    :class:`fastpersist.options.FullGcDeferral`); ``engine_options``: those
+    of :func:`fastpersist.write_state_dict` (``block_size``,
+    ``arena_bytes``, ``queue_depth``, ``direct``, ``io_uring``). Engines
+    are made on first use in the process that writes, so the writer
+    pickles (DCP's process-based ``async_save``).
     """
 
     _synchronize_after_execute: bool = True
@@ -567,10 +571,13 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         sync_files: bool = True,
         thread_count: Optional[int] = None,
         overwrite: bool = True,
+        defer_gc: bool = True,
         **engine_options: Any,
     ) -> None:
         super().__init__()
         self.path = _dir(path)
+        self.defer_gc = bool(defer_gc)
+        self._gc: Optional[FullGcDeferral] = None  # made by the first save
         self.single_file_per_rank = bool(single_file_per_rank)
         self.sync_files = bool(sync_files)
         self.thread_count = 1 if thread_count is None else int(thread_count)
@@ -593,6 +600,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state["_stager"] = None  # the pool stays with the process that staged
+        state["_gc"] = None  # a deferral is this process's
         state["_replaced"] = None  # a thread's result: read again where it is needed
         state["last_stats"] = []
         return state
@@ -608,6 +616,14 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
+        if self.defer_gc:  # until this rank's last call: write_data, or finish on the coordinator
+            if self._gc is None:
+                self._gc = full_gc_deferral(self)
+            self._gc.begin()
+
+    def _end_gc_deferral(self) -> None:
+        if self._gc is not None:
+            self._gc.end()
 
     def _metadata_file(self) -> str:
         if not self.use_collectives and self.rank is not None:
@@ -638,8 +654,15 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         # layout allocates tens of thousands of objects that live until the
         # files are written; full collections of the heap (DCP's plans
         # included) cost more than the layout itself on 10,000 small tensors.
-        with gc_paused():
-            return self._write_data(plan, planner)
+        done = False
+        try:
+            with gc_paused():
+                fut = self._write_data(plan, planner)
+            done = True
+            return fut
+        finally:
+            if not (done and self.is_coordinator):  # else finish is still to come
+                self._end_gc_deferral()
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         names: _FileNames = plan.storage_data
@@ -723,8 +746,11 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         """The commit: CRC sidecar, then ``.metadata`` (each written to a
         temporary file, fsynced, renamed, directory fsynced); then the files
         of the checkpoint this one replaces are removed."""
-        with gc_paused():
-            self._finish(metadata, results)
+        try:
+            with gc_paused():
+                self._finish(metadata, results)
+        finally:
+            self._end_gc_deferral()
 
     def _finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         from torch.distributed.checkpoint import filesystem
@@ -810,6 +836,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
 
     def close(self) -> None:
         """Free the staging pool's buffers not in use."""
+        self._end_gc_deferral()
         if self._stager is not None:
             self._stager.close()
 
@@ -905,12 +932,16 @@ class FastPersistReader(StorageReader):
     """A DCP ``StorageReader`` that reads with fastpersist's engine and, with
     ``verify`` (the default), checks each item's CRC32 against the sidecar
     the writer committed (checkpoints without one, e.g. from DCP's own
-    writer, are read unchecked). ``engine_options`` as for the writer."""
+    writer, are read unchecked). ``defer_gc`` and ``engine_options`` as for
+    the writer (full collections deferred from ``set_up_storage_reader`` to
+    the end of ``read_data``)."""
 
-    def __init__(self, path: Any, *, verify: bool = True, **engine_options: Any) -> None:
+    def __init__(self, path: Any, *, verify: bool = True, defer_gc: bool = True, **engine_options: Any) -> None:
         super().__init__()
         self.path = _dir(path)
         self.verify = bool(verify)
+        self.defer_gc = bool(defer_gc)
+        self._gc: Optional[FullGcDeferral] = None
         self.opts = EngineOptions.resolve(**engine_options)
         self.load_id = str(uuid.uuid4())
         self.storage_data: Dict[Any, Any] = {}
@@ -958,7 +989,7 @@ class FastPersistReader(StorageReader):
 
     def _load_metadata(self, path: str, name: str) -> Metadata:
         try:
-            with open(path, "rb") as f:
+            with open(path, "rb") as f, gc_paused():  # an entry (several objects) per item
                 md = pickle.load(f)
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.path} is not a DCP checkpoint: {name} is missing") from None
@@ -973,6 +1004,10 @@ class FastPersistReader(StorageReader):
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.defer_gc:  # until read_data, this rank's last call
+            if self._gc is None:
+                self._gc = full_gc_deferral(self)
+            self._gc.begin()
         self.rank = kwargs.get("rank")
         self.storage_data = metadata.storage_data
         self.chunks = {}
@@ -1017,8 +1052,12 @@ class FastPersistReader(StorageReader):
     # -- reading --------------------------------------------------------------
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        with gc_paused():  # as for the writer: many objects, none garbage
-            return self._read_data(plan, planner)
+        try:
+            with gc_paused():  # as for the writer: many objects, none garbage
+                return self._read_data(plan, planner)
+        finally:
+            if self._gc is not None:
+                self._gc.end()
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         per_file: Dict[str, List[Any]] = {}
