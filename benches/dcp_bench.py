@@ -157,7 +157,7 @@ def main() -> None:
         worker(int(r), int(w), port, json.loads(cfg))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="2GiB", help="GPT-like state dict size")
+    ap.add_argument("--size", default="2GiB", help="GPT-like state dict size (0: skip)")
     ap.add_argument("--small-count", type=int, default=10_000, help="small tensors (0: skip)")
     ap.add_argument("--small-size", default="1GiB", help="total size of the small tensors")
     ap.add_argument("--ranks", default="1,2")
@@ -169,9 +169,11 @@ def main() -> None:
     ap.add_argument("--async", dest="async_", action="store_true", help="also time dcp.async_save (see above)")
     args = ap.parse_args()
     ranks = [int(x) for x in args.ranks.split(",")]
-    workloads = [("gpt", parse_size(args.size), 0)]
+    workloads = [("gpt", parse_size(args.size), 0)] if parse_size(args.size) else []
     if args.small_count:
         workloads.append(("small", parse_size(args.small_size), args.small_count))
+    if not workloads:
+        ap.error("nothing to run: --size 0 and --small-count 0")
     report: Dict = {}
     with tempfile.TemporaryDirectory(prefix="fastpersist-dcpbench-", dir=args.dir or os.getcwd()) as d:
         size = max(s for _, s, _ in workloads)
