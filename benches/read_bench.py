@@ -83,7 +83,6 @@ def run_workload(name: str, sd: Dict[str, torch.Tensor], d: str, rounds: int, se
         # (every reader above fills new tensors), which bounds them all.
         "fresh memory (allocate + fill)": lambda: fresh_memory(storage_sizes),
     }
-    files = {"safetensors load_file + touch": st_file, "fastpersist (safetensors file)": st_file}
     print(f"{name}: {size / 2**30:.2f} GiB in {len(sd)} tensors, cold reads, {rounds} rounds")
     slots = ["fio (limit)"] + list(readers)
     times: Dict[str, List[float]] = {k: [] for k in readers}
@@ -96,7 +95,9 @@ def run_workload(name: str, sd: Dict[str, torch.Tensor], d: str, rounds: int, se
             if reader == "fio (limit)":
                 limit.measure(d, size, rw="read")
                 continue
-            drop_cache(files.get(reader, fp_file))
+            # Every file of the run out of the page cache, not only the one
+            # read: each reader starts from the same memory state.
+            drop_cache(d)
             times[reader].append(timed(readers[reader]))
         print(
             f"  round {r + 1}: "
