@@ -17,6 +17,8 @@ from typing import Any, Dict, Iterator
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover
@@ -591,6 +593,55 @@ def test_full_gc_deferrals_nest_and_leave_the_callers_thresholds():
         gc.set_threshold(*before)
     w = pickle.loads(pickle.dumps(FastPersistWriter("unused-path")))
     assert w.defer_gc and w._gc is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.sampled_from(["begin", "end"]), st.integers(0, 3)),
+            st.tuples(st.just("caller sets"), st.integers(1, 50)),
+        ),
+        max_size=30,
+    )
+)
+def test_full_gc_deferrals_in_any_order(ops):
+    """Any sequence of begins and ends of several deferrals, with the caller
+    setting thresholds of its own in between: the oldest generation's
+    threshold is deferred exactly while one is held and the caller has not
+    set one since the first began; once none is held, it is the caller's
+    last (or the original)."""
+    import gc
+
+    from fastpersist.options import FullGcDeferral
+
+    original = gc.get_threshold()
+    ds = [FullGcDeferral() for _ in range(4)]
+    callers = original  # the thresholds the caller wants
+    callers_since = False  # the caller set thresholds while one was held
+    try:
+        for op, arg in ops:
+            if op == "caller sets":
+                callers = (original[0], original[1], arg)
+                gc.set_threshold(*callers)
+                callers_since = any(d.held for d in ds)
+            else:
+                was_held = any(d.held for d in ds)
+                getattr(ds[arg], op)()
+                if not was_held and any(d.held for d in ds):
+                    callers_since = False
+            now = gc.get_threshold()
+            assert now[:2] == original[:2]
+            if not any(d.held for d in ds):
+                assert now == callers
+            elif callers_since:
+                assert now == callers
+            else:
+                assert now[2] > callers[2]
+    finally:
+        for d in ds:
+            d.end()
+        gc.set_threshold(*original)
 
 
 def test_data_file_is_written_while_later_items_are_resolved(tmp_path, monkeypatch):
