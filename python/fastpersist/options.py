@@ -519,7 +519,10 @@ def gc_paused() -> Iterator[None]:
 #: Generation-2 threshold while full collections are deferred: never
 #: reached within one checkpoint (it counts generation-1 collections).
 _DEFERRED_THRESHOLD2 = 1 << 30
-_defer_lock = threading.Lock()
+# Re-entrant: a collection set off inside begin/end (the tuples of
+# gc.get_threshold) may run a dropped owner's finalizer, which ends its
+# deferral (a no-op there: none other is held when the depth is 0).
+_defer_lock = threading.RLock()
 _defer_depth = 0
 _defer_saved: Optional[Tuple[int, int]] = None  # (threshold 2 before, as set)
 
@@ -535,9 +538,10 @@ class FullGcDeferral:
     one gloo rank). Young generations are still collected, and reference
     counting frees as usual; only the threshold of the oldest generation is
     raised, and set back when the last deferral ends (unless the caller set
-    thresholds of their own meanwhile). A deferral that is never ended (a
-    save that failed between the hooks) ends when its owner begins again or
-    is dropped: collections are late meanwhile, never off.
+    thresholds of their own meanwhile). A deferral that is not ended (a
+    save that failed between the hooks) ends with its owner's next save or
+    load, or when the owner is closed or dropped: collections are late
+    meanwhile, never off.
 
     ``begin`` and ``end`` are idempotent; deferrals of several owners nest."""
 

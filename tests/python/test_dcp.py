@@ -595,6 +595,58 @@ def test_full_gc_deferrals_nest_and_leave_the_callers_thresholds():
     assert w.defer_gc and w._gc is None
 
 
+def test_an_owner_finalized_inside_a_deferral_call_does_not_deadlock(monkeypatch):
+    """A collection set off inside ``begin``/``end`` (by their own
+    allocations; simulated here at ``gc.get_threshold``) may free a dropped
+    writer caught in a reference cycle, whose finalizer ends its deferral,
+    taking the module's lock again on the same thread."""
+    import gc
+    import threading
+    import types
+    import weakref
+
+    from fastpersist import options
+    from fastpersist.options import FullGcDeferral, full_gc_deferral
+
+    before = gc.get_threshold()
+    finalized = []
+
+    class Owner:
+        pass
+
+    def get_threshold() -> Any:
+        gc.collect()
+        return gc.get_threshold()
+
+    monkeypatch.setattr(
+        options, "gc", types.SimpleNamespace(get_threshold=get_threshold, set_threshold=gc.set_threshold)
+    )
+    done = threading.Event()
+
+    def run() -> None:
+        d = FullGcDeferral()
+        for _ in range(2):  # one owner freed inside begin, one inside end
+            o = Owner()
+            o.me = o  # a cycle: freed only by a collection
+            full_gc_deferral(o)
+            weakref.finalize(o, finalized.append, 1)
+            del o
+            d.begin()
+            o = Owner()
+            o.me = o
+            full_gc_deferral(o)
+            weakref.finalize(o, finalized.append, 2)
+            del o
+            d.end()
+        done.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert done.wait(30), "deadlocked"
+    assert finalized == [1, 2, 1, 2]
+    assert gc.get_threshold() == before
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
