@@ -23,6 +23,13 @@ the writer's reusable staging pool for fastpersist's; one writer per rank
 for every round, so the pools are warm after the first), timed from a
 barrier to the slowest rank's durable result (``async``) and to the return
 of the call (``block``: the staging copy the training loop waits for).
+
+Each synchronous save and load also reports the share of its time spent in
+the storage layer's calls (the writer's ``write_data`` and ``finish``, the
+reader's ``read_metadata`` and ``read_data``, including the planner's
+callbacks made from inside them; the slowest rank's): the rest is DCP's own
+work (planning, its collectives, the pickles of its plans), which no
+storage layer can shorten.
 """
 
 from __future__ import annotations
@@ -50,6 +57,26 @@ from fastpersist.bench import (
 )
 
 WRITERS = ("dcp", "fastpersist")
+STORAGE_CALLS = {"save": ("write_data", "finish"), "load": ("read_metadata", "read_data")}
+
+
+def timed_storage(cls: type, op: str) -> type:
+    """``cls`` with the seconds spent in its storage calls added up in
+    ``storage_seconds`` (per instance)."""
+
+    def wrap(name: str):
+        real = getattr(cls, name)
+
+        def call(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                self.storage_seconds = getattr(self, "storage_seconds", 0.0) + time.perf_counter() - t0
+
+        return call
+
+    return type(cls.__name__, (cls,), {n: wrap(n) for n in STORAGE_CALLS[op]})
 
 
 def worker(rank: int, world: int, port: str, cfg: Dict) -> None:
@@ -71,6 +98,15 @@ def worker(rank: int, world: int, port: str, cfg: Dict) -> None:
     dist.all_gather_object(total, nbytes(mine))
     ops = ("save", "load", "async", "block") if cfg.get("async") else ("save", "load")
     res: Dict[str, List[float]] = {f"{w}-{op}": [] for w in WRITERS for op in ops}
+    share: Dict[str, List[float]] = {f"{w}-{op}": [] for w in WRITERS for op in ("save", "load")}
+    writers = {
+        "dcp": timed_storage(dcp.FileSystemWriter, "save"),
+        "fastpersist": timed_storage(FastPersistWriter, "save"),
+    }
+    readers = {
+        "dcp": timed_storage(dcp.FileSystemReader, "load"),
+        "fastpersist": timed_storage(FastPersistReader, "load"),
+    }
     async_writers = {
         "dcp": dcp.FileSystemWriter(os.path.join(cfg["dir"], "async-dcp"), thread_count=2, sync_files=True),
         "fastpersist": FastPersistWriter(os.path.join(cfg["dir"], "async-fastpersist"), sync_files=True),
@@ -85,9 +121,7 @@ def worker(rank: int, world: int, port: str, cfg: Dict) -> None:
                 time.sleep(cfg["settle"])
             dist.barrier()
             writer = (
-                dcp.FileSystemWriter(path, thread_count=2, sync_files=True)
-                if w == "dcp"
-                else FastPersistWriter(path, sync_files=True)
+                writers[w](path, thread_count=2, sync_files=True) if w == "dcp" else writers[w](path, sync_files=True)
             )
             t0 = time.perf_counter()
             dcp.save(mine, storage_writer=writer)
@@ -97,7 +131,7 @@ def worker(rank: int, world: int, port: str, cfg: Dict) -> None:
                 drop_cache(path)
             dist.barrier()
             dest = {k: torch.empty_like(v) for k, v in mine.items()}
-            reader = dcp.FileSystemReader(path) if w == "dcp" else FastPersistReader(path)
+            reader = readers[w](path)
             t0 = time.perf_counter()
             dcp.load(dest, storage_reader=reader)
             t_load = time.perf_counter() - t0
@@ -108,6 +142,10 @@ def worker(rank: int, world: int, port: str, cfg: Dict) -> None:
             dist.all_gather_object(times, (t_save, t_load))
             res[f"{w}-save"].append(sum(total) / max(t[0] for t in times) / 1e9)
             res[f"{w}-load"].append(sum(total) / max(t[1] for t in times) / 1e9)
+            inside = [None] * world
+            dist.all_gather_object(inside, (writer.storage_seconds, reader.storage_seconds))
+            share[f"{w}-save"].append(max(t[0] for t in inside) / max(t[0] for t in times))
+            share[f"{w}-load"].append(max(t[1] for t in inside) / max(t[1] for t in times))
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
             if cfg.get("async"):
@@ -129,7 +167,7 @@ def worker(rank: int, world: int, port: str, cfg: Dict) -> None:
     dist.all_gather_object(pools, stager.pool.nbytes if stager is not None else 0)
     if rank == 0:
         with open(cfg["out"], "w") as f:
-            json.dump({"bytes": sum(total), "gbps": res, "staging_pool_bytes": pools}, f)
+            json.dump({"bytes": sum(total), "gbps": res, "storage_share": share, "staging_pool_bytes": pools}, f)
     dist.barrier()
     os._exit(0)  # skip gloo's C++ teardown, which can abort while a peer closes
 
@@ -205,6 +243,12 @@ def main() -> None:
                     ra = f"{a / lim:8.2f}" if lim else f"{'-':>8}"
                     rb = f"{b / lim:7.2f}" if lim else f"{'-':>7}"
                     print(f"{name:<8} {world:>5} {op:<5} {a:9.2f} {b:8.2f} {ra} {rb} {b / a:7.2f}", flush=True)
+                shares = {k: median(v) for k, v in res.get("storage_share", {}).items() if v}
+                if shares:
+                    print(
+                        f"{name:<8} {world:>5} time in the storage calls: "
+                        + ", ".join(f"{w} {op} {shares[f'{w}-{op}']:.0%}" for op in ("save", "load") for w in WRITERS)
+                    )
                 if args.async_:
                     a, b = median(res["gbps"]["dcp-block"]), median(res["gbps"]["fastpersist-block"])
                     print(f"{name:<8} {world:>5} block  dcp {a:.3f} s, fastpersist {b:.3f} s (async_save's return)")
