@@ -616,14 +616,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
-        if self.defer_gc:  # until this rank's last call: write_data, or finish on the coordinator
-            if self._gc is None:
-                self._gc = full_gc_deferral(self)
-            self._gc.begin()
-
-    def _end_gc_deferral(self) -> None:
-        if self._gc is not None:
-            self._gc.end()
+        _begin_gc_deferral(self)  # until this rank's last call: write_data, or finish on the coordinator
 
     def _metadata_file(self) -> str:
         if not self.use_collectives and self.rank is not None:
@@ -654,15 +647,15 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         # layout allocates tens of thousands of objects that live until the
         # files are written; full collections of the heap (DCP's plans
         # included) cost more than the layout itself on 10,000 small tensors.
-        done = False
         try:
             with gc_paused():
                 fut = self._write_data(plan, planner)
-            done = True
-            return fut
-        finally:
-            if not (done and self.is_coordinator):  # else finish is still to come
-                self._end_gc_deferral()
+        except BaseException:
+            _end_gc_deferral(self)
+            raise
+        if not self.is_coordinator:  # else finish is still to come
+            _end_gc_deferral(self)
+        return fut
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         names: _FileNames = plan.storage_data
@@ -750,7 +743,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             with gc_paused():
                 self._finish(metadata, results)
         finally:
-            self._end_gc_deferral()
+            _end_gc_deferral(self)
 
     def _finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         from torch.distributed.checkpoint import filesystem
@@ -836,9 +829,24 @@ class FastPersistWriter(StorageWriter, AsyncStager):
 
     def close(self) -> None:
         """Free the staging pool's buffers not in use."""
-        self._end_gc_deferral()
+        _end_gc_deferral(self)
         if self._stager is not None:
             self._stager.close()
+
+
+def _begin_gc_deferral(owner: Any) -> None:
+    """Full collections deferred from a writer's or reader's first call in
+    a save or load (``owner.defer_gc``; the deferral made on first use, and
+    ended when the owner is dropped, should no later call end it)."""
+    if owner.defer_gc:
+        if owner._gc is None:
+            owner._gc = full_gc_deferral(owner)
+        owner._gc.begin()
+
+
+def _end_gc_deferral(owner: Any) -> None:
+    if owner._gc is not None:
+        owner._gc.end()
 
 
 def _local_path(checkpoint_id: Any) -> bool:
@@ -1004,10 +1012,7 @@ class FastPersistReader(StorageReader):
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self.defer_gc:  # until read_data, this rank's last call
-            if self._gc is None:
-                self._gc = full_gc_deferral(self)
-            self._gc.begin()
+        _begin_gc_deferral(self)  # until read_data, this rank's last call
         self.rank = kwargs.get("rank")
         self.storage_data = metadata.storage_data
         self.chunks = {}
@@ -1056,8 +1061,7 @@ class FastPersistReader(StorageReader):
             with gc_paused():  # as for the writer: many objects, none garbage
                 return self._read_data(plan, planner)
         finally:
-            if self._gc is not None:
-                self._gc.end()
+            _end_gc_deferral(self)
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         per_file: Dict[str, List[Any]] = {}
