@@ -441,13 +441,15 @@ def _is_zero_tensor_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "ZeroTensor" in str(e)
 
 
-def find_storages(obj: Any) -> Dict[int, Tuple[str, Any]]:
+def find_storages(obj: Any, versions: Optional[TensorVersions] = None) -> Dict[int, Tuple[str, Any]]:
     """The storages of the dense tensors inside plain containers (dict,
     list, tuple), keyed as torch.save will key them: by first encounter in
     pickling order. Found before pickling, so their bytes can be on their
     way to disk while the pickle is made. Storages inside other objects,
     and those of wrapper subclasses' inner tensors (a wrapper's own storage
-    holds no data), are found by the pickler later."""
+    holds no data), are found by the pickler later. With ``versions``,
+    every tensor met (dict keys included) is also recorded there: one walk
+    of the containers for both."""
     found: Dict[int, Tuple[str, Any]] = {}
     stack: List[Any] = [obj]
     seen: set = set()
@@ -464,10 +466,13 @@ def find_storages(obj: Any) -> Dict[int, Tuple[str, Any]]:
                 for k, v in reversed(list(o.items())):
                     stack.append(v)
                     stack.append(k)
-        elif isinstance(o, torch.Tensor) and o.layout is torch.strided and _has_data(o):
-            st = o.untyped_storage()
-            if st._cdata not in found:
-                found[st._cdata] = (str(len(found)), st)
+        elif isinstance(o, torch.Tensor):
+            if versions is not None:
+                versions.add(o)
+            if o.layout is torch.strided and _has_data(o):
+                st = o.untyped_storage()
+                if st._cdata not in found:
+                    found[st._cdata] = (str(len(found)), st)
     return found
 
 
@@ -503,15 +508,31 @@ class TensorVersions:
 
     Made on the caller's thread at the call: the tensors in plain
     containers (dict, list, tuple) are recorded then; tensors inside other
-    objects are recorded when the pickler meets them (:meth:`add`)."""
+    objects are recorded when the pickler meets them (:meth:`add`).
 
-    def __init__(self, obj: Any = None, on_change: str = "error") -> None:
+    With ``storages=True`` the same walk also finds ``obj``'s storages
+    (:func:`find_storages`, in pickling order), so a synchronous save walks
+    its containers once; :meth:`storages_of` hands them to the layout of
+    that same object."""
+
+    def __init__(self, obj: Any = None, on_change: str = "error", storages: bool = False) -> None:
         if on_change not in ON_CHANGE:
             raise ValueError(f"on_change must be one of {ON_CHANGE}, not {on_change!r}")
         self.on_change = on_change
         self._seen: Dict[int, Tuple[torch.Tensor, int]] = {}
-        if obj is not None:
+        self._storages: Optional[Tuple[Any, Dict[int, Tuple[str, Any]]]] = None
+        if storages:
+            self._storages = (obj, find_storages(obj, self))
+        elif obj is not None:
             self._walk(obj)
+
+    def storages_of(self, obj: Any) -> Optional[Dict[int, Tuple[str, Any]]]:
+        """The storages found at the call (``storages=True``), when ``obj``
+        is the object walked then (a shard of it, or any other: None); each
+        call returns a new dict."""
+        if self._storages is None or self._storages[0] is not obj:
+            return None
+        return dict(self._storages[1])
 
     def _walk(self, obj: Any) -> None:
         stack: List[Any] = [obj]

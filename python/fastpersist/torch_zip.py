@@ -116,7 +116,8 @@ class TorchZipLayout:
         self.storage_keys: List[str] = []
         self.storage_bytes = 0
         self._batch = Batch()
-        self._known = find_storages(obj)
+        known = versions.storages_of(obj) if versions is not None else None
+        self._known = known if known is not None else find_storages(obj)
         self._known_keys = {k for k, _ in self._known.values()}
         # Set once head_parts has laid out its last part.
         self._head_started = False

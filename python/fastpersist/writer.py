@@ -130,7 +130,7 @@ def _write_torch_zip(
         plan = plan_torch_save(obj)
         return stream_plan(plan, path, time.perf_counter() - t0, t0)
     if versions is None:
-        versions = TensorVersions(obj)
+        versions = TensorVersions(obj, storages=True)
     gathered = _checked(versions, obj, on_gathered)
     stage, kind = staging_setup()
     layout = TorchZipLayout(obj, stage=stage, versions=versions)
@@ -424,7 +424,9 @@ def write_state_dict(
         opts = EngineOptions.resolve(
             block_size, arena_bytes, queue_depth, direct, io_uring, durable, gather_threads, zero_copy
         )
-        versions = TensorVersions(obj, on_change)
+        # At the call, one walk: the version counters and, for a torch file
+        # laid out from this object, its storages.
+        versions = TensorVersions(obj, on_change, storages=format == "torch" and not sharded)
         wait_for_earlier(p)
         if group is not None or sharded:
             return write_distributed(obj, p, opts, group, sharded, format, versions)

@@ -434,6 +434,65 @@ def test_versions_added_as_the_pickler_adds_them() -> None:
     assert [t for t, _ in fast._seen.values()] == [a, b] == [t for t, _ in slow._seen.values()]
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(obj=objects(), key_tensor=st.booleans())
+def test_one_walk_finds_the_storages_and_records_the_versions(obj: Any, key_tensor: bool) -> None:
+    """TensorVersions(obj, storages=True) walks the containers once and gets
+    what find_storages and the versions' own walk get (a tensor used as a
+    dict key, which the pickler pickles, is recorded too)."""
+    key = torch.ones(2)
+    if key_tensor:
+        obj = {key: obj}
+    one = TensorVersions(obj, storages=True)
+    found = one.storages_of(obj)
+    assert found is not None
+    expected = find_storages(obj)
+    assert [(c, k, s._cdata) for c, (k, s) in found.items()] == [
+        (c, k, s._cdata) for c, (k, s) in expected.items()
+    ]
+    walked = TensorVersions(obj)._seen
+    extra = {key_id: v for key_id, v in one._seen.items() if key_id not in walked}
+    assert {i: (id(t), v) for i, (t, v) in walked.items()} == {
+        i: (id(t), v) for i, (t, v) in one._seen.items() if i in walked
+    }
+    assert list(extra) == ([id(key)] if key_tensor else [])
+    # Only for the object walked, and only when asked.
+    assert one.storages_of([obj]) is None
+    assert TensorVersions(obj).storages_of(obj) is None
+    assert one.storages_of(obj) is not found  # a dict of its own each time
+
+
+def test_a_save_walks_its_containers_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """write_state_dict finds the storages and records the versions in one
+    walk of the object at the call (it walked it twice before)."""
+    walks: List[str] = []
+    real_find, real_walk = pickling.find_storages, TensorVersions._walk
+
+    def find(obj: Any, versions: Optional[TensorVersions] = None) -> dict:
+        walks.append("find")
+        return real_find(obj, versions)
+
+    def walk(self: TensorVersions, obj: Any) -> None:
+        walks.append("versions")
+        real_walk(self, obj)
+
+    monkeypatch.setattr(pickling, "find_storages", find)
+    monkeypatch.setattr(fastpersist.torch_zip, "find_storages", find)
+    monkeypatch.setattr(TensorVersions, "_walk", walk)
+    sd = {"a": torch.arange(10.0), "b": [torch.ones(3), {"c": torch.zeros(2, 2)}], "step": 3}
+    fastpersist.write_state_dict(sd, tmp_path / "a.pt")
+    assert walks == ["find"]
+    got = fastpersist.read_state_dict(tmp_path / "a.pt")
+    assert torch.equal(got["b"][1]["c"], sd["b"][1]["c"]) and got["step"] == 3
+    # A tensor changed in place during the save is still caught.
+    sd["a"].add_(1)
+    walks.clear()
+    versions = TensorVersions(sd, storages=True)
+    sd["b"][0].add_(1)
+    with pytest.raises(fastpersist.TensorChangedError, match=r"\['b'\]\[0\]"):
+        versions.check(sd)
+
+
 def test_an_overridden_add_gets_the_pickler_calls() -> None:
     """A TensorVersions whose add is its own gets every tensor the pickler
     meets first, as the pickler's reducer passes them."""
