@@ -1497,6 +1497,174 @@ fn add_stats_types(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 // ---------------------------------------------------------------------------
+// The fast path of fastpersist.pickling.survey_storages and of
+// TensorVersions' walk: the plain containers of a saved object (dict,
+// OrderedDict, list, tuple: exact types) in the order of those walks, each
+// tensor's version recorded, each storage with data found once, in the
+// order the pickler meets it. Tensors of other types, and those whose data
+// pointer is 0, are asked of the Python helpers, so the answers are theirs.
+
+/// What `pickling._survey_context()` hands over.
+#[derive(FromPyObject)]
+struct SurveyCtx<'py>(
+    /// torch.Tensor
+    Bound<'py, PyAny>,
+    /// torch.nn.Parameter
+    Bound<'py, PyAny>,
+    /// collections.OrderedDict
+    Bound<'py, PyAny>,
+    /// torch.strided
+    Bound<'py, PyAny>,
+    /// the CPU device
+    Bound<'py, PyAny>,
+    /// pickling._has_data
+    Bound<'py, PyAny>,
+    /// pickling._version
+    Bound<'py, PyAny>,
+);
+
+/// Containers pushed in the order the walks pop them: a sequence's items,
+/// a mapping's values, or (`keys`) its keys and values, key first.
+fn push_children<'py>(
+    stack: &mut Vec<Bound<'py, PyAny>>,
+    o: &Bound<'py, PyAny>,
+    mapping: bool,
+    keys: bool,
+) -> PyResult<()> {
+    let py = o.py();
+    let start = stack.len();
+    if !mapping {
+        for item in o.try_iter()? {
+            stack.push(item?);
+        }
+    } else if let Ok(d) = o.downcast_exact::<PyDict>() {
+        for (k, v) in d.iter() {
+            if keys {
+                stack.push(k);
+            }
+            stack.push(v);
+        }
+    } else {
+        // An OrderedDict: its own order (`move_to_end` keeps the dict's).
+        for item in o.call_method0(pyo3::intern!(py, "items"))?.try_iter()? {
+            let item = item?;
+            let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = item.extract()?;
+            if keys {
+                stack.push(k);
+            }
+            stack.push(v);
+        }
+    }
+    // Reversed: popped (and met) in the container's order.
+    stack[start..].reverse();
+    Ok(())
+}
+
+/// Whether tensor `t` (of type `exact`: Tensor or Parameter) has a storage
+/// whose bytes can be written: `pickling._has_data`, answered here when
+/// its data pointer is not 0, else by the helper.
+fn tensor_has_data<'py>(
+    ctx: &SurveyCtx<'py>,
+    t: &Bound<'py, PyAny>,
+    exact: bool,
+) -> PyResult<bool> {
+    let py = t.py();
+    if exact {
+        if t.getattr(pyo3::intern!(py, "is_meta"))?.is_truthy()? {
+            return Ok(false);
+        }
+        if let Ok(p) = t.call_method0(pyo3::intern!(py, "data_ptr")) {
+            if p.extract::<usize>().is_ok_and(|p| p != 0) {
+                return Ok(true);
+            }
+        }
+    }
+    ctx.5.call1((t,))?.is_truthy()
+}
+
+/// The walk of `find_storages` (`find`: dict keys included; the storages
+/// with data, keyed by `_cdata`, as `(key, storage)` with keys "0", "1", ...
+/// in the order met) or of `TensorVersions._walk` (values only, nothing
+/// found). With `seen` (a TensorVersions' `_seen`), each tensor not in it
+/// yet is recorded there as `id -> (tensor, version)`, unless it has no
+/// version counter. Returns the storages, their bytes, and those not on
+/// the CPU.
+#[pyfunction]
+#[pyo3(signature = (obj, ctx, seen, find))]
+#[allow(clippy::type_complexity)]
+fn survey<'py>(
+    py: Python<'py>,
+    obj: &Bound<'py, PyAny>,
+    ctx: SurveyCtx<'py>,
+    seen: Option<Bound<'py, PyDict>>,
+    find: bool,
+) -> PyResult<(Bound<'py, PyDict>, u64, Bound<'py, PyList>)> {
+    let found = PyDict::new(py);
+    let off_cpu = PyList::empty(py);
+    let mut total = 0u64;
+    let mut containers: std::collections::HashSet<usize> = std::collections::HashSet::new();
+    let mut stack = vec![obj.clone()];
+    let mut since_release = 0u32;
+    while let Some(o) = stack.pop() {
+        let ty = o.get_type();
+        let mapping = o.is_exact_instance_of::<PyDict>() || ty.is(&ctx.2);
+        if mapping || o.is_exact_instance_of::<PyList>() || o.is_exact_instance_of::<PyTuple>() {
+            if containers.insert(o.as_ptr() as usize) {
+                push_children(&mut stack, &o, mapping, find)?;
+            }
+            continue;
+        }
+        let exact = ty.is(&ctx.0) || ty.is(&ctx.1);
+        if !exact && !o.is_instance(&ctx.0)? {
+            continue;
+        }
+        if let Some(seen) = &seen {
+            let id = o.as_ptr() as usize;
+            if !seen.contains(id)? {
+                let v = if exact {
+                    match o.getattr(pyo3::intern!(py, "_version")) {
+                        Ok(v) => Some(v),
+                        Err(e) if e.is_instance_of::<PyRuntimeError>(py) => None,
+                        Err(e) => return Err(e),
+                    }
+                } else {
+                    let v = ctx.6.call1((&o,))?;
+                    (!v.is_none()).then_some(v)
+                };
+                if let Some(v) = v {
+                    seen.set_item(id, (&o, v))?;
+                }
+            }
+        }
+        if find
+            && o.getattr(pyo3::intern!(py, "layout"))?.is(&ctx.3)
+            && tensor_has_data(&ctx, &o, exact)?
+        {
+            let st = o.call_method0(pyo3::intern!(py, "untyped_storage"))?;
+            let cdata = st.getattr(pyo3::intern!(py, "_cdata"))?;
+            if !found.contains(&cdata)? {
+                total += st
+                    .call_method0(pyo3::intern!(py, "nbytes"))?
+                    .extract::<u64>()?;
+                if !st.getattr(pyo3::intern!(py, "device"))?.eq(&ctx.4)? {
+                    off_cpu.append(&st)?;
+                }
+                found.set_item(cdata, (found.len().to_string(), st))?;
+            }
+        }
+        since_release += 1;
+        if since_release == TENSORS_PER_RELEASE {
+            since_release = 0;
+            // As the pickler's walk: a thread waiting for the GIL takes it
+            // here; the stack holds its own references.
+            if !let_engines_in(py) {
+                py.allow_threads(|| ());
+            }
+        }
+    }
+    Ok((found, total, off_cpu))
+}
+
 // The fast path of fastpersist.pickling.pickle_obj: a walk over the plain
 // objects of a state dict that writes, through crate::pickle, the bytes the
 // slow path (a pickle.Pickler with torch.save's persistent ids and a tensor
@@ -2408,6 +2576,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(remove_file, m)?)?;
     m.add_function(wrap_pyfunction!(prepare_memory, m)?)?;
     m.add_function(wrap_pyfunction!(fast_pickle, m)?)?;
+    m.add_function(wrap_pyfunction!(survey, m)?)?;
     m.add_function(wrap_pyfunction!(fast_unpickle, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
     m.add("TEMP_NAME_PART_MAX", crate::commit::TEMP_NAME_PART_MAX)?;

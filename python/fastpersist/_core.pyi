@@ -68,6 +68,7 @@ __all__ = [
     "prepare_memory",
     "remove_file",
     "fast_pickle",
+    "survey",
     "fast_unpickle",
     "TEMP_MARKER",
     "TEMP_NAME_PART_MAX",
@@ -308,6 +309,26 @@ def fast_pickle(
     known: dict[int, tuple[str, object]] | None = None,
     add: tuple[Callable[[Any], object], dict[int, Any]] | None = None,
 ) -> tuple[bytes, dict[str, object]] | None: ...
+
+# What fastpersist.pickling._survey_context() builds: torch.Tensor,
+# torch.nn.Parameter, OrderedDict, torch.strided, the CPU device,
+# pickling._has_data, pickling._version.
+_SurveyContext: TypeAlias = tuple[
+    type,
+    type,
+    type,
+    object,
+    object,
+    Callable[[Any], bool],
+    Callable[[Any], int | None],
+]
+
+def survey(
+    obj: object,
+    ctx: _SurveyContext,
+    seen: dict[int, Any] | None,
+    find: bool,
+) -> tuple[dict[int, tuple[str, Any]], int, list[Any]]: ...
 
 # What fastpersist.pickling._fast_unpickle_context() builds: (module, name,
 # object) of each GLOBAL resolved, torch._utils._rebuild_tensor_v2,

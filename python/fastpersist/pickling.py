@@ -32,7 +32,7 @@ import re
 import sys
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -50,6 +50,8 @@ __all__ = [
     "PICKLE_PROTOCOL",
     "MapLocation",
     "find_storages",
+    "survey_storages",
+    "Survey",
     "find_path",
     "TensorVersions",
     "ON_CHANGE",
@@ -441,7 +443,40 @@ def _is_zero_tensor_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "ZeroTensor" in str(e)
 
 
-def find_storages(obj: Any, versions: Optional[TensorVersions] = None) -> Dict[int, Tuple[str, Any]]:
+class Survey(NamedTuple):
+    """What :func:`survey_storages` found: ``storages`` as
+    :func:`find_storages` returns them, their bytes in all, and those not on
+    the CPU (a layout's hints: the space to reserve, the devices to stage
+    from)."""
+
+    storages: Dict[int, Tuple[str, Any]]
+    nbytes: int
+    off_cpu: List[Any]
+
+
+#: Whether the containers are walked by the extension (``_core.survey``);
+#: off, the same walk in Python.
+FAST_SURVEY = True
+
+
+def _survey_context() -> tuple:
+    return (torch.Tensor, torch.nn.Parameter, OrderedDict, torch.strided, CPU_DEVICE, _has_data, _version)
+
+
+def _fast_survey(obj: Any, versions: Optional[TensorVersions], find: bool) -> Optional[Survey]:
+    """The walk in the extension, where it records versions as
+    :meth:`TensorVersions.add` would (no subclass's own ``add``)."""
+    if not FAST_SURVEY:
+        return None
+    seen = None
+    if versions is not None:
+        seen = versions._seen
+        if type(versions).add is not TensorVersions.add or type(seen) is not dict:
+            return None
+    return Survey(*_core.survey(obj, _survey_context(), seen, find))
+
+
+def survey_storages(obj: Any, versions: Optional[TensorVersions] = None) -> Survey:
     """The storages of the dense tensors inside plain containers (dict,
     list, tuple), keyed as torch.save will key them: by first encounter in
     pickling order. Found before pickling, so their bytes can be on their
@@ -450,7 +485,12 @@ def find_storages(obj: Any, versions: Optional[TensorVersions] = None) -> Dict[i
     holds no data), are found by the pickler later. With ``versions``,
     every tensor met (dict keys included) is also recorded there: one walk
     of the containers for both."""
+    fast = _fast_survey(obj, versions, True)
+    if fast is not None:
+        return fast
     found: Dict[int, Tuple[str, Any]] = {}
+    nbytes = 0
+    off_cpu: List[Any] = []
     stack: List[Any] = [obj]
     seen: set = set()
     while stack:
@@ -472,8 +512,16 @@ def find_storages(obj: Any, versions: Optional[TensorVersions] = None) -> Dict[i
             if o.layout is torch.strided and _has_data(o):
                 st = o.untyped_storage()
                 if st._cdata not in found:
+                    nbytes += st.nbytes()
+                    if st.device != CPU_DEVICE:
+                        off_cpu.append(st)
                     found[st._cdata] = (str(len(found)), st)
-    return found
+    return Survey(found, nbytes, off_cpu)
+
+
+def find_storages(obj: Any, versions: Optional[TensorVersions] = None) -> Dict[int, Tuple[str, Any]]:
+    """:func:`survey_storages`' storages."""
+    return survey_storages(obj, versions).storages
 
 
 log = logging.getLogger("fastpersist")
@@ -511,30 +559,38 @@ class TensorVersions:
     objects are recorded when the pickler meets them (:meth:`add`).
 
     With ``storages=True`` the same walk also finds ``obj``'s storages
-    (:func:`find_storages`, in pickling order), so a synchronous save walks
-    its containers once; :meth:`storages_of` hands them to the layout of
-    that same object."""
+    (:func:`survey_storages`, in pickling order), so a synchronous save
+    walks its containers once; :meth:`survey_of` hands them to the layout
+    of that same object."""
 
     def __init__(self, obj: Any = None, on_change: str = "error", storages: bool = False) -> None:
         if on_change not in ON_CHANGE:
             raise ValueError(f"on_change must be one of {ON_CHANGE}, not {on_change!r}")
         self.on_change = on_change
         self._seen: Dict[int, Tuple[torch.Tensor, int]] = {}
-        self._storages: Optional[Tuple[Any, Dict[int, Tuple[str, Any]]]] = None
+        self._survey: Optional[Tuple[Any, Survey]] = None
         if storages:
-            self._storages = (obj, find_storages(obj, self))
+            self._survey = (obj, survey_storages(obj, self))
         elif obj is not None:
             self._walk(obj)
 
-    def storages_of(self, obj: Any) -> Optional[Dict[int, Tuple[str, Any]]]:
+    def survey_of(self, obj: Any) -> Optional[Survey]:
         """The storages found at the call (``storages=True``), when ``obj``
         is the object walked then (a shard of it, or any other: None); each
-        call returns a new dict."""
-        if self._storages is None or self._storages[0] is not obj:
+        call returns new containers."""
+        if self._survey is None or self._survey[0] is not obj:
             return None
-        return dict(self._storages[1])
+        found = self._survey[1]
+        return Survey(dict(found.storages), found.nbytes, list(found.off_cpu))
+
+    def storages_of(self, obj: Any) -> Optional[Dict[int, Tuple[str, Any]]]:
+        """:meth:`survey_of`'s storages."""
+        found = self.survey_of(obj)
+        return found.storages if found is not None else None
 
     def _walk(self, obj: Any) -> None:
+        if _fast_survey(obj, self, False) is not None:
+            return
         stack: List[Any] = [obj]
         seen: set = set()
         tensor = torch.Tensor

@@ -28,7 +28,7 @@ from typing import Any, Iterator, List, NamedTuple, Optional, Set, Tuple
 from . import _core
 from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .options import EngineOptions, RangeBuffer, read_records
-from .pickling import CPU_DEVICE, TensorVersions, find_storages, pickle_obj
+from .pickling import CPU_DEVICE, TensorVersions, pickle_obj, survey_storages
 from .plan import DATA_ALIGNMENT, HANDOFF_RECORDS, Batch, Blob, DeviceRegion, MemoryGuard, Plan, Region, Slot
 
 __all__ = [
@@ -116,8 +116,11 @@ class TorchZipLayout:
         self.storage_keys: List[str] = []
         self.storage_bytes = 0
         self._batch = Batch()
-        known = versions.storages_of(obj) if versions is not None else None
-        self._known = known if known is not None else find_storages(obj)
+        survey = versions.survey_of(obj) if versions is not None else None
+        if survey is None:
+            survey = survey_storages(obj)
+        self._known = survey.storages
+        self._survey = survey
         self._known_keys = {k for k, _ in self._known.values()}
         # Set once head_parts has laid out its last part.
         self._head_started = False
@@ -159,13 +162,11 @@ class TorchZipLayout:
         """Before the head is laid out: an upper bound of where it ends (to
         reserve the file's space) and the devices of the storages it will
         stage (their copy streams are set up at the call)."""
-        end, devices = 0, set()
-        for _, storage in self._known.values():
-            # Record header, name, zip64 and padding fields, descriptor.
-            end += storage.nbytes() + self.alignment + 128
-            if self.stage(storage):
-                devices.add(storage.device)
-        return end, devices
+        # Each record's bytes, header, name, zip64 and padding fields, descriptor.
+        end = self._survey.nbytes + len(self._known) * (self.alignment + 128)
+        # Only storages off the CPU are staged, unless a test stages them all.
+        staged = self._survey.off_cpu if self.stage is _on_cuda else [st for _, st in self._known.values()]
+        return end, {storage.device for storage in staged if self.stage(storage)}
 
     def tail(self) -> Batch:
         """Pickle the object, then lay out everything else. Raises

@@ -447,9 +447,7 @@ def test_one_walk_finds_the_storages_and_records_the_versions(obj: Any, key_tens
     found = one.storages_of(obj)
     assert found is not None
     expected = find_storages(obj)
-    assert [(c, k, s._cdata) for c, (k, s) in found.items()] == [
-        (c, k, s._cdata) for c, (k, s) in expected.items()
-    ]
+    assert [(c, k, s._cdata) for c, (k, s) in found.items()] == [(c, k, s._cdata) for c, (k, s) in expected.items()]
     walked = TensorVersions(obj)._seen
     extra = {key_id: v for key_id, v in one._seen.items() if key_id not in walked}
     assert {i: (id(t), v) for i, (t, v) in walked.items()} == {
@@ -462,13 +460,110 @@ def test_one_walk_finds_the_storages_and_records_the_versions(obj: Any, key_tens
     assert one.storages_of(obj) is not found  # a dict of its own each time
 
 
+def _odd_tensors() -> List[Any]:
+    """Tensors the survey asks the Python helpers about, or skips: meta,
+    empty, sparse, without a version counter, a Parameter, subclasses."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    with torch.inference_mode():
+        inference = torch.ones(3)
+    odd = [
+        torch.empty(3, device="meta"),
+        torch.empty(0),
+        torch.zeros(4)[4:],
+        torch.ones(2, 2).to_sparse(),
+        inference,
+        torch.nn.Parameter(torch.ones(3)),
+        torch.arange(4.0).as_subclass(Sub),
+        torch.ones(2, dtype=torch.bfloat16),
+    ]
+    try:
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        odd.append(TwoTensor(torch.ones(2), torch.zeros(2)))
+    except ImportError:  # pragma: no cover - old torch
+        pass
+    return odd
+
+
+ODD = _odd_tensors()
+
+
+def _surveyed(obj: Any, find: bool, fast: bool) -> tuple:
+    """What a survey found and recorded, the extension's or Python's."""
+    old = pickling.FAST_SURVEY
+    pickling.FAST_SURVEY = fast
+    try:
+        versions = TensorVersions()
+        if find:
+            got = pickling.survey_storages(obj, versions)
+            found = (
+                [(c, k, s._cdata) for c, (k, s) in got.storages.items()],
+                got.nbytes,
+                [s._cdata for s in got.off_cpu],
+            )
+        else:
+            versions._walk(obj)
+            found = None
+    finally:
+        pickling.FAST_SURVEY = old
+    return found, [(i, id(t), v) for i, (t, v) in versions._seen.items()]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(obj=objects(), extra=st.lists(st.sampled_from(range(len(ODD))), max_size=4), shape=st.integers(0, 4))
+def test_the_extensions_survey_is_the_python_walk(obj: Any, extra: List[int], shape: int) -> None:
+    """_core.survey finds the same storages (same keys, same order), their
+    bytes and those off the CPU, and records the same versions in the same
+    order, as the Python walk, in both modes (storages and keys, or versions
+    of the values only)."""
+    odd = [ODD[i] for i in extra]
+    if shape == 1:
+        obj = {t: obj for t in odd[:1]} if odd else obj  # a tensor as a dict key
+    elif shape == 2:
+        od = OrderedDict([("a", odd), ("b", obj), ("c", 3)])
+        od.move_to_end("a")  # OrderedDict order, not the dict's
+        obj = od
+    elif shape == 3:
+        loop: List[Any] = [obj, odd]
+        loop.append(loop)  # a container inside itself
+        obj = loop
+    else:
+        obj = [obj, odd, tuple(odd)]
+    for find in (True, False):
+        assert _surveyed(obj, find, True) == _surveyed(obj, find, False)
+
+
+def test_the_survey_without_versions_and_with_an_overridden_add() -> None:
+    a, b = torch.ones(2), torch.zeros(3)
+    sd = {"a": a, "b": [b, a, (b,)], "c": OrderedDict(x=a)}
+    got = pickling.survey_storages(sd)
+    assert [s._cdata for _, s in got.storages.values()] == [a.untyped_storage()._cdata, b.untyped_storage()._cdata]
+    assert got.nbytes == 8 + 12 and got.off_cpu == []
+
+    class Recording(TensorVersions):
+        def add(self, t: torch.Tensor) -> None:
+            self.calls.append(t)
+            super().add(t)
+
+    v = Recording.__new__(Recording)
+    v.calls = []
+    Recording.__init__(v, sd, storages=True)  # its own add: every tensor met goes to it
+    assert [id(t) for t in v.calls] == [id(a), id(b), id(a), id(b), id(a)]
+    mine = v.storages_of(sd)
+    assert mine is not None
+    assert [(k, s._cdata) for k, s in mine.values()] == [(k, s._cdata) for k, s in got.storages.values()]
+
+
 def test_a_save_walks_its_containers_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """write_state_dict finds the storages and records the versions in one
     walk of the object at the call (it walked it twice before)."""
     walks: List[str] = []
-    real_find, real_walk = pickling.find_storages, TensorVersions._walk
+    real_find, real_walk = pickling.survey_storages, TensorVersions._walk
 
-    def find(obj: Any, versions: Optional[TensorVersions] = None) -> dict:
+    def find(obj: Any, versions: Optional[TensorVersions] = None) -> pickling.Survey:
         walks.append("find")
         return real_find(obj, versions)
 
@@ -476,8 +571,8 @@ def test_a_save_walks_its_containers_once(tmp_path: Any, monkeypatch: pytest.Mon
         walks.append("versions")
         real_walk(self, obj)
 
-    monkeypatch.setattr(pickling, "find_storages", find)
-    monkeypatch.setattr(fastpersist.torch_zip, "find_storages", find)
+    monkeypatch.setattr(pickling, "survey_storages", find)
+    monkeypatch.setattr(fastpersist.torch_zip, "survey_storages", find)
     monkeypatch.setattr(TensorVersions, "_walk", walk)
     sd = {"a": torch.arange(10.0), "b": [torch.ones(3), {"c": torch.zeros(2, 2)}], "step": 3}
     fastpersist.write_state_dict(sd, tmp_path / "a.pt")
