@@ -1388,6 +1388,34 @@ fn zip_storage_records<'py>(
     Ok((blobs, regions, slots, offsets, at))
 }
 
+/// The `n` entries of the central directory `cd` (at file offset
+/// `cd_offset`) as `(name, local header offset, size, crc32, name as
+/// stored)`, when the file is plainly well-formed
+/// (`zip::plain_central_entries`); None for anything else, which the
+/// Python reader parses itself to name what is wrong.
+#[pyfunction]
+fn zip_central_entries<'py>(
+    py: Python<'py>,
+    cd: &Bound<'py, PyBytes>,
+    n: u64,
+    cd_offset: u64,
+) -> PyResult<Option<Bound<'py, PyList>>> {
+    let Some(entries) = crate::zip::plain_central_entries(cd.as_bytes(), n, cd_offset) else {
+        return Ok(None);
+    };
+    let out = PyList::empty(py);
+    for e in entries {
+        out.append((
+            e.name,
+            e.header_offset,
+            e.size,
+            e.crc32,
+            PyBytes::new(py, e.name.as_bytes()),
+        ))?;
+    }
+    Ok(Some(out))
+}
+
 /// The central directory of a torch zip from `cursor`, and the end records:
 /// for each `(name, header offset, size, crc, crc_id)`, its entry, whose
 /// CRC32 is a slot for checksum `crc_id` when that is given, else `crc`.
@@ -2564,6 +2592,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(zip_descriptor_sizes, m)?)?;
     m.add_function(wrap_pyfunction!(zip_storage_records, m)?)?;
     m.add_function(wrap_pyfunction!(zip_central_directory, m)?)?;
+    m.add_function(wrap_pyfunction!(zip_central_entries, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(copy_memory, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_combine, m)?)?;

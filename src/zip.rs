@@ -247,12 +247,237 @@ pub fn end_records(entries: u64, cd_start: u64, cd_size: u64) -> Vec<u8> {
     out
 }
 
+// ---------------------------------------------------------------------------
+// Reading: the central directory of a plainly well-formed checkpoint.
+
+/// Fixed part of a central directory entry.
+pub const CENTRAL_LEN: usize = 46;
+const CENTRAL_SIG: u32 = 0x0201_4B50;
+const UTF8_NAMES: u16 = 0x0800;
+
+/// A central directory entry of a stored record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CentralEntry<'a> {
+    /// The name as stored (UTF-8; ASCII where the UTF-8 flag is off).
+    pub name: &'a str,
+    /// Where its local header starts.
+    pub header_offset: u64,
+    /// Its size (stored: compressed and uncompressed sizes agree).
+    pub size: u64,
+    /// Its CRC32 as recorded.
+    pub crc32: u32,
+}
+
+fn le16(b: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_le_bytes(b.get(at..at + 2)?.try_into().ok()?))
+}
+
+fn le32(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// The zip64 values of an entry's extra field that stand for the fields
+/// marked 0xFFFFFFFF (uncompressed size, compressed size, header offset,
+/// in that order), as a reader that stops at the first zip64 field takes
+/// them; None when they are not all there.
+fn zip64_fields(extra: &[u8], usize_: u64, csize: u64, hoff: u64) -> Option<(u64, u64, u64)> {
+    let mut p = 0usize;
+    while p + 4 <= extra.len() {
+        let tag = le16(extra, p)?;
+        let len = usize::from(le16(extra, p + 2)?);
+        let body = &extra[(p + 4).min(extra.len())..(p + 4 + len).min(extra.len())];
+        if tag == 0x0001 {
+            let mut vals = body
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])));
+            let mut take = |v: u64| if v == U32 { vals.next() } else { Some(v) };
+            let u = take(usize_)?;
+            let c = take(csize)?;
+            let h = take(hoff)?;
+            return Some((u, c, h));
+        }
+        p += 4 + len;
+    }
+    None
+}
+
+/// Whether a record name is TorchScript's (`constants.pkl`, `code/...`
+/// after the archive's folder), which torch.load tells apart.
+fn torchscript_name(name: &str) -> bool {
+    name.split_once('/')
+        .is_some_and(|(_, rest)| rest == "constants.pkl" || rest.starts_with("code/"))
+}
+
+/// The `n` entries of the central directory `cd`, which starts at file
+/// offset `cd_offset`, when every one is plainly well-formed: signatures
+/// right, nothing truncated, names UTF-8 (ASCII where the UTF-8 flag is
+/// off, as a cp437 reader decodes them the same), every record stored
+/// (not compressed) with its zip64 fields where marked, no TorchScript
+/// record, names unique, and each record (its local header's fixed part
+/// and its data, at the least) before the central directory and apart
+/// from the others. None for anything else: the caller's full reader
+/// looks at those files and names what is wrong.
+#[must_use]
+pub fn plain_central_entries(cd: &[u8], n: u64, cd_offset: u64) -> Option<Vec<CentralEntry<'_>>> {
+    let mut entries = Vec::with_capacity(usize::try_from(n).ok()?.min(cd.len() / CENTRAL_LEN));
+    let mut p = 0usize;
+    for _ in 0..n {
+        let fixed = cd.get(p..p + CENTRAL_LEN)?;
+        if le32(fixed, 0)? != CENTRAL_SIG {
+            return None;
+        }
+        let flags = le16(fixed, 8)?;
+        let method = le16(fixed, 10)?;
+        let crc32 = le32(fixed, 16)?;
+        let (csize, usize_) = (u64::from(le32(fixed, 20)?), u64::from(le32(fixed, 24)?));
+        let nlen = usize::from(le16(fixed, 28)?);
+        let xlen = usize::from(le16(fixed, 30)?);
+        let clen = usize::from(le16(fixed, 32)?);
+        let hoff = u64::from(le32(fixed, 42)?);
+        let name_at = p + CENTRAL_LEN;
+        let end = name_at + nlen + xlen + clen;
+        let raw = cd.get(name_at..name_at + nlen)?;
+        let extra = cd.get(name_at + nlen..name_at + nlen + xlen)?;
+        if end > cd.len() {
+            return None;
+        }
+        if flags & UTF8_NAMES == 0 && !raw.is_ascii() {
+            return None;
+        }
+        let name = std::str::from_utf8(raw).ok()?;
+        let (usize_, csize, hoff) = if usize_ == U32 || csize == U32 || hoff == U32 {
+            zip64_fields(extra, usize_, csize, hoff)?
+        } else {
+            (usize_, csize, hoff)
+        };
+        if method != 0 || csize != usize_ || torchscript_name(name) {
+            return None;
+        }
+        entries.push(CentralEntry {
+            name,
+            header_offset: hoff,
+            size: usize_,
+            crc32,
+        });
+        p = end;
+    }
+    let mut names = std::collections::HashSet::with_capacity(entries.len());
+    let mut spans = Vec::with_capacity(entries.len());
+    for e in &entries {
+        if !names.insert(e.name) {
+            return None;
+        }
+        let end = e
+            .header_offset
+            .checked_add(LOCAL_LEN)?
+            .checked_add(e.size)?;
+        if end > cd_offset {
+            return None;
+        }
+        spans.push((e.header_offset, end));
+    }
+    spans.sort_unstable();
+    if spans.windows(2).any(|w| w[1].0 < w[0].1) {
+        return None;
+    }
+    Some(entries)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn u16_at(b: &[u8], at: usize) -> u16 {
         u16::from_le_bytes([b[at], b[at + 1]])
+    }
+
+    /// A central directory as fastpersist writes it: (name, header offset,
+    /// size, crc) each.
+    fn directory(recs: &[(&str, u64, u64, u32)]) -> Vec<u8> {
+        recs.iter()
+            .flat_map(|&(name, off, size, crc)| central_entry(name.as_bytes(), off, size, crc))
+            .collect()
+    }
+
+    #[test]
+    fn plain_central_entries_read_back_what_the_writer_spells() {
+        let big = 5u64 << 30; // zip64 sizes and offsets
+        let recs = [
+            ("archive/data.pkl", 0u64, 100u64, 7u32),
+            ("archive/data/0", 200, 4096, 8),
+            ("archive/data/1", 8192, big, 9),
+            ("archive/data/2", 8192 + big + 100, 10, 0),
+        ];
+        let cd = directory(&recs);
+        let cd_off = 8192 + big + 4096;
+        let got = plain_central_entries(&cd, 4, cd_off).unwrap();
+        let want: Vec<CentralEntry> = recs
+            .iter()
+            .map(|&(name, header_offset, size, crc32)| CentralEntry {
+                name,
+                header_offset,
+                size,
+                crc32,
+            })
+            .collect();
+        assert_eq!(got, want);
+        // Fewer entries than the bytes hold: only those.
+        assert_eq!(plain_central_entries(&cd, 2, cd_off).unwrap(), want[..2]);
+        assert!(plain_central_entries(&[], 0, 0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn anything_odd_is_left_to_the_full_reader() {
+        let ok = [("a/data/0", 0u64, 100u64, 1u32), ("a/data/1", 1000, 100, 2)];
+        let cd = directory(&ok);
+        assert!(plain_central_entries(&cd, 2, 2000).is_some());
+        // Truncated, one entry too many, a bad signature.
+        assert!(plain_central_entries(&cd[..cd.len() - 1], 2, 2000).is_none());
+        assert!(plain_central_entries(&cd, 3, 2000).is_none());
+        let mut bad = cd.clone();
+        bad[0] ^= 1;
+        assert!(plain_central_entries(&bad, 2, 2000).is_none());
+        // Compressed (method 8), or the sizes disagree.
+        let mut deflated = cd.clone();
+        deflated[10] = 8;
+        assert!(plain_central_entries(&deflated, 2, 2000).is_none());
+        let mut sizes = cd.clone();
+        sizes[20] ^= 1;
+        assert!(plain_central_entries(&sizes, 2, 2000).is_none());
+        // Names: not UTF-8; not ASCII without the UTF-8 flag.
+        let mut latin = directory(&[("a/data/\u{e9}", 0, 1, 0)]);
+        assert!(plain_central_entries(&latin, 1, 100).is_some());
+        latin[9] &= !0x08; // flags: the UTF-8 bit (11) off
+        assert!(plain_central_entries(&latin, 1, 100).is_none());
+        let mut broken = directory(&[("a/data/xy", 0, 1, 0)]);
+        broken[CENTRAL_LEN + 7] = 0xFF;
+        assert!(plain_central_entries(&broken, 1, 100).is_none());
+        // TorchScript, duplicate names, outside the data area, overlaps.
+        assert!(
+            plain_central_entries(&directory(&[("a/constants.pkl", 0, 1, 0)]), 1, 100).is_none()
+        );
+        assert!(plain_central_entries(&directory(&[("a/code/m.py", 0, 1, 0)]), 1, 100).is_none());
+        assert!(
+            plain_central_entries(&directory(&[("x", 0, 1, 0), ("x", 50, 1, 0)]), 2, 100).is_none()
+        );
+        assert!(plain_central_entries(&cd, 2, 1129).is_none());
+        assert!(plain_central_entries(&cd, 2, 1130).is_some());
+        assert!(
+            plain_central_entries(&directory(&[("x", 0, 100, 0), ("y", 129, 1, 0)]), 2, 1000)
+                .is_none()
+        );
+        assert!(
+            plain_central_entries(&directory(&[("x", 0, 100, 0), ("y", 130, 1, 0)]), 2, 1000)
+                .is_some()
+        );
+        // Offsets whose sum overflows.
+        assert!(
+            plain_central_entries(&directory(&[("x", u64::MAX - 10, 5, 0)]), 1, u64::MAX).is_none()
+        );
+        // A zip64 marker without its field.
+        let mut marked = directory(&[("x", 0, 1, 0)]);
+        marked[42..46].copy_from_slice(&[0xFF; 4]);
+        assert!(plain_central_entries(&marked, 1, 100).is_none());
     }
 
     #[test]

@@ -471,6 +471,12 @@ class ZipDirectory:
     where: str
 
 
+#: Whether the central directory of a plainly well-formed file is parsed and
+#: checked by the extension (``_core.zip_central_entries``); anything else,
+#: or with this off, by :func:`_central_entries` and :func:`_check_extents`.
+FAST_DIRECTORY = True
+
+
 def read_central_directory(fd: int, file_len: int, path: str = "") -> ZipDirectory:
     """The central directory (zip64 included), every offset and length
     checked against the file and the records against each other (names
@@ -480,8 +486,10 @@ def read_central_directory(fd: int, file_len: int, path: str = "") -> ZipDirecto
     cd = os.pread(fd, cd_size, cd_off)
     if len(cd) != cd_size:
         raise _corrupt(f"{where}short read of the central directory")
-    entries = _central_entries(cd, n, where)
-    _check_extents(entries, cd_off, where)
+    entries = _core.zip_central_entries(cd, n, cd_off) if FAST_DIRECTORY else None
+    if entries is None:  # not plainly well-formed: parsed here, to name what is wrong
+        entries = _central_entries(cd, n, where)
+        _check_extents(entries, cd_off, where)
     return ZipDirectory(entries, cd_off, where)
 
 

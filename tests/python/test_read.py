@@ -548,3 +548,114 @@ def test_few_records_are_read_before_their_objects_are_made(tmp_path, monkeypatc
     log = _spy_read(monkeypatch)
     assert_same(sd, fastpersist.read_state_dict(tmp_path / "a.pt"))
     assert log == ["MainThread"]
+
+
+# ---------------------------------------------------------------------------
+# The central directory parsed by the extension (torch_zip.FAST_DIRECTORY)
+
+
+def _central(name: bytes, hoff: int, size: int, crc: int, flags: int = 0x0808, method: int = 0) -> bytes:
+    """A central directory entry (zip64 extra field where a value needs it)."""
+    from fastpersist import torch_zip
+
+    extra = b""
+    u32 = 0xFFFFFFFF
+    fields = [v for v in (size, size) if v >= u32] + ([hoff] if hoff >= u32 else [])
+    if fields:
+        extra = struct.pack("<HH", 1, 8 * len(fields)) + b"".join(struct.pack("<Q", v) for v in fields)
+    fixed = torch_zip._CENTRAL.pack(
+        0x02014B50, 0x032D, 45 if fields else 20, flags, method, 0, 0, crc,
+        min(size, u32), min(size, u32), len(name), len(extra), 0, 0, 0, 0, min(hoff, u32),
+    )  # fmt: skip
+    return fixed + name + extra
+
+
+def _both_parsers(cd: bytes, n: int, cd_off: int) -> tuple:
+    """The extension's entries (or None) and the Python reader's (or the
+    error it raises)."""
+    from fastpersist import _core, torch_zip
+
+    fast = _core.zip_central_entries(cd, n, cd_off)
+    try:
+        slow = torch_zip._central_entries(cd, n, "f: ")
+        torch_zip._check_extents(slow, cd_off, "f: ")
+    except Exception as e:  # noqa: BLE001 - compared below
+        return fast, e
+    return fast, slow
+
+
+@st.composite
+def directories(draw) -> tuple:
+    """Central directories of records laid out one after another, then, in
+    some, one byte changed or cut, an odd name, a compressed record, a
+    duplicate name, a record moved onto another or past the directory."""
+    n = draw(st.integers(0, 12))
+    names = draw(
+        st.lists(
+            st.one_of(st.from_regex(r"archive/data/[0-9]{1,4}", fullmatch=True), st.text(min_size=1, max_size=12)),
+            min_size=n, max_size=n, unique=True,
+        )
+    )  # fmt: skip
+    big = draw(st.booleans())
+    recs, off = [], 0
+    for name in names:
+        size = draw(st.integers(0, 5000)) + (draw(st.sampled_from([0, 0, 1 << 32])) if big else 0)
+        recs.append([name.encode(), off, size, draw(st.integers(0, 2**32 - 1)), 0x0808, 0])
+        off += 30 + len(name.encode()) + 64 + size + draw(st.integers(0, 100))
+    cd_off = off + draw(st.integers(0, 10))
+    mutation = draw(st.sampled_from(["none", "none", "byte", "cut", "cp437", "method", "dup", "overlap", "outside"]))
+    if recs and mutation in ("cp437", "method", "dup", "overlap"):
+        i = draw(st.integers(0, len(recs) - 1))
+        if mutation == "cp437":
+            recs[i][0], recs[i][4] = b"archive/data/\xe9", 0x0008
+        elif mutation == "method":
+            recs[i][5] = 8
+        elif mutation == "dup":
+            recs[i][0] = recs[0][0]
+        else:
+            recs[i][1] = max(0, recs[i][1] - draw(st.integers(1, 200)))
+    if mutation == "outside":
+        cd_off = max(0, cd_off - draw(st.integers(1, 300)))
+    cd = b"".join(_central(*r) for r in recs)
+    if cd and mutation == "byte":
+        i = draw(st.integers(0, len(cd) - 1))
+        cd = cd[:i] + bytes([cd[i] ^ draw(st.integers(1, 255))]) + cd[i + 1 :]
+    if cd and mutation == "cut":
+        cd = cd[: draw(st.integers(0, len(cd) - 1))]
+    return cd, len(recs), cd_off, mutation
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(d=directories())
+def test_the_extensions_central_directory_is_the_python_readers(d) -> None:
+    """Where the extension parses a directory, it gives the Python reader's
+    very entries; wherever that reader raises, the extension declines (and
+    the reader names the problem); a plain directory is always its."""
+    cd, n, cd_off, mutation = d
+    fast, slow = _both_parsers(cd, n, cd_off)
+    if isinstance(slow, Exception):
+        assert fast is None, (slow, fast)
+    elif fast is not None:
+        assert fast == slow
+    if mutation == "none" and all(e[0].isascii() for e in (slow if isinstance(slow, list) else [])):
+        assert fast is not None and fast == slow
+
+
+def test_a_torchscript_or_corrupt_directory_is_named_by_the_python_reader(tmp_path) -> None:
+    """The extension declines what it does not parse; the errors stay the
+    reader's own."""
+    from fastpersist import _core, torch_zip
+
+    cd = _central(b"m/constants.pkl", 0, 1, 0) + _central(b"m/data.pkl", 100, 1, 0)
+    assert _core.zip_central_entries(cd, 2, 1000) is None
+    with pytest.raises(fastpersist.UnsupportedFormatError, match="TorchScript"):
+        torch_zip._central_entries(cd, 2, "")
+    sd = {"a": torch.arange(6.0), "b": torch.ones(3)}
+    path = tmp_path / "a.pt"
+    fastpersist.write_state_dict(sd, path)
+    raw = bytearray(path.read_bytes())
+    at = raw.rfind(b"PK\x01\x02")
+    raw[at + 10] = 8  # its last record: deflated
+    path.write_bytes(bytes(raw))
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="compressed"):
+        fastpersist.read_state_dict(path)
