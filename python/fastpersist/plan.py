@@ -98,6 +98,13 @@ class MemoryGuard:
         ``nbytes()``) as the memory behind checksum ``crc_id``."""
         self._owners[crc_id] = (storage, storage.data_ptr(), storage.nbytes(), name)
 
+    def watch_many(self, crc_ids: Iterable[int], storages: Iterable[Any], ptrs: Iterable[int],
+                   sizes: Iterable[int], names: Iterable[str]) -> None:  # fmt: skip
+        """:meth:`watch` for many storages at once, their data pointers and
+        sizes already read (under the GIL, as a caller laying out records
+        reads them)."""
+        self._owners.update(zip(crc_ids, zip(storages, ptrs, sizes, names)))
+
     def __bool__(self) -> bool:
         return bool(self._owners)
 

@@ -62,6 +62,10 @@ ARCHIVE_NAME = "archive"
 #: part holds twice as many, up to HEAD_PART_MAX.
 HEAD_FIRST_PART = 8 << 20
 HEAD_PART_MAX = 512 << 20
+#: Records of storages in host memory laid out between two chances for an
+#: engine thread waiting for the GIL (a chunk costs about what
+#: HANDOFF_RECORDS records laid out one by one do).
+HOST_CHUNK = 4 * HANDOFF_RECORDS
 
 _U32 = 0xFFFFFFFF
 _U16 = 0xFFFF
@@ -144,15 +148,18 @@ class TorchZipLayout:
         self._head_started = True
         budget, pending = first, 0
         batch: List[Tuple[str, Any]] = []
+        # Every storage found up front in host memory and none to stage: laid
+        # out a chunk at a time (the common case), else one by one.
+        host = self.stage is _on_cuda and not self._survey.off_cpu
         for item in self._known.values():
             batch.append(item)
             pending += item[1].nbytes()
             if pending >= budget:
-                self._add_storages(batch)
+                self._add_storages(batch, host)
                 batch = []
                 yield self._take()
                 budget, pending = min(budget * 2, HEAD_PART_MAX), 0
-        self._add_storages(batch)
+        self._add_storages(batch, host)
         part = self._take()
         if part.blobs or part.regions or part.device:
             yield part
@@ -195,9 +202,45 @@ class TorchZipLayout:
         b.end = self.cursor
         return b
 
-    def _add_storages(self, items: List[Tuple[str, Any]]) -> None:
-        """Lay out the records of ``items`` ((key, storage), in file order)."""
+    def _add_host_storages(self, items: List[Tuple[str, Any]]) -> List[Tuple[bytes, int, int, int, bool]]:
+        """:meth:`_add_storages`' bookkeeping for storages in host memory,
+        none staged, a chunk of records at a time (list comprehensions, an
+        engine thread let in between chunks); returns their records."""
+        recs: List[Tuple[bytes, int, int, int, bool]] = []
+        prefix = f"{ARCHIVE_NAME}/data/"
+        for lo in range(0, len(items), HOST_CHUNK):
+            _core.let_engines_in()  # the writer may wait to gather earlier parts
+            chunk = items[lo : lo + HOST_CHUNK]
+            keys = [key for key, _ in chunk]
+            storages = [storage for _, storage in chunk]
+            sizes: List[int] = [storage.nbytes() for storage in storages]
+            ptrs: List[int] = [storage.data_ptr() for storage in storages]
+            ids = range(len(self.storage_keys), len(self.storage_keys) + len(chunk))
+            self.keepalive += storages
+            self.guard.watch_many(ids, storages, ptrs, sizes, [f"storage {key} (cpu)" for key in keys])
+            self.storage_keys += keys
+            self.storage_bytes += sum(sizes)
+            recs += zip([(prefix + key).encode() for key in keys], sizes, ptrs, ids, [False] * len(chunk))
+        return recs
+
+    def _add_storages(self, items: List[Tuple[str, Any]], host: bool = False) -> None:
+        """Lay out the records of ``items`` ((key, storage), in file order);
+        ``host``: every storage is in host memory and none is staged."""
         if not items:
+            return
+        if host:
+            recs = self._add_host_storages(items)
+            blobs, regions, slots, offsets, self.cursor = _core.zip_storage_records(
+                self.cursor, self.alignment, recs, (Blob, Region, Slot)
+            )
+            b = self._batch
+            b.blobs += blobs
+            b.regions += regions
+            b.slots += slots
+            self.records += [(f"data/{key}", data_off, n) for (key, _), (_, n, _, _, _), (_, data_off) in
+                             zip(items, recs, offsets)]  # fmt: skip
+            self.entries += [(name_b, header_off, n, None, crc_id) for (name_b, n, _, crc_id, _), (header_off, _) in
+                             zip(recs, offsets)]  # fmt: skip
             return
         recs, staged_at = [], []
         for i, (key, found) in enumerate(items):

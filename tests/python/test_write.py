@@ -318,10 +318,10 @@ def test_head_is_written_while_the_rest_is_laid_out(tmp_path, monkeypatch):
     waited: list = []
     real_add = torch_zip.TorchZipLayout._add_storages
 
-    def add_storages(self, items):
+    def add_storages(self, items, host=False):
         if len(self.storage_keys) <= 40 < len(self.storage_keys) + len(items):
             waited.append(first_sent.wait(30))
-        return real_add(self, items)
+        return real_add(self, items, host)
 
     monkeypatch.setattr(torch_zip.TorchZipLayout, "_add_storages", add_storages)
     roundtrip(sd, tmp_path / "a.pt")
@@ -420,11 +420,11 @@ def test_a_tensor_changed_in_place_during_a_synchronous_save_is_caught(tmp_path,
     real = torch_zip.TorchZipLayout._add_storages
     calls = []
 
-    def add_storages(self, items):
+    def add_storages(self, items, host=False):
         if not calls:  # the head's first part: before the pickler meets any tensor
             target.add_(1)  # bumps the version counter
         calls.append(len(items))
-        return real(self, items)
+        return real(self, items, host)
 
     p = tmp_path / "a.pt"
     fastpersist.write_state_dict({"old": torch.ones(2)}, p)

@@ -150,3 +150,60 @@ def test_bad_alignment_and_long_names_are_value_errors():
         _core.zip_local_header(b"n" * 70_000, 0, 1, 64)
     with pytest.raises(ValueError, match="65535"):
         _core.zip_storage_records(0, 64, [(b"n" * 70_000, 1, 1, 0, False)], (Blob, Region, Slot))
+
+
+def _laid_out(obj, **kw) -> tuple:
+    """Everything a TorchZipLayout of ``obj`` produces, head parts and tail."""
+    import torch  # noqa: F401 - the layout's objects
+    from fastpersist.torch_zip import TorchZipLayout
+
+    z = TorchZipLayout(obj, **kw)
+    parts = [(p.blobs, p.regions, p.slots, p.device, p.end) for p in z.head_parts()]
+    tail = z.tail()
+    parts.append((tail.blobs, tail.regions, tail.slots, tail.device, tail.end))
+    owners = {i: (id(st), ptr, n, name) for i, (st, ptr, n, name) in z.guard._owners.items()}
+    return (
+        parts, z.records, z.entries, [id(s) for s in z.keepalive], owners, z.storage_keys, z.storage_bytes,
+        z.cursor, z.file_len,
+    )  # fmt: skip
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 200_000), min_size=0, max_size=400),
+    shared=st.booleans(),
+)
+def test_host_storages_laid_out_in_chunks_as_one_by_one(sizes, shared) -> None:
+    """Storages in host memory, none staged, are laid out a chunk at a time
+    (the common case); the layout is the very one of the record-by-record
+    path (taken when a stage predicate is given), across chunk and part
+    boundaries: headers, regions, slots, records, entries, guard, keys."""
+    import torch
+    from fastpersist import torch_zip
+
+    tensors = [torch.full((n // 4,), float(i)) for i, n in enumerate(sizes)]
+    obj = {f"t{i}": t for i, t in enumerate(tensors)}
+    if shared and tensors:
+        obj["view"] = tensors[0][:1]  # a storage met twice
+    assert _laid_out(obj) == _laid_out(obj, stage=lambda st: False)
+    # Many records: the chunked path does run (more records than a chunk).
+    assert torch_zip.HOST_CHUNK < 400
+
+
+def test_a_state_dict_in_host_memory_takes_the_chunked_path(monkeypatch) -> None:
+    import torch
+    from fastpersist import torch_zip
+
+    calls = []
+    real = torch_zip.TorchZipLayout._add_host_storages
+    monkeypatch.setattr(
+        torch_zip.TorchZipLayout,
+        "_add_host_storages",
+        lambda self, items: calls.append(len(items)) or real(self, items),
+    )
+    obj = {f"t{i}": torch.ones(1000) for i in range(300)}
+    _laid_out(obj)
+    assert sum(calls) == 300
+    calls.clear()
+    _laid_out(obj, stage=lambda st: False)  # a stage predicate: one by one
+    assert calls == []
