@@ -202,10 +202,31 @@ class TorchZipLayout:
         b.end = self.cursor
         return b
 
-    def _add_host_storages(self, items: List[Tuple[str, Any]]) -> List[Tuple[bytes, int, int, int, bool]]:
-        """:meth:`_add_storages`' bookkeeping for storages in host memory,
-        none staged, a chunk of records at a time (list comprehensions, an
-        engine thread let in between chunks); returns their records."""
+    def _add_storages(self, items: List[Tuple[str, Any]], host: bool = False) -> None:
+        """Lay out the records of ``items`` ((key, storage), in file order);
+        ``host``: every storage is in host memory and none is staged."""
+        if not items:
+            return
+        recs, staged_at = (self._host_records(items), []) if host else self._records_one_by_one(items)
+        blobs, regions, slots, offsets, self.cursor = _core.zip_storage_records(
+            self.cursor, self.alignment, recs, (Blob, Region, Slot)
+        )
+        b = self._batch
+        b.blobs += blobs
+        b.regions += regions
+        b.slots += slots
+        for i, storage in staged_at:
+            _, n, _, crc_id, _ = recs[i]
+            b.device.append(DeviceRegion(offsets[i][1], storage, n, crc_id))
+        self.records += [(f"data/{key}", data_off, n) for (key, _), (_, n, _, _, _), (_, data_off) in
+                         zip(items, recs, offsets)]  # fmt: skip
+        self.entries += [(name_b, header_off, n, None, crc_id) for (name_b, n, _, crc_id, _), (header_off, _) in
+                         zip(recs, offsets)]  # fmt: skip
+
+    def _host_records(self, items: List[Tuple[str, Any]]) -> List[Tuple[bytes, int, int, int, bool]]:
+        """The records of storages in host memory, none staged, and their
+        bookkeeping, a chunk at a time (list comprehensions, an engine
+        thread let in between chunks)."""
         recs: List[Tuple[bytes, int, int, int, bool]] = []
         prefix = f"{ARCHIVE_NAME}/data/"
         for lo in range(0, len(items), HOST_CHUNK):
@@ -223,26 +244,12 @@ class TorchZipLayout:
             recs += zip([(prefix + key).encode() for key in keys], sizes, ptrs, ids, [False] * len(chunk))
         return recs
 
-    def _add_storages(self, items: List[Tuple[str, Any]], host: bool = False) -> None:
-        """Lay out the records of ``items`` ((key, storage), in file order);
-        ``host``: every storage is in host memory and none is staged."""
-        if not items:
-            return
-        if host:
-            recs = self._add_host_storages(items)
-            blobs, regions, slots, offsets, self.cursor = _core.zip_storage_records(
-                self.cursor, self.alignment, recs, (Blob, Region, Slot)
-            )
-            b = self._batch
-            b.blobs += blobs
-            b.regions += regions
-            b.slots += slots
-            self.records += [(f"data/{key}", data_off, n) for (key, _), (_, n, _, _, _), (_, data_off) in
-                             zip(items, recs, offsets)]  # fmt: skip
-            self.entries += [(name_b, header_off, n, None, crc_id) for (name_b, n, _, crc_id, _), (header_off, _) in
-                             zip(recs, offsets)]  # fmt: skip
-            return
-        recs, staged_at = [], []
+    def _records_one_by_one(self, items: List[Tuple[str, Any]]) -> Tuple[list, List[Tuple[int, Any]]]:
+        """The records of any storages and their bookkeeping, one by one:
+        staged ones (``stage``) stay on their device, others off the CPU are
+        copied to it; also the indices of the staged records."""
+        recs: List[Tuple[bytes, int, int, int, bool]] = []
+        staged_at: List[Tuple[int, Any]] = []
         for i, (key, found) in enumerate(items):
             if not i % HANDOFF_RECORDS:
                 _core.let_engines_in()  # the writer may wait to gather earlier parts
@@ -259,19 +266,7 @@ class TorchZipLayout:
             recs.append((f"{ARCHIVE_NAME}/data/{key}".encode(), n, storage.data_ptr(), crc_id, staged))
             if staged and n:
                 staged_at.append((len(recs) - 1, storage))
-        blobs, regions, slots, offsets, self.cursor = _core.zip_storage_records(
-            self.cursor, self.alignment, recs, (Blob, Region, Slot)
-        )
-        b = self._batch
-        b.blobs += blobs
-        b.regions += regions
-        b.slots += slots
-        for i, storage in staged_at:
-            _, n, _, crc_id, _ = recs[i]
-            b.device.append(DeviceRegion(offsets[i][1], storage, n, crc_id))
-        for (key, _), (name_b, n, _, crc_id, _), (header_off, data_off) in zip(items, recs, offsets):
-            self.records.append((f"data/{key}", data_off, n))
-            self.entries.append((name_b, header_off, n, None, crc_id))
+        return recs, staged_at
 
     def _add(self, name: str, data: bytes) -> None:
         """A small record holding ``data``, 64-byte aligned as torch aligns

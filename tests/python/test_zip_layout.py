@@ -195,10 +195,10 @@ def test_a_state_dict_in_host_memory_takes_the_chunked_path(monkeypatch) -> None
     from fastpersist import torch_zip
 
     calls = []
-    real = torch_zip.TorchZipLayout._add_host_storages
+    real = torch_zip.TorchZipLayout._host_records
     monkeypatch.setattr(
         torch_zip.TorchZipLayout,
-        "_add_host_storages",
+        "_host_records",
         lambda self, items: calls.append(len(items)) or real(self, items),
     )
     obj = {f"t{i}": torch.ones(1000) for i in range(300)}
