@@ -205,6 +205,10 @@ def main() -> None:
                 for s in (1, 2):
                     ck.step(s, state(s, rank))
                     ck.wait()
+                # Every rank's step 2 committed and replicated before any
+                # rank starts step 3: a rank still finishing step 2 when the
+                # job is taken down would leave step 1 the newest common one.
+                dist.barrier()
                 if rank == 2:
                     real = fastpersist.replicas._write_chunk
 
