@@ -21,12 +21,20 @@ Workloads: the GPT-like state dict of ``--size`` and, with
 ``--small-count N``, N small tensors (4 KiB to 1 MiB, ``--small-size`` in
 all: per-record costs, the pickle of N tensors).
 
+On a virtual machine whose kernel reports free pages to the host
+(virtio-balloon free page reporting), memory one reader frees goes back to
+the host a few seconds later, and the next reader's first touch of it waits
+for the host: the benchmark says so, and ``--keep-freed-memory`` (root)
+turns the reporting off for the run and sets it back after.
+
     python benches/read_bench.py [--size 2GiB] [--small-count 10000] [--rounds 5] [--dir DIR] [--json out.json]
+                                 [--keep-freed-memory]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -36,8 +44,10 @@ from typing import Callable, Dict, List
 import fastpersist
 import torch
 from fastpersist.bench import (
+    FreedMemoryKept,
     Limit,
     drop_cache,
+    free_page_reporting_note,
     gpt_state_dict,
     median,
     nbytes,
@@ -134,10 +144,20 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--settle", type=float, default=1.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="turn the kernel's free page reporting off for the run (root; set back after): memory one reader "
+        "frees stays backed for the next, instead of going back to the host",
+    )
     args = ap.parse_args()
     print(f"fastpersist {fastpersist.__version__}, torch {torch.__version__}")
     results = []
-    with tempfile.TemporaryDirectory(prefix="fastpersist-rbench-", dir=args.dir or os.getcwd()) as d:
+    kept = FreedMemoryKept() if args.keep_freed_memory else contextlib.nullcontext()
+    with kept, tempfile.TemporaryDirectory(prefix="fastpersist-rbench-", dir=args.dir or os.getcwd()) as d:
+        note = kept.note if isinstance(kept, FreedMemoryKept) else free_page_reporting_note()
+        if note:
+            print(f"memory: {note}")
         if parse_size(args.size):
             results.append(run_workload("GPT-like", gpt_state_dict(parse_size(args.size)), d, args.rounds, args.settle))
         if args.small_count:

@@ -320,6 +320,79 @@ class Limit:
         return f"limit {self.gbps:.2f} GB/s ({self.config}); fio medians: {parts}{why}"
 
 
+#: The kernel's free page reporting (virtio-balloon): free blocks of
+#: 2**order pages are handed back to the host a few seconds after they are
+#: freed, and the first touch of such memory waits for the host to back it
+#: again. Memory freed by one reader and allocated by the next is then slow
+#: to fill, whatever the disk.
+PAGE_REPORTING_ORDER = "/sys/module/page_reporting/parameters/page_reporting_order"
+#: An order above the largest buddy block: nothing is reported.
+_NO_REPORTING_ORDER = 11
+
+
+def page_reporting_order(path: str = PAGE_REPORTING_ORDER) -> Optional[int]:
+    """The order of the blocks this kernel reports to the host as free;
+    None where it reports none (no free page reporting, or an order above
+    any block)."""
+    try:
+        with open(path) as f:
+            order = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return order if order < _NO_REPORTING_ORDER else None
+
+
+class FreedMemoryKept:
+    """Within ``with``: no free page reporting (root only), so memory one
+    reader frees stays backed for the next; the order is set back after.
+    ``note`` says what was done, or why not."""
+
+    def __init__(self, path: str = PAGE_REPORTING_ORDER) -> None:
+        self.path = path
+        self._was: Optional[int] = None
+        self.note = ""
+
+    def __enter__(self) -> FreedMemoryKept:
+        order = page_reporting_order(self.path)
+        if order is None:
+            self.note = "no free page reporting: freed memory stays with this machine"
+        elif os.geteuid() != 0:
+            self.note = (
+                f"free page reporting is on (order {order}) and this is not root: memory freed between readers "
+                "goes back to the host, and its first touch may be slow"
+            )
+        else:
+            try:
+                with open(self.path, "w") as f:
+                    f.write(str(_NO_REPORTING_ORDER))
+                self._was = order
+                self.note = f"free page reporting turned off for the run (order {order} -> {_NO_REPORTING_ORDER})"
+            except OSError as e:
+                self.note = f"free page reporting is on (order {order}) and could not be turned off ({e})"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._was is not None:
+            try:
+                with open(self.path, "w") as f:
+                    f.write(str(self._was))
+            except OSError:
+                pass
+            self._was = None
+
+
+def free_page_reporting_note(path: str = PAGE_REPORTING_ORDER) -> str:
+    """A line for a benchmark's output when freed memory goes back to the
+    host (else empty)."""
+    order = page_reporting_order(path)
+    if order is None:
+        return ""
+    return (
+        f"free page reporting is on (order {order}): memory freed between readers goes back to the host and its "
+        "first touch may be slow (--keep-freed-memory turns it off for the run, as root)"
+    )
+
+
 def drop_cache(path: str) -> None:
     """Evict a file (or every file under a directory) from the page cache,
     so the next read comes from the device."""

@@ -74,3 +74,37 @@ def test_fio_keeps_its_preallocation_elsewhere(monkeypatch, tmp_path):
     assert lim.as_dict()["fio_preallocates"] is True
     assert "preallocation" not in lim.note()
     assert not os.listdir(tmp_path)
+
+
+def test_free_page_reporting_is_read_turned_off_and_set_back(tmp_path, monkeypatch):
+    """The read benchmark's --keep-freed-memory: the kernel's free page
+    reporting order is read, set above any block for the run (root), and set
+    back after, also when the run fails; without root, or without
+    reporting, nothing is written and the note says why."""
+    from fastpersist import bench
+
+    order = tmp_path / "page_reporting_order"
+    assert bench.page_reporting_order(str(order)) is None  # no such parameter
+    order.write_text("garbage\n")
+    assert bench.page_reporting_order(str(order)) is None
+    order.write_text("11\n")
+    assert bench.page_reporting_order(str(order)) is None and bench.free_page_reporting_note(str(order)) == ""
+    order.write_text("9\n")
+    assert bench.page_reporting_order(str(order)) == 9
+    assert "order 9" in bench.free_page_reporting_note(str(order))
+
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
+    with pytest.raises(RuntimeError, match="a failed run"):
+        with bench.FreedMemoryKept(str(order)) as kept:
+            assert order.read_text().strip() == "11" and "turned off" in kept.note
+            raise RuntimeError("a failed run")
+    assert order.read_text().strip() == "9"
+
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 1000)
+    with bench.FreedMemoryKept(str(order)) as kept:
+        assert order.read_text().strip() == "9" and "not root" in kept.note
+    order.write_text("11\n")
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
+    with bench.FreedMemoryKept(str(order)) as kept:
+        assert "no free page reporting" in kept.note
+    assert order.read_text().strip() == "11"
