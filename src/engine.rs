@@ -262,6 +262,23 @@ impl Engine {
     /// at least `block` bytes (a power of two, at most `block_size`), as on
     /// a file system whose `STATX_DIOALIGN` asks for that much.
     #[doc(hidden)]
+    /// Gather (and scatter) on `threads` threads from the next call on:
+    /// the one option an engine's resources do not depend on, so saves
+    /// that want fewer threads (those that overlap training) share the
+    /// engine, and its arena, with those that want more.
+    ///
+    /// # Errors
+    /// When `threads` is 0 or more than the engine takes.
+    pub fn set_gather_threads(&mut self, threads: usize) -> Result<()> {
+        if threads == 0 || threads > MAX_GATHER_THREADS {
+            return Err(Error::option(format!(
+                "gather_threads must be in 1..={MAX_GATHER_THREADS}, got {threads}"
+            )));
+        }
+        self.opts.gather_threads = threads;
+        Ok(())
+    }
+
     pub fn set_min_block(&mut self, block: Option<usize>) -> Result<()> {
         if let Some(b) = block {
             if !b.is_power_of_two() || b > self.opts.block_size {

@@ -477,6 +477,16 @@ impl PyEngine {
     /// rename fails with it (DurabilityError).
     /// With `min_block`, sessions begun from then on use O_DIRECT blocks
     /// of at least that many bytes (a file system with a larger alignment).
+    /// Gather and scatter on `threads` threads from the next call on (the
+    /// engine is otherwise the same: one engine, one arena, serves saves
+    /// that want different thread counts).
+    fn set_gather_threads(&self, threads: usize) -> PyResult<()> {
+        self.engine()
+            .map_err(to_py)?
+            .set_gather_threads(threads)
+            .map_err(to_py)
+    }
+
     #[pyo3(signature = (offset=None, errno=libc::EIO, refuse_direct=false, dir_fsync_errno=None, min_block=None))]
     fn set_fault(
         &self,

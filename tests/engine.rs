@@ -1014,3 +1014,24 @@ fn caller_memory_is_read_only_under_the_guard_also_by_gather_threads() {
         drop(mem);
     }
 }
+
+#[test]
+fn gather_threads_change_between_calls_of_one_engine() {
+    let big = pattern(3_000_011, 3);
+    let odd = pattern(70_001, 5);
+    let d = tempfile::tempdir().unwrap();
+    let mut eng = Engine::new(Options::default()).unwrap();
+    for (i, threads) in [1usize, 4, 2, 1].into_iter().enumerate() {
+        eng.set_gather_threads(threads).unwrap();
+        let (segs, expect, len) = sample(&big, &odd);
+        let target = d.path().join(format!("{i}.bin"));
+        let st = eng.write_file(&target, segs, len).unwrap();
+        assert!(
+            std::fs::read(&target).unwrap() == expect,
+            "{threads} threads"
+        );
+        assert_eq!(st.crcs, vec![crc32fast::hash(&big), crc32fast::hash(&odd)]);
+    }
+    assert!(eng.set_gather_threads(0).is_err());
+    assert!(eng.set_gather_threads(100_000).is_err());
+}

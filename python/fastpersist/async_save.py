@@ -549,7 +549,7 @@ class AsyncSaver:
             raise ValueError("metadata is only stored by format='safetensors'")
         if fmt != "torch" and (group is not None or sharded):
             raise ValueError("distributed saves write torch checkpoints (format='torch')")
-        opts = EngineOptions.resolve(**options)
+        opts = EngineOptions.resolve(background=True, **options)
         if group is not None:
             checkpoint_group(group)  # collective: made here, on every rank's calling thread
         with self._lock:
@@ -820,7 +820,10 @@ def default_saver() -> AsyncSaver:
 
 def save_async(obj: Any, path: PathLike, *, mode: str = "pipelined", **options: Any) -> CheckpointFuture:
     """Save ``obj`` to ``path`` in the background (see the module doc).
-    ``options`` are those of :func:`~fastpersist.write_state_dict`."""
+    ``options`` are those of :func:`~fastpersist.write_state_dict`; left
+    unset, ``gather_threads`` is a quarter of the usable cores (at least 1:
+    :func:`~fastpersist.options.default_background_gather_threads`), the
+    rest left to the work the save overlaps."""
     return default_saver().save(obj, path, mode=mode, **options)
 
 

@@ -251,3 +251,63 @@ def test_checkpointer_step_prepares_in_the_background(tmp_path):
         assert ck._saver.pool.nbytes >= (1 << 20) * 4
     finally:
         ck.close()
+
+
+@pytest.mark.parametrize(
+    ("cores", "background", "foreground"), [(1, 1, 1), (2, 1, 2), (7, 1, 7), (16, 4, 8), (64, 8, 8)]
+)
+def test_background_saves_gather_on_a_quarter_of_the_cores(monkeypatch, cores, background, foreground):
+    """A save that overlaps training gathers on a quarter of the usable
+    cores (at least 1, at most 8), a synchronous one on all of them (at
+    most 8); the environment and the option still decide where given."""
+    from fastpersist import options
+
+    monkeypatch.delenv("FASTPERSIST_GATHER_THREADS", raising=False)
+    monkeypatch.setattr(options, "_usable_cores", lambda: cores)
+    assert options.EngineOptions.resolve(background=True).gather_threads == background
+    assert options.EngineOptions.resolve().gather_threads == foreground
+    assert options.EngineOptions.resolve(background=True, gather_threads=3).gather_threads == 3
+    monkeypatch.setenv("FASTPERSIST_GATHER_THREADS", "5")
+    assert options.EngineOptions.resolve(background=True).gather_threads == 5
+
+
+def test_async_saves_resolve_their_options_as_background_saves(tmp_path, monkeypatch):
+    from fastpersist import async_save
+
+    seen = []
+    real = async_save.EngineOptions.resolve
+
+    def resolve(*a, **k):
+        opts = real(*a, **k)
+        seen.append((k.get("background"), opts.gather_threads))
+        return opts
+
+    monkeypatch.delenv("FASTPERSIST_GATHER_THREADS", raising=False)
+    monkeypatch.setattr(async_save.EngineOptions, "resolve", resolve)
+    sd = {"w": torch.arange(1000.0)}
+    fastpersist.save_async(sd, tmp_path / "a.pt").result()
+    fastpersist.save_async(sd, tmp_path / "b.pt", gather_threads=2).result()
+    assert seen[0] == (True, fastpersist.options.default_background_gather_threads())
+    assert seen[1] == (True, 2)
+    assert torch.equal(torch.load(tmp_path / "b.pt")["w"], sd["w"])
+
+
+def test_background_and_synchronous_saves_share_one_engine(tmp_path):
+    """The gather threads are set on each use of an engine, not made into
+    another engine: background saves (fewer threads) and synchronous ones
+    share one arena; each gets its own count, and a count the engine cannot
+    take is a ValueError."""
+    from fastpersist import options
+
+    fg = options.EngineOptions.resolve(gather_threads=3)
+    bg = options.EngineOptions.resolve(background=True, gather_threads=1)
+    assert options.get_engine(fg)[1] is options.get_engine(bg)[1]
+    sd = {f"t{i}": torch.full((300_000,), float(i)) for i in range(8)}
+    fastpersist.write_state_dict(sd, tmp_path / "a.pt", gather_threads=3)
+    fastpersist.save_async(sd, tmp_path / "b.pt", gather_threads=1).result()
+    fastpersist.write_state_dict(sd, tmp_path / "c.pt", gather_threads=2)
+    for name in ("a.pt", "b.pt", "c.pt"):
+        got = fastpersist.read_state_dict(tmp_path / name)
+        assert all(torch.equal(got[k], v) for k, v in sd.items())
+    with pytest.raises(ValueError, match="gather_threads"):
+        options.get_engine(fg)[1].set_gather_threads(0)
