@@ -258,10 +258,6 @@ impl Engine {
         self.dir_fsync_fault = errno;
     }
 
-    /// Test hook: sessions begun from now on write with O_DIRECT blocks of
-    /// at least `block` bytes (a power of two, at most `block_size`), as on
-    /// a file system whose `STATX_DIOALIGN` asks for that much.
-    #[doc(hidden)]
     /// Gather (and scatter) on `threads` threads from the next call on:
     /// the one option an engine's resources do not depend on, so saves
     /// that want fewer threads (those that overlap training) share the
@@ -279,6 +275,10 @@ impl Engine {
         Ok(())
     }
 
+    /// Test hook: sessions begun from now on write with O_DIRECT blocks of
+    /// at least `block` bytes (a power of two, at most `block_size`), as on
+    /// a file system whose `STATX_DIOALIGN` asks for that much.
+    #[doc(hidden)]
     pub fn set_min_block(&mut self, block: Option<usize>) -> Result<()> {
         if let Some(b) = block {
             if !b.is_power_of_two() || b > self.opts.block_size {

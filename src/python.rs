@@ -471,12 +471,6 @@ impl PyEngine {
         self.engine().is_ok_and(|e| e.arena().locked())
     }
 
-    /// Test hooks: make the write that covers `offset` fail with `errno`;
-    /// with `refuse_direct`, act as if the file system refused O_DIRECT.
-    /// With `dir_fsync_errno`, the directory fsync after each commit's
-    /// rename fails with it (DurabilityError).
-    /// With `min_block`, sessions begun from then on use O_DIRECT blocks
-    /// of at least that many bytes (a file system with a larger alignment).
     /// Gather and scatter on `threads` threads from the next call on (the
     /// engine is otherwise the same: one engine, one arena, serves saves
     /// that want different thread counts).
@@ -487,6 +481,12 @@ impl PyEngine {
             .map_err(to_py)
     }
 
+    /// Test hooks: make the write that covers `offset` fail with `errno`;
+    /// with `refuse_direct`, act as if the file system refused O_DIRECT.
+    /// With `dir_fsync_errno`, the directory fsync after each commit's
+    /// rename fails with it (DurabilityError).
+    /// With `min_block`, sessions begun from then on use O_DIRECT blocks
+    /// of at least that many bytes (a file system with a larger alignment).
     #[pyo3(signature = (offset=None, errno=libc::EIO, refuse_direct=false, dir_fsync_errno=None, min_block=None))]
     fn set_fault(
         &self,
