@@ -583,11 +583,6 @@ class TensorVersions:
         found = self._survey[1]
         return Survey(dict(found.storages), found.nbytes, list(found.off_cpu))
 
-    def storages_of(self, obj: Any) -> Optional[Dict[int, Tuple[str, Any]]]:
-        """:meth:`survey_of`'s storages."""
-        found = self.survey_of(obj)
-        return found.storages if found is not None else None
-
     def _walk(self, obj: Any) -> None:
         if _fast_survey(obj, self, False) is not None:
             return

@@ -444,8 +444,9 @@ def test_one_walk_finds_the_storages_and_records_the_versions(obj: Any, key_tens
     if key_tensor:
         obj = {key: obj}
     one = TensorVersions(obj, storages=True)
-    found = one.storages_of(obj)
-    assert found is not None
+    survey = one.survey_of(obj)
+    assert survey is not None
+    found = survey.storages
     expected = find_storages(obj)
     assert [(c, k, s._cdata) for c, (k, s) in found.items()] == [(c, k, s._cdata) for c, (k, s) in expected.items()]
     walked = TensorVersions(obj)._seen
@@ -455,9 +456,10 @@ def test_one_walk_finds_the_storages_and_records_the_versions(obj: Any, key_tens
     }
     assert list(extra) == ([id(key)] if key_tensor else [])
     # Only for the object walked, and only when asked.
-    assert one.storages_of([obj]) is None
-    assert TensorVersions(obj).storages_of(obj) is None
-    assert one.storages_of(obj) is not found  # a dict of its own each time
+    assert one.survey_of([obj]) is None
+    assert TensorVersions(obj).survey_of(obj) is None
+    again = one.survey_of(obj)
+    assert again is not None and again.storages is not found  # a dict of its own each time
 
 
 def _odd_tensors() -> List[Any]:
@@ -552,8 +554,9 @@ def test_the_survey_without_versions_and_with_an_overridden_add() -> None:
     v.calls = []
     Recording.__init__(v, sd, storages=True)  # its own add: every tensor met goes to it
     assert [id(t) for t in v.calls] == [id(a), id(b), id(a), id(b), id(a)]
-    mine = v.storages_of(sd)
-    assert mine is not None
+    survey = v.survey_of(sd)
+    assert survey is not None
+    mine = survey.storages
     assert [(k, s._cdata) for k, s in mine.values()] == [(k, s._cdata) for k, s in got.storages.values()]
 
 
