@@ -23,8 +23,8 @@ use pyo3::types::{
 };
 use std::os::fd::RawFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 create_exception!(
     fastpersist._core,
@@ -636,7 +636,10 @@ impl PyEngine {
             .map_err(to_py)?;
         Ok(PySession {
             engine: slf.clone().unbind(),
-            session: Mutex::new(Some(session)),
+            session: Arc::new(Mutex::new(Some(session))),
+            behind: Mutex::new(None),
+            behind_failed: Arc::new(AtomicBool::new(false)),
+            behind_pending: Arc::new(AtomicUsize::new(0)),
         })
     }
 }
@@ -658,7 +661,121 @@ impl PyEngine {
 #[pyclass(module = "fastpersist._core", name = "WriteSession", frozen)]
 struct PySession {
     engine: Py<PyEngine>,
-    session: Mutex<Option<Session>>,
+    session: Arc<Mutex<Option<Session>>>,
+    /// The thread writing the parts given to `write_behind`, while it runs.
+    behind: Mutex<Option<Behind>>,
+    /// Set once a part given to `write_behind` failed (its error waits for
+    /// `join_behind`).
+    behind_failed: Arc<AtomicBool>,
+    /// Parts given to `write_behind` and not yet written (or dropped after
+    /// a failure).
+    behind_pending: Arc<AtomicUsize>,
+}
+
+impl Drop for PySession {
+    /// A session dropped with parts still on its write-behind thread (its
+    /// caller gave up without `abort`): let the thread end first, so the
+    /// file is removed only after its last write.
+    fn drop(&mut self) {
+        let behind = self.behind.get_mut().ok().and_then(Option::take);
+        if let Some(Behind { parts, thread }) = behind {
+            drop(parts);
+            Python::with_gil(|py| py.allow_threads(|| drop(thread.join())));
+        }
+    }
+}
+
+/// A part of a file for the write-behind thread: its segments, and the
+/// `MemoryGuard` its caller memory is read under.
+type BehindPart = (Vec<Segment>, Option<PyObject>);
+
+/// What the write-behind thread ends with: the first failure, and what a
+/// guard's failed check found for it.
+type BehindEnd = Result<(), (Error, GuardErr)>;
+
+/// The write-behind thread of a [`PySession`] and the way to hand it parts.
+struct Behind {
+    parts: std::sync::mpsc::Sender<BehindPart>,
+    thread: std::thread::JoinHandle<BehindEnd>,
+}
+
+impl PySession {
+    /// Start the write-behind thread. It writes the parts it is given in
+    /// order, each under its guard, and runs no Python: between parts it
+    /// waits on a channel, not for the GIL. (A Python thread would take the
+    /// GIL back after each part; a caller laying out the next part in long
+    /// native calls gives it up only to engine threads waiting to gather,
+    /// and the device drained meanwhile.) After a failure it drops what
+    /// follows and keeps the failure for [`PySession::join_behind`].
+    fn spawn_behind(&self, py: Python<'_>) -> PyResult<Behind> {
+        let (tx, rx) = std::sync::mpsc::channel::<BehindPart>();
+        let engine = self.engine.clone_ref(py);
+        let session = Arc::clone(&self.session);
+        let failed = Arc::clone(&self.behind_failed);
+        let pending = Arc::clone(&self.behind_pending);
+        let thread = std::thread::Builder::new()
+            .name("fastpersist-behind".into())
+            .spawn(move || {
+                // A Python thread state for the whole run (the guard takes the
+                // GIL on it to gather), without the GIL meanwhile. Counted as
+                // an engine waiting for the GIL, which the caller's layout
+                // loops hand over at once.
+                GIL_WAITERS.fetch_add(1, Ordering::SeqCst);
+                Python::with_gil(|py| {
+                    GIL_WAITERS.fetch_sub(1, Ordering::SeqCst);
+                    py.allow_threads(|| {
+                        let mut end: BehindEnd = Ok(());
+                        for (segments, guard) in rx {
+                            if end.is_err() {
+                                pending.fetch_sub(1, Ordering::SeqCst);
+                                continue; // drop what follows a failure
+                            }
+                            let err = GuardErr::default();
+                            let res = session
+                                .lock()
+                                .map_err(|_| Error::option("session poisoned"))
+                                .and_then(|mut lock| {
+                                    let s = lock.as_mut().ok_or_else(|| {
+                                        Error::option("this write session is already finished")
+                                    })?;
+                                    guarded(guard, &err, || {
+                                        engine.get().engine()?.write(s, segments)
+                                    })
+                                });
+                            if let Err(e) = res {
+                                failed.store(true, Ordering::SeqCst);
+                                end = Err((e, err));
+                            }
+                            pending.fetch_sub(1, Ordering::SeqCst);
+                        }
+                        end
+                    })
+                })
+            })
+            .map_err(|e| {
+                PyRuntimeError::new_err(format!("cannot start the write-behind thread: {e}"))
+            })?;
+        Ok(Behind { parts: tx, thread })
+    }
+
+    /// Wait until the write-behind thread (if one runs) has written every
+    /// part given to it, and raise its failure.
+    fn join_behind(&self, py: Python<'_>) -> PyResult<()> {
+        let behind = self
+            .behind
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("session poisoned"))?
+            .take();
+        let Some(Behind { parts, thread }) = behind else {
+            return Ok(());
+        };
+        drop(parts); // the thread ends once it has written what it was given
+        match py.allow_threads(|| thread.join()) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err((e, err))) => Err(guard_err(&err, e)),
+            Err(_) => Err(PyRuntimeError::new_err("the write-behind thread panicked")),
+        }
+    }
 }
 
 #[pymethods]
@@ -677,6 +794,7 @@ impl PySession {
         guard: Option<PyObject>,
     ) -> PyResult<()> {
         let segments = build_segments(blobs, regions, slots)?;
+        PySession::join_behind(self, py)?;
         let engine = self.engine.get();
         let err = GuardErr::default();
         py.allow_threads(|| {
@@ -690,6 +808,63 @@ impl PySession {
             guarded(guard, &err, || engine.engine()?.write(session, segments))
         })
         .map_err(|e| guard_err(&err, e))
+    }
+
+    /// `write`, on the session's write-behind thread: the segments are
+    /// taken now (the caller's memory must stay as it is until
+    /// `join_behind` returns; the guard is consulted as it is read), and
+    /// this returns at once. Parts are written in the order given; a
+    /// failure is raised by `join_behind` (and by `write`, `finish`), and
+    /// `behind_failed` says whether one happened so far.
+    #[pyo3(signature = (blobs, regions, slots, guard=None))]
+    fn write_behind<'py>(
+        &self,
+        py: Python<'py>,
+        blobs: Vec<(u64, Bound<'py, PyBytes>)>,
+        regions: Vec<(u64, usize, usize, i64)>,
+        slots: Vec<(u64, u32)>,
+        guard: Option<PyObject>,
+    ) -> PyResult<()> {
+        let segments = build_segments(blobs, regions, slots)?;
+        let mut behind = self
+            .behind
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("session poisoned"))?;
+        if behind.is_none() {
+            *behind = Some(self.spawn_behind(py)?);
+        }
+        self.behind_pending.fetch_add(1, Ordering::SeqCst);
+        let sent = behind.as_ref().map(|b| b.parts.send((segments, guard)));
+        if let Some(Err(_)) = sent {
+            self.behind_pending.fetch_sub(1, Ordering::SeqCst);
+            // Only a panicked thread stops listening: join_behind says so.
+            drop(behind);
+            PySession::join_behind(self, py)?;
+            return Err(PyRuntimeError::new_err(
+                "the write-behind thread ended early",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Wait until every part given to `write_behind` is written (its
+    /// caller memory gathered); raise the first failure.
+    #[pyo3(name = "join_behind")]
+    fn join_behind_py(&self, py: Python<'_>) -> PyResult<()> {
+        PySession::join_behind(self, py)
+    }
+
+    /// Whether a part given to `write_behind` has failed so far.
+    #[getter]
+    fn behind_failed(&self) -> bool {
+        self.behind_failed.load(Ordering::SeqCst)
+    }
+
+    /// Parts given to `write_behind` not yet written (their caller memory
+    /// not yet gathered; writes may still be in flight after).
+    #[getter]
+    fn behind_pending(&self) -> usize {
+        self.behind_pending.load(Ordering::SeqCst)
     }
 
     /// Add the last segments, write the rest and commit the file. When
@@ -708,6 +883,7 @@ impl PySession {
         guard: Option<PyObject>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let segments = build_segments(blobs, regions, slots)?;
+        PySession::join_behind(self, py)?;
         let engine = self.engine.get();
         let mut callback_err: Option<PyErr> = None;
         let err = GuardErr::default();
@@ -741,6 +917,9 @@ impl PySession {
 
     /// Give up: remove the temporary file. Idempotent.
     fn abort(&self, py: Python<'_>) {
+        // The parts in flight are written first (their outcome no longer
+        // matters); only then is the session's file removed.
+        let _ = PySession::join_behind(self, py);
         let engine = self.engine.get();
         py.allow_threads(|| {
             if let Ok(mut g) = self.session.lock() {

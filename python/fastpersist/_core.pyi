@@ -195,6 +195,18 @@ class WriteSession:
         slots: Sequence[_Slot],
         guard: _Guard | None = None,
     ) -> None: ...
+    def write_behind(
+        self,
+        blobs: Sequence[_Blob],
+        regions: Sequence[_Region],
+        slots: Sequence[_Slot],
+        guard: _Guard | None = None,
+    ) -> None: ...
+    def join_behind(self) -> None: ...
+    @property
+    def behind_failed(self) -> bool: ...
+    @property
+    def behind_pending(self) -> int: ...
     def finish(
         self,
         blobs: Sequence[_Blob],

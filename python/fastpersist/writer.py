@@ -56,13 +56,22 @@ FORMATS = ("torch", "safetensors")
 
 class PartWriter:
     """Writes the parts of a file (consecutive :class:`Batch` es, in file
-    order) to an engine session on a helper thread, in the order they are
-    :meth:`put` (the engine releases the GIL, so a part is on its way to
-    disk while the calling thread lays out the next, or pickles); :meth:`join`
-    waits for the last and raises the thread's error. The session is the
-    caller's again after the join (to finish it, or abort it)."""
+    order) to an engine session while the calling thread lays out the next
+    part, or pickles; :meth:`join` waits for the last and raises the first
+    failure. The session is the caller's again after the join (to finish
+    it, or abort it).
+
+    Parts in host memory go to the session's write-behind thread
+    (``WriteSession.write_behind``), which runs no Python: it never waits
+    for the GIL between parts, only to gather caller memory, and the
+    layout's native loops hand the GIL to it. Parts with device storages to
+    stage (``ctx``) go through a Python thread that streams them through the
+    staging slots."""
 
     def __init__(self, session: Any, ctx: Optional[DeviceContext], guard: MemoryGuard) -> None:
+        self._session = session
+        self._guard = guard
+        self._staged = ctx is not None
         self._parts: queue.SimpleQueue[Optional[Batch]] = queue.SimpleQueue()
         self._failure: List[BaseException] = []
         self._thread = threading.Thread(
@@ -79,6 +88,14 @@ class PartWriter:
             self._failure.append(e)
 
     def put(self, part: Batch) -> None:
+        if not self._staged:
+            if self._session.behind_failed:  # no use laying out more: raise it now
+                self._session.join_behind()
+            assert not part.device, "a part with device storages needs a DeviceContext"
+            # The guard as of this part (an empty one watches nothing yet).
+            guard = self._guard if self._guard else None
+            self._session.write_behind(part.blobs, part.regions, part.slots, guard)
+            return
         if self._failure:  # no use laying out more: the join raises it
             raise self._failure[0]
         self._parts.put(part)
@@ -86,6 +103,9 @@ class PartWriter:
             self._thread.start()  # on the first part: no thread for a file without a head
 
     def join(self) -> None:
+        if not self._staged:
+            self._session.join_behind()
+            return
         if self._thread.ident is None:
             return
         self._parts.put(None)
@@ -150,6 +170,11 @@ def _write_torch_zip(
                         head.put(part)
                     tail = layout.tail()
                     plan_seconds = time.perf_counter() - tp
+                    if not tail.device:
+                        # Gathered behind the head's last writes: the device
+                        # has them in flight while this thread joins.
+                        head.put(tail)
+                        tail = Batch()
                 finally:
                     head.join()
                 if tail.device and ctx is None:

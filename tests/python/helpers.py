@@ -136,17 +136,25 @@ def gc_runs_inside_fastpersist():
 
 def first_part_sent(monkeypatch) -> Any:
     """A ``threading.Event`` set once the first part of a file is handed to
-    an engine session (``writer.send`` spied on for the test)."""
+    an engine session (``writer.send`` and ``PartWriter.put``, which hands
+    host parts to the session's write-behind thread, spied on for the
+    test)."""
     import threading
 
     from fastpersist import writer
 
     sent = threading.Event()
     real_send = writer.send
+    real_put = writer.PartWriter.put
 
     def send(*a, **kw):
         sent.set()
         return real_send(*a, **kw)
 
+    def put(self, part):
+        real_put(self, part)
+        sent.set()
+
     monkeypatch.setattr(writer, "send", send)
+    monkeypatch.setattr(writer.PartWriter, "put", put)
     return sent

@@ -10,6 +10,8 @@ import fastpersist
 import pytest
 import torch
 from helpers import all_dtypes, assert_same, bits, byte_runs, first_part_sent, gc_runs_inside_fastpersist, make
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
 
 
 def roundtrip(obj, path, **kw):
@@ -363,6 +365,220 @@ def test_the_layout_hands_the_gil_to_the_engine_waiting_for_it(tmp_path, monkeyp
     monkeypatch.setattr(torch_zip, "_core", Core())
     roundtrip(sd, tmp_path / "a.pt")
     assert taken == [True]
+
+
+def test_head_parts_are_written_while_the_caller_keeps_the_gil(tmp_path, monkeypatch):
+    """The head's parts go to the session's write-behind thread, which runs
+    no Python: it needs the GIL only to gather caller memory, and takes it
+    from the layout's offers (``_core.let_engines_in``). Here, once every
+    part of the head is handed over, the caller keeps the GIL (switch
+    interval 1000 s) and only offers it that way, until every part is
+    written (up to 30 s). A writer thread that ran Python between parts
+    would wait for the switch interval and never get there."""
+    import sys
+    import time
+
+    from fastpersist import _core, torch_zip, writer
+
+    sd = {f"t{i}": torch.full((1 << 12,), float(i)) for i in range(4096)}  # 16 KiB each: 4 head parts
+    real_put, real_tail = writer.PartWriter.put, torch_zip.TorchZipLayout.tail
+    sessions: list = []
+    written: list = []
+
+    def put(self, part):
+        real_put(self, part)
+        sessions.append(self._session)
+
+    def tail(self):
+        deadline = time.monotonic() + 30
+        while sessions[-1].behind_pending and time.monotonic() < deadline:
+            _core.let_engines_in()
+        written.append(sessions[-1].behind_pending == 0)
+        return real_tail(self)
+
+    monkeypatch.setattr(writer.PartWriter, "put", put)
+    monkeypatch.setattr(torch_zip.TorchZipLayout, "tail", tail)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000)
+    try:
+        roundtrip(sd, tmp_path / "a.pt")
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(sessions) >= 4 and written == [True]
+
+
+def _behind_session(tmp_path, name="f.bin", **opts):
+    from fastpersist.options import EngineOptions, get_engine
+
+    _, eng = get_engine(EngineOptions.resolve(**opts))
+    path = tmp_path / name
+    return path, eng.begin(str(path), 1 << 20)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    pieces=hs.lists(hs.tuples(hs.integers(0, 3), hs.integers(1, 70_000), hs.booleans()), min_size=1, max_size=12),
+    cuts=hs.lists(hs.integers(0, 12), max_size=4),
+    mixed=hs.booleans(),
+)
+def test_write_behind_writes_the_parts_in_order(tmp_path, pieces, cuts, mixed):
+    """Any file cut into parts and given to ``write_behind`` (some parts by
+    ``write`` between them, which waits for those before) is the file
+    written whole: the same bytes, and the same CRC32 in its slots."""
+    from fastpersist.plan import Blob, Region, Slot
+
+    data, parts, keep, off = bytearray(), [], [], 0
+    bounds = sorted({min(c, len(pieces)) for c in cuts} | {0, len(pieces)})
+    crc_ids = 0
+    for lo, hi in zip(bounds, bounds[1:]):
+        blobs, regions, slots = [], [], []
+        for gap, n, from_memory in pieces[lo:hi]:
+            off += gap
+            data += bytes(gap)
+            chunk = bytes((off + i) % 251 for i in range(n))
+            if from_memory:
+                t = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
+                keep.append(t)
+                regions.append(Region(off, t.data_ptr(), n, crc_ids))
+                off += n
+                data += chunk
+                slots.append(Slot(off, crc_ids))
+                data += fastpersist._core.crc32(chunk).to_bytes(4, "little")
+                off += 4
+                crc_ids += 1
+            else:
+                blobs.append(Blob(off, chunk))
+                off += n
+                data += chunk
+        parts.append((blobs, regions, slots))
+    path, session = _behind_session(tmp_path)
+    for i, (blobs, regions, slots) in enumerate(parts):
+        if mixed and i % 3 == 2:
+            session.write(blobs, regions, slots)
+        else:
+            session.write_behind(blobs, regions, slots)
+    session.finish([], [], [], len(data))
+    assert session.behind_pending == 0 and not session.behind_failed
+    assert path.read_bytes() == bytes(data)
+
+
+@pytest.mark.parametrize("io_uring", [False, True])
+def test_a_failed_part_written_behind_raises_and_commits_nothing(tmp_path, engine_fault, io_uring):
+    """An I/O error in a part on the write-behind thread is raised and
+    nothing is committed: the previous file stays, no file is left behind.
+    Writes that complete within their part (the pwrite pool) fail there:
+    later parts are dropped, ``behind_failed`` says so and ``join_behind``
+    raises. With io_uring a write may still be in flight when its part is
+    done: then the next call of the session raises it, at the latest
+    ``finish``."""
+    import errno
+    import time
+
+    from fastpersist.plan import Region
+
+    t = torch.ones(4 << 20, dtype=torch.uint8)  # 4 MiB a part
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"previous")
+    engine_fault(6 << 20, errno.EIO, io_uring=io_uring)
+    _, session = _behind_session(tmp_path, io_uring=io_uring)
+    for i in range(4):
+        session.write_behind([], [Region(i * t.numel(), t.data_ptr(), t.numel(), -1)], [])
+    if not io_uring:
+        deadline = time.monotonic() + 30
+        while not session.behind_failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert session.behind_failed
+        with pytest.raises(OSError) as e:
+            session.join_behind()
+        assert e.value.errno == errno.EIO
+        assert session.behind_pending == 0
+    with pytest.raises(OSError if io_uring else ValueError) as e:
+        session.finish([], [], [], 4 * t.numel())
+    assert e.value.errno == errno.EIO if io_uring else "already failed" in str(e.value)
+    session.abort()
+    assert path.read_bytes() == b"previous"
+    assert sorted(os.listdir(tmp_path)) == ["f.bin"]
+
+
+def test_a_bad_part_written_behind_is_refused_by_name(tmp_path):
+    """A part the engine refuses (here: it starts before the end of the
+    parts given so far) fails on the write-behind thread with the engine's
+    own message; what follows is dropped and nothing is left behind."""
+    import time
+
+    from fastpersist.plan import Blob
+
+    path, session = _behind_session(tmp_path)
+    session.write_behind([Blob(0, b"x" * 10_000)], [], [])
+    session.write_behind([Blob(5_000, b"y" * 10)], [], [])
+    session.write_behind([Blob(20_000, b"z" * 10)], [], [])
+    deadline = time.monotonic() + 30
+    while session.behind_pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert session.behind_failed and session.behind_pending == 0
+    with pytest.raises(ValueError, match="5000"):
+        session.join_behind()
+    session.abort()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_head_part_stops_the_layout(tmp_path, engine_fault, monkeypatch):
+    """Once a head part written behind has failed, the next part handed
+    over raises its error: the caller does not lay out (and pickle) the rest
+    of a checkpoint that cannot be saved. (The pwrite pool: each part's
+    writes complete within it.)"""
+    import errno
+    import time
+
+    from fastpersist import writer
+
+    sd = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(128)}  # 1 MiB each: several head parts
+    p = tmp_path / "a.pt"
+    fastpersist.write_state_dict({"x": torch.ones(2)}, p)
+    before = p.read_bytes()
+    engine_fault(0, errno.EIO, io_uring=False)
+    real_put = writer.PartWriter.put
+    puts: list = []
+
+    def put(self, part):
+        puts.append(part)
+        real_put(self, part)
+        if len(puts) == 1:  # the first part: wait until its write failed
+            deadline = time.monotonic() + 30
+            while not self._session.behind_failed and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    monkeypatch.setattr(writer.PartWriter, "put", put)
+    with pytest.raises(OSError) as e:
+        fastpersist.write_state_dict(sd, p, io_uring=False)
+    assert e.value.errno == errno.EIO
+    assert len(puts) == 2  # the second part raised; no third was laid out
+    assert p.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["a.pt"]
+
+
+@pytest.mark.parametrize("how", ["abort", "drop"])
+def test_a_session_given_up_with_parts_behind_removes_its_file(tmp_path, how):
+    """A session aborted (or dropped unfinished) while parts are on its
+    write-behind thread: the thread writes them first, then the temporary
+    file is removed; nothing appears at the path, and the engine saves
+    again as usual."""
+    import gc
+
+    from fastpersist.plan import Region
+
+    t = torch.ones(8 << 20, dtype=torch.uint8)
+    path, session = _behind_session(tmp_path)
+    for i in range(8):
+        session.write_behind([], [Region(i * t.numel(), t.data_ptr(), t.numel(), -1)], [])
+    if how == "abort":
+        session.abort()
+        assert session.behind_pending == 0
+    else:
+        del session
+        gc.collect()
+    assert os.listdir(tmp_path) == []
+    roundtrip({"t": t}, tmp_path / "b.pt")
 
 
 _AT_FORK: list = []
