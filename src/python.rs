@@ -640,6 +640,7 @@ impl PyEngine {
             behind: Mutex::new(None),
             behind_failed: Arc::new(AtomicBool::new(false)),
             behind_pending: Arc::new(AtomicUsize::new(0)),
+            behind_cancel: Arc::new(AtomicBool::new(false)),
         })
     }
 }
@@ -670,19 +671,43 @@ struct PySession {
     /// Parts given to `write_behind` and not yet written (or dropped after
     /// a failure).
     behind_pending: Arc<AtomicUsize>,
+    /// Set when the session is given up: the write-behind thread drops the
+    /// parts it has not begun.
+    behind_cancel: Arc<AtomicBool>,
 }
 
 impl Drop for PySession {
     /// A session dropped with parts still on its write-behind thread (its
-    /// caller gave up without `abort`): let the thread end first, so the
-    /// file is removed only after its last write.
+    /// caller gave up without `abort`): the thread drops the parts it has
+    /// not begun and ends first, so the file is removed only after its last
+    /// write.
     fn drop(&mut self) {
+        self.behind_cancel.store(true, Ordering::SeqCst);
         let behind = self.behind.get_mut().ok().and_then(Option::take);
         if let Some(Behind { parts, thread }) = behind {
             drop(parts);
             Python::with_gil(|py| py.allow_threads(|| drop(thread.join())));
         }
     }
+}
+
+/// `Engine::write` of `segments` to the session in `session` (unless it is
+/// finished), under `guard`; what a failed check found goes to `err`. Called
+/// without the GIL (by `write`, or on the write-behind thread).
+fn write_locked(
+    session: &Mutex<Option<Session>>,
+    engine: &PyEngine,
+    segments: Vec<Segment>,
+    guard: Option<PyObject>,
+    err: &GuardErr,
+) -> Result<(), Error> {
+    let mut lock = session
+        .lock()
+        .map_err(|_| Error::option("session poisoned"))?;
+    let s = lock
+        .as_mut()
+        .ok_or_else(|| Error::option("this write session is already finished"))?;
+    guarded(guard, err, || engine.engine()?.write(s, segments))
 }
 
 /// A part of a file for the write-behind thread: its segments, and the
@@ -706,13 +731,15 @@ impl PySession {
     /// GIL back after each part; a caller laying out the next part in long
     /// native calls gives it up only to engine threads waiting to gather,
     /// and the device drained meanwhile.) After a failure it drops what
-    /// follows and keeps the failure for [`PySession::join_behind`].
+    /// follows and keeps the failure for [`PySession::join_behind`]; once
+    /// the session is aborted (or dropped) it drops the parts not begun.
     fn spawn_behind(&self, py: Python<'_>) -> PyResult<Behind> {
         let (tx, rx) = std::sync::mpsc::channel::<BehindPart>();
         let engine = self.engine.clone_ref(py);
         let session = Arc::clone(&self.session);
         let failed = Arc::clone(&self.behind_failed);
         let pending = Arc::clone(&self.behind_pending);
+        let cancel = Arc::clone(&self.behind_cancel);
         let thread = std::thread::Builder::new()
             .name("fastpersist-behind".into())
             .spawn(move || {
@@ -726,22 +753,12 @@ impl PySession {
                     py.allow_threads(|| {
                         let mut end: BehindEnd = Ok(());
                         for (segments, guard) in rx {
-                            if end.is_err() {
+                            if end.is_err() || cancel.load(Ordering::SeqCst) {
                                 pending.fetch_sub(1, Ordering::SeqCst);
-                                continue; // drop what follows a failure
+                                continue; // drop what follows a failure, or an abort
                             }
                             let err = GuardErr::default();
-                            let res = session
-                                .lock()
-                                .map_err(|_| Error::option("session poisoned"))
-                                .and_then(|mut lock| {
-                                    let s = lock.as_mut().ok_or_else(|| {
-                                        Error::option("this write session is already finished")
-                                    })?;
-                                    guarded(guard, &err, || {
-                                        engine.get().engine()?.write(s, segments)
-                                    })
-                                });
+                            let res = write_locked(&session, engine.get(), segments, guard, &err);
                             if let Err(e) = res {
                                 failed.store(true, Ordering::SeqCst);
                                 end = Err((e, err));
@@ -795,19 +812,9 @@ impl PySession {
     ) -> PyResult<()> {
         let segments = build_segments(blobs, regions, slots)?;
         PySession::join_behind(self, py)?;
-        let engine = self.engine.get();
         let err = GuardErr::default();
-        py.allow_threads(|| {
-            let mut lock = self
-                .session
-                .lock()
-                .map_err(|_| Error::option("session poisoned"))?;
-            let session = lock
-                .as_mut()
-                .ok_or_else(|| Error::option("this write session is already finished"))?;
-            guarded(guard, &err, || engine.engine()?.write(session, segments))
-        })
-        .map_err(|e| guard_err(&err, e))
+        py.allow_threads(|| write_locked(&self.session, self.engine.get(), segments, guard, &err))
+            .map_err(|e| guard_err(&err, e))
     }
 
     /// `write`, on the session's write-behind thread: the segments are
@@ -915,10 +922,13 @@ impl PySession {
         stats_dict(py, &stats.map_err(|e| guard_err(&err, e))?)
     }
 
-    /// Give up: remove the temporary file. Idempotent.
+    /// Give up: remove the temporary file. Idempotent. Parts given to
+    /// `write_behind` and not begun are dropped; the one being written, if
+    /// any, ends first.
     fn abort(&self, py: Python<'_>) {
-        // The parts in flight are written first (their outcome no longer
-        // matters); only then is the session's file removed.
+        // Its outcome no longer matters, but the file is removed only once
+        // no write of the session is left.
+        self.behind_cancel.store(true, Ordering::SeqCst);
         let _ = PySession::join_behind(self, py);
         let engine = self.engine.get();
         py.allow_threads(|| {

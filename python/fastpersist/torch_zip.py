@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 from . import _core
-from .errors import CorruptCheckpointError, UnsupportedFormatError
+from .errors import CorruptCheckpointError, SerializationError, UnsupportedFormatError
 from .options import EngineOptions, RangeBuffer, read_records
 from .pickling import CPU_DEVICE, TensorVersions, pickle_obj, survey_storages
 from .plan import DATA_ALIGNMENT, HANDOFF_RECORDS, Batch, Blob, DeviceRegion, MemoryGuard, Plan, Region, Slot
@@ -180,7 +180,13 @@ class TorchZipLayout:
         :class:`SerializationError` when the object cannot be saved."""
         if self._known and not self._head_complete:
             raise RuntimeError("the head of the file was not laid out to its end")
-        data_pkl, storages = pickle_obj(self.obj, self._known, self.versions)
+        try:
+            data_pkl, storages = pickle_obj(self.obj, self._known, self.versions)
+        except SerializationError:
+            # A storage laid out in the head and resized or freed since (under
+            # the save) is the cause, whether or not the engine met it yet.
+            self.guard.check()
+            raise
         self._add_storages([(key, st) for key, st in storages.items() if key not in self._known_keys])
         self._add("data.pkl", data_pkl)
         self._add(".format_version", b"1")

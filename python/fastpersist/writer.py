@@ -102,15 +102,27 @@ class PartWriter:
         if self._thread.ident is None:
             self._thread.start()  # on the first part: no thread for a file without a head
 
-    def join(self) -> None:
+    def join(self, cancel: bool = False) -> None:
+        """Wait for the parts put so far and raise the first failure. With
+        ``cancel`` (the caller is giving the file up on an exception of its
+        own): drop the parts not begun, abort the session and raise nothing,
+        so the caller's exception is the one that propagates."""
         if not self._staged:
-            self._session.join_behind()
+            if cancel:
+                self._session.abort()  # drops the parts not begun, removes the file
+            else:
+                self._session.join_behind()
             return
         if self._thread.ident is None:
             return
+        while cancel:  # drop the parts not begun
+            try:
+                self._parts.get_nowait()
+            except queue.Empty:
+                break
         self._parts.put(None)
         self._thread.join()
-        if self._failure:
+        if self._failure and not cancel:
             raise self._failure[0]
 
 
@@ -175,8 +187,10 @@ def _write_torch_zip(
                         # has them in flight while this thread joins.
                         head.put(tail)
                         tail = Batch()
-                finally:
-                    head.join()
+                except BaseException:
+                    head.join(cancel=True)  # the parts not begun are not written
+                    raise
+                head.join()
                 if tail.device and ctx is None:
                     devices = sorted({r.storage.device for r in tail.device}, key=str)
                     ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)
@@ -276,8 +290,10 @@ def write_streamed(
                 try:
                     for part in parts:
                         writer.put(part)
-                finally:
-                    writer.join()
+                except BaseException:
+                    writer.join(cancel=True)  # the parts not begun are not written
+                    raise
+                writer.join()
                 if plan.device:
                     _, kind = staging_setup()
                     devices = sorted({r.storage.device for r in plan.device}, key=str)

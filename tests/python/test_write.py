@@ -557,6 +557,60 @@ def test_a_failed_head_part_stops_the_layout(tmp_path, engine_fault, monkeypatch
     assert sorted(os.listdir(tmp_path)) == ["a.pt"]
 
 
+def test_abort_drops_the_parts_not_begun(tmp_path):
+    """``abort`` (and so a save given up on an exception of its own,
+    KeyboardInterrupt included) does not wait for the parts given to
+    ``write_behind`` that the thread has not begun: they are dropped. Here
+    the thread cannot begin any before the abort (it waits for the GIL,
+    which this thread keeps: switch interval 1000 s); the temporary file,
+    read through a descriptor opened before, holds none of their bytes."""
+    import sys
+
+    from fastpersist.plan import Region
+
+    n = 8 << 20
+    t = torch.ones(n, dtype=torch.uint8)
+    _, session = _behind_session(tmp_path)
+    (tmp,) = os.listdir(tmp_path)
+    fd = os.open(tmp_path / tmp, os.O_RDONLY)
+    try:
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1000)
+        try:
+            for i in range(16):
+                session.write_behind([], [Region(i * n, t.data_ptr(), n, -1)], [])
+            session.abort()
+        finally:
+            sys.setswitchinterval(interval)
+        assert session.behind_pending == 0
+        assert os.listdir(tmp_path) == []
+        for i in (0, 15):
+            assert os.pread(fd, 4096, i * n) in (b"", bytes(4096))
+    finally:
+        os.close(fd)
+
+
+def test_an_interrupted_save_raises_its_own_exception_and_keeps_the_old_file(tmp_path):
+    """A KeyboardInterrupt while the pickle is made (the head's parts on the
+    write-behind thread meanwhile) propagates as it is: the parts not begun
+    are dropped, the previous file stays, no file is left behind."""
+
+    class Interrupt:
+        def __reduce__(self):
+            raise KeyboardInterrupt
+
+    p = tmp_path / "a.pt"
+    fastpersist.write_state_dict({"x": torch.ones(2)}, p)
+    before = p.read_bytes()
+    sd = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(256)}  # 1 MiB each: several head parts
+    sd["stop"] = Interrupt()
+    with pytest.raises(KeyboardInterrupt):
+        fastpersist.write_state_dict(sd, p)
+    assert p.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["a.pt"]
+    roundtrip({"t": torch.ones(3)}, tmp_path / "b.pt")  # the engine saves as usual after
+
+
 @pytest.mark.parametrize("how", ["abort", "drop"])
 def test_a_session_given_up_with_parts_behind_removes_its_file(tmp_path, how):
     """A session aborted (or dropped unfinished) while parts are on its
