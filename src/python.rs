@@ -635,6 +635,7 @@ impl PyEngine {
             .allow_threads(|| this.engine()?.begin(&path, size_hint))
             .map_err(to_py)?;
         Ok(PySession {
+            block: session.block(),
             engine: slf.clone().unbind(),
             session: Arc::new(Mutex::new(Some(session))),
             behind: Mutex::new(None),
@@ -662,6 +663,9 @@ impl PyEngine {
 #[pyclass(module = "fastpersist._core", name = "WriteSession", frozen)]
 struct PySession {
     engine: Py<PyEngine>,
+    /// The file's O_DIRECT block size (read without the session's lock,
+    /// which the write-behind thread holds while it writes a part).
+    block: usize,
     session: Arc<Mutex<Option<Session>>>,
     /// The thread writing the parts given to `write_behind`, while it runs.
     behind: Mutex<Option<Behind>>,
@@ -684,9 +688,8 @@ impl Drop for PySession {
     fn drop(&mut self) {
         self.behind_cancel.store(true, Ordering::SeqCst);
         let behind = self.behind.get_mut().ok().and_then(Option::take);
-        if let Some(Behind { parts, thread }) = behind {
-            drop(parts);
-            Python::with_gil(|py| py.allow_threads(|| drop(thread.join())));
+        if let Some(behind) = behind {
+            Python::with_gil(|py| py.allow_threads(|| drop(behind.join())));
         }
     }
 }
@@ -722,6 +725,23 @@ type BehindEnd = Result<(), (Error, GuardErr)>;
 struct Behind {
     parts: std::sync::mpsc::Sender<BehindPart>,
     thread: std::thread::JoinHandle<BehindEnd>,
+    /// The process the thread runs in: a fork child has no such thread.
+    pid: u32,
+}
+
+impl Behind {
+    /// Wait for the thread to end, unless this process is a fork child,
+    /// where it does not exist (a join would wait forever): `Err` with the
+    /// parent's pid then.
+    fn join(self) -> Result<std::thread::Result<BehindEnd>, u32> {
+        let Behind { parts, thread, pid } = self;
+        drop(parts); // the thread ends once it has written what it was given
+        if std::process::id() != pid {
+            std::mem::forget(thread); // the parent's; nothing to free here
+            return Err(pid);
+        }
+        Ok(thread.join())
+    }
 }
 
 impl PySession {
@@ -772,25 +792,49 @@ impl PySession {
             .map_err(|e| {
                 PyRuntimeError::new_err(format!("cannot start the write-behind thread: {e}"))
             })?;
-        Ok(Behind { parts: tx, thread })
+        Ok(Behind {
+            parts: tx,
+            thread,
+            pid: std::process::id(),
+        })
+    }
+
+    /// Whether this process made the session. A fork child's copy is its
+    /// parent's: the parent's threads may hold its locks at the fork, and
+    /// its write-behind thread does not exist here.
+    fn mine(&self) -> bool {
+        std::process::id() == self.engine.get().pid
+    }
+
+    /// An error unless this process made the session (see [`Self::mine`]).
+    fn check_mine(&self) -> PyResult<()> {
+        if self.mine() {
+            return Ok(());
+        }
+        Err(to_py(Error::forked(
+            "this write session",
+            self.engine.get().pid,
+            None,
+        )))
     }
 
     /// Wait until the write-behind thread (if one runs) has written every
     /// part given to it, and raise its failure.
     fn join_behind(&self, py: Python<'_>) -> PyResult<()> {
+        self.check_mine()?;
         let behind = self
             .behind
             .lock()
             .map_err(|_| PyRuntimeError::new_err("session poisoned"))?
             .take();
-        let Some(Behind { parts, thread }) = behind else {
+        let Some(behind) = behind else {
             return Ok(());
         };
-        drop(parts); // the thread ends once it has written what it was given
-        match py.allow_threads(|| thread.join()) {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err((e, err))) => Err(guard_err(&err, e)),
-            Err(_) => Err(PyRuntimeError::new_err("the write-behind thread panicked")),
+        match py.allow_threads(|| behind.join()) {
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err((e, err)))) => Err(guard_err(&err, e)),
+            Ok(Err(_)) => Err(PyRuntimeError::new_err("the write-behind thread panicked")),
+            Err(pid) => Err(to_py(Error::forked("this write session", pid, None))),
         }
     }
 }
@@ -810,6 +854,7 @@ impl PySession {
         slots: Vec<(u64, u32)>,
         guard: Option<PyObject>,
     ) -> PyResult<()> {
+        self.check_mine()?;
         let segments = build_segments(blobs, regions, slots)?;
         PySession::join_behind(self, py)?;
         let err = GuardErr::default();
@@ -832,6 +877,7 @@ impl PySession {
         slots: Vec<(u64, u32)>,
         guard: Option<PyObject>,
     ) -> PyResult<()> {
+        self.check_mine()?;
         let segments = build_segments(blobs, regions, slots)?;
         let mut behind = self
             .behind
@@ -889,6 +935,7 @@ impl PySession {
         on_gathered: Option<PyObject>,
         guard: Option<PyObject>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        self.check_mine()?;
         let segments = build_segments(blobs, regions, slots)?;
         PySession::join_behind(self, py)?;
         let engine = self.engine.get();
@@ -926,6 +973,9 @@ impl PySession {
     /// `write_behind` and not begun are dropped; the one being written, if
     /// any, ends first.
     fn abort(&self, py: Python<'_>) {
+        if !self.mine() {
+            return; // a fork child's copy: the file and its writes are the parent's
+        }
         // Its outcome no longer matters, but the file is removed only once
         // no write of the session is left.
         self.behind_cancel.store(true, Ordering::SeqCst);
@@ -946,11 +996,7 @@ impl PySession {
     /// O_DIRECT block size of the file being written.
     #[getter]
     fn block(&self) -> usize {
-        self.session
-            .lock()
-            .ok()
-            .and_then(|g| g.as_ref().map(Session::block))
-            .unwrap_or(0)
+        self.block
     }
 }
 

@@ -611,6 +611,60 @@ def test_an_interrupted_save_raises_its_own_exception_and_keeps_the_old_file(tmp
     roundtrip({"t": torch.ones(3)}, tmp_path / "b.pt")  # the engine saves as usual after
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_fork_child_leaves_the_parents_write_behind_alone(tmp_path):
+    """A process forked while a session's write-behind thread holds parts
+    (here it cannot begin any: the parent keeps the GIL up to the fork,
+    switch interval 1000 s) has no such thread. In the child, ``join_behind``
+    and ``write`` raise that the session is the parent's instead of waiting
+    forever for a thread that is not there, and ``abort`` and dropping it
+    return at once and remove nothing; the parent then writes and commits
+    the file as usual."""
+    import gc
+    import sys
+    import time
+
+    from fastpersist.plan import Region
+
+    n = 1 << 20
+    t = torch.ones(n, dtype=torch.uint8)
+    path, session = _behind_session(tmp_path)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000)
+    try:
+        for i in range(4):
+            session.write_behind([], [Region(i * n, t.data_ptr(), n, -1)], [])
+        pid = os.fork()
+        if pid == 0:  # the child: only os._exit leaves it
+            code = 3
+            try:
+                raised = []
+                for call in (session.join_behind, lambda: session.write([], [], [])):
+                    try:
+                        call()
+                    except RuntimeError as e:
+                        raised.append("fork" in str(e))
+                session.abort()
+                del session
+                gc.collect()
+                left = [f for f in os.listdir(tmp_path) if f.endswith(".fptmp")]
+                code = 0 if raised == [True, True] and len(left) == 1 else 2
+            finally:
+                os._exit(code)
+    finally:
+        sys.setswitchinterval(interval)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the fork child hung on the parent's write-behind thread")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    session.finish([], [], [], 4 * n)
+    assert path.read_bytes() == b"\x01" * (4 * n)
+
+
 @pytest.mark.parametrize("how", ["abort", "drop"])
 def test_a_session_given_up_with_parts_behind_removes_its_file(tmp_path, how):
     """A session aborted (or dropped unfinished) while parts are on its
