@@ -461,23 +461,25 @@ impl PyEngine {
         self.block_size
     }
 
+    // Every method takes the engine's lock without the GIL: a save's
+    // write-behind thread may hold the lock while it waits for the GIL to
+    // gather.
+
     #[getter]
-    fn uses_io_uring(&self) -> bool {
-        self.engine().is_ok_and(|e| e.uses_io_uring())
+    fn uses_io_uring(&self, py: Python<'_>) -> bool {
+        py.allow_threads(|| self.engine().is_ok_and(|e| e.uses_io_uring()))
     }
 
     #[getter]
-    fn locked(&self) -> bool {
-        self.engine().is_ok_and(|e| e.arena().locked())
+    fn locked(&self, py: Python<'_>) -> bool {
+        py.allow_threads(|| self.engine().is_ok_and(|e| e.arena().locked()))
     }
 
     /// Gather and scatter on `threads` threads from the next call on (the
     /// engine is otherwise the same: one engine, one arena, serves saves
     /// that want different thread counts).
-    fn set_gather_threads(&self, threads: usize) -> PyResult<()> {
-        self.engine()
-            .map_err(to_py)?
-            .set_gather_threads(threads)
+    fn set_gather_threads(&self, py: Python<'_>, threads: usize) -> PyResult<()> {
+        py.allow_threads(|| self.engine()?.set_gather_threads(threads))
             .map_err(to_py)
     }
 
@@ -488,20 +490,25 @@ impl PyEngine {
     /// With `min_block`, sessions begun from then on use O_DIRECT blocks
     /// of at least that many bytes (a file system with a larger alignment).
     #[pyo3(signature = (offset=None, errno=libc::EIO, refuse_direct=false, dir_fsync_errno=None, min_block=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature
     fn set_fault(
         &self,
+        py: Python<'_>,
         offset: Option<u64>,
         errno: i32,
         refuse_direct: bool,
         dir_fsync_errno: Option<i32>,
         min_block: Option<usize>,
     ) -> PyResult<()> {
-        if let Ok(mut e) = self.engine() {
-            e.set_fault(offset.map(|offset| Fault { offset, errno }), refuse_direct);
-            e.set_dir_fsync_fault(dir_fsync_errno);
-            e.set_min_block(min_block).map_err(to_py)?;
-        }
-        Ok(())
+        py.allow_threads(|| {
+            if let Ok(mut e) = self.engine() {
+                e.set_fault(offset.map(|offset| Fault { offset, errno }), refuse_direct);
+                e.set_dir_fsync_fault(dir_fsync_errno);
+                e.set_min_block(min_block)?;
+            }
+            Ok(())
+        })
+        .map_err(to_py)
     }
 
     /// Write a file and commit it. `blobs`: (offset, bytes); `regions`:

@@ -91,7 +91,8 @@ class PartWriter:
         if not self._staged:
             if self._session.behind_failed:  # no use laying out more: raise it now
                 self._session.join_behind()
-            assert not part.device, "a part with device storages needs a DeviceContext"
+            if part.device:  # its device storages would go unwritten
+                raise ValueError("a part with device storages needs a DeviceContext to stage them")
             # The guard as of this part (an empty one watches nothing yet).
             guard = self._guard if self._guard else None
             self._session.write_behind(part.blobs, part.regions, part.slots, guard)

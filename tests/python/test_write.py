@@ -665,6 +665,41 @@ def test_a_fork_child_leaves_the_parents_write_behind_alone(tmp_path):
     assert path.read_bytes() == b"\x01" * (4 * n)
 
 
+def test_engine_calls_during_a_write_behind_do_not_deadlock(tmp_path):
+    """The engine's own methods (``uses_io_uring``, ``locked``,
+    ``set_fault``, ``set_gather_threads``) called while the session's
+    write-behind thread writes a part: the thread holds the engine's lock
+    and takes the GIL for each slice it gathers, so a method that waited for
+    the lock while holding the GIL would wait forever. In a fresh
+    interpreter, with a time limit."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = f"""
+        import os, time, torch
+        from fastpersist.options import EngineOptions, get_engine
+        from fastpersist.plan import MemoryGuard, Region
+        _, eng = get_engine(EngineOptions.resolve())
+        t = torch.ones(256 << 20, dtype=torch.uint8)
+        guard = MemoryGuard()
+        guard.watch(0, t.untyped_storage(), "t")
+        s = eng.begin({str(tmp_path / "f.bin")!r}, t.numel())
+        for call in (lambda: eng.uses_io_uring, lambda: eng.locked, lambda: eng.set_fault(None),
+                     lambda: eng.set_gather_threads(2)):
+            s.write_behind([], [Region(0, t.data_ptr(), t.numel(), 0)], [], guard)
+            time.sleep(0.005)  # the thread is inside its part now
+            call()
+            s.join_behind()
+            s.abort()
+            s = eng.begin({str(tmp_path / "f.bin")!r}, t.numel())
+        s.abort()
+        print("DONE")
+    """
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "DONE" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
 @pytest.mark.parametrize("how", ["abort", "drop"])
 def test_a_session_given_up_with_parts_behind_removes_its_file(tmp_path, how):
     """A session aborted (or dropped unfinished) while parts are on its
