@@ -112,12 +112,7 @@ impl Options {
                 self.queue_depth
             )));
         }
-        if self.gather_threads == 0 || self.gather_threads > MAX_GATHER_THREADS {
-            return Err(Error::option(format!(
-                "gather_threads must be in 1..={MAX_GATHER_THREADS}, got {}",
-                self.gather_threads
-            )));
-        }
+        check_gather_threads(self.gather_threads)?;
         if self.pool_threads > MAX_POOL_THREADS {
             return Err(Error::option(format!(
                 "pool_threads must be at most {MAX_POOL_THREADS}, got {}",
@@ -132,6 +127,17 @@ impl Options {
 const MAX_POOL_THREADS: usize = 1024;
 /// More gather threads than any machine has use for.
 const MAX_GATHER_THREADS: usize = 256;
+
+/// A gather-thread count an engine takes: at least 1, at most
+/// [`MAX_GATHER_THREADS`] (for `Options` and `Engine::set_gather_threads`).
+fn check_gather_threads(threads: usize) -> Result<()> {
+    if threads == 0 || threads > MAX_GATHER_THREADS {
+        return Err(Error::option(format!(
+            "gather_threads must be in 1..={MAX_GATHER_THREADS}, got {threads}"
+        )));
+    }
+    Ok(())
+}
 
 /// A reusable writer and reader: the arena, the ring and the fallback pool
 /// live across saves, so a save allocates nothing proportional to the
@@ -266,11 +272,7 @@ impl Engine {
     /// # Errors
     /// When `threads` is 0 or more than the engine takes.
     pub fn set_gather_threads(&mut self, threads: usize) -> Result<()> {
-        if threads == 0 || threads > MAX_GATHER_THREADS {
-            return Err(Error::option(format!(
-                "gather_threads must be in 1..={MAX_GATHER_THREADS}, got {threads}"
-            )));
-        }
+        check_gather_threads(threads)?;
         self.opts.gather_threads = threads;
         Ok(())
     }

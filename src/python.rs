@@ -646,9 +646,7 @@ impl PyEngine {
             engine: slf.clone().unbind(),
             session: Arc::new(Mutex::new(Some(session))),
             behind: Mutex::new(None),
-            behind_failed: Arc::new(AtomicBool::new(false)),
-            behind_pending: Arc::new(AtomicUsize::new(0)),
-            behind_cancel: Arc::new(AtomicBool::new(false)),
+            state: Arc::default(),
         })
     }
 }
@@ -676,15 +674,22 @@ struct PySession {
     session: Arc<Mutex<Option<Session>>>,
     /// The thread writing the parts given to `write_behind`, while it runs.
     behind: Mutex<Option<Behind>>,
+    /// What the session and its write-behind thread share.
+    state: Arc<BehindState>,
+}
+
+/// The state a [`PySession`] shares with its write-behind thread.
+#[derive(Default)]
+struct BehindState {
     /// Set once a part given to `write_behind` failed (its error waits for
     /// `join_behind`).
-    behind_failed: Arc<AtomicBool>,
+    failed: AtomicBool,
     /// Parts given to `write_behind` and not yet written (or dropped after
     /// a failure).
-    behind_pending: Arc<AtomicUsize>,
+    pending: AtomicUsize,
     /// Set when the session is given up: the write-behind thread drops the
     /// parts it has not begun.
-    behind_cancel: Arc<AtomicBool>,
+    cancel: AtomicBool,
 }
 
 impl Drop for PySession {
@@ -693,10 +698,15 @@ impl Drop for PySession {
     /// not begun and ends first, so the file is removed only after its last
     /// write.
     fn drop(&mut self) {
-        self.behind_cancel.store(true, Ordering::SeqCst);
+        self.state.cancel.store(true, Ordering::SeqCst);
+        let mine = self.mine();
         let behind = self.behind.get_mut().ok().and_then(Option::take);
         if let Some(behind) = behind {
-            Python::with_gil(|py| py.allow_threads(|| drop(behind.join())));
+            if mine {
+                Python::with_gil(|py| py.allow_threads(|| drop(behind.join())));
+            } else {
+                behind.forget();
+            }
         }
     }
 }
@@ -732,22 +742,21 @@ type BehindEnd = Result<(), (Error, GuardErr)>;
 struct Behind {
     parts: std::sync::mpsc::Sender<BehindPart>,
     thread: std::thread::JoinHandle<BehindEnd>,
-    /// The process the thread runs in: a fork child has no such thread.
-    pid: u32,
 }
 
 impl Behind {
-    /// Wait for the thread to end, unless this process is a fork child,
-    /// where it does not exist (a join would wait forever): `Err` with the
-    /// parent's pid then.
-    fn join(self) -> Result<std::thread::Result<BehindEnd>, u32> {
-        let Behind { parts, thread, pid } = self;
-        drop(parts); // the thread ends once it has written what it was given
-        if std::process::id() != pid {
-            std::mem::forget(thread); // the parent's; nothing to free here
-            return Err(pid);
-        }
-        Ok(thread.join())
+    /// Wait for the thread to end, once it has written what it was given.
+    /// Only in the process that started it (see [`PySession::mine`]).
+    fn join(self) -> std::thread::Result<BehindEnd> {
+        drop(self.parts);
+        self.thread.join()
+    }
+
+    /// In a fork child: the thread is the parent's and does not exist here
+    /// (a join would wait forever); nothing of it is freed.
+    fn forget(self) {
+        drop(self.parts);
+        std::mem::forget(self.thread);
     }
 }
 
@@ -764,9 +773,7 @@ impl PySession {
         let (tx, rx) = std::sync::mpsc::channel::<BehindPart>();
         let engine = self.engine.clone_ref(py);
         let session = Arc::clone(&self.session);
-        let failed = Arc::clone(&self.behind_failed);
-        let pending = Arc::clone(&self.behind_pending);
-        let cancel = Arc::clone(&self.behind_cancel);
+        let state = Arc::clone(&self.state);
         let thread = std::thread::Builder::new()
             .name("fastpersist-behind".into())
             .spawn(move || {
@@ -780,17 +787,17 @@ impl PySession {
                     py.allow_threads(|| {
                         let mut end: BehindEnd = Ok(());
                         for (segments, guard) in rx {
-                            if end.is_err() || cancel.load(Ordering::SeqCst) {
-                                pending.fetch_sub(1, Ordering::SeqCst);
+                            if end.is_err() || state.cancel.load(Ordering::SeqCst) {
+                                state.pending.fetch_sub(1, Ordering::SeqCst);
                                 continue; // drop what follows a failure, or an abort
                             }
                             let err = GuardErr::default();
                             let res = write_locked(&session, engine.get(), segments, guard, &err);
                             if let Err(e) = res {
-                                failed.store(true, Ordering::SeqCst);
+                                state.failed.store(true, Ordering::SeqCst);
                                 end = Err((e, err));
                             }
-                            pending.fetch_sub(1, Ordering::SeqCst);
+                            state.pending.fetch_sub(1, Ordering::SeqCst);
                         }
                         end
                     })
@@ -799,11 +806,7 @@ impl PySession {
             .map_err(|e| {
                 PyRuntimeError::new_err(format!("cannot start the write-behind thread: {e}"))
             })?;
-        Ok(Behind {
-            parts: tx,
-            thread,
-            pid: std::process::id(),
-        })
+        Ok(Behind { parts: tx, thread })
     }
 
     /// Whether this process made the session. A fork child's copy is its
@@ -838,10 +841,9 @@ impl PySession {
             return Ok(());
         };
         match py.allow_threads(|| behind.join()) {
-            Ok(Ok(Ok(()))) => Ok(()),
-            Ok(Ok(Err((e, err)))) => Err(guard_err(&err, e)),
-            Ok(Err(_)) => Err(PyRuntimeError::new_err("the write-behind thread panicked")),
-            Err(pid) => Err(to_py(Error::forked("this write session", pid, None))),
+            Ok(Ok(())) => Ok(()),
+            Ok(Err((e, err))) => Err(guard_err(&err, e)),
+            Err(_) => Err(PyRuntimeError::new_err("the write-behind thread panicked")),
         }
     }
 }
@@ -893,10 +895,10 @@ impl PySession {
         if behind.is_none() {
             *behind = Some(self.spawn_behind(py)?);
         }
-        self.behind_pending.fetch_add(1, Ordering::SeqCst);
+        self.state.pending.fetch_add(1, Ordering::SeqCst);
         let sent = behind.as_ref().map(|b| b.parts.send((segments, guard)));
         if let Some(Err(_)) = sent {
-            self.behind_pending.fetch_sub(1, Ordering::SeqCst);
+            self.state.pending.fetch_sub(1, Ordering::SeqCst);
             // Only a panicked thread stops listening: join_behind says so.
             drop(behind);
             PySession::join_behind(self, py)?;
@@ -917,14 +919,14 @@ impl PySession {
     /// Whether a part given to `write_behind` has failed so far.
     #[getter]
     fn behind_failed(&self) -> bool {
-        self.behind_failed.load(Ordering::SeqCst)
+        self.state.failed.load(Ordering::SeqCst)
     }
 
     /// Parts given to `write_behind` not yet written (their caller memory
     /// not yet gathered; writes may still be in flight after).
     #[getter]
     fn behind_pending(&self) -> usize {
-        self.behind_pending.load(Ordering::SeqCst)
+        self.state.pending.load(Ordering::SeqCst)
     }
 
     /// Add the last segments, write the rest and commit the file. When
@@ -985,7 +987,7 @@ impl PySession {
         }
         // Its outcome no longer matters, but the file is removed only once
         // no write of the session is left.
-        self.behind_cancel.store(true, Ordering::SeqCst);
+        self.state.cancel.store(true, Ordering::SeqCst);
         let _ = PySession::join_behind(self, py);
         let engine = self.engine.get();
         py.allow_threads(|| {
