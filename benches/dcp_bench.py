@@ -11,6 +11,12 @@ winner named.
 
     python benches/dcp_bench.py [--size 2GiB] [--small-count 10000] [--small-size 1GiB]
                                 [--ranks 1,2] [--rounds 3] [--dir DIR] [--json OUT]
+                                [--[no-]keep-freed-memory]
+
+As root, the kernel's free page reporting (virtio-balloon) is turned off
+for the run and set back after, as in ``read_bench.py``: a load fills new
+tensors, and memory freed a few seconds before would otherwise wait for the
+host to back it again.
 
 Every rank count runs as fresh processes. Each rank saves its share of the
 state (every world-th tensor), so the checkpoint holds the whole state once.
@@ -49,11 +55,13 @@ from typing import Dict, List
 from fastpersist.bench import (
     Limit,
     drop_cache,
+    freed_memory,
     gpt_state_dict,
     median,
     nbytes,
     parse_size,
     small_tensors_state_dict,
+    warm_memory,
 )
 
 WRITERS = ("dcp", "fastpersist")
@@ -205,6 +213,13 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="directory on the disk to test (default: a temp dir in the cwd)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--async", dest="async_", action="store_true", help="also time dcp.async_save (see above)")
+    ap.add_argument(
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="turn the kernel's free page reporting off for the run (root; set back after), so a load's new "
+        "tensors do not wait for the host to back memory freed a few seconds before (default: on where this is root)",
+    )
     args = ap.parse_args()
     ranks = [int(x) for x in args.ranks.split(",")]
     workloads = [("gpt", parse_size(args.size), 0)] if parse_size(args.size) else []
@@ -213,8 +228,16 @@ def main() -> None:
     if not workloads:
         ap.error("nothing to run: --size 0 and --small-count 0")
     report: Dict = {}
-    with tempfile.TemporaryDirectory(prefix="fastpersist-dcpbench-", dir=args.dir or os.getcwd()) as d:
+    with (
+        freed_memory(args.keep_freed_memory) as kept,
+        tempfile.TemporaryDirectory(prefix="fastpersist-dcpbench-", dir=args.dir or os.getcwd()) as d,
+    ):
         size = max(s for _, s, _ in workloads)
+        if kept.note:
+            print(f"memory: {kept.note}")
+        # Each rank holds its state, its load's new tensors and the stager's
+        # pool: memory the host has backed before the first round, as later.
+        warm_memory(3 * size)
         lim_w = lim_r = None
         if not args.no_fio:
             wlim, rlim = Limit(), Limit()

@@ -11,7 +11,7 @@ import shutil
 import statistics
 import subprocess
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
@@ -381,6 +381,46 @@ class FreedMemoryKept:
             self._was = None
 
 
+class FreedMemoryReported:
+    """The kernel's free page reporting left as it is; ``note`` says when
+    it is on (see :func:`free_page_reporting_note`)."""
+
+    def __init__(self, path: str = PAGE_REPORTING_ORDER) -> None:
+        self.note = free_page_reporting_note(path)
+
+    def __enter__(self) -> FreedMemoryReported:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def freed_memory(keep: Optional[bool], path: str = PAGE_REPORTING_ORDER) -> Union[FreedMemoryKept, FreedMemoryReported]:
+    """What a benchmark that allocates what it reads does with the kernel's
+    free page reporting for its run: ``keep`` True turns it off
+    (:class:`FreedMemoryKept`), False leaves it, None turns it off where
+    this is root (as the fio limit's huge pages are reserved where this is
+    root). With the reporting on, a reader's time depends on how long ago
+    the memory it fills was freed, not on the reader."""
+    if keep is None:
+        keep = os.geteuid() == 0
+    return FreedMemoryKept(path) if keep else FreedMemoryReported(path)
+
+
+def warm_memory(nbytes: int, chunk: int = 256 << 20) -> None:
+    """Allocate ``nbytes`` in ``chunk``-sized storages, all alive at once,
+    fill them once and free them: with free page reporting off, the memory
+    the first round's readers get is then already backed by the host, as
+    the later rounds' is, rather than only the first round paying for it."""
+    held = []
+    while nbytes > 0:
+        st = torch.UntypedStorage(min(chunk, nbytes))
+        torch.ByteTensor(st).fill_(0)
+        held.append(st)
+        nbytes -= st.nbytes()
+    del held
+
+
 def free_page_reporting_note(path: str = PAGE_REPORTING_ORDER) -> str:
     """A line for a benchmark's output when freed memory goes back to the
     host (else empty)."""
@@ -436,9 +476,14 @@ class Progress:
 
 
 def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` takes. What it returns is dropped after the clock
+    stops: a reader's result (gigabytes of storages) is not freed inside
+    its time, as a caller keeps what it read."""
     t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    out = fn()
+    t = time.perf_counter() - t0
+    del out
+    return t
 
 
 def median(xs: List[float]) -> float:

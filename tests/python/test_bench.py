@@ -108,3 +108,67 @@ def test_free_page_reporting_is_read_turned_off_and_set_back(tmp_path, monkeypat
     with bench.FreedMemoryKept(str(order)) as kept:
         assert "no free page reporting" in kept.note
     assert order.read_text().strip() == "11"
+
+
+def test_timed_frees_the_result_after_the_clock_stops(monkeypatch):
+    """A reader's result (gigabytes of new storages) is freed after its time
+    is taken, not inside it: freeing is not reading, and a caller keeps
+    what it read."""
+    from fastpersist import bench
+
+    clock = []
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock.append("tick") or float(len(clock)))
+
+    class Result:
+        def __del__(self) -> None:
+            clock.append("freed")
+
+    assert bench.timed(Result) == 1.0
+    assert clock == ["tick", "tick", "freed"]
+
+
+def test_freed_memory_is_kept_by_default_only_as_root(tmp_path, monkeypatch):
+    """The read and DCP benchmarks turn free page reporting off for their
+    run where they are root, unless told not to; told to, they try anywhere
+    (and say why not)."""
+    from fastpersist import bench
+
+    order = tmp_path / "page_reporting_order"
+    order.write_text("9\n")
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
+    with bench.freed_memory(None, str(order)) as kept:
+        assert order.read_text().strip() == "11" and "turned off" in kept.note
+    assert order.read_text().strip() == "9"
+    with bench.freed_memory(False, str(order)) as kept:
+        assert order.read_text().strip() == "9" and "order 9" in kept.note
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 1000)
+    with bench.freed_memory(None, str(order)) as kept:
+        assert order.read_text().strip() == "9" and "--keep-freed-memory" in kept.note
+    with bench.freed_memory(True, str(order)) as kept:
+        assert order.read_text().strip() == "9" and "not root" in kept.note
+
+
+def test_warm_memory_holds_all_of_it_at_once(monkeypatch):
+    """Warming fills every chunk while all are alive (freed and refilled
+    chunks would warm one chunk's pages only)."""
+    from fastpersist import bench
+
+    alive, peak = [], []
+    real = bench.torch.UntypedStorage
+
+    class Counted:
+        def __init__(self, n: int) -> None:
+            self.st = real(n)
+            alive.append(n)
+            peak.append(sum(alive))
+
+        def nbytes(self) -> int:
+            return self.st.nbytes()
+
+        def __del__(self) -> None:
+            alive.remove(self.st.nbytes())
+
+    monkeypatch.setattr(bench.torch, "UntypedStorage", Counted)
+    monkeypatch.setattr(bench.torch, "ByteTensor", lambda st: bench.torch.zeros(1))  # filled: not what is counted
+    bench.warm_memory(10 << 10, chunk=4 << 10)
+    assert max(peak) == 10 << 10 and not alive
