@@ -318,6 +318,69 @@ impl Layout {
         }))
     }
 
+    /// The extents a write of `range` goes in: [`Layout::extents`], also cut
+    /// where the whole blocks of a caller-memory segment begin and end when
+    /// that memory could be lent (`align`: the memory alignment the file
+    /// takes writes from, see [`Layout::lendable`]; None: nothing is lent,
+    /// the plain extents) and those blocks span at least one whole extent.
+    /// Such a segment is then written from where it lies up to its last
+    /// whole block, whatever its file offset against `max_len`: with
+    /// extents of `max_len` from the range's start, the two that straddle
+    /// its ends would be gathered, up to `2 * max_len` bytes of it copied.
+    pub(crate) fn write_extents(
+        &self,
+        range: Range<u64>,
+        max_len: usize,
+        align: Option<usize>,
+    ) -> Result<Vec<Extent>> {
+        let plain = self.extents(range.clone(), max_len)?;
+        let Some(align) = align else {
+            return Ok(plain.collect());
+        };
+        let b = self.block as u64;
+        let step = crate::align::align_down(max_len as u64, b).max(b);
+        let mut cuts = Vec::new();
+        let first = self.segments.partition_point(|s| s.end() <= range.start);
+        for s in &self.segments[first..] {
+            if s.offset >= range.end {
+                break;
+            }
+            let Source::Mem(m) = &s.source else {
+                continue;
+            };
+            let Some(lo) = crate::align::align_up(s.offset, b) else {
+                continue;
+            };
+            let (lo, hi) = (
+                lo.max(range.start),
+                crate::align::align_down(s.end(), b).min(range.end),
+            );
+            if hi < lo.saturating_add(step) {
+                continue;
+            }
+            // `lo - s.offset` is inside the segment, whose length is a usize.
+            if (m.addr() + (lo - s.offset) as usize) % align.max(1) == 0 {
+                cuts.extend([lo, hi]);
+            }
+        }
+        let (mut out, mut offset, mut next) = (Vec::new(), range.start, 0);
+        while offset < range.end {
+            while next < cuts.len() && cuts[next] <= offset {
+                next += 1;
+            }
+            let mut end = offset.saturating_add(step).min(range.end);
+            if next < cuts.len() && cuts[next] < end {
+                end = cuts[next];
+            }
+            out.push(Extent {
+                offset,
+                len: (end - offset) as usize,
+            });
+            offset = end;
+        }
+        Ok(out)
+    }
+
     /// The checksum ids of the caller memory (`Source::Mem`) that gathering
     /// `extent` reads: what a [`crate::guard`] checks before the gather.
     pub(crate) fn mem_crc_ids(&self, extent: Extent) -> impl Iterator<Item = u32> + '_ {
@@ -434,6 +497,117 @@ mod tests {
         .unwrap();
         assert!(odd.lendable(ext(1), 512).is_none());
         assert_eq!(odd.lendable(ext(1), 64).unwrap().1, None);
+    }
+
+    /// Extents that tile `range` in order, each of whole blocks and at most
+    /// `step` long.
+    fn check_tiling(exts: &[Extent], range: Range<u64>, step: usize, block: u64) {
+        let mut at = range.start;
+        for e in exts {
+            assert_eq!(e.offset, at);
+            assert!(
+                e.len > 0 && e.len <= step && e.len as u64 % block == 0,
+                "{e:?}"
+            );
+            at += e.len as u64;
+        }
+        assert_eq!(at, range.end);
+    }
+
+    #[test]
+    fn write_extents_cut_around_a_big_memory_segment() {
+        const B: u64 = 4096;
+        let step = 4 * B as usize;
+        let store = vec![7u8; 16 * B as usize];
+        let off = store.as_ptr().align_offset(B as usize);
+        // Memory whose first whole block (file offset 3B) is page-aligned:
+        // the segment starts 100 bytes before it.
+        let base = store[off + B as usize - 100..].as_ptr();
+        let len = 9 * B as usize + 300;
+        // SAFETY: `store` outlives the layout.
+        let m = unsafe { MemRef::new(base, len) };
+        let seg_at = 3 * B - 100;
+        let segs = vec![
+            bytes(0, b"head"),
+            Segment {
+                offset: seg_at,
+                source: Source::Mem(m),
+                crc_id: Some(0),
+            },
+        ];
+        let file_len = 14 * B;
+        let l = Layout::new(segs, file_len, B as usize).unwrap();
+        let plain: Vec<Extent> = l.extents(0..file_len, step).unwrap().collect();
+        assert_eq!(l.write_extents(0..file_len, step, None).unwrap(), plain);
+        let exts = l
+            .write_extents(0..file_len, step, Some(B as usize))
+            .unwrap();
+        check_tiling(&exts, 0..file_len, step, B);
+        // Cut at the segment's first whole block (3B) and after its last
+        // (12B): every extent in between is lent, none of the plain ones are.
+        let lent: u64 = exts
+            .iter()
+            .filter(|e| l.lendable(**e, B as usize).is_some())
+            .map(|e| e.len as u64)
+            .sum();
+        assert_eq!(lent, 12 * B - 3 * B);
+        assert!(exts.iter().any(|e| e.offset == 3 * B) && exts.iter().any(|e| e.offset == 12 * B));
+        assert!(plain
+            .iter()
+            .all(|e| l.lendable(*e, B as usize).is_none() || e.offset >= 4 * B));
+        // Memory the file does not take writes from, or a segment under one
+        // whole extent: the plain extents.
+        assert_eq!(
+            l.write_extents(0..file_len, step, Some(1 << 20)).unwrap(),
+            plain
+        );
+        assert_eq!(
+            l.write_extents(0..file_len, 16 * B as usize, Some(B as usize))
+                .unwrap(),
+            l.extents(0..file_len, 16 * B as usize)
+                .unwrap()
+                .collect::<Vec<_>>()
+        );
+        // A part of the file: the cuts that fall inside it.
+        let part = l
+            .write_extents(5 * B..14 * B, step, Some(B as usize))
+            .unwrap();
+        check_tiling(&part, 5 * B..14 * B, step, B);
+        assert!(part.iter().any(|e| e.offset == 12 * B));
+    }
+
+    proptest! {
+        /// Whatever the segments (bytes or memory at any address), the
+        /// extents tile the range in whole blocks of at most one step.
+        #[test]
+        fn write_extents_tile_the_range(
+            segs in proptest::collection::vec((0u64..64, 1usize..40_000, any::<bool>(), 0usize..4096), 0..8),
+            step_blocks in 1usize..6,
+            align in prop_oneof![Just(None), Just(Some(1usize)), Just(Some(512)), Just(Some(4096))],
+        ) {
+            const B: u64 = 4096;
+            let store = vec![1u8; 48_000];
+            let mut at = 0u64;
+            let mut segments = Vec::new();
+            for (gap, len, mem, shift) in segs {
+                let offset = at + gap * 97;
+                let source = if mem {
+                    let shift = shift.min(store.len() - len.min(store.len()));
+                    let len = len.min(store.len() - shift);
+                    // SAFETY: `store` outlives the layout.
+                    Source::Mem(unsafe { MemRef::new(store.as_ptr().add(shift), len) })
+                } else {
+                    Source::Bytes(vec![2; len])
+                };
+                let s = Segment { offset, source, crc_id: None };
+                at = s.end();
+                segments.push(s);
+            }
+            let l = Layout::new(segments, at, B as usize).unwrap();
+            let end = l.padded_len();
+            let exts = l.write_extents(0..end, step_blocks * B as usize, align).unwrap();
+            check_tiling(&exts, 0..end, step_blocks * B as usize, B);
+        }
     }
 
     #[test]

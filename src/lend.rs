@@ -72,6 +72,11 @@ impl<'a> Lending<'a> {
         }
     }
 
+    /// The memory alignment a lent write needs (None: nothing is lent).
+    pub(crate) fn align(&self) -> Option<usize> {
+        self.align
+    }
+
     /// The caller memory `ext` can be written from, if it can.
     pub(crate) fn source(&self, layout: &Layout, ext: Extent) -> Option<(MemRef, Option<u32>)> {
         let align = self.align?;

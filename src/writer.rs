@@ -642,7 +642,7 @@ fn pump(
     (hashers, lent): (&mut [Hasher], &mut BTreeSet<u32>),
     on_gathered: &mut dyn FnMut() -> Result<()>,
 ) -> Result<u64> {
-    let extents: Vec<Extent> = layout.extents(range, arena.buf_size())?.collect();
+    let extents = layout.write_extents(range, arena.buf_size(), sink.align())?;
     if pacing.threads > 1 && extents.len() >= crate::gather::MIN_PARALLEL_EXTENTS {
         crate::gather::pump_parallel(
             layout,
