@@ -62,9 +62,9 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Options {
-            block_size: 1 << 20,
-            arena_bytes: 64 << 20,
-            queue_depth: 32,
+            block_size: 4 << 20,
+            arena_bytes: 128 << 20,
+            queue_depth: 16,
             direct: true,
             io_uring: true,
             register_buffers: true,

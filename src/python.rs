@@ -395,8 +395,8 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (*, block_size=IntArg(1<<20), arena_bytes=IntArg(64<<20),
-        queue_depth=IntArg(32), direct=true, io_uring=true, register_buffers=true,
+    #[pyo3(signature = (*, block_size=IntArg(4<<20), arena_bytes=IntArg(128<<20),
+        queue_depth=IntArg(16), direct=true, io_uring=true, register_buffers=true,
         lock_memory=true, pool_threads=IntArg(4), durable=true, flush_every=IntArg(256<<20),
         gather_threads=None, zero_copy=true))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)] // the Python signature
