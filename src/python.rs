@@ -107,6 +107,42 @@ fn let_engines_in(py: Python<'_>) -> bool {
     true
 }
 
+/// Items extracted between two [`let_engines_in`] calls by
+/// [`extract_handing_off`].
+const HANDOFF_ITEMS: usize = 256;
+
+/// Records laid out between two [`let_engines_in`] calls by
+/// [`zip_storage_records`] (as `fastpersist.plan.HANDOFF_RECORDS` for the
+/// layout loops written in Python).
+const HANDOFF_RECORDS: usize = 32;
+
+/// The items of the Python sequence `seq` (the `what` argument), extracted
+/// with the GIL handed to a waiting engine thread every [`HANDOFF_ITEMS`]
+/// ([`let_engines_in`]). A part of 5,000 records is 20,000 pieces,
+/// milliseconds of extraction during which a write-behind thread gathering
+/// the previous part would wait for the GIL while the device drains.
+fn extract_handing_off<'py, T: FromPyObject<'py>>(
+    py: Python<'py>,
+    seq: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<Vec<T>> {
+    if seq.is_instance_of::<pyo3::types::PyString>() || seq.is_instance_of::<PyBytes>() {
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "{what} must be a sequence of tuples, not a string"
+        )));
+    }
+    let mut out = Vec::with_capacity(seq.len().unwrap_or(0));
+    for (i, item) in seq.try_iter()?.enumerate() {
+        if i % HANDOFF_ITEMS == HANDOFF_ITEMS - 1 {
+            let_engines_in(py);
+        }
+        out.push(item?.extract().map_err(|e: PyErr| {
+            pyo3::exceptions::PyTypeError::new_err(format!("{what}[{i}]: {}", e.value(py)))
+        })?);
+    }
+    Ok(out)
+}
+
 /// In a `fork()` child: no engine thread of the parent exists here, so none
 /// waits (a count inherited from a thread caught waiting at the fork would
 /// make every [`let_engines_in`] wait its full [`HANDOFF_MAX`]).
@@ -881,12 +917,16 @@ impl PySession {
     fn write_behind<'py>(
         &self,
         py: Python<'py>,
-        blobs: Vec<(u64, Bound<'py, PyBytes>)>,
-        regions: Vec<(u64, usize, usize, i64)>,
-        slots: Vec<(u64, u32)>,
+        blobs: &Bound<'py, PyAny>,
+        regions: &Bound<'py, PyAny>,
+        slots: &Bound<'py, PyAny>,
         guard: Option<PyObject>,
     ) -> PyResult<()> {
         self.check_mine()?;
+        // The session's thread may be gathering the previous part meanwhile.
+        let blobs: Vec<(u64, Bound<'py, PyBytes>)> = extract_handing_off(py, blobs, "blobs")?;
+        let regions: Vec<(u64, usize, usize, i64)> = extract_handing_off(py, regions, "regions")?;
+        let slots: Vec<(u64, u32)> = extract_handing_off(py, slots, "slots")?;
         let segments = build_segments(blobs, regions, slots)?;
         let mut behind = self
             .behind
@@ -1573,7 +1613,7 @@ fn zip_storage_records<'py>(
     py: Python<'py>,
     cursor: u64,
     align: u64,
-    records: Vec<(Bound<'py, PyBytes>, u64, usize, u32, bool)>,
+    records: &Bound<'py, PyAny>,
     pieces: (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>),
 ) -> PyResult<(
     Vec<PyObject>,
@@ -1583,6 +1623,9 @@ fn zip_storage_records<'py>(
     u64,
 )> {
     zip_align_check(align)?;
+    // An engine thread may be gathering the parts laid out before.
+    let records: Vec<(Bound<'py, PyBytes>, u64, usize, u32, bool)> =
+        extract_handing_off(py, records, "records")?;
     let (blob, region, slot) = pieces;
     let make = named_tuple_maker(py)?;
     let signature = PyBytes::new(py, &crate::zip::DESCRIPTOR_SIG.to_le_bytes());
@@ -1597,7 +1640,10 @@ fn zip_storage_records<'py>(
     let mut run: Vec<u8> = Vec::new();
     let mut run_at = cursor;
     let too_far = || PyOverflowError::new_err("the file would be longer than 2**64 bytes");
-    for (name, size, address, crc_id, staged) in records {
+    for (i, (name, size, address, crc_id, staged)) in records.into_iter().enumerate() {
+        if i % HANDOFF_RECORDS == HANDOFF_RECORDS - 1 {
+            let_engines_in(py);
+        }
         let name = name.as_bytes();
         zip_name_check(name.len())?;
         let (head, pad) = crate::zip::local_header_split(name, at, size, align);
@@ -1679,10 +1725,13 @@ fn zip_central_entries<'py>(
 fn zip_central_directory<'py>(
     py: Python<'py>,
     cursor: u64,
-    entries: Vec<(Bound<'py, PyBytes>, u64, u64, Option<u32>, Option<u32>)>,
+    entries: &Bound<'py, PyAny>,
     pieces: (Bound<'py, PyAny>, Bound<'py, PyAny>),
 ) -> PyResult<(Vec<PyObject>, Vec<PyObject>, u64)> {
     use crate::zip::CENTRAL_CRC_AT;
+    // An engine thread may be gathering the file's head meanwhile.
+    let entries: Vec<(Bound<'py, PyBytes>, u64, u64, Option<u32>, Option<u32>)> =
+        extract_handing_off(py, entries, "entries")?;
     let (blob, slot) = pieces;
     let make = named_tuple_maker(py)?;
     let mut blobs = Vec::with_capacity(entries.len() + 1);
@@ -1691,7 +1740,10 @@ fn zip_central_directory<'py>(
     let mut run_at = cursor;
     let mut at = cursor;
     let n = entries.len() as u64;
-    for (name, header_off, size, crc, crc_id) in entries {
+    for (i, (name, header_off, size, crc, crc_id)) in entries.into_iter().enumerate() {
+        if i % HANDOFF_RECORDS == HANDOFF_RECORDS - 1 {
+            let_engines_in(py);
+        }
         let name = name.as_bytes();
         zip_name_check(name.len())?;
         let entry = crate::zip::central_entry(name, header_off, size, crc.unwrap_or(0));

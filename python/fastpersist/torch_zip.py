@@ -151,7 +151,9 @@ class TorchZipLayout:
         # Every storage found up front in host memory and none to stage: laid
         # out a chunk at a time (the common case), else one by one.
         host = self.stage is _on_cuda and not self._survey.off_cpu
-        for item in self._known.values():
+        for i, item in enumerate(self._known.values()):
+            if not i % HANDOFF_RECORDS:
+                _core.let_engines_in()  # the writer may wait to gather earlier parts
             batch.append(item)
             pending += item[1].nbytes()
             if pending >= budget:

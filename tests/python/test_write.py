@@ -522,6 +522,31 @@ def test_a_bad_part_written_behind_is_refused_by_name(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_malformed_part_is_a_type_error_naming_the_piece(tmp_path):
+    """``write_behind`` reads its pieces one by one (handing the GIL to a
+    waiting engine thread between batches of them): a piece of the wrong
+    shape, or a string for a sequence, is a TypeError naming the argument
+    and the piece, and nothing is handed to the thread."""
+    from fastpersist.plan import Blob
+
+    path, session = _behind_session(tmp_path)
+    pieces = [Blob(i * 10, b"x" * 10) for i in range(1000)]
+    pieces[700] = (7000, "not bytes")
+    with pytest.raises(TypeError, match=r"blobs\[700\]"):
+        session.write_behind(pieces, [], [])
+    with pytest.raises(TypeError, match=r"regions\[0\]"):
+        session.write_behind([], [(0, 1)], [])
+    with pytest.raises(TypeError, match="slots must be a sequence of tuples, not a string"):
+        session.write_behind([], [], "abc")
+    with pytest.raises(TypeError):
+        session.write_behind(None, [], [])
+    assert session.behind_pending == 0 and not session.behind_failed
+    session.write_behind(pieces[:700], [], [])
+    session.join_behind()
+    session.abort()
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_failed_head_part_stops_the_layout(tmp_path, engine_fault, monkeypatch):
     """Once a head part written behind has failed, the next part handed
     over raises its error: the caller does not lay out (and pickle) the rest

@@ -150,6 +150,14 @@ def test_bad_alignment_and_long_names_are_value_errors():
         _core.zip_local_header(b"n" * 70_000, 0, 1, 64)
     with pytest.raises(ValueError, match="65535"):
         _core.zip_storage_records(0, 64, [(b"n" * 70_000, 1, 1, 0, False)], (Blob, Region, Slot))
+    # Records are read one by one (an engine thread let in between batches):
+    # a malformed one is named.
+    recs = [(b"n%d" % i, 1, 1, i, False) for i in range(300)]
+    recs[299] = (b"bad", 1)
+    with pytest.raises(TypeError, match=r"records\[299\]"):
+        _core.zip_storage_records(0, 64, recs, (Blob, Region, Slot))
+    with pytest.raises(TypeError, match=r"entries\[0\]"):
+        _core.zip_central_directory(0, [(b"n", 0)], (Blob, Slot))
 
 
 def _laid_out(obj, **kw) -> tuple:
