@@ -894,13 +894,13 @@ impl PySession {
     fn write<'py>(
         &self,
         py: Python<'py>,
-        blobs: Vec<(u64, Bound<'py, PyBytes>)>,
-        regions: Vec<(u64, usize, usize, i64)>,
-        slots: Vec<(u64, u32)>,
+        blobs: &Bound<'py, PyAny>,
+        regions: &Bound<'py, PyAny>,
+        slots: &Bound<'py, PyAny>,
         guard: Option<PyObject>,
     ) -> PyResult<()> {
         self.check_mine()?;
-        let segments = build_segments(blobs, regions, slots)?;
+        let segments = session_segments(py, blobs, regions, slots)?;
         PySession::join_behind(self, py)?;
         let err = GuardErr::default();
         py.allow_threads(|| write_locked(&self.session, self.engine.get(), segments, guard, &err))
@@ -923,11 +923,7 @@ impl PySession {
         guard: Option<PyObject>,
     ) -> PyResult<()> {
         self.check_mine()?;
-        // The session's thread may be gathering the previous part meanwhile.
-        let blobs: Vec<(u64, Bound<'py, PyBytes>)> = extract_handing_off(py, blobs, "blobs")?;
-        let regions: Vec<(u64, usize, usize, i64)> = extract_handing_off(py, regions, "regions")?;
-        let slots: Vec<(u64, u32)> = extract_handing_off(py, slots, "slots")?;
-        let segments = build_segments(blobs, regions, slots)?;
+        let segments = session_segments(py, blobs, regions, slots)?;
         let mut behind = self
             .behind
             .lock()
@@ -977,15 +973,15 @@ impl PySession {
     fn finish<'py>(
         &self,
         py: Python<'py>,
-        blobs: Vec<(u64, Bound<'py, PyBytes>)>,
-        regions: Vec<(u64, usize, usize, i64)>,
-        slots: Vec<(u64, u32)>,
+        blobs: &Bound<'py, PyAny>,
+        regions: &Bound<'py, PyAny>,
+        slots: &Bound<'py, PyAny>,
         file_len: u64,
         on_gathered: Option<PyObject>,
         guard: Option<PyObject>,
     ) -> PyResult<Bound<'py, PyDict>> {
         self.check_mine()?;
-        let segments = build_segments(blobs, regions, slots)?;
+        let segments = session_segments(py, blobs, regions, slots)?;
         PySession::join_behind(self, py)?;
         let engine = self.engine.get();
         let mut callback_err: Option<PyErr> = None;
@@ -1327,6 +1323,22 @@ fn is_temp_name(name: PathBuf) -> bool {
 
 /// More parts than any job has ranks: a bound on the list `split_ranges` makes.
 const MAX_PARTS: usize = 1 << 20;
+
+/// The segments of a session call's pieces, read with the GIL handed to a
+/// waiting engine thread as they are ([`extract_handing_off`]): the
+/// session's write-behind thread may be gathering the parts before.
+fn session_segments<'py>(
+    py: Python<'py>,
+    blobs: &Bound<'py, PyAny>,
+    regions: &Bound<'py, PyAny>,
+    slots: &Bound<'py, PyAny>,
+) -> PyResult<Vec<Segment>> {
+    build_segments(
+        extract_handing_off(py, blobs, "blobs")?,
+        extract_handing_off(py, regions, "regions")?,
+        extract_handing_off(py, slots, "slots")?,
+    )
+}
 
 fn build_segments(
     blobs: Vec<(u64, Bound<'_, PyBytes>)>,
