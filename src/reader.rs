@@ -14,7 +14,7 @@ use crate::align::{self, align_down, align_up};
 use crate::arena::Arena;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::gather::{with_workers, MIN_PARALLEL_EXTENTS};
+use crate::gather::{with_workers, MIN_PARALLEL_EXTENTS, STEP};
 use crate::sink::{Job, Sink};
 use crc32fast::Hasher;
 use std::collections::{BTreeMap, VecDeque};
@@ -24,6 +24,11 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+/// Destination pieces at least this long are faulted in with one call
+/// before the copy ([`crate::arena::populate`]); shorter ones take their
+/// few page faults as the copy goes.
+const POPULATE_MIN: usize = 64 << 10;
 
 /// Caller memory to read into.
 #[derive(Debug, Clone, Copy)]
@@ -602,20 +607,31 @@ fn scatter(
         }
         let src = &data[(lo - off) as usize..(hi - off) as usize];
         let mut h = Hasher::new();
-        h.update(src);
-        out.push((i, h));
-        if !r.dst.ptr.is_null() {
-            // SAFETY: `lo - r.offset + src.len() <= r.dst.len`; the caller
-            // guaranteed exclusive write access to the destination, and no
-            // other extent (so no other scatter thread) covers these bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    src.as_ptr(),
-                    r.dst.ptr.add((lo - r.offset) as usize),
-                    src.len(),
-                );
-            };
+        if r.dst.ptr.is_null() {
+            h.update(src);
+        } else {
+            // SAFETY: `lo - r.offset + src.len() <= r.dst.len`: inside the
+            // destination.
+            let dst = unsafe { r.dst.ptr.add((lo - r.offset) as usize) };
+            if src.len() >= POPULATE_MIN {
+                // SAFETY: the destination bytes this piece is about to
+                // write (caller memory, valid for writes by contract).
+                unsafe { crate::arena::populate(dst as usize, src.len()) };
+            }
+            // Checksum-then-copy in cache-sized steps: the copy reads what
+            // the checksum just brought into cache.
+            for (k, step) in src.chunks(STEP).enumerate() {
+                h.update(step);
+                // SAFETY: `k * STEP + step.len() <= src.len()`, inside the
+                // destination; the caller guaranteed exclusive write access
+                // to it, and no other extent (so no other scatter thread)
+                // covers these bytes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(step.as_ptr(), dst.add(k * STEP), step.len());
+                }
+            }
         }
+        out.push((i, h));
     }
     out
 }
@@ -632,6 +648,46 @@ mod tests {
                 dst: MutMemRef::discard(len),
             })
             .collect()
+    }
+
+    #[test]
+    fn scatter_copies_and_checksums_pieces_of_many_steps_across_extents() {
+        // A file of patterned bytes; a destination request of several
+        // checksum-and-copy steps starting mid-extent (so populated and
+        // copied in parts), and a checksum-only request after it.
+        let file: Vec<u8> = (0..8 * STEP).map(|i| (i * 31 + i / 7) as u8).collect();
+        let (off0, len0) = (1000u64, 3 * STEP + 123);
+        let (off1, len1) = (off0 + len0 as u64 + 5, STEP + 7);
+        let mut dst = vec![0u8; len0];
+        // SAFETY: `dst` outlives the scatters below and nothing else uses it.
+        let d0 = unsafe { MutMemRef::new(dst.as_mut_ptr(), len0) };
+        let rs = vec![
+            ReadReq {
+                offset: off0,
+                dst: d0,
+            },
+            ReadReq {
+                offset: off1,
+                dst: MutMemRef::discard(len1),
+            },
+        ];
+        let order = vec![0, 1];
+        let mut hashers = vec![Hasher::new(); 2];
+        // Two extents cutting the first request after 2 steps and a bit.
+        let cut = 2 * STEP + 500;
+        for (lo, hi) in [(0, cut), (cut, file.len())] {
+            fold(
+                &mut hashers,
+                scatter(&rs, &order, (0, 2), lo as u64, &file[lo..hi]),
+            );
+        }
+        assert!(
+            dst == file[off0 as usize..off0 as usize + len0],
+            "destination bytes differ"
+        );
+        let crcs: Vec<u32> = hashers.into_iter().map(Hasher::finalize).collect();
+        let span = |o: u64, n: usize| crc32fast::hash(&file[o as usize..o as usize + n]);
+        assert_eq!(crcs, vec![span(off0, len0), span(off1, len1)]);
     }
 
     #[test]

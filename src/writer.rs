@@ -755,10 +755,6 @@ fn gathered_then_drain(
     gathered.map(|()| sink.bytes)
 }
 
-/// Checksum-then-copy in cache-sized steps, so the copy reads what the
-/// checksum just brought into cache.
-const STEP: usize = 256 << 10;
-
 /// Fill `buf` with the bytes of `ext`, feeding the checksums.
 pub fn gather(layout: &Layout, ext: Extent, buf: &mut [u8], hashers: &mut [Hasher]) {
     debug_assert_eq!(buf.len(), ext.len);
@@ -781,9 +777,15 @@ pub fn gather(layout: &Layout, ext: Extent, buf: &mut [u8], hashers: &mut [Hashe
                 match seg.crc_id {
                     Some(id) => {
                         let h = &mut hashers[id as usize];
-                        for (d, s) in dst.chunks_mut(STEP).zip(src.chunks(STEP)) {
-                            h.update(s);
+                        // Checksummed from the copy (the bytes that go to
+                        // disk, as the gather threads do), step by step while
+                        // each step is in cache.
+                        for (d, s) in dst
+                            .chunks_mut(crate::gather::STEP)
+                            .zip(src.chunks(crate::gather::STEP))
+                        {
                             d.copy_from_slice(s);
+                            h.update(d);
                         }
                     }
                     None => dst.copy_from_slice(src),
