@@ -1867,7 +1867,30 @@ struct SurveyCtx<'py>(
     Bound<'py, PyAny>,
     /// pickling._version
     Bound<'py, PyAny>,
+    /// types whose objects hold no storage (their exact type is checked)
+    Bound<'py, PyTuple>,
+    /// pickling._may_hold_storages, asked of any other object
+    Bound<'py, PyAny>,
 );
+
+/// Whether the pickler, meeting `o` (not a container the walk enters, not
+/// a tensor), may find storages in it: anything but the atoms.
+fn may_hold_storages<'py>(ctx: &SurveyCtx<'py>, o: &Bound<'py, PyAny>) -> PyResult<bool> {
+    if o.is_none()
+        || o.is_exact_instance_of::<PyString>()
+        || o.is_exact_instance_of::<PyInt>()
+        || o.is_exact_instance_of::<PyFloat>()
+        || o.is_exact_instance_of::<PyBool>()
+        || o.is_exact_instance_of::<PyBytes>()
+    {
+        return Ok(false);
+    }
+    let ty = o.get_type();
+    if ctx.7.iter().any(|atom| ty.is(&atom)) {
+        return Ok(false);
+    }
+    ctx.8.call1((o,))?.is_truthy()
+}
 
 /// Containers pushed in the order the walks pop them: a sequence's items,
 /// a mapping's values, or (`keys`) its keys and values, key first.
@@ -1933,8 +1956,12 @@ fn tensor_has_data<'py>(
 /// in the order met) or of `TensorVersions._walk` (values only, nothing
 /// found). With `seen` (a TensorVersions' `_seen`), each tensor not in it
 /// yet is recorded there as `id -> (tensor, version)`, unless it has no
-/// version counter. Returns the storages, their bytes, and those not on
-/// the CPU.
+/// version counter. Returns the storages, their bytes, those not on the
+/// CPU, and how many of the storages come before the first object the walk
+/// does not see into but the pickler may find storages in (an object of
+/// another class, a tensor subclass, a tensor with attributes): those
+/// storages, and only those, are met by the pickler first and in this
+/// order.
 #[pyfunction]
 #[pyo3(signature = (obj, ctx, seen, find))]
 #[allow(clippy::type_complexity)]
@@ -1944,10 +1971,11 @@ fn survey<'py>(
     ctx: SurveyCtx<'py>,
     seen: Option<Bound<'py, PyDict>>,
     find: bool,
-) -> PyResult<(Bound<'py, PyDict>, u64, Bound<'py, PyList>)> {
+) -> PyResult<(Bound<'py, PyDict>, u64, Bound<'py, PyList>, usize)> {
     let found = PyDict::new(py);
     let off_cpu = PyList::empty(py);
     let mut total = 0u64;
+    let mut ordered: Option<usize> = None;
     let mut containers: std::collections::HashSet<usize> = std::collections::HashSet::new();
     let mut stack = vec![obj.clone()];
     let mut since_release = 0u32;
@@ -1962,7 +1990,15 @@ fn survey<'py>(
         }
         let exact = ty.is(&ctx.0) || ty.is(&ctx.1);
         if !exact && !o.is_instance(&ctx.0)? {
+            if find && ordered.is_none() && may_hold_storages(&ctx, &o)? {
+                ordered = Some(found.len());
+            }
             continue;
+        }
+        if find && !exact && ordered.is_none() {
+            // A subclass's reduction is its own: it may meet other storages
+            // before (or instead of) its own.
+            ordered = Some(found.len());
         }
         if let Some(seen) = &seen {
             let id = o.as_ptr() as usize;
@@ -1998,6 +2034,10 @@ fn survey<'py>(
                 found.set_item(cdata, (found.len().to_string(), st))?;
             }
         }
+        if find && exact && ordered.is_none() && has_attributes(&o)? {
+            // torch pickles a tensor's attributes after its storage.
+            ordered = Some(found.len());
+        }
         since_release += 1;
         if since_release == TENSORS_PER_RELEASE {
             since_release = 0;
@@ -2008,7 +2048,17 @@ fn survey<'py>(
             }
         }
     }
-    Ok((found, total, off_cpu))
+    let n = found.len();
+    Ok((found, total, off_cpu, ordered.unwrap_or(n)))
+}
+
+/// Whether tensor `t` has attributes of its own (a non-empty `__dict__`),
+/// which torch.save pickles with it.
+fn has_attributes(t: &Bound<'_, PyAny>) -> PyResult<bool> {
+    match t.getattr(pyo3::intern!(t.py(), "__dict__")) {
+        Ok(d) => d.is_truthy(),
+        Err(_) => Ok(false),
+    }
 }
 
 // The fast path of fastpersist.pickling.pickle_obj: a walk over the plain

@@ -327,7 +327,8 @@ def fast_pickle(
 
 # What fastpersist.pickling._survey_context() builds: torch.Tensor,
 # torch.nn.Parameter, OrderedDict, torch.strided, the CPU device,
-# pickling._has_data, pickling._version.
+# pickling._has_data, pickling._version, pickling._ATOMS,
+# pickling._may_hold_storages.
 _SurveyContext: TypeAlias = tuple[
     type,
     type,
@@ -336,6 +337,8 @@ _SurveyContext: TypeAlias = tuple[
     object,
     Callable[[Any], bool],
     Callable[[Any], int | None],
+    tuple[type, ...],
+    Callable[[Any], bool],
 ]
 
 def survey(
@@ -343,7 +346,7 @@ def survey(
     ctx: _SurveyContext,
     seen: dict[int, Any] | None,
     find: bool,
-) -> tuple[dict[int, tuple[str, Any]], int, list[Any]]: ...
+) -> tuple[dict[int, tuple[str, Any]], int, list[Any], int]: ...
 
 # What fastpersist.pickling._fast_unpickle_context() builds: (module, name,
 # object) of each GLOBAL resolved, torch._utils._rebuild_tensor_v2,

@@ -447,11 +447,49 @@ class Survey(NamedTuple):
     """What :func:`survey_storages` found: ``storages`` as
     :func:`find_storages` returns them, their bytes in all, and those not on
     the CPU (a layout's hints: the space to reserve, the devices to stage
-    from)."""
+    from). ``ordered``: how many of ``storages`` (the first ones) come
+    before the first object the walk does not see into but the pickler may
+    find storages in (another class's object, a tensor subclass, a tensor
+    with attributes); those, and only those, the pickler is sure to meet
+    first and in this order, so only they can take their keys (and places
+    in the file) before pickling. None: all of them."""
 
     storages: Dict[int, Tuple[str, Any]]
     nbytes: int
     off_cpu: List[Any]
+    ordered: Optional[int] = None
+
+    def first(self) -> Dict[int, Tuple[str, Any]]:
+        """The storages the pickler meets first, in order (``ordered``)."""
+        if self.ordered is None or self.ordered >= len(self.storages):
+            return self.storages
+        return dict(list(self.storages.items())[: self.ordered])
+
+
+def _atoms() -> tuple:
+    """Exact types whose objects hold no storage (besides those the walks
+    check themselves: None, str, int, float, bool, bytes)."""
+    names = ("dtype", "device", "layout", "memory_format", "Size", "qscheme")
+    return (complex, bytearray) + tuple(getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), type))
+
+
+_ATOMS = _atoms()
+
+
+def _may_hold_storages(o: Any) -> bool:
+    """Whether the pickler may find storages in ``o``, an object the walks
+    do not enter (not a dict, list, tuple or tensor): not for atoms, numpy
+    arrays without Python objects, numpy scalars; any other object may
+    hold tensors."""
+    if o is None or type(o) in (str, int, float, bool, bytes) or type(o) in _ATOMS:
+        return False
+    np = sys.modules.get("numpy")
+    if np is not None:
+        if type(o) is np.ndarray:
+            return bool(o.dtype.hasobject)
+        if isinstance(o, np.generic):
+            return False
+    return True
 
 
 #: Whether the containers are walked by the extension (``_core.survey``);
@@ -460,7 +498,17 @@ FAST_SURVEY = True
 
 
 def _survey_context() -> tuple:
-    return (torch.Tensor, torch.nn.Parameter, OrderedDict, torch.strided, CPU_DEVICE, _has_data, _version)
+    return (
+        torch.Tensor,
+        torch.nn.Parameter,
+        OrderedDict,
+        torch.strided,
+        CPU_DEVICE,
+        _has_data,
+        _version,
+        _ATOMS,
+        _may_hold_storages,
+    )
 
 
 def _fast_survey(obj: Any, versions: Optional[TensorVersions], find: bool) -> Optional[Survey]:
@@ -488,9 +536,7 @@ def survey_storages(obj: Any, versions: Optional[TensorVersions] = None) -> Surv
     fast = _fast_survey(obj, versions, True)
     if fast is not None:
         return fast
-    found: Dict[int, Tuple[str, Any]] = {}
-    nbytes = 0
-    off_cpu: List[Any] = []
+    walk = _SurveyWalk()
     stack: List[Any] = [obj]
     seen: set = set()
     while stack:
@@ -507,16 +553,46 @@ def survey_storages(obj: Any, versions: Optional[TensorVersions] = None) -> Surv
                     stack.append(v)
                     stack.append(k)
         elif isinstance(o, torch.Tensor):
-            if versions is not None:
-                versions.add(o)
-            if o.layout is torch.strided and _has_data(o):
-                st = o.untyped_storage()
-                if st._cdata not in found:
-                    nbytes += st.nbytes()
-                    if st.device != CPU_DEVICE:
-                        off_cpu.append(st)
-                    found[st._cdata] = (str(len(found)), st)
-    return Survey(found, nbytes, off_cpu)
+            walk.tensor(o, versions)
+        elif _may_hold_storages(o):
+            walk.end_order()
+    return walk.survey()
+
+
+class _SurveyWalk:
+    """What the Python walk of :func:`survey_storages` has found so far."""
+
+    def __init__(self) -> None:
+        self.found: Dict[int, Tuple[str, Any]] = {}
+        self.nbytes = 0
+        self.off_cpu: List[Any] = []
+        self.ordered: Optional[int] = None
+
+    def end_order(self) -> None:
+        """The pickler may meet other storages here: the storages found so
+        far are the ones it meets first (``Survey.ordered``)."""
+        if self.ordered is None:
+            self.ordered = len(self.found)
+
+    def tensor(self, o: torch.Tensor, versions: Optional[TensorVersions]) -> None:
+        exact = type(o) is torch.Tensor or type(o) is torch.nn.Parameter
+        if not exact:
+            self.end_order()  # a subclass's reduction is its own
+        if versions is not None:
+            versions.add(o)
+        if o.layout is torch.strided and _has_data(o):
+            st = o.untyped_storage()
+            if st._cdata not in self.found:
+                self.nbytes += st.nbytes()
+                if st.device != CPU_DEVICE:
+                    self.off_cpu.append(st)
+                self.found[st._cdata] = (str(len(self.found)), st)
+        if exact and o.__dict__:
+            self.end_order()  # torch pickles its attributes after its storage
+
+    def survey(self) -> Survey:
+        n = len(self.found)
+        return Survey(self.found, self.nbytes, self.off_cpu, n if self.ordered is None else self.ordered)
 
 
 def find_storages(obj: Any, versions: Optional[TensorVersions] = None) -> Dict[int, Tuple[str, Any]]:
@@ -581,7 +657,7 @@ class TensorVersions:
         if self._survey is None or self._survey[0] is not obj:
             return None
         found = self._survey[1]
-        return Survey(dict(found.storages), found.nbytes, list(found.off_cpu))
+        return Survey(dict(found.storages), found.nbytes, list(found.off_cpu), found.ordered)
 
     def _walk(self, obj: Any) -> None:
         if _fast_survey(obj, self, False) is not None:

@@ -123,7 +123,14 @@ class TorchZipLayout:
         survey = versions.survey_of(obj) if versions is not None else None
         if survey is None:
             survey = survey_storages(obj)
-        self._known = survey.storages
+        # Laid out before pickling: only the storages the pickler is sure to
+        # meet first, in this order. torch's own files number and place
+        # storages in the order the pickle first meets them, and torch.load
+        # relies on it where it computes offsets instead of reading each
+        # record's header (the meta device, a FakeTensorMode,
+        # calculate_storage_offsets); the pickler numbers the rest as it
+        # meets them, and they follow in that order.
+        self._known = survey.first()
         self._survey = survey
         self._known_keys = {k for k, _ in self._known.values()}
         # Set once head_parts has laid out its last part.
@@ -172,7 +179,10 @@ class TorchZipLayout:
         reserve the file's space) and the devices of the storages it will
         stage (their copy streams are set up at the call)."""
         # Each record's bytes, header, name, zip64 and padding fields, descriptor.
-        end = self._survey.nbytes + len(self._known) * (self.alignment + 128)
+        nbytes = self._survey.nbytes
+        if len(self._known) < len(self._survey.storages):
+            nbytes = sum(st.nbytes() for _, st in self._known.values())
+        end = nbytes + len(self._known) * (self.alignment + 128)
         # Only storages off the CPU are staged, unless a test stages them all.
         staged = self._survey.off_cpu if self.stage is _on_cuda else [st for _, st in self._known.values()]
         return end, {storage.device for storage in staged if self.stage(storage)}

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pickle
 from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any, Callable, List, Optional
 
 import fastpersist
+import numpy as np
 import pytest
 import torch
 from fastpersist import pickling
@@ -487,6 +489,10 @@ def _odd_tensors() -> List[Any]:
         odd.append(TwoTensor(torch.ones(2), torch.zeros(2)))
     except ImportError:  # pragma: no cover - old torch
         pass
+    stated = torch.ones(3)
+    stated.note = torch.zeros(2)  # pickled after its storage
+    # Objects the walk does not enter: some cannot hold storages, some may.
+    odd += [stated, _Thing(), np.arange(3), np.array([None]), np.float32(1), torch.float16, torch.Size([2]), 1j]
     return odd
 
 
@@ -505,6 +511,7 @@ def _surveyed(obj: Any, find: bool, fast: bool) -> tuple:
                 [(c, k, s._cdata) for c, (k, s) in got.storages.items()],
                 got.nbytes,
                 [s._cdata for s in got.off_cpu],
+                got.ordered,
             )
         else:
             versions._walk(obj)
@@ -523,7 +530,8 @@ def test_the_extensions_survey_is_the_python_walk(obj: Any, extra: List[int], sh
     of the values only)."""
     odd = [ODD[i] for i in extra]
     if shape == 1:
-        obj = {t: obj for t in odd[:1]} if odd else obj  # a tensor as a dict key
+        keys = [t for t in odd if isinstance(t, Hashable)][:1]
+        obj = {t: obj for t in keys} if keys else obj  # a tensor as a dict key
     elif shape == 2:
         od = OrderedDict([("a", odd), ("b", obj), ("c", 3)])
         od.move_to_end("a")  # OrderedDict order, not the dict's
@@ -536,6 +544,48 @@ def test_the_extensions_survey_is_the_python_walk(obj: Any, extra: List[int], sh
         obj = [obj, odd, tuple(odd)]
     for find in (True, False):
         assert _surveyed(obj, find, True) == _surveyed(obj, find, False)
+
+
+def test_the_survey_says_which_storages_the_pickler_meets_first() -> None:
+    """``ordered``: the storages met before the first object the pickler
+    may find other storages in; atoms (numbers, strings, dtypes, devices,
+    sizes, numpy arrays of numbers) do not end them."""
+    a, b, c = torch.ones(2), torch.zeros(3), torch.ones(4)
+    stated = torch.ones(5)
+    stated.note = c
+    cases = [
+        ({"a": a, "b": b}, 2),
+        (
+            {
+                "n": 1,
+                "s": "x",
+                "d": torch.float16,
+                "v": torch.device("cpu"),
+                "z": torch.Size([1]),
+                "np": np.arange(2),
+                "f": np.float64(2),
+                "a": a,
+                "b": b,
+            },
+            2,
+        ),  # fmt: skip
+        ({"a": a, "obj": _Thing(), "b": b}, 1),
+        ({"obj": _Thing(), "a": a}, 0),
+        ({"a": a, "np": np.array([a], dtype=object), "b": b}, 1),
+        ({"a": a, "s": stated, "b": b}, 2),  # its own storage, then its attributes
+        ({"a": a, "sub": torch.ones(2).as_subclass(_Tensor), "b": b}, 1),
+        ({"a": a, "d": _Dict(x=b), "c": c}, 1),  # a dict subclass is not entered
+    ]
+    for obj, ordered in cases:
+        for fast in (True, False):
+            old = pickling.FAST_SURVEY
+            pickling.FAST_SURVEY = fast
+            try:
+                got = pickling.survey_storages(obj)
+            finally:
+                pickling.FAST_SURVEY = old
+            assert got.ordered == ordered, (obj, fast)
+            assert list(got.first()) == list(got.storages)[:ordered]
 
 
 def test_the_survey_without_versions_and_with_an_overridden_add() -> None:

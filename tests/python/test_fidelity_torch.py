@@ -546,3 +546,155 @@ def test_17_6_a_reference_of_another_dtype_gets_what_torch_gives_it(monkeypatch,
     assert same_size.dtype == torch.int32 and same_size._untyped_storage._cdata == first._untyped_storage._cdata
     assert shorter.dtype == torch.uint8 and shorter._untyped_storage._cdata != first._untyped_storage._cdata
     assert bytes(shorter._untyped_storage) == bytes(record)[:8]
+
+
+# 7. torch's own offset arithmetic: torch.load under the meta device or a
+# FakeTensorMode, and with calculate_storage_offsets, does not read each
+# record's local header: it takes the first storage it loads to be "data/0"
+# and each next one to start right after the previous one's data. That
+# holds for torch's files, whose storages are numbered and written in the
+# order the pickle first meets them; it must hold for fastpersist's too.
+
+
+class Holder:
+    """An object holding a tensor: its storage is found by the pickler."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _offset_cases() -> dict:
+    import collections
+
+    import numpy as np
+
+    a, b = make((3, 4), torch.float32, 1), make((3, 4), torch.float32, 2)
+    stated = make((6,), torch.float32, 4)
+    stated.extra = make((5,), torch.int16, 5)  # torch pickles a tensor's __dict__ after its storage
+    shared = make((8,), torch.float64, 6)
+    cases = {
+        "plain": {"w": make((4, 4), torch.float32, 1), "b": make((4,), torch.bfloat16, 2), "n": 3},
+        "empty records": {
+            "e": torch.empty(0),
+            "f": make((4,), torch.float32, 1),
+            "g": torch.empty(0, 3),
+            "obj": Holder(torch.empty(0, dtype=torch.int64)),
+            "h": make((2,), torch.int8, 2),
+        },  # fmt: skip
+        "holder first": {"obj": Holder(make((10,), torch.float32, 3)), "t": make((5,), torch.int64, 4)},
+        "holder between": {
+            "t": make((5,), torch.float32, 1),
+            "obj": Holder(make((7,), torch.int32, 2)),
+            "u": make((3,), torch.float16, 3),
+        },  # fmt: skip
+        "holder shares": {"obj": Holder(shared[2:]), "y": make((3,), torch.float32, 7), "x": shared},
+        "defaultdict first": {
+            "d": collections.defaultdict(list, k=make((4,), torch.float32, 1)),
+            "t": make((2,), torch.float32, 2),
+        },  # fmt: skip
+        "module first": {"model": torch.nn.Linear(3, 2), "sd": {"w": make((6,), torch.float32, 8)}},
+        "tensor with attributes": {"s": stated, "t": make((4,), torch.float32, 9)},
+        "subclass first": {"s": make((4,), torch.float32, 1).as_subclass(_Sub), "t": make((3,), torch.float32, 2)},
+        "atoms first": {
+            "epoch": 3,
+            "dtype": torch.float16,
+            "dev": torch.device("cpu"),
+            "size": torch.Size([2]),
+            "np": np.arange(4),
+            "t": make((3,), torch.float32, 2),
+        },  # fmt: skip
+    }
+    two = _two_tensor_or_none()
+    if two is not None:
+        cases["two tensor first"] = {"t": two(a, b), "c": make((5,), torch.int64, 3)}
+    return cases
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _two_tensor_or_none():
+    try:
+        from torch.testing._internal.two_tensor import TwoTensor
+    except ImportError:
+        return None
+    return TwoTensor
+
+
+def _leaves(obj) -> list:
+    """The tensors of ``obj`` in a fixed order (objects' attributes too)."""
+    if isinstance(obj, torch.Tensor):
+        inner = getattr(obj, "__tensor_flatten__", None)
+        if inner is not None and type(obj) is not torch.Tensor and type(obj) is not torch.nn.Parameter:
+            return [t for name in inner()[0] for t in _leaves(getattr(obj, name))]
+        return [obj] + [t for v in vars(obj).values() for t in _leaves(v)]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _leaves(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _leaves(v)]
+    if isinstance(obj, torch.nn.Module):
+        return list(obj.state_dict().values())
+    if hasattr(obj, "__dict__"):
+        return [t for v in vars(obj).values() for t in _leaves(v)]
+    return []
+
+
+def _offset_loads(p, monkeypatch) -> dict:
+    """The loads of ``p`` that compute offsets, each as what it gave (the
+    tensors' shapes and dtypes, with their bits where they have data) or
+    the type of the error it raised."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils import serialization as ser_config
+
+    def bits_of(ts):
+        return [
+            (t.shape, t.dtype, t.device.type, None if t.is_meta or not t.device.type == "cpu" else bits(t)) for t in ts
+        ]
+
+    def fake():
+        with FakeTensorMode():
+            return [(t.shape, t.dtype) for t in _leaves(torch.load(p, weights_only=False))]
+
+    def debug():
+        with monkeypatch.context() as m:
+            m.setenv("TORCH_SERIALIZATION_DEBUG", "1")
+            return bits_of(_leaves(torch.load(p, weights_only=False)))
+
+    def computed_mmap():
+        load_cfg = ser_config.config.load
+        load_cfg.calculate_storage_offsets = True
+        try:
+            with monkeypatch.context() as m:
+                m.setenv("TORCH_SERIALIZATION_DEBUG", "1")
+                return bits_of(_leaves(torch.load(p, weights_only=False, mmap=True)))
+        finally:
+            load_cfg.calculate_storage_offsets = False
+
+    loads = {
+        "plain": lambda: bits_of(_leaves(torch.load(p, weights_only=False))),
+        "meta": lambda: bits_of(_leaves(torch.load(p, map_location="meta", weights_only=False))),
+        "fake": fake,
+        "debug asserts": debug,
+        "computed mmap": computed_mmap,
+    }
+    out = {}
+    for name, load in loads.items():
+        try:
+            out[name] = load()
+        except Exception as e:  # noqa: BLE001 - the error is what is compared
+            out[name] = type(e)
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(_offset_cases()))
+def test_17_7_torch_computes_the_offsets_of_fastpersists_records(tmp_path, monkeypatch, case):
+    """Every load of torch's that computes record offsets gives for
+    fastpersist's file what it gives for torch.save's file of the object."""
+    obj = _offset_cases()[case]
+    ours, theirs = tmp_path / "ours.pt", tmp_path / "theirs.pt"
+    fastpersist.write_state_dict(obj, ours)
+    torch.save(obj, theirs)
+    want = _offset_loads(theirs, monkeypatch)
+    assert not isinstance(want["plain"], type), want["plain"]
+    assert _offset_loads(ours, monkeypatch) == want
