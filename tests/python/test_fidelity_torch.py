@@ -688,12 +688,17 @@ def _offset_loads(p, monkeypatch) -> dict:
 
 
 @pytest.mark.parametrize("case", sorted(_offset_cases()))
-def test_17_7_torch_computes_the_offsets_of_fastpersists_records(tmp_path, monkeypatch, case):
+@pytest.mark.parametrize("writer", ["write_state_dict", "snapshot", "pipelined"])
+def test_17_7_torch_computes_the_offsets_of_fastpersists_records(tmp_path, monkeypatch, case, writer):
     """Every load of torch's that computes record offsets gives for
-    fastpersist's file what it gives for torch.save's file of the object."""
+    fastpersist's file what it gives for torch.save's file of the object,
+    saved synchronously or in the background."""
     obj = _offset_cases()[case]
     ours, theirs = tmp_path / "ours.pt", tmp_path / "theirs.pt"
-    fastpersist.write_state_dict(obj, ours)
+    if writer == "write_state_dict":
+        fastpersist.write_state_dict(obj, ours)
+    else:
+        fastpersist.save_async(obj, ours, mode=writer).result()
     torch.save(obj, theirs)
     want = _offset_loads(theirs, monkeypatch)
     assert not isinstance(want["plain"], type), want["plain"]
