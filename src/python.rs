@@ -19,7 +19,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyOverflowError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{
-    PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple,
+    PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple, PyType,
 };
 use std::os::fd::RawFd;
 use std::path::PathBuf;
@@ -1861,35 +1861,27 @@ struct SurveyCtx<'py>(
     Bound<'py, PyAny>,
     /// torch.strided
     Bound<'py, PyAny>,
-    /// the CPU device
-    Bound<'py, PyAny>,
     /// pickling._has_data
     Bound<'py, PyAny>,
     /// pickling._version
     Bound<'py, PyAny>,
     /// types whose objects hold no storage (their exact type is checked)
     Bound<'py, PyTuple>,
-    /// pickling._may_hold_storages, asked of any other object
+    /// pickling._may_hold_storages, asked of any other object that is
+    /// not a tensor
     Bound<'py, PyAny>,
 );
 
-/// Whether the pickler, meeting `o` (not a container the walk enters, not
-/// a tensor), may find storages in it: anything but the atoms.
-fn may_hold_storages<'py>(ctx: &SurveyCtx<'py>, o: &Bound<'py, PyAny>) -> PyResult<bool> {
-    if o.is_none()
+/// Whether `o` is an atom: an object of a type that holds no storage
+/// (exact type checks only, cheaper than asking whether it is a tensor).
+fn is_atom<'py>(ctx: &SurveyCtx<'py>, o: &Bound<'py, PyAny>, ty: &Bound<'py, PyType>) -> bool {
+    o.is_none()
         || o.is_exact_instance_of::<PyString>()
         || o.is_exact_instance_of::<PyInt>()
         || o.is_exact_instance_of::<PyFloat>()
         || o.is_exact_instance_of::<PyBool>()
         || o.is_exact_instance_of::<PyBytes>()
-    {
-        return Ok(false);
-    }
-    let ty = o.get_type();
-    if ctx.7.iter().any(|atom| ty.is(&atom)) {
-        return Ok(false);
-    }
-    ctx.8.call1((o,))?.is_truthy()
+        || ctx.6.iter().any(|atom| ty.is(&atom))
 }
 
 /// Containers pushed in the order the walks pop them: a sequence's items,
@@ -1939,16 +1931,15 @@ fn tensor_has_data<'py>(
 ) -> PyResult<bool> {
     let py = t.py();
     if exact {
-        if t.getattr(pyo3::intern!(py, "is_meta"))?.is_truthy()? {
-            return Ok(false);
-        }
+        // Memory at an address: data (a meta tensor's address is 0, and
+        // the Python check below sees to those with none).
         if let Ok(p) = t.call_method0(pyo3::intern!(py, "data_ptr")) {
             if p.extract::<usize>().is_ok_and(|p| p != 0) {
                 return Ok(true);
             }
         }
     }
-    ctx.5.call1((t,))?.is_truthy()
+    ctx.4.call1((t,))?.is_truthy()
 }
 
 /// The walk of `find_storages` (`find`: dict keys included; the storages
@@ -1989,16 +1980,23 @@ fn survey<'py>(
             continue;
         }
         let exact = ty.is(&ctx.0) || ty.is(&ctx.1);
-        if !exact && !o.is_instance(&ctx.0)? {
-            if find && ordered.is_none() && may_hold_storages(&ctx, &o)? {
+        if !exact {
+            if is_atom(&ctx, &o, &ty) {
+                continue;
+            }
+            if !o.is_instance(&ctx.0)? {
+                // An object the walk does not enter: the pickler may meet
+                // storages in it (pickling._may_hold_storages says).
+                if find && ordered.is_none() && ctx.7.call1((&o,))?.is_truthy()? {
+                    ordered = Some(found.len());
+                }
+                continue;
+            }
+            if find && ordered.is_none() {
+                // A subclass's reduction is its own: it may meet other
+                // storages before (or instead of) its own.
                 ordered = Some(found.len());
             }
-            continue;
-        }
-        if find && !exact && ordered.is_none() {
-            // A subclass's reduction is its own: it may meet other storages
-            // before (or instead of) its own.
-            ordered = Some(found.len());
         }
         if let Some(seen) = &seen {
             let id = o.as_ptr() as usize;
@@ -2010,7 +2008,7 @@ fn survey<'py>(
                         Err(e) => return Err(e),
                     }
                 } else {
-                    let v = ctx.6.call1((&o,))?;
+                    let v = ctx.5.call1((&o,))?;
                     (!v.is_none()).then_some(v)
                 };
                 if let Some(v) = v {
@@ -2028,7 +2026,9 @@ fn survey<'py>(
                 total += st
                     .call_method0(pyo3::intern!(py, "nbytes"))?
                     .extract::<u64>()?;
-                if !st.getattr(pyo3::intern!(py, "device"))?.eq(&ctx.4)? {
+                // The tensor's device is its storage's (a bool: no device
+                // object made).
+                if !o.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()? {
                     off_cpu.append(&st)?;
                 }
                 found.set_item(cdata, (found.len().to_string(), st))?;

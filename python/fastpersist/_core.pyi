@@ -326,14 +326,13 @@ def fast_pickle(
 ) -> tuple[bytes, dict[str, object]] | None: ...
 
 # What fastpersist.pickling._survey_context() builds: torch.Tensor,
-# torch.nn.Parameter, OrderedDict, torch.strided, the CPU device,
+# torch.nn.Parameter, OrderedDict, torch.strided,
 # pickling._has_data, pickling._version, pickling._ATOMS,
 # pickling._may_hold_storages.
 _SurveyContext: TypeAlias = tuple[
     type,
     type,
     type,
-    object,
     object,
     Callable[[Any], bool],
     Callable[[Any], int | None],

@@ -503,7 +503,6 @@ def _survey_context() -> tuple:
         torch.nn.Parameter,
         OrderedDict,
         torch.strided,
-        CPU_DEVICE,
         _has_data,
         _version,
         _ATOMS,
