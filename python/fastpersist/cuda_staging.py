@@ -56,7 +56,7 @@ import torch
 from . import _core
 from .options import EngineOptions, env_flag, env_int, read_with, use_engine
 from .pickling import LocationScan, MapLocation, find_storages
-from .plan import Batch, DeviceRegion, MemoryGuard
+from .plan import DATA_ALIGNMENT, Batch, DeviceRegion, MemoryGuard
 
 __all__ = [
     "Staging",
@@ -476,23 +476,34 @@ def stream_device_region(write: Any, region: DeviceRegion, staging: Staging, cop
     """Write one device storage (file offset, storage, length, checksum id)
     through the staging slots: ``write(regions)`` is the session's write."""
     file_off, storage, n, crc_id = region
-    chunks: List[Tuple[int, int, int]] = [
-        (staging.take(), a, min(a + staging.chunk, n)) for a in range(0, n, staging.chunk)
-    ]
+    # A record that does not start on a page starts with the bytes up to the
+    # next page boundary (less than a page, written with the record's header
+    # from the engine's arena); every later chunk starts on a page, in the
+    # file and in its slot (chunks are whole pages), so the engine writes the
+    # slots' whole blocks from where they lie, whatever the record's
+    # alignment. Each chunk lies in its slot where its file offset falls
+    # within a page.
+    chunks: List[Tuple[int, int, int, int]] = []
+    a = 0
+    while a < n:
+        at = (file_off + a) % DATA_ALIGNMENT
+        b = min(a + (DATA_ALIGNMENT - at if at else staging.chunk), n)
+        chunks.append((staging.take(), at, a, b))
+        a = b
     pending: Optional[Any] = None
     try:
-        for j, (k, a, b) in enumerate(chunks):
+        for j, (k, at, a, b) in enumerate(chunks):
             if j == 0:
-                pending = copier.copy(staging.slot(k)[0], storage, a, b)
+                pending = copier.copy(staging.slot(k)[0][at:], storage, a, b)
             copier.wait(pending)
             pending = None
             if j + 1 < len(chunks):
                 # Chunk k+1's slot last held chunk k-2, which the write of
                 # chunk k-1 consumed: it is free, and the copy overlaps this
                 # write.
-                nk, na, nb = chunks[j + 1]
-                pending = copier.copy(staging.slot(nk)[0], storage, na, nb)
-            write([(file_off + a, staging.slot(k)[1], b - a, crc_id)])
+                nk, nat, na, nb = chunks[j + 1]
+                pending = copier.copy(staging.slot(nk)[0][nat:], storage, na, nb)
+            write([(file_off + a, staging.slot(k)[1] + at, b - a, crc_id)])
     finally:
         # Even when the write failed: no copy may still be filling a slot
         # that the next call will reuse.

@@ -38,13 +38,14 @@ import torch
 from .errors import CorruptCheckpointError, FastPersistError, SerializationError, UnsupportedDtypeError
 from .options import EngineOptions
 from .reader import detect_format, read_state_dict
+from .torch_zip import STORAGE_ALIGNMENT
 from .writer import write_state_dict
 
 __all__ = ["patch", "Patch", "PatchStats", "torch_save_route"]
 
 #: The data of fastpersist's torch files is aligned to this (torch's own
 #: ``storage_alignment`` must divide it for a routed file to be torch's).
-_ALIGNMENT = 4096
+_ALIGNMENT = STORAGE_ALIGNMENT
 
 
 @dataclass

@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import threading
-import zipfile
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 if sys.argv[2:] != ["two-ranks"]:  # one rank (also for "prepare")
@@ -25,6 +24,7 @@ import fastpersist  # noqa: E402
 import torch  # noqa: E402
 from fastpersist.integrations.deepspeed import FastPersistCheckpointEngine, initialize, use_fastpersist  # noqa: E402
 from fastpersist.options import EngineOptions, get_engine  # noqa: E402
+from helpers import written_by_fastpersist  # noqa: E402
 
 STEPS = 8
 
@@ -66,9 +66,7 @@ def latest(d):
 
 
 def ours(path):
-    with zipfile.ZipFile(path) as z:
-        names = [n for n in z.namelist() if n.endswith("/.storage_alignment")]
-        return bool(names) and z.read(names[0]) == b"4096"
+    return written_by_fastpersist(path)
 
 
 def tensors(obj, prefix=""):

@@ -158,3 +158,23 @@ def first_part_sent(monkeypatch) -> Any:
     monkeypatch.setattr(writer, "send", send)
     monkeypatch.setattr(writer.PartWriter, "put", put)
     return sent
+
+
+def written_by_fastpersist(path) -> bool:
+    """Whether fastpersist wrote the torch zip file at ``path``: its
+    ``.data/serialization_id`` is the one fastpersist derives from the
+    content (torch's is random), as fastpersist's reader tells them apart."""
+    import zipfile
+
+    from fastpersist.torch_zip import serialization_id
+
+    with zipfile.ZipFile(path) as z:
+        names = z.namelist()
+        pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+        sid = [n for n in names if n.endswith(".data/serialization_id")]
+        if not pkl or not sid:
+            return False
+        prefix = pkl[0][: -len("data.pkl")]
+        data = [i for i in z.infolist() if i.filename.startswith(prefix + "data/")]
+        want = serialization_id(z.read(pkl[0]), len(data), sum(i.file_size for i in data))
+        return z.read(sid[0]) == want.encode()

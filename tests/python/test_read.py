@@ -394,7 +394,7 @@ def test_many_records_are_read_where_torch_puts_them_with_their_headers(many_rec
 @pytest.mark.parametrize("name", ["fp.pt", "torch.pt"])
 def test_many_records_laid_out_another_way_are_read_where_their_headers_say(tmp_path, many_records, name, monkeypatch):
     """The same records rewritten by Python's zipfile (no padding: data right
-    after each header, while ``.storage_alignment`` still says 4096): the
+    after each header, while ``.storage_alignment`` still says 64): the
     prediction fails and the headers are read; torch.load agrees."""
     import zipfile
 

@@ -12,7 +12,7 @@ import fastpersist
 import fastpersist.integrations.common
 import pytest
 import torch
-from helpers import bits
+from helpers import bits, written_by_fastpersist
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'fastpersist[transformers]')"
@@ -73,13 +73,6 @@ class StopAt(TrainerCallback):
         if state.global_step == self.step:
             control.should_training_stop = True
         return control
-
-
-def written_by_fastpersist(path) -> bool:
-    """fastpersist's torch zip files place storages at 4096-byte boundaries."""
-    with zipfile.ZipFile(path) as z:
-        (name,) = [n for n in z.namelist() if n.endswith("/.storage_alignment")] or [None]
-        return name is not None and z.read(name) == b"4096"
 
 
 def losses(trainer):

@@ -78,8 +78,8 @@ from ..cuda_staging import read_staged, staging_setup
 from ..errors import CorruptCheckpointError
 from ..options import EngineOptions, FullGcDeferral, full_gc_deferral, gc_paused, read_with, use_engine
 from ..pickling import element_size
-from ..plan import HANDOFF_RECORDS, Batch, Blob, DeviceRegion, Plan, Region, Slot
-from ..torch_zip import SMALL_ALIGNMENT, STORAGE_ALIGNMENT, plan_torch_save
+from ..plan import DATA_ALIGNMENT, HANDOFF_RECORDS, Batch, Blob, DeviceRegion, Plan, Region, Slot
+from ..torch_zip import SMALL_ALIGNMENT, plan_torch_save
 from ..writer import write_streamed
 
 __all__ = [
@@ -302,7 +302,7 @@ class _FileLayout:
         if not (_exact(t) if staged else _in_place(t)):
             t = t.clone(memory_format=torch.contiguous_format)
         nbytes = t.nbytes
-        align = STORAGE_ALIGNMENT if nbytes >= ALIGN_ABOVE else SMALL_ALIGNMENT
+        align = DATA_ALIGNMENT if nbytes >= ALIGN_ABOVE else SMALL_ALIGNMENT
         tpl = _templates.get(t, align)
         plan = self.plan
         base = self.cursor = _align(self.cursor, align)
@@ -728,7 +728,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
                     budget, pending = min(2 * budget, STREAM_PART_MAX), 0
             layout.finish()  # the file's length, for the rest written last
 
-        hint = sum(_item_size(it) + SMALL_ALIGNMENT + STORAGE_ALIGNMENT for it in items)
+        hint = sum(_item_size(it) + SMALL_ALIGNMENT + DATA_ALIGNMENT for it in items)
         try:
             st = write_streamed(layout.plan, parts(), os.path.join(self.path, name), self.opts, hint, engine_index)
         finally:
