@@ -7,6 +7,7 @@ import inspect
 import io
 import pickle
 import struct
+import zipfile
 
 import fastpersist
 import pytest
@@ -277,3 +278,28 @@ def test_calls_made_while_routing_go_to_the_originals(tmp_path):
     assert ours_wrote(tmp_path / "outer.pt") and not ours_wrote(inner)
     assert torch.equal(LOAD(inner)["inner"], torch.ones(2))
     assert LOAD(tmp_path / "outer.pt", weights_only=False)["x"].path == inner
+
+
+def test_torch_save_is_routed_only_where_its_storage_alignment_divides_fastpersists(tmp_path):
+    """torch.save aligns storage records to ``config.save.storage_alignment``
+    (64 by default); fastpersist's are 64-aligned, which serves any
+    alignment dividing 64. A larger one (page alignment for mmap users) is
+    left to torch.save, which writes it."""
+    ser = pytest.importorskip("torch.utils.serialization")
+    save_cfg = ser.config.save
+    sd = {"t": make((300,), torch.float32), "u": make((7,), torch.int16)}
+    old = save_cfg.storage_alignment
+    try:
+        for align, routed in ((64, True), (32, True), (4096, False)):
+            save_cfg.storage_alignment = align
+            p = tmp_path / f"a{align}.pt"
+            with fastpersist.patch() as stats:
+                torch.save(sd, p)
+            assert ours_wrote(p) == routed, align
+            assert stats.routed_calls.get("torch.save", 0) == int(routed), stats
+            with zipfile.ZipFile(p) as z:
+                (name,) = [n for n in z.namelist() if n.endswith("/.storage_alignment")]
+                assert z.read(name) == str(64 if routed else align).encode()
+            assert_same(torch.load(p), sd)
+    finally:
+        save_cfg.storage_alignment = old
