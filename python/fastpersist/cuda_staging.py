@@ -472,24 +472,32 @@ class ThreadCopier:
         self._pool.shutdown(wait=True)
 
 
+def chunk_record(file_off: int, n: int, chunk: int) -> List[Tuple[int, int, int]]:
+    """How a record of ``n`` bytes at ``file_off`` goes through staging slots
+    of ``chunk`` bytes (whole pages): ``(at, a, b)`` for each chunk, its
+    bytes ``a:b`` of the record, placed at ``at`` in its slot, where its file
+    offset falls within a page (so memory and file agree on which bytes
+    share a block). A record that fits its slot is one chunk. A larger one
+    that does not start on a page starts with the bytes up to the next page
+    boundary (less than a page, written with the record's header from the
+    engine's arena); every later chunk starts on a page, in the file and in
+    its slot, and the engine writes the slots' whole blocks from where they
+    lie, whatever the record's alignment."""
+    out: List[Tuple[int, int, int]] = []
+    a = 0
+    while a < n:
+        at = (file_off + a) % DATA_ALIGNMENT
+        b = n if n - a <= chunk - at else a + (DATA_ALIGNMENT - at if at else chunk)
+        out.append((at, a, b))
+        a = b
+    return out
+
+
 def stream_device_region(write: Any, region: DeviceRegion, staging: Staging, copier: Any) -> None:
     """Write one device storage (file offset, storage, length, checksum id)
     through the staging slots: ``write(regions)`` is the session's write."""
     file_off, storage, n, crc_id = region
-    # A record that does not start on a page starts with the bytes up to the
-    # next page boundary (less than a page, written with the record's header
-    # from the engine's arena); every later chunk starts on a page, in the
-    # file and in its slot (chunks are whole pages), so the engine writes the
-    # slots' whole blocks from where they lie, whatever the record's
-    # alignment. Each chunk lies in its slot where its file offset falls
-    # within a page.
-    chunks: List[Tuple[int, int, int, int]] = []
-    a = 0
-    while a < n:
-        at = (file_off + a) % DATA_ALIGNMENT
-        b = min(a + (DATA_ALIGNMENT - at if at else staging.chunk), n)
-        chunks.append((staging.take(), at, a, b))
-        a = b
+    chunks = [(staging.take(), at, a, b) for at, a, b in chunk_record(file_off, n, staging.chunk)]
     pending: Optional[Any] = None
     try:
         for j, (k, at, a, b) in enumerate(chunks):

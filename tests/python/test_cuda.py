@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import assert_same, make
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hst
 from test_properties import state_dicts
 
 CUDA = torch.cuda.is_available()
@@ -103,6 +104,28 @@ def test_staged_random_state_dicts(staged_on_cpu, sd):
         assert_same(sd, fastpersist.read_state_dict(p))
 
 
+@given(hst.integers(0, 1 << 20), hst.integers(0, 1 << 20), hst.sampled_from([4096, 16 * 4096, 1 << 20]))
+def test_a_record_is_chunked_so_that_slots_agree_with_the_file_on_pages(file_off, n, chunk):
+    from fastpersist.cuda_staging import chunk_record
+
+    pieces = chunk_record(file_off, n, chunk)
+    # They tile the record, each fits its slot where its offset falls in a page.
+    assert [a for _, a, _ in pieces] == ([0] if n else []) + [b for _, _, b in pieces[:-1]]
+    assert (pieces[-1][2] if pieces else 0) == n
+    for at, a, b in pieces:
+        assert a < b and at == (file_off + a) % 4096 and at + (b - a) <= chunk
+    at0 = file_off % 4096
+    if n <= chunk - at0:
+        assert len(pieces) == (1 if n else 0)  # a record that fits is one chunk
+    else:
+        # The first piece ends on a page (less than a page when it starts
+        # off one); every later one starts on a page and is a whole chunk
+        # but the last.
+        assert (file_off + pieces[0][2]) % 4096 == 0
+        assert all(at == 0 for at, _, _ in pieces[1:])
+        assert all(b - a == chunk for _, a, b in pieces[1:-1])
+
+
 def test_bad_chunk_size(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")
     monkeypatch.setenv("FASTPERSIST_STAGE_CHUNK", "1000")
@@ -156,7 +179,6 @@ from fastpersist.cuda_staging import (  # noqa: E402  # noqa: E402
 )
 from fastpersist.errors import CorruptCheckpointError  # noqa: E402
 from fastpersist.pickling import LocationScan  # noqa: E402
-from hypothesis import strategies as hst  # noqa: E402
 
 
 @given(hst.lists(hst.integers(0, 50_000), max_size=30), hst.integers(1, 20_000))
