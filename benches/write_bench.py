@@ -151,6 +151,18 @@ def settle(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def write_once(writer: Writer, name: str, sd, directory: str, into: List[float], failed: str) -> None:
+    """Time one write by ``writer`` into ``directory``, appended to ``into``;
+    a failure is printed (``failed``) and the run goes on. The file is
+    removed after."""
+    path = os.path.join(directory, f"bench-{name.replace(' ', '_')}.out")
+    try:
+        into.append(timed(lambda: writer(sd, path)))
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"  {name}: {failed}: {type(e).__name__}: {e}", flush=True)
+    clear(path)
+
+
 def run_workload(
     name: str, sd, directory: str, rounds: int, writers: Dict[str, Writer], settle_s: float, warmup: int = 1
 ) -> dict:
@@ -167,12 +179,7 @@ def run_workload(
     for _ in range(warmup):
         for w in names:
             settle(settle_s)
-            path = os.path.join(directory, f"bench-{w.replace(' ', '_')}.out")
-            try:
-                first[w].append(timed(lambda w=w, path=path: writers[w](sd, path)))
-            except Exception as e:  # noqa: BLE001 - the rounds report it
-                print(f"  {w}: warm-up failed: {type(e).__name__}: {e}", flush=True)
-            clear(path)
+            write_once(writers[w], w, sd, directory, first[w], "warm-up failed")
     if warmup:
         line = "  ".join(f"{w}={size / t[0] / 1e9:.2f}" for w, t in first.items() if t)
         print(f"  warm-up, not in the medians (first writes in this process): {line} GB/s", flush=True)
@@ -185,12 +192,7 @@ def run_workload(
             if w == FIO:
                 limit.measure(directory, size)
                 continue
-            path = os.path.join(directory, f"bench-{w.replace(' ', '_')}.out")
-            try:
-                times[w].append(timed(lambda w=w, path=path: writers[w](sd, path)))
-            except Exception as e:  # noqa: BLE001 - report and go on
-                print(f"  {w}: failed: {type(e).__name__}: {e}", flush=True)
-            clear(path)
+            write_once(writers[w], w, sd, directory, times[w], "failed")
         line = "  ".join(f"{w}={size / times[w][-1] / 1e9:.2f}" for w in names if times[w])
         print(f"  round {r + 1}: fio best so far={limit.gbps:.2f}  {line} GB/s", flush=True)
     lim = limit.gbps
