@@ -43,24 +43,18 @@ unsafe impl Sync for Arena {}
 /// and that is private, anonymous and writable (e.g. a fresh `malloc`
 /// buffer): advice applies to whole mappings' pages in the range.
 pub unsafe fn prepare_memory(addr: usize, len: usize) {
-    let page = page_size();
     let Some(end) = addr.checked_add(len) else {
         return;
     };
     let (hs, he) = (addr.next_multiple_of(HUGE), end - end % HUGE);
-    let (ps, pe) = (addr.next_multiple_of(page), end - end % page);
-    // SAFETY: both ranges lie inside `addr..addr+len` (the caller's
-    // private anonymous memory); advice and population cannot change
-    // the bytes of pages that are present; failures only mean small
-    // pages or faults on first touch.
-    unsafe {
-        if he > hs {
-            libc::madvise(hs as *mut libc::c_void, he - hs, libc::MADV_HUGEPAGE);
-        }
-        if pe > ps {
-            libc::madvise(ps as *mut libc::c_void, pe - ps, libc::MADV_POPULATE_WRITE);
-        }
+    if he > hs {
+        // SAFETY: the range lies inside `addr..addr+len` (the caller's
+        // private anonymous memory); advice cannot change the bytes of
+        // pages that are present; a failure only means small pages.
+        unsafe { libc::madvise(hs as *mut libc::c_void, he - hs, libc::MADV_HUGEPAGE) };
     }
+    // SAFETY: the caller's memory, private, anonymous and writable.
+    unsafe { populate(addr, len) };
 }
 
 /// Whether this kernel knows `MADV_POPULATE_WRITE` (Linux 5.14), asked

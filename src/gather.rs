@@ -87,10 +87,7 @@ fn copy_extent_in_steps(
         match seg.crc_id {
             Some(id) => {
                 let mut h = Hasher::new();
-                for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
-                    d.copy_from_slice(s);
-                    h.update(d);
-                }
+                copy_checksummed(dst, src, &mut h, step);
                 out.push((id, h));
             }
             None => dst.copy_from_slice(src),
@@ -99,6 +96,16 @@ fn copy_extent_in_steps(
     }
     buf[pos..].fill(0);
     out
+}
+
+/// Copy `src` into `dst` (as long) and feed `h` the copied bytes (the
+/// bytes that go to disk), `step` bytes at a time: each step checksummed
+/// right after it is copied, while it is in cache.
+pub(crate) fn copy_checksummed(dst: &mut [u8], src: &[u8], h: &mut Hasher, step: usize) {
+    for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
+        d.copy_from_slice(s);
+        h.update(d);
+    }
 }
 
 /// The checksum of each checksummed piece of `ext`, read from `buf` (the

@@ -775,19 +775,13 @@ pub fn gather(layout: &Layout, ext: Extent, buf: &mut [u8], hashers: &mut [Hashe
             Source::Mem(m) => {
                 let src = m.slice(so, p.len);
                 match seg.crc_id {
-                    Some(id) => {
-                        let h = &mut hashers[id as usize];
-                        // Checksummed from the copy (the bytes that go to
-                        // disk, as the gather threads do), step by step while
-                        // each step is in cache.
-                        for (d, s) in dst
-                            .chunks_mut(crate::gather::STEP)
-                            .zip(src.chunks(crate::gather::STEP))
-                        {
-                            d.copy_from_slice(s);
-                            h.update(d);
-                        }
-                    }
+                    // Checksummed from the copy, as the gather threads do.
+                    Some(id) => crate::gather::copy_checksummed(
+                        dst,
+                        src,
+                        &mut hashers[id as usize],
+                        crate::gather::STEP,
+                    ),
                     None => dst.copy_from_slice(src),
                 }
             }
