@@ -185,13 +185,11 @@ class _HugeBuffers:
 _HUGE = _HugeBuffers()
 
 
-def fio_run(
-    directory: str, size: int, rw: str = "write", bs: str = "4M", depth: int = 16, huge: bool = False
-) -> Optional[float]:
-    """GB/s of one fio run: O_DIRECT, io_uring, ``bs`` blocks at queue depth
-    ``depth``, fsync at the end, one file of ``size`` bytes in ``directory``
-    (for reads: laid out first, then read cold). ``huge``: buffers on a
-    hugetlbfs mount (None when huge pages are unavailable)."""
+def _fio_job(path: str, size: int, bs: str, depth: int, huge: bool) -> Optional[List[str]]:
+    """fio's command line for one job on ``path`` (O_DIRECT, io_uring,
+    ``bs`` blocks at queue depth ``depth``, ``size`` rounded down to whole
+    blocks; ``huge``: buffers on the hugetlbfs mount), without ``--rw``;
+    None without fio, or without huge pages where they are asked for."""
     fio = ensure_fio()
     if fio is None:
         return None
@@ -202,17 +200,7 @@ def fio_run(
             return None
         iomem = [f"--iomem=mmaphuge:{os.path.join(mount, f'fio-{os.getpid()}')}"]
     block = parse_size(bs)
-    size = max(size // block, 1) * block
-    # Where fallocate writes every byte (tmpfs: it allocates and zeroes each
-    # page), fio's default preallocation would do that work before its clock
-    # starts, and the timed write would only overwrite pages already there.
-    # A checkpoint is a new file, whose pages are allocated as it is written:
-    # fio is made to allocate them the same way.
-    prealloc = [] if not fio_allocates_as_it_writes(directory) else ["--fallocate=none"]
-    # The same directory the writers use (not a subdirectory: ext4 places
-    # new directories in other block groups, i.e. elsewhere on the disk).
-    path = os.path.join(directory, "fio-limit.dat")
-    base = [
+    return [
         fio,
         "--name=limit",
         f"--filename={path}",
@@ -220,20 +208,69 @@ def fio_run(
         f"--iodepth={depth}",
         "--ioengine=io_uring",
         "--direct=1",
-        f"--size={size}",
+        f"--size={max(size // block, 1) * block}",
         "--output-format=json",
-        *prealloc,
+        *iomem,
     ]
-    try:
-        if rw == "read":
-            subprocess.run(base + ["--rw=write", "--end_fsync=1"], check=True, stdout=subprocess.DEVNULL)
-        out = subprocess.run(
-            base + iomem + [f"--rw={rw}", "--end_fsync=1"], check=True, capture_output=True, text=True
-        ).stdout
-    finally:
-        clear(path)
+
+
+def _fio_gbps(cmd: List[str], rw: str) -> float:
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     job = json.loads(out[out.index("{") :])["jobs"][0]
     return float(job[rw]["bw_bytes"]) / 1e9
+
+
+def fio_run(
+    directory: str, size: int, rw: str = "write", bs: str = "4M", depth: int = 16, huge: bool = False
+) -> Optional[float]:
+    """GB/s of one fio run: O_DIRECT, io_uring, ``bs`` blocks at queue depth
+    ``depth``, fsync at the end, one file of ``size`` bytes in ``directory``
+    (for reads: laid out first, then read cold). ``huge``: buffers on a
+    hugetlbfs mount (None when huge pages are unavailable)."""
+    # The same directory the writers use (not a subdirectory: ext4 places
+    # new directories in other block groups, i.e. elsewhere on the disk).
+    path = os.path.join(directory, "fio-limit.dat")
+    job = _fio_job(path, size, bs, depth, huge)
+    if job is None:
+        return None
+    # Where fallocate writes every byte (tmpfs: it allocates and zeroes each
+    # page), fio's default preallocation would do that work before its clock
+    # starts, and the timed write would only overwrite pages already there.
+    # A checkpoint is a new file, whose pages are allocated as it is written:
+    # fio is made to allocate them the same way.
+    if fio_allocates_as_it_writes(directory):
+        job.append("--fallocate=none")
+    try:
+        if rw == "read":
+            # Laid out with normal buffers (the read is the one timed).
+            plain = [a for a in job if not a.startswith("--iomem=")]
+            subprocess.run(plain + ["--rw=write", "--end_fsync=1"], check=True, stdout=subprocess.DEVNULL)
+        return _fio_gbps(job + [f"--rw={rw}", "--end_fsync=1"], rw)
+    finally:
+        clear(path)
+
+
+def fio_read_file(path: str, bs: str = "4M", depth: int = 16, huge: bool = False) -> Optional[float]:
+    """GB/s of fio reading the existing file ``path`` (its whole blocks),
+    read-only: the device's limit for those very blocks, wherever the file
+    system put them. The file is left as it is; the caller evicts it from
+    the page cache first (O_DIRECT reads bypass it, but fio may not)."""
+    size = os.path.getsize(path)
+    job = _fio_job(path, size, bs, depth, huge) if size >= parse_size(bs) else None
+    if job is None:
+        return None
+    return _fio_gbps(job + ["--readonly", "--rw=read"], "read")
+
+
+def fio_read_file_limits(path: str) -> Dict[str, float]:
+    """One read of the existing file ``path`` in every configuration of
+    ``FIO_CONFIGS`` (see :func:`fio_read_file`): name -> GB/s."""
+    out: Dict[str, float] = {}
+    for bs, depth, huge in FIO_CONFIGS:
+        bw = fio_read_file(path, bs, depth, huge)
+        if bw is not None:
+            out[fio_config_name(bs, depth, huge)] = bw
+    return out
 
 
 def fio_allocates_as_it_writes(directory: str) -> bool:

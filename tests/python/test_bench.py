@@ -172,3 +172,24 @@ def test_warm_memory_holds_all_of_it_at_once(monkeypatch):
     monkeypatch.setattr(bench.torch, "ByteTensor", lambda st: bench.torch.zeros(1))  # filled: not what is counted
     bench.warm_memory(10 << 10, chunk=4 << 10)
     assert max(peak) == 10 << 10 and not alive
+
+
+def test_fio_reads_an_existing_file_read_only_and_leaves_it(monkeypatch, tmp_path):
+    """The read benchmark's second limit: fio reads the checkpoint itself
+    (the very blocks a reader reads), read-only, and never writes, lays out
+    or removes it; a file shorter than one block is not measured."""
+    calls = _capture_fio(monkeypatch)
+    monkeypatch.setattr(bench._HUGE, "path", lambda: None)  # no hugetlbfs set-up in a test
+    f = tmp_path / "ckpt.pt"
+    f.write_bytes(b"x" * (3 << 20))
+    assert bench.fio_read_file(str(f), "1M", 4) == 1.0
+    (cmd,) = calls
+    assert "--readonly" in cmd and "--rw=read" in cmd
+    assert f"--filename={f}" in cmd and "--size=3145728" in cmd
+    assert not any(a.startswith(("--rw=write", "--fallocate")) for a in cmd)
+    assert f.read_bytes() == b"x" * (3 << 20) and os.listdir(tmp_path) == ["ckpt.pt"]
+    assert bench.fio_read_file(str(f), "4M", 16) is None and len(calls) == 1
+    runs = bench.fio_read_file_limits(str(f))
+    # Huge pages unavailable, and 4 MiB blocks longer than the file.
+    assert list(runs) == [bench.fio_config_name("1M", 32, False)]
+    assert all("--readonly" in c for c in calls)
