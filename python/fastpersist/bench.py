@@ -253,8 +253,9 @@ def fio_run(
 def fio_read_file(path: str, bs: str = "4M", depth: int = 16, huge: bool = False) -> Optional[float]:
     """GB/s of fio reading the existing file ``path`` (its whole blocks),
     read-only: the device's limit for those very blocks, wherever the file
-    system put them. The file is left as it is; the caller evicts it from
-    the page cache first (O_DIRECT reads bypass it, but fio may not)."""
+    system put them. The file is neither written nor removed; the caller
+    syncs it and drops it from the page cache first, as before any cold
+    read."""
     size = os.path.getsize(path)
     job = _fio_job(path, size, bs, depth, huge) if size >= parse_size(bs) else None
     if job is None:
