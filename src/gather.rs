@@ -98,9 +98,9 @@ fn copy_extent_in_steps(
     out
 }
 
-/// Copy `src` into `dst` (as long) and feed `h` the copied bytes (the
-/// bytes that go to disk), `step` bytes at a time: each step checksummed
-/// right after it is copied, while it is in cache.
+/// Copy `src` into `dst` (as long) and feed `h` the copied bytes (what a
+/// write sends to disk, what a read hands over), `step` bytes at a time:
+/// each step checksummed right after it is copied, while it is in cache.
 pub(crate) fn copy_checksummed(dst: &mut [u8], src: &[u8], h: &mut Hasher, step: usize) {
     for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
         d.copy_from_slice(s);

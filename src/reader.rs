@@ -14,7 +14,7 @@ use crate::align::{self, align_down, align_up};
 use crate::arena::Arena;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::gather::{with_workers, MIN_PARALLEL_EXTENTS, STEP};
+use crate::gather::{copy_checksummed, with_workers, MIN_PARALLEL_EXTENTS, STEP};
 use crate::sink::{Job, Sink};
 use crc32fast::Hasher;
 use std::collections::{BTreeMap, VecDeque};
@@ -367,8 +367,9 @@ fn read_parallel(
             }
         },
         |task_tx, done_rx| {
-            let idle = (threads, prefault);
-            coordinate_reads(plan, sink, arena, free, hashers, idle, task_tx, done_rx)
+            coordinate_reads(
+                plan, sink, arena, free, hashers, threads, prefault, task_tx, done_rx,
+            )
         },
     )
 }
@@ -432,7 +433,8 @@ fn coordinate_reads(
     arena: &mut Arena,
     free: &mut Vec<usize>,
     hashers: &mut [Hasher],
-    (threads, mut prefault): (usize, VecDeque<(u64, usize, usize)>),
+    threads: usize,
+    mut prefault: VecDeque<(u64, usize, usize)>,
     task_tx: &mpsc::Sender<ReadTask>,
     done_rx: &mpsc::Receiver<Option<Scattered>>,
 ) -> Result<()> {
@@ -489,10 +491,9 @@ fn coordinate_reads(
         // Nothing moved. A thread is idle: fault in the destination of the
         // read's last bytes while their reads have not started (once they
         // have, their own scatter faults them in soon enough).
-        let next_off = plan.extents.get(next).map_or(u64::MAX, |e| e.0);
         if outstanding < threads {
             if let Some(&(off, addr, len)) = prefault.front() {
-                if off >= next_off {
+                if off >= plan.extents.get(next).map_or(u64::MAX, |e| e.0) {
                     prefault.pop_front();
                     task_tx
                         .send(ReadTask::Prefault { addr, len })
@@ -738,18 +739,12 @@ fn scatter(
                 // write (caller memory, valid for writes by contract).
                 unsafe { crate::arena::populate(dst as usize, src.len()) };
             }
-            // Checksum-then-copy in cache-sized steps: the copy reads what
-            // the checksum just brought into cache.
-            for (k, step) in src.chunks(STEP).enumerate() {
-                h.update(step);
-                // SAFETY: `k * STEP + step.len() <= src.len()`, inside the
-                // destination; the caller guaranteed exclusive write access
-                // to it, and no other extent (so no other scatter thread)
-                // covers these bytes.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(step.as_ptr(), dst.add(k * STEP), step.len());
-                }
-            }
+            // SAFETY: `lo - r.offset + src.len() <= r.dst.len`: inside the
+            // destination; the caller guaranteed exclusive write access to
+            // it, and no other extent (so no other scatter thread) covers
+            // these bytes.
+            let dst = unsafe { std::slice::from_raw_parts_mut(dst, src.len()) };
+            copy_checksummed(dst, src, &mut h, STEP);
         }
         out.push((i, h));
     }
