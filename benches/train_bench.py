@@ -17,7 +17,10 @@ checkpointed every iteration by each method in turn, in one run:
 
 Methods alternate in blocks of ``--iters`` iterations over ``--rounds``
 rounds; we report the median iteration time, its overhead over the
-baseline, the p90, and the checkpoint size.
+baseline, the p90, the checkpoint size, and the *paired* overhead: the
+median over rounds of each round's median against the baseline's median in
+the same round (a machine whose speed drifts between rounds moves both
+blocks of a round alike; the overall medians mix rounds).
 
     python benches/train_bench.py [--layers 4] [--dim 384] [--iters 20] [--rounds 3]
 """
@@ -72,6 +75,14 @@ class GPT(nn.Module):
         for b in self.blocks:
             x = b(x, self.mask[:t, :t])
         return self.head(self.ln(x))
+
+
+def paired_overhead(base: List[List[float]], method: List[List[float]]) -> float:
+    """The median over rounds of a round's median iteration against the
+    baseline's median in the same round, minus one (rounds where either ran
+    no timed iteration are left out; 0.0 where none is left)."""
+    ratios = [statistics.median(m) / statistics.median(b) - 1 for b, m in zip(base, method) if b and m]
+    return statistics.median(ratios) if ratios else 0.0
 
 
 def main() -> None:
@@ -155,12 +166,14 @@ def main() -> None:
             wanted = [w.strip() for w in args.methods.split(",")]
             methods = {k: v for k, v in methods.items() if k == "none" or any(w in k for w in wanted)}
         times: Dict[str, List[float]] = {k: [] for k in methods}
+        by_round: Dict[str, List[List[float]]] = {k: [] for k in methods}
         step = 0
         broken = set()
         for _ in range(args.rounds):
             for name, ckpt in methods.items():
                 if name in broken:
                     continue
+                by_round[name].append([])
                 manager.pause()  # other methods ran since its last block
                 for i in range(args.iters):
                     batch = data[step % len(data)]
@@ -184,6 +197,7 @@ def main() -> None:
                     sync()  # the iteration's GPU work is part of its time
                     if i > 0:  # the first iteration of a block warms up
                         times[name].append(time.perf_counter() - t0)
+                        by_round[name][-1].append(times[name][-1])
                     step += 1
                 fut = pending["fut"]
                 if fut is not None:
@@ -205,15 +219,24 @@ def main() -> None:
             f"checkpoint {size / 2**20:.0f} MiB (model + AdamW), batch {args.batch}x{args.ctx}, "
             f"{torch.get_num_threads()} threads, on {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}"
         )
-        print(f"{'method':<32} {'median ms':>10} {'p90 ms':>8} {'overhead':>9}")
+        print(f"{'method':<32} {'median ms':>10} {'p90 ms':>8} {'overhead':>9} {'paired':>8}")
         res = {"params": nparams, "checkpoint_bytes": size, "methods": {}}
         for name, ts in times.items():
             if not ts:
                 continue
             med = statistics.median(ts)
             p90 = sorted(ts)[max(0, -(-9 * len(ts) // 10) - 1)]  # nearest rank
-            res["methods"][name] = {"median_s": med, "p90_s": p90, "overhead": med / base - 1, "iters": ts}
-            print(f"{name:<32} {med * 1e3:>10.1f} {p90 * 1e3:>8.1f} {100 * (med / base - 1):>8.1f}%")
+            paired = paired_overhead(by_round["none"], by_round[name])
+            res["methods"][name] = {
+                "median_s": med,
+                "p90_s": p90,
+                "overhead": med / base - 1,
+                "paired_overhead": paired,
+                "iters": ts,
+            }
+            print(
+                f"{name:<32} {med * 1e3:>10.1f} {p90 * 1e3:>8.1f} {100 * (med / base - 1):>8.1f}% {100 * paired:>7.1f}%"
+            )
         if times.get("fastpersist Checkpointer(auto)"):
             print(
                 f"Checkpointer(auto): interval chosen {manager.tuner.interval} iterations "

@@ -7,8 +7,8 @@
 //!
 //! - a worker copies an extent's pieces into its arena buffer (gaps
 //!   zeroed, checksum slots left for later) and checksums the checksummed
-//!   pieces *from the buffer* (the bytes that go to disk), one partial
-//!   CRC32 per piece, [`STEP`] bytes at a time while they are in cache;
+//!   pieces' bytes as copied (the bytes that go to disk), one partial
+//!   CRC32 per piece, in one pass ([`crate::crc_copy`]);
 //! - the calling thread hands out extents, and then, in file order,
 //!   combines each extent's partial checksums into the running ones, fills
 //!   the extent's checksum slots (a slot comes after every byte it covers,
@@ -41,8 +41,9 @@ use crate::sink::{Job, Sink};
 /// workers would cost more than they save).
 pub(crate) const MIN_PARALLEL_EXTENTS: usize = 4;
 
-/// Copies that checksum too go in steps of this many bytes, each
-/// checksummed right before or after it is copied, while it is in cache.
+/// Where the one-pass copy is not used ([`crate::crc_copy`]), copies that
+/// checksum too go in steps of this many bytes, each checksummed right
+/// after it is copied, while it is in cache.
 pub(crate) const STEP: usize = 64 << 10;
 
 /// The default number of gather threads: the cores this process may use,
@@ -52,11 +53,10 @@ pub fn default_gather_threads() -> usize {
 }
 
 /// Copy the pieces of `ext` into `buf` (its length), zeroing the gaps and
-/// leaving checksum slots zero, and checksum each checksummed piece from
-/// `buf` (the bytes that go to disk) as it goes, in steps of [`STEP`]
-/// bytes each checksummed right after it is copied, while it is in cache:
-/// one partial CRC32 per piece, in file order (as [`checksum_extent`]
-/// gives them).
+/// leaving checksum slots zero, and checksum each checksummed piece's
+/// bytes as copied (the bytes that go to disk, [`copy_checksummed`]): one
+/// partial CRC32 per piece, in file order (as [`checksum_extent`] gives
+/// them).
 pub(crate) fn copy_extent(layout: &Layout, ext: Extent, buf: &mut [u8]) -> Vec<(u32, Hasher)> {
     copy_extent_in_steps(layout, ext, buf, STEP)
 }
@@ -99,14 +99,10 @@ fn copy_extent_in_steps(
 }
 
 /// Copy `src` into `dst` (as long) and feed `h` the copied bytes (what a
-/// write sends to disk, what a read hands over), `step` bytes at a time:
-/// each step checksummed right after it is copied, while it is in cache.
-pub(crate) fn copy_checksummed(dst: &mut [u8], src: &[u8], h: &mut Hasher, step: usize) {
-    for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
-        d.copy_from_slice(s);
-        h.update(d);
-    }
-}
+/// write sends to disk, what a read hands over): in one pass with
+/// non-temporal stores where the CPU allows ([`crate::crc_copy`]), else
+/// `step` bytes at a time, each step checksummed right after it is copied.
+pub(crate) use crate::crc_copy::copy_checksummed;
 
 /// The checksum of each checksummed piece of `ext`, read from `buf` (the
 /// extent, already copied), in file order.

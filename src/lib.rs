@@ -7,6 +7,7 @@
 //! - [`layout`]: a file described as segments, and the hybrid alignment
 //!   partitioner that cuts it into block-aligned extents and balanced parts;
 //! - [`arena`]: aligned, locked staging memory;
+//! - [`crc_copy`]: copy and CRC32 in one pass (non-temporal stores);
 //! - [`guard`]: exclusive access to caller memory while it is gathered;
 //! - `sink` (crate-private): the io_uring ring and the `pwrite`/`pread`
 //!   fallback pool that take arena buffers to and from the kernel;
@@ -33,6 +34,7 @@ compile_error!("fastpersist supports 64-bit Linux only");
 pub mod align;
 pub mod arena;
 pub mod commit;
+pub mod crc_copy;
 pub mod engine;
 pub mod error;
 pub mod gather;

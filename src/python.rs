@@ -1513,7 +1513,15 @@ fn copy_memory(
     // of `n` bytes inside storages it holds, checked above not to overlap;
     // the source storage was just checked and, with the GIL held, cannot be
     // resized before the copy ends.
-    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, n) };
+    let (d, s) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(dst as *mut u8, n),
+            std::slice::from_raw_parts(src as *const u8, n),
+        )
+    };
+    // A snapshot goes to the device by DMA (lent), not back through the
+    // cache: non-temporal stores.
+    crate::crc_copy::copy_nontemporal(d, s);
     Ok(())
 }
 
