@@ -47,6 +47,7 @@ from typing import Callable, Dict, List
 
 import fastpersist
 import torch
+from fastpersist import _core
 from fastpersist.bench import (
     Limit,
     drop_cache,
@@ -178,7 +179,9 @@ def main() -> None:
         "frees stays backed for the next, instead of going back to the host (default: on where this is root)",
     )
     args = ap.parse_args()
-    print(f"fastpersist {fastpersist.__version__}, torch {torch.__version__}")
+    print(
+        f"fastpersist {fastpersist.__version__} (copy: {_core.copy_kernel() or 'two-pass'}), torch {torch.__version__}"
+    )
     results = []
     with (
         freed_memory(args.keep_freed_memory) as kept,

@@ -36,6 +36,7 @@ import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
+from fastpersist import _core
 from fastpersist.bench import (
     Limit,
     MiB,
@@ -273,7 +274,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fastpersist-bench-", dir=base) as d:
         import fastpersist
 
-        print(f"fastpersist {fastpersist.__version__}, torch {torch.__version__}, dir {d}")
+        print(
+            f"fastpersist {fastpersist.__version__} (copy: {_core.copy_kernel() or 'two-pass'}), "
+            f"torch {torch.__version__}, dir {d}"
+        )
         sd = gpt_state_dict(size)
         results.append(run_workload("GPT-like", sd, d, args.rounds, writers, args.settle, args.warmup))
         del sd

@@ -116,7 +116,7 @@ pub fn copy_checksummed_in_steps(dst: &mut [u8], src: &[u8], h: &mut Hasher, ste
 }
 
 /// The fused loop's unit: eight 16-byte lanes.
-#[cfg(target_arch = "x86_64")]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const BLOCK: usize = 128;
 
 #[cfg(target_arch = "x86_64")]

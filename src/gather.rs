@@ -90,7 +90,7 @@ fn copy_extent_in_steps(
                 copy_checksummed(dst, src, &mut h, step);
                 out.push((id, h));
             }
-            None => dst.copy_from_slice(src),
+            None => crate::crc_copy::copy_nontemporal(dst, src),
         }
         pos = p.buf_offset + p.len;
     }

@@ -1427,6 +1427,14 @@ fn partition(
     Ok(out)
 }
 
+/// The instruction set of the one-pass copy and CRC32 that gathers and
+/// scatters use ("avx512", "avx2", "sse"), or None where they copy and
+/// checksum in two passes (another CPU, or `FASTPERSIST_FUSED_COPY=0`).
+#[pyfunction]
+fn copy_kernel() -> Option<&'static str> {
+    crate::crc_copy::fused_kernel()
+}
+
 /// `(mem_align, offset_align, block, from_statx)` for a directory.
 #[pyfunction]
 fn dio_alignment(path: PathBuf) -> (u32, u32, usize, bool) {
@@ -2960,6 +2968,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DurabilityError", m.py().get_type::<DurabilityError>())?;
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(let_engines_in_py, m)?)?;
     m.add_function(wrap_pyfunction!(engines_waiting, m)?)?;
     m.add_function(wrap_pyfunction!(crc32, m)?)?;

@@ -782,7 +782,7 @@ pub fn gather(layout: &Layout, ext: Extent, buf: &mut [u8], hashers: &mut [Hashe
                         &mut hashers[id as usize],
                         crate::gather::STEP,
                     ),
-                    None => dst.copy_from_slice(src),
+                    None => crate::crc_copy::copy_nontemporal(dst, src),
                 }
             }
             Source::Crc32(id) => {

@@ -48,6 +48,7 @@ __all__ = [
     "DurabilityError",
     "partition",
     "dio_alignment",
+    "copy_kernel",
     "let_engines_in",
     "engines_waiting",
     "crc32",
@@ -265,6 +266,10 @@ def partition(
     parts: int = 1,
 ) -> list[tuple[tuple[int, int], list[tuple[int, int, list[tuple[int, int, int, int]]]]]]: ...
 def dio_alignment(path: _StrPath) -> tuple[int, int, int, bool]: ...
+def copy_kernel() -> str | None:
+    """The one-pass copy and CRC32's instruction set ("avx512", "avx2",
+    "sse"), or None where gathers copy and checksum in two passes."""
+
 def let_engines_in() -> bool:
     """Hand the GIL to an engine thread waiting for it to gather caller
     memory, if one is (for loops that lay out a file while its earlier
