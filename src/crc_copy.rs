@@ -11,9 +11,12 @@
 //! [`copy_checksummed`] loads each 128-byte block of the source once into
 //! registers, stores it to the destination with non-temporal stores (no
 //! read of the destination, no cache pollution) and folds the same
-//! registers into eight carry-less-multiply CRC32 accumulators (Gopal et
-//! al., "Fast CRC computation for generic polynomials using PCLMULQDQ",
-//! Intel 2009, fold by 8 at a 1024-bit distance). The checksum is therefore
+//! registers into eight 128-bit CRC32 accumulator lanes by carry-less
+//! multiplication (Gopal et al., "Fast CRC computation for generic
+//! polynomials using PCLMULQDQ", Intel 2009; fold by 8 at a 1024-bit
+//! distance), held in two 512-bit registers (AVX-512 VPCLMULQDQ), four
+//! 256-bit ones (AVX2 VPCLMULQDQ) or eight 128-bit ones (PCLMULQDQ),
+//! whichever this CPU has; the wide kernels need rustc 1.89 (`build.rs`). The checksum is therefore
 //! of exactly the bytes stored, as before: a source changed by someone else
 //! during the copy cannot make the checksum disagree with the copy.
 //!
@@ -128,7 +131,9 @@ fn fused(dst: &mut [u8], src: &[u8], h: &mut Hasher) {
     let head = head.min(src.len());
     dst[..head].copy_from_slice(&src[..head]);
     let mut running = h.clone();
-    running.update(&src[..head]);
+    // The head and tail are checksummed from the copy, as the loop's
+    // blocks are from the registers it stored.
+    running.update(&dst[..head]);
     let blocks = (src.len() - head) / BLOCK * BLOCK;
     if blocks >= BLOCK {
         let (d, s) = (&mut dst[head..head + blocks], &src[head..head + blocks]);
@@ -141,7 +146,7 @@ fn fused(dst: &mut [u8], src: &[u8], h: &mut Hasher) {
     }
     let tail = head + blocks;
     dst[tail..].copy_from_slice(&src[tail..]);
-    running.update(&src[tail..]);
+    running.update(&dst[tail..]);
     *h = Hasher::new_with_initial_len(running.finalize(), total);
 }
 
