@@ -37,7 +37,7 @@ fn main() {
         "{:>10} {:>14} {:>14} {:>7}",
         "piece", "two-pass GB/s", "one-pass GB/s", "ratio"
     );
-    for piece in [4 << 10, 8 << 10, 16 << 10, 64 << 10, 1 << 20, 4 << 20] {
+    for piece in [4 << 10, 6 << 10, 8 << 10, 16 << 10, 64 << 10, 1 << 20, 4 << 20] {
         let two = gbps(&mut || {
             let mut h = Hasher::new();
             for (d, s) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
