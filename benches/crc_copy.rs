@@ -15,6 +15,16 @@ const TOTAL: usize = 128 << 20;
 #[allow(clippy::cast_precision_loss)] // 128 MiB is exact in an f64
 const TOTAL_F: f64 = TOTAL as f64;
 const STEP: usize = 64 << 10;
+/// Piece sizes: the one-pass copy starts at 4 KiB (`crc_copy::MIN_FUSED`).
+const PIECES: [usize; 7] = [
+    4 << 10,
+    6 << 10,
+    8 << 10,
+    16 << 10,
+    64 << 10,
+    1 << 20,
+    4 << 20,
+];
 
 fn gbps(f: &mut dyn FnMut()) -> f64 {
     (0..7)
@@ -37,7 +47,7 @@ fn main() {
         "{:>10} {:>14} {:>14} {:>7}",
         "piece", "two-pass GB/s", "one-pass GB/s", "ratio"
     );
-    for piece in [4 << 10, 6 << 10, 8 << 10, 16 << 10, 64 << 10, 1 << 20, 4 << 20] {
+    for piece in PIECES {
         let two = gbps(&mut || {
             let mut h = Hasher::new();
             for (d, s) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
