@@ -165,7 +165,6 @@ def main() -> None:
         if args.methods:
             wanted = [w.strip() for w in args.methods.split(",")]
             methods = {k: v for k, v in methods.items() if k == "none" or any(w in k for w in wanted)}
-        times: Dict[str, List[float]] = {k: [] for k in methods}
         by_round: Dict[str, List[List[float]]] = {k: [] for k in methods}
         step = 0
         broken = set()
@@ -196,8 +195,7 @@ def main() -> None:
                         break
                     sync()  # the iteration's GPU work is part of its time
                     if i > 0:  # the first iteration of a block warms up
-                        times[name].append(time.perf_counter() - t0)
-                        by_round[name][-1].append(times[name][-1])
+                        by_round[name][-1].append(time.perf_counter() - t0)
                     step += 1
                 fut = pending["fut"]
                 if fut is not None:
@@ -212,6 +210,7 @@ def main() -> None:
             if os.path.exists(os.path.join(d, "fp-pipelined.pt"))
             else 0
         )
+        times = {k: [t for block in rounds for t in block] for k, rounds in by_round.items()}
         base = statistics.median(times["none"])
         nparams = sum(p.numel() for p in model.parameters())
         print(

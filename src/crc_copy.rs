@@ -16,9 +16,10 @@
 //! polynomials using PCLMULQDQ", Intel 2009; fold by 8 at a 1024-bit
 //! distance), held in two 512-bit registers (AVX-512 VPCLMULQDQ), four
 //! 256-bit ones (AVX2 VPCLMULQDQ) or eight 128-bit ones (PCLMULQDQ),
-//! whichever this CPU has; the wide kernels need rustc 1.89 (`build.rs`). The checksum is therefore
-//! of exactly the bytes stored, as before: a source changed by someone else
-//! during the copy cannot make the checksum disagree with the copy.
+//! whichever this CPU has; the wide kernels need rustc 1.89 (`build.rs`).
+//! The checksum is therefore of exactly the bytes stored, as before: a
+//! source changed by someone else during the copy cannot make the checksum
+//! disagree with the copy.
 //!
 //! The eight accumulators are a 128-byte message with the same CRC32
 //! register as everything folded so far (folding keeps the polynomial's
@@ -100,7 +101,7 @@ pub fn copy_nontemporal(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy_nontemporal: lengths differ");
     #[cfg(target_arch = "x86_64")]
     if src.len() >= MIN_FUSED && !switched_off() {
-        let head = (dst.as_ptr() as usize).wrapping_neg() % 64;
+        let head = to_line(dst);
         let lines = (src.len() - head) / 64 * 64;
         dst[..head].copy_from_slice(&src[..head]);
         x86::stream_copy(&mut dst[head..head + lines], &src[head..head + lines]);
@@ -118,6 +119,14 @@ pub fn copy_checksummed_in_steps(dst: &mut [u8], src: &[u8], h: &mut Hasher, ste
     }
 }
 
+/// The bytes of `dst` before its first 64-byte (cache line) boundary, at
+/// most its length: copied the plain way, so that the non-temporal stores
+/// after them are aligned and write whole lines.
+#[cfg(target_arch = "x86_64")]
+fn to_line(dst: &[u8]) -> usize {
+    ((dst.as_ptr() as usize).wrapping_neg() % 64).min(dst.len())
+}
+
 /// The fused loop's unit: eight 16-byte lanes.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const BLOCK: usize = 128;
@@ -125,10 +134,7 @@ const BLOCK: usize = 128;
 #[cfg(target_arch = "x86_64")]
 fn fused(dst: &mut [u8], src: &[u8], h: &mut Hasher) {
     let total = h.total_len() + src.len() as u64;
-    // Plain bytes up to the destination's first cache line, so that every
-    // non-temporal store of the loop is aligned and whole lines are written.
-    let head = (dst.as_ptr() as usize).wrapping_neg() % 64;
-    let head = head.min(src.len());
+    let head = to_line(dst);
     dst[..head].copy_from_slice(&src[..head]);
     let mut running = h.clone();
     // The head and tail are checksummed from the copy, as the loop's
