@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import inspect
 import logging
 import os
 import queue
@@ -57,7 +58,7 @@ from .options import (
     resolve_target,
     wait_for_earlier,
 )
-from .pickling import TensorVersions
+from .pickling import ON_CHANGE, TensorVersions
 from .plan import MemoryGuard, Plan, Region
 from .safetensors_format import plan_safetensors
 from .torch_zip import plan_torch_save
@@ -354,6 +355,40 @@ class _CopyStreams:
             ev.synchronize()
 
 
+#: What :meth:`AsyncSaver.save` takes besides ``mode`` and the engine
+#: options (:meth:`EngineOptions.resolve`'s parameters).
+SAVE_OPTIONS = ("format", "metadata", "on_change", "group", "sharded")
+_ENGINE_OPTIONS = tuple(p for p in inspect.signature(EngineOptions.resolve).parameters if p != "background")
+
+
+def check_save_options(mode: str, options: Dict[str, Any], what: str = "save_async") -> EngineOptions:
+    """The engine options of a background save with ``mode`` and
+    ``options`` (as :func:`save_async` takes them); raises what the save
+    would raise for them, naming the option: TypeError for a name no save
+    takes, ValueError for a value it cannot. Nothing is saved, so a
+    :class:`~fastpersist.Checkpointer` refuses a bad configuration when it
+    is made, not at its first save, hours into a run."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    unknown = sorted(set(options) - set(SAVE_OPTIONS) - set(_ENGINE_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"{what}() got unknown option(s) {', '.join(map(repr, unknown))}; "
+            f"it takes {', '.join(SAVE_OPTIONS + _ENGINE_OPTIONS)}"
+        )
+    fmt = options.get("format", "torch")
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, not {fmt!r}")
+    if fmt == "torch" and options.get("metadata") is not None:
+        raise ValueError("metadata is only stored by format='safetensors'")
+    if fmt != "torch" and (options.get("group") is not None or options.get("sharded")):
+        raise ValueError("distributed saves write torch checkpoints (format='torch')")
+    on_change = options.get("on_change", "error")
+    if on_change not in ON_CHANGE:
+        raise ValueError(f"on_change must be one of {ON_CHANGE}, not {on_change!r}")
+    return EngineOptions.resolve(background=True, **{k: v for k, v in options.items() if k in _ENGINE_OPTIONS})
+
+
 def _on(device: Any, fn: Callable[..., None]) -> Callable[..., None]:
     """``fn`` run on a background thread with ``device`` (the caller's, at
     the call) as that thread's current CUDA device."""
@@ -404,6 +439,9 @@ class _Worker:
                 fn()
             except BaseException:
                 log.exception("fastpersist: uncaught error in a background save")
+            # Not kept until the next call comes: its arguments are a save's
+            # object, whose tensors the caller may have dropped since.
+            fn = None
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         """Queue ``fn(*args)``; the future gives its result."""
@@ -536,20 +574,12 @@ class AsyncSaver:
 
     def save(self, obj: Any, path: PathLike, *, mode: str = "pipelined", **options: Any) -> CheckpointFuture:
         p = resolve_target(path)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        opts = check_save_options(mode, options)
         group = options.pop("group", None)
         on_change = options.pop("on_change", "error")
         sharded = options.pop("sharded", False)
         fmt = options.pop("format", "torch")
         metadata = options.pop("metadata", None)
-        if fmt not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS}, not {fmt!r}")
-        if fmt == "torch" and metadata is not None:
-            raise ValueError("metadata is only stored by format='safetensors'")
-        if fmt != "torch" and (group is not None or sharded):
-            raise ValueError("distributed saves write torch checkpoints (format='torch')")
-        opts = EngineOptions.resolve(background=True, **options)
         if group is not None:
             checkpoint_group(group)  # collective: made here, on every rank's calling thread
         with self._lock:

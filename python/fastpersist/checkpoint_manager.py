@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple, TypeVar, Union, overload
 
 from . import _core
-from .async_save import AsyncSaver, CheckpointFuture
+from .async_save import AsyncSaver, CheckpointFuture, check_save_options
 from .collectives import dedicated_groups, gather, group_ranks
 from .errors import FastPersistError
 from .options import TEMP_MIN_AGE, remove_stale_temps
@@ -364,6 +364,17 @@ def _check_peer_args(replicate: Any, group: Any, nodes: Any) -> None:
             raise ValueError("group= needs torch.distributed initialized first (init_process_group)")
 
 
+def _check_options(mode: str, options: Dict[str, Any]) -> None:
+    """Refuse, when a Checkpointer is made, the options its saves would
+    refuse (not at its first save, hours into a run)."""
+    check_save_options(mode, options, "Checkpointer")
+    if options.get("format", "torch") != "torch":
+        raise ValueError(
+            "a Checkpointer writes torch checkpoints (ckpt-<step>.pt holds {'step': ..., 'state': ...}), "
+            f"not format={options['format']!r}"
+        )
+
+
 class Checkpointer:
     """Checkpoints a training loop: when, where, what to keep, and resume.
 
@@ -421,6 +432,7 @@ class Checkpointer:
         **options: Any,
     ) -> None:
         _check_peer_args(replicate, group, nodes)
+        _check_options(mode, options)
         if keep_last < 1:
             raise ValueError("keep_last must be at least 1 (the newest checkpoint is always kept)")
         if keep_every is not None and keep_every < 1:
@@ -576,9 +588,7 @@ class Checkpointer:
         background) on its first call if it was not called before."""
         self._prepared = True
         if self.mode == "snapshot":
-            fmt = self.options.get("format", "torch")
-            meta = self.options.get("metadata")
-            self._saver.prepare({"step": 0, "state": state}, format=fmt, metadata=meta, background=background)
+            self._saver.prepare({"step": 0, "state": state}, background=background)
 
     def save(self, step: int, state: Any) -> CheckpointFuture:
         """Checkpoint now, whatever the interval (with ``replicate``: on

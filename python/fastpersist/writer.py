@@ -25,13 +25,13 @@ from .options import (
     EngineOptions,
     PathLike,
     WriteStats,
-    gc_paused,
     is_special_file,
     resolve_target,
     sweep_after_commit,
     use_engine,
     wait_for_earlier,
     warn_fallback,
+    without_gc,
     write_stats,
 )
 from .pickling import TensorVersions
@@ -74,18 +74,32 @@ class PartWriter:
         self._staged = ctx is not None
         self._parts: queue.SimpleQueue[Optional[Batch]] = queue.SimpleQueue()
         self._failure: List[BaseException] = []
+        # The thread is handed what it uses, not this object: a bound method
+        # as its target would make a cycle (writer -> thread -> writer) that
+        # keeps the guard, and every storage it watches, alive after the save
+        # until the cyclic collector runs.
         self._thread = threading.Thread(
-            target=self._run, args=(session, ctx, guard), name="fastpersist-parts", daemon=True
+            target=PartWriter._run,
+            args=(self._parts, self._failure, session, ctx, guard),
+            name="fastpersist-parts",
+            daemon=True,
         )
 
-    def _run(self, session: Any, ctx: Optional[DeviceContext], guard: MemoryGuard) -> None:
+    @staticmethod
+    def _run(
+        parts: queue.SimpleQueue[Optional[Batch]],
+        failure: List[BaseException],
+        session: Any,
+        ctx: Optional[DeviceContext],
+        guard: MemoryGuard,
+    ) -> None:
         try:
             if ctx is not None:
                 ctx.use()  # a fresh thread: on the call's device, never device 0 by default
-            while (part := self._parts.get()) is not None:
+            while (part := parts.get()) is not None:
                 send(session, part, ctx, guard=guard)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
-            self._failure.append(e)
+            failure.append(e)
 
     def put(self, part: Batch) -> None:
         if not self._staged:
@@ -127,6 +141,7 @@ class PartWriter:
             raise self._failure[0]
 
 
+@without_gc
 def write_torch_zip(
     obj: Any,
     path: str,
@@ -146,8 +161,7 @@ def write_torch_zip(
     memory will be read again they are checked (a tensor changed in place
     meanwhile: :class:`~fastpersist.TensorChangedError`, nothing is
     committed), then ``on_gathered()`` is called."""
-    with gc_paused():
-        return _write_torch_zip(obj, path, opts, on_gathered, ready, versions)
+    return _write_torch_zip(obj, path, opts, on_gathered, ready, versions)
 
 
 def _write_torch_zip(
@@ -405,6 +419,7 @@ def write_distributed(
     return distributed.write_replicated(obj, path, group, opts, versions)
 
 
+@without_gc
 def write_state_dict(
     obj: Any,
     path: PathLike,
@@ -459,21 +474,20 @@ def write_state_dict(
     ``errno`` and ``filename``) for I/O failures, ``ValueError`` for bad
     options, ``TypeError`` when ``path`` is not a path.
     """
-    with gc_paused():
-        p = resolve_target(path)
-        if format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
-        opts = EngineOptions.resolve(
-            block_size, arena_bytes, queue_depth, direct, io_uring, durable, gather_threads, zero_copy
-        )
-        # At the call, one walk: the version counters and, for a torch file
-        # laid out from this object, its storages.
-        versions = TensorVersions(obj, on_change, storages=format == "torch" and not sharded)
-        wait_for_earlier(p)
-        if group is not None or sharded:
-            return write_distributed(obj, p, opts, group, sharded, format, versions)
-        if format == "safetensors":
-            return write_safetensors(obj, p, opts, metadata, versions)
-        if metadata is not None:
-            raise ValueError("metadata is only stored by format='safetensors'")
-        return write_torch_zip(obj, p, opts, versions=versions)
+    p = resolve_target(path)
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
+    opts = EngineOptions.resolve(
+        block_size, arena_bytes, queue_depth, direct, io_uring, durable, gather_threads, zero_copy
+    )
+    # At the call, one walk: the version counters and, for a torch file
+    # laid out from this object, its storages.
+    versions = TensorVersions(obj, on_change, storages=format == "torch" and not sharded)
+    wait_for_earlier(p)
+    if group is not None or sharded:
+        return write_distributed(obj, p, opts, group, sharded, format, versions)
+    if format == "safetensors":
+        return write_safetensors(obj, p, opts, metadata, versions)
+    if metadata is not None:
+        raise ValueError("metadata is only stored by format='safetensors'")
+    return write_torch_zip(obj, p, opts, versions=versions)

@@ -102,6 +102,14 @@ def test_bad_mode_and_path(tmp_path):
         fastpersist.save_async({}, None)
 
 
+def test_unknown_options_are_named_by_the_call(tmp_path):
+    """Regression: an option no save takes surfaced as a TypeError about an
+    internal function (EngineOptions.resolve)."""
+    with pytest.raises(TypeError, match=r"save_async\(\) got unknown option\(s\) 'keep'; it takes .*queue_depth"):
+        fastpersist.save_async({"a": torch.ones(2)}, tmp_path / "x.pt", keep=3)
+    assert not os.path.exists(tmp_path / "x.pt")
+
+
 def test_interpreter_exit_waits_for_saves(tmp_path):
     target = tmp_path / "exit.pt"
     code = textwrap.dedent(f"""

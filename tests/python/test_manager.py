@@ -352,3 +352,24 @@ def test_a_slow_tier_skips_checkpoints_overtaken_in_its_queue(tmp_path, monkeypa
     events = [json.loads(line) for line in (local / "checkpoints.jsonl").read_text().splitlines()]
     skipped = [e["step"] for e in events if e["event"] == "stage_skipped"]
     assert skipped == sorted(set(range(1, 6)) - set(want))
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        ({"keep": 3}, TypeError, r"Checkpointer\(\) got unknown option\(s\) 'keep'"),
+        ({"queue_depth": 0}, ValueError, "queue_depth must be positive"),
+        ({"mode": "eventually"}, ValueError, "mode must be one of"),
+        ({"on_change": "ignore"}, ValueError, "on_change must be one of"),
+        ({"format": "safetensors"}, ValueError, "writes torch checkpoints"),
+        ({"metadata": {"a": "b"}}, ValueError, "metadata is only stored"),
+    ],
+)
+def test_a_bad_configuration_is_refused_when_made(tmp_path, options, error, match):
+    """Regression: a Checkpointer took any options and raised only at its
+    first save, which may be hours into a run; now it is refused at once
+    and nothing is created."""
+    d = tmp_path / "ck"
+    with pytest.raises(error, match=match):
+        fastpersist.Checkpointer(str(d), every=1, **options)
+    assert not d.exists()

@@ -278,8 +278,9 @@ def test_no_garbage_collection_while_a_save_plans(tmp_path):
         fastpersist.write_state_dict({"a": torch.ones(2)}, tmp_path / "a.pt")
         assert not gc.isenabled()
         gc.enable()
-    # At most the entry of the call itself (the pause is being set up).
-    inside = [r for r in during if r[1] != "write_state_dict"]
+    # At most the entry of the call itself (the pause is being set up, in
+    # options.without_gc's wrapper).
+    inside = [r for r in during if r[1] not in ("write_state_dict", "paused")]
     assert inside == [] and len(during) <= 1, f"{len(during)} collections during the save: {during[:5]}"
     assert torch.equal(torch.load(tmp_path / "many.pt")["t2999"], sd["t2999"])
 
