@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import inspect
 import logging
 import os
 import queue
@@ -49,6 +48,7 @@ from .collectives import checkpoint_group
 from .cuda_staging import ReadyEvents, active_devices, copy_stream, home_device, record_ready, side_streams, use_device
 from .errors import InheritedSaveError, drop_frames
 from .options import (
+    ENGINE_OPTIONS,
     EngineOptions,
     PathLike,
     WriteStats,
@@ -356,9 +356,8 @@ class _CopyStreams:
 
 
 #: What :meth:`AsyncSaver.save` takes besides ``mode`` and the engine
-#: options (:meth:`EngineOptions.resolve`'s parameters).
+#: options (``options.ENGINE_OPTIONS``).
 SAVE_OPTIONS = ("format", "metadata", "on_change", "group", "sharded")
-_ENGINE_OPTIONS = tuple(p for p in inspect.signature(EngineOptions.resolve).parameters if p != "background")
 
 
 def check_save_options(mode: str, options: Dict[str, Any], what: str = "save_async") -> EngineOptions:
@@ -370,11 +369,11 @@ def check_save_options(mode: str, options: Dict[str, Any], what: str = "save_asy
     is made, not at its first save, hours into a run."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    unknown = sorted(set(options) - set(SAVE_OPTIONS) - set(_ENGINE_OPTIONS))
+    unknown = sorted(set(options) - set(SAVE_OPTIONS) - set(ENGINE_OPTIONS))
     if unknown:
         raise TypeError(
             f"{what}() got unknown option(s) {', '.join(map(repr, unknown))}; "
-            f"it takes {', '.join(SAVE_OPTIONS + _ENGINE_OPTIONS)}"
+            f"it takes {', '.join(SAVE_OPTIONS + ENGINE_OPTIONS)}"
         )
     fmt = options.get("format", "torch")
     if fmt not in FORMATS:
@@ -386,7 +385,7 @@ def check_save_options(mode: str, options: Dict[str, Any], what: str = "save_asy
     on_change = options.get("on_change", "error")
     if on_change not in ON_CHANGE:
         raise ValueError(f"on_change must be one of {ON_CHANGE}, not {on_change!r}")
-    return EngineOptions.resolve(background=True, **{k: v for k, v in options.items() if k in _ENGINE_OPTIONS})
+    return EngineOptions.resolve(background=True, **{k: v for k, v in options.items() if k in ENGINE_OPTIONS})
 
 
 def _on(device: Any, fn: Callable[..., None]) -> Callable[..., None]:

@@ -31,6 +31,7 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import inspect
 import logging
 import os
 import re
@@ -192,6 +193,23 @@ class EngineOptions:
             gather_threads=_count("gather_threads", gather_threads, "FASTPERSIST_GATHER_THREADS", threads),
             zero_copy=bool(zero_copy) if zero_copy is not None else env_flag("FASTPERSIST_ZERO_COPY", True),
         )
+
+    @classmethod
+    def given(cls, what: str, options: Dict[str, Any], background: bool = False) -> EngineOptions:
+        """:meth:`resolve` of the keyword arguments a public call ``what``
+        took as engine options: one it does not know is a TypeError that
+        names ``what``, the option and those it takes (not this method)."""
+        unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"{what} got unknown option(s) {', '.join(map(repr, unknown))}; "
+                f"its engine options are {', '.join(ENGINE_OPTIONS)}"
+            )
+        return cls.resolve(background=background, **options)
+
+
+#: The engine options a save takes (:meth:`EngineOptions.resolve`'s parameters).
+ENGINE_OPTIONS = tuple(p for p in inspect.signature(EngineOptions.resolve).parameters if p != "background")
 
 
 class _OwnedLock:

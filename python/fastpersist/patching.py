@@ -424,7 +424,7 @@ class Patch:
     the exit, and ``with`` gives its :class:`PatchStats`."""
 
     def __init__(self, options: Dict[str, Any]) -> None:
-        EngineOptions.resolve(**options)  # bad options fail here, not at the first save
+        EngineOptions.given("fastpersist.patch()", options)  # bad options fail here, not at the first save
         self.options = dict(options)
         #: What this patch routed and passed on while it was active.
         self.stats = PatchStats()

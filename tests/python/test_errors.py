@@ -209,3 +209,57 @@ def test_io_uring_disabled_by_kernel(tmp_path):
         with open(IO_URING_SYSCTL, "w") as f:
             f.write(old)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def _option_takers(tmp_path):
+    from fastpersist.integrations.common import BackgroundSaves
+
+    makers = {
+        "fastpersist.patch()": lambda **kw: fastpersist.patch(**kw).undo(),
+        "FastPersistAccelerate()": lambda **kw: BackgroundSaves(what="FastPersistAccelerate()", **kw),
+        "save_async()": lambda **kw: fastpersist.save_async({"a": torch.ones(2)}, tmp_path / "a.pt", **kw),
+        "Checkpointer()": lambda **kw: fastpersist.Checkpointer(str(tmp_path / "ck"), **kw),
+    }
+    try:
+        from fastpersist.dcp import FastPersistReader, FastPersistWriter
+    except ImportError:  # pragma: no cover - torch without distributed
+        pass
+    else:
+        makers["FastPersistWriter()"] = lambda **kw: FastPersistWriter(str(tmp_path / "dcp"), **kw)
+        makers["FastPersistReader()"] = lambda **kw: FastPersistReader(str(tmp_path / "dcp"), **kw)
+    return makers
+
+
+@pytest.mark.parametrize(
+    "what",
+    [
+        "fastpersist.patch()",
+        "FastPersistAccelerate()",
+        "save_async()",
+        "Checkpointer()",
+        "FastPersistWriter()",
+        "FastPersistReader()",
+    ],
+)
+def test_an_unknown_option_is_named_with_the_call_that_took_it(tmp_path, what):
+    """Regression: every call that takes engine options as keywords raised
+    a TypeError about an internal function (EngineOptions.resolve()) for a
+    name it does not take; a bad value stays a ValueError, at the call."""
+    makers = _option_takers(tmp_path)
+    if what not in makers:
+        pytest.skip("torch.distributed is not available")
+    make_one = makers[what]
+    with pytest.raises(TypeError) as ei:
+        make_one(queue_dpeth=8)
+    msg = str(ei.value)
+    assert msg.startswith(what) and "'queue_dpeth'" in msg and "queue_depth" in msg, msg
+    assert "resolve" not in msg
+    with pytest.raises(ValueError, match="queue_depth must be positive"):
+        make_one(queue_depth=0)
+    assert not os.path.exists(tmp_path / "a.pt")
+
+
+def test_the_dcp_writer_names_its_own_durability_option(tmp_path):
+    FastPersistWriter = pytest.importorskip("fastpersist.dcp").FastPersistWriter
+    with pytest.raises(TypeError, match="sync_files"):
+        FastPersistWriter(str(tmp_path), durable=False)

@@ -86,7 +86,7 @@ class FastPersistAccelerate:
     def __init__(self, accelerator: Any, mode: str = "snapshot", prepare: bool = True, **engine_options: Any) -> None:
         self.checkpointing = _framework()
         self.accelerator = accelerator
-        self.saves = BackgroundSaves(mode, max_pending=64, **engine_options)
+        self.saves = BackgroundSaves(mode, max_pending=64, what=f"{type(self).__name__}()", **engine_options)
         #: Make the snapshot buffers ahead of the first ``save_state`` (see :meth:`prepare_buffers`).
         self.prepare_ahead = bool(prepare)
         self._disarm: Optional[Callable[[], None]] = None

@@ -167,15 +167,23 @@ class BackgroundSaves:
     ``async_save=False`` every save is synchronous (:func:`write_state_dict`).
     ``max_pending`` bounds saves between their call and their commit (and so
     snapshot memory). ``engine_options`` are those of
-    :func:`~fastpersist.write_state_dict`, checked here.
+    :func:`~fastpersist.write_state_dict`, checked here (``what``: the
+    adapter call they were given to, named by the error for one it does not
+    take).
     """
 
     def __init__(
-        self, mode: str = "snapshot", *, async_save: bool = True, max_pending: int = 2, **engine_options: Any
+        self,
+        mode: str = "snapshot",
+        *,
+        async_save: bool = True,
+        max_pending: int = 2,
+        what: str = "fastpersist",
+        **engine_options: Any,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-        EngineOptions.resolve(**engine_options)  # bad options fail here, not at the first save
+        EngineOptions.given(what, engine_options)  # bad options fail here, not at the first save
         self.mode = mode
         self.async_save = async_save
         self.max_pending = max_pending

@@ -585,7 +585,10 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             raise ValueError(f"thread_count must be at least 1, not {thread_count}")
         self.overwrite = bool(overwrite)
         self.engine_options = dict(engine_options)
-        self.opts = EngineOptions.resolve(**engine_options, durable=self.sync_files)  # ValueError now, not mid-save
+        if "durable" in engine_options:
+            raise TypeError("FastPersistWriter() takes sync_files=, not durable= (DCP's name for it)")
+        # ValueError (TypeError for an unknown name) now, not mid-save.
+        self.opts = EngineOptions.given("FastPersistWriter()", {**engine_options, "durable": self.sync_files})
         self.save_id = str(uuid.uuid4())
         self.rank: Optional[int] = None
         self.is_coordinator = False
@@ -950,7 +953,7 @@ class FastPersistReader(StorageReader):
         self.verify = bool(verify)
         self.defer_gc = bool(defer_gc)
         self._gc: Optional[FullGcDeferral] = None
-        self.opts = EngineOptions.resolve(**engine_options)
+        self.opts = EngineOptions.given("FastPersistReader()", engine_options)
         self.load_id = str(uuid.uuid4())
         self.storage_data: Dict[Any, Any] = {}
         self.crcs: Dict[Tuple[str, int], List[int]] = {}

@@ -129,7 +129,7 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         self.decoupled = bool(sec_decoupled if decoupled is None else decoupled)
         #: Make the snapshot buffers ahead of the first checkpoint (:meth:`prepare_for`).
         self.prepare_ahead = bool(sec_prepare if prepare is None else prepare)
-        self.saves = BackgroundSaves(self.mode, max_pending=64, **{**sec, **options})
+        self.saves = BackgroundSaves(self.mode, max_pending=64, what=f"{type(self).__name__}()", **{**sec, **options})
         self.commit_info: Any = None
         self._disarm: Optional[Callable[[], None]] = None
 

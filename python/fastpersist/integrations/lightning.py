@@ -122,7 +122,11 @@ class _FastPersistIO:
             "durable": durable,
         }
         self.saves = BackgroundSaves(
-            mode, async_save=async_save, max_pending=max_pending, **{k: v for k, v in engine.items() if v is not None}
+            mode,
+            async_save=async_save,
+            max_pending=max_pending,
+            what=f"{type(self).__name__}()",
+            **{k: v for k, v in engine.items() if v is not None},
         )
 
     def prepare(self, checkpoint: Any, background: bool = True) -> None:

@@ -191,7 +191,7 @@ class FastPersistTrainerMixin:
         mode = fastpersist_mode or self.fastpersist_mode
         options = dict(self.fastpersist_options if fastpersist_options is None else fastpersist_options)
         # A folder is one checkpoint: its saves are all in flight together.
-        self._fastpersist = BackgroundSaves(mode, max_pending=64, **options)
+        self._fastpersist = BackgroundSaves(mode, max_pending=64, what=f"{type(self).__name__}()", **options)
         self._fastpersist_prepare = bool(
             self.fastpersist_prepare if fastpersist_prepare is None else fastpersist_prepare
         )
