@@ -438,9 +438,6 @@ class _Worker:
                 fn()
             except BaseException:
                 log.exception("fastpersist: uncaught error in a background save")
-            # Not kept until the next call comes: its arguments are a save's
-            # object, whose tensors the caller may have dropped since.
-            fn = None
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         """Queue ``fn(*args)``; the future gives its result."""
