@@ -1435,6 +1435,28 @@ fn copy_kernel() -> Option<&'static str> {
     crate::crc_copy::fused_kernel()
 }
 
+/// Raise the ValueError that making an engine with these options would
+/// (block size, arena size against the block and the machine's memory,
+/// queue depth, gather threads), without making one: options are refused
+/// where they are given, not at the first save.
+#[pyfunction]
+#[pyo3(signature = (*, block_size, arena_bytes, queue_depth, gather_threads))]
+fn check_engine_options(
+    block_size: IntArg,
+    arena_bytes: IntArg,
+    queue_depth: IntArg,
+    gather_threads: IntArg,
+) -> PyResult<()> {
+    let opts = Options {
+        block_size: block_size.get("block_size")?,
+        arena_bytes: arena_bytes.get("arena_bytes")?,
+        queue_depth: queue_depth.get("queue_depth")?,
+        gather_threads: gather_threads.get("gather_threads")?,
+        ..Options::default()
+    };
+    opts.validate().map_err(to_py)
+}
+
 /// `(mem_align, offset_align, block, from_statx)` for a directory.
 #[pyfunction]
 fn dio_alignment(path: PathBuf) -> (u32, u32, usize, bool) {
@@ -2969,6 +2991,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
     m.add_function(wrap_pyfunction!(copy_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(check_engine_options, m)?)?;
     m.add_function(wrap_pyfunction!(let_engines_in_py, m)?)?;
     m.add_function(wrap_pyfunction!(engines_waiting, m)?)?;
     m.add_function(wrap_pyfunction!(crc32, m)?)?;

@@ -48,6 +48,7 @@ __all__ = [
     "DurabilityError",
     "partition",
     "dio_alignment",
+    "check_engine_options",
     "copy_kernel",
     "let_engines_in",
     "engines_waiting",
@@ -266,6 +267,9 @@ def partition(
     parts: int = 1,
 ) -> list[tuple[tuple[int, int], list[tuple[int, int, list[tuple[int, int, int, int]]]]]]: ...
 def dio_alignment(path: _StrPath) -> tuple[int, int, int, bool]: ...
+def check_engine_options(*, block_size: int, arena_bytes: int, queue_depth: int, gather_threads: int) -> None:
+    """Raise the ValueError that making an engine with these options would."""
+
 def copy_kernel() -> str | None:
     """The one-pass copy and CRC32's instruction set ("avx512", "avx2",
     "sse"), or None where gathers copy and checksum in two passes."""

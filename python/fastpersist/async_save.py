@@ -497,12 +497,18 @@ class AsyncSaver:
     when the caller fences on it finishes on the core the caller left."""
 
     def __init__(self, max_pending: int = 2, nice: Optional[int] = None) -> None:
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int):
+            raise TypeError(f"max_pending must be an int, not {type(max_pending).__name__}")
         if max_pending < 1:
             raise ValueError("max_pending must be at least 1")
         if nice is None:
             nice = env_int("FASTPERSIST_BACKGROUND_NICE", DEFAULT_NICE)
+        if isinstance(nice, bool) or not isinstance(nice, int):
+            # Else the threads die on os.setpriority and every save hangs.
+            raise TypeError(f"nice must be an int from 0 to 19, not {type(nice).__name__}")
         if not 0 <= nice <= 19:
             raise ValueError(f"nice must be between 0 and 19, not {nice}")
+        self._closed = False
         self.nice = nice
         self._max_pending = max_pending
         self._pid = os.getpid()
@@ -529,6 +535,7 @@ class AsyncSaver:
         are built, before the training loop). ``background=True`` does it
         on the snapshot thread (ahead of any later snapshot) and returns
         its future. Pipelined saves need no staging buffer."""
+        self._check_open()
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
         planner = _planner(format, metadata)
@@ -551,6 +558,7 @@ class AsyncSaver:
         a staging buffer of its own (:meth:`SnapshotPool.reserve_many`).
         Only the sizes matter: a later state with other tensors is saved
         all the same (its snapshot then makes the buffer it needs)."""
+        self._check_open()
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
         planner = _planner(format, None)
@@ -569,6 +577,7 @@ class AsyncSaver:
         return None
 
     def save(self, obj: Any, path: PathLike, *, mode: str = "pipelined", **options: Any) -> CheckpointFuture:
+        self._check_open()
         p = resolve_target(path)
         opts = check_save_options(mode, options)
         group = options.pop("group", None)
@@ -815,10 +824,19 @@ class AsyncSaver:
         return [f for f in pending if f.done() and f.exception() is not None]
 
     def close(self) -> None:
-        """Wait for every save in flight, then end the background threads."""
+        """Wait for every save in flight, then end the background threads and
+        free the snapshot buffers. A closed saver refuses new saves (it has
+        no threads left to run them); closing again does nothing."""
+        with self._lock:
+            self._closed = True
         self.wait_all()
         self._snap.stop()
         self._write.stop()
+        self.pool.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this AsyncSaver is closed: its threads are gone (make a new one)")
 
 
 def _planner(fmt: str, metadata: Any) -> Callable[[Any, Optional[TensorVersions]], Plan]:

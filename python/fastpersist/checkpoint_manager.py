@@ -101,6 +101,20 @@ def ckpt_name(step: int) -> str:
     return f"ckpt-{step:012d}.pt"
 
 
+#: The largest step a checkpoint's file name holds (20 digits).
+MAX_STEP = 10**20 - 1
+
+
+def _check_step(step: Any) -> None:
+    """A step is an int from 0 to :data:`MAX_STEP`: any other would be
+    written under a name that :meth:`Checkpointer.latest` and retention do
+    not recognise (never found, never removed)."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, not {step!r}")
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be in 0..{MAX_STEP}, not {step}")
+
+
 def _parse_ckpt(name: str) -> Optional[int]:
     m = CKPT_RE.match(name)
     if m is None:
@@ -364,9 +378,18 @@ def _check_peer_args(replicate: Any, group: Any, nodes: Any) -> None:
             raise ValueError("group= needs torch.distributed initialized first (init_process_group)")
 
 
-def _check_options(mode: str, options: Dict[str, Any]) -> None:
+def _check_options(mode: str, options: Dict[str, Any], keep_last: Any, keep_every: Any) -> None:
     """Refuse, when a Checkpointer is made, the options its saves would
-    refuse (not at its first save, hours into a run)."""
+    refuse (not at its first save, hours into a run), and retention counts
+    that are not whole (``keep_last=2.5`` would never remove anything)."""
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int):
+        raise TypeError(f"keep_last must be an int, not {keep_last!r}")
+    if keep_last < 1:
+        raise ValueError("keep_last must be at least 1 (the newest checkpoint is always kept)")
+    if keep_every is not None and (isinstance(keep_every, bool) or not isinstance(keep_every, int)):
+        raise TypeError(f"keep_every must be an int or None, not {keep_every!r}")
+    if keep_every is not None and keep_every < 1:
+        raise ValueError("keep_every must be a positive int")
     check_save_options(mode, options, "Checkpointer")
     if options.get("format", "torch") != "torch":
         raise ValueError(
@@ -432,11 +455,8 @@ class Checkpointer:
         **options: Any,
     ) -> None:
         _check_peer_args(replicate, group, nodes)
-        _check_options(mode, options)
-        if keep_last < 1:
-            raise ValueError("keep_last must be at least 1 (the newest checkpoint is always kept)")
-        if keep_every is not None and keep_every < 1:
-            raise ValueError("keep_every must be a positive int")
+        _check_options(mode, options, keep_last, keep_every)
+        self._closed = False
         self.directory = os.path.abspath(os.fspath(directory))
         #: The object store tier, when ``stage_dir`` is a URL.
         self.store = ObjectStore(os.fspath(stage_dir), storage_options) if stage_dir and is_url(stage_dir) else None
@@ -535,6 +555,8 @@ class Checkpointer:
     def step(self, step: int, state: Any) -> Optional[CheckpointFuture]:
         """Call once per iteration (after ``optimizer.step()``); returns the
         save's future when this iteration checkpoints."""
+        self._check_open()
+        _check_step(step)
         now = self.clock()
         if self._last_step_at is not None:
             dur = now - self._last_step_at
@@ -596,6 +618,8 @@ class Checkpointer:
         return self._start(step, state)
 
     def _start(self, step: int, state: Any) -> CheckpointFuture:
+        self._check_open()
+        _check_step(step)
         t0 = self.clock()
         if self._inflight is not None:
             # One checkpoint at a time: the previous must be committed first.
@@ -666,8 +690,16 @@ class Checkpointer:
             f.result()
         self._replica_futures.clear()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Checkpointer is closed: make a new one to checkpoint again")
+
     def close(self) -> None:
-        """Wait for everything in flight, then release the background threads."""
+        """Wait for everything in flight, then release the background threads
+        (and the snapshot buffers). A closed Checkpointer refuses new saves;
+        :meth:`latest` and :meth:`load_latest` still work; closing again
+        does nothing."""
+        self._closed = True
         self.wait()
         self._saver.close()
         if self._stager is not None:

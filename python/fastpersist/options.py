@@ -114,6 +114,17 @@ def env_flag(name: str, default: bool) -> bool:
     return v.strip().lower() not in ("0", "false", "no", "off")
 
 
+def _flag(name: str, given: Any, env: Optional[str]) -> bool:
+    """An on/off option (the parameter, else ``env``, else on): True, False
+    (or 1, 0), or None for the default; anything else is a TypeError (a
+    string such as "no" would otherwise read as on)."""
+    if given is None:
+        return env_flag(env, True) if env is not None else True
+    if isinstance(given, bool) or (type(given) is int and given in (0, 1)):
+        return bool(given)
+    raise TypeError(f"{name} must be True, False or None (the default), not {given!r}")
+
+
 def _count(name: str, given: Optional[int], env: str, default: int) -> int:
     """A positive integer option (the parameter, else ``env``, else the
     default), or a ValueError/TypeError that says where the value came from."""
@@ -173,7 +184,7 @@ class EngineOptions:
         queue_depth: Optional[int] = None,
         direct: Optional[bool] = None,
         io_uring: Optional[bool] = None,
-        durable: bool = True,
+        durable: Optional[bool] = True,
         gather_threads: Optional[int] = None,
         zero_copy: Optional[bool] = None,
         background: bool = False,
@@ -183,16 +194,29 @@ class EngineOptions:
         :func:`default_background_gather_threads`). Raises ValueError for
         values no engine can take (negative, zero)."""
         threads = default_background_gather_threads() if background else default_gather_threads()
-        return cls(
+        opts = cls(
             block_size=_count("block_size", block_size, "FASTPERSIST_BLOCK_SIZE", DEFAULT_BLOCK_SIZE),
             arena_bytes=_count("arena_bytes", arena_bytes, "FASTPERSIST_ARENA_BYTES", DEFAULT_ARENA_BYTES),
             queue_depth=_count("queue_depth", queue_depth, "FASTPERSIST_QUEUE_DEPTH", DEFAULT_QUEUE_DEPTH),
-            direct=direct if direct is not None else env_flag("FASTPERSIST_DIRECT", True),
-            io_uring=io_uring if io_uring is not None else env_flag("FASTPERSIST_IO_URING", True),
-            durable=bool(durable),
+            direct=_flag("direct", direct, "FASTPERSIST_DIRECT"),
+            io_uring=_flag("io_uring", io_uring, "FASTPERSIST_IO_URING"),
+            # No environment variable: a checkpoint is durable unless the
+            # call says otherwise (None is that default, never "off").
+            durable=_flag("durable", durable, None),
             gather_threads=_count("gather_threads", gather_threads, "FASTPERSIST_GATHER_THREADS", threads),
-            zero_copy=bool(zero_copy) if zero_copy is not None else env_flag("FASTPERSIST_ZERO_COPY", True),
+            zero_copy=_flag("zero_copy", zero_copy, "FASTPERSIST_ZERO_COPY"),
         )
+        # The engine's own limits (block size a multiple of the page, an arena
+        # of at least one block and no more than the machine's memory, queue
+        # depth, gather threads), here where the options are given rather
+        # than when the first save makes the engine.
+        _core.check_engine_options(
+            block_size=opts.block_size,
+            arena_bytes=opts.arena_bytes,
+            queue_depth=opts.queue_depth,
+            gather_threads=opts.gather_threads,
+        )
+        return opts
 
     @classmethod
     def given(cls, what: str, options: Dict[str, Any], background: bool = False) -> EngineOptions:

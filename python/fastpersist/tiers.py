@@ -119,6 +119,10 @@ class ObjectStore:
             raise ValueError(f"part_bytes must be a positive int, not {part_bytes!r}")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be a positive int, not {concurrency!r}")
+        if not isinstance(url, str):
+            raise TypeError(f"url must be an fsspec URL (a str), not {type(url).__name__}")
+        if not url.strip():
+            raise ValueError("url must name a place to store checkpoints (an fsspec URL or a directory), not ''")
         self.url = url.rstrip("/")
         self.fs, self.root = _fs(url, storage_options)
         self.multipart = _is_s3(self.fs)
@@ -151,6 +155,9 @@ class ObjectStore:
         (a damaged checkpoint is never uploaded)."""
         name = name or os.path.basename(local)
         dst = self._path(name)
+        if self._is_local_file(dst, local):
+            # Opening it to write would truncate the very file being read.
+            raise ValueError(f"{self.url_of(name)} is {local} itself: upload it elsewhere")
         t0 = time.perf_counter()
         fd = os.open(local, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -173,6 +180,17 @@ class ObjectStore:
         }
         self._call(f"commit marker of {self.url_of(name)}", self.fs.pipe_file, dst + MARKER_SUFFIX, _json(marker))
         return TransferStats(self.url_of(name), size, time.perf_counter() - t0)
+
+    def _is_local_file(self, dst: str, local: str) -> bool:
+        """Whether ``dst`` of this store is the local file ``local`` (a
+        store on the local file system, ``file://`` or a plain directory)."""
+        protocol = self.fs.protocol
+        if "file" not in (protocol if isinstance(protocol, (tuple, list)) else (protocol,)):
+            return False
+        try:
+            return os.path.samefile(dst, local)
+        except OSError:  # either one missing: not the same file
+            return False
 
     def _parts(self, size: int) -> List[Tuple[int, int]]:
         """(offset, bytes) of each part of a file of ``size`` bytes."""

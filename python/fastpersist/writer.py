@@ -433,7 +433,7 @@ def write_state_dict(
     queue_depth: Optional[int] = None,
     direct: Optional[bool] = None,
     io_uring: Optional[bool] = None,
-    durable: bool = True,
+    durable: Optional[bool] = True,
     gather_threads: Optional[int] = None,
     on_change: str = "error",
     zero_copy: Optional[bool] = None,

@@ -319,3 +319,63 @@ def test_background_and_synchronous_saves_share_one_engine(tmp_path):
         assert all(torch.equal(got[k], v) for k, v in sd.items())
     with pytest.raises(ValueError, match="gather_threads"):
         options.get_engine(fg)[1].set_gather_threads(0)
+
+
+def test_a_closed_saver_refuses_saves_instead_of_hanging(tmp_path):
+    """Regression: a save given to a closed AsyncSaver was queued for
+    threads that had ended: its future never completed and the interpreter
+    hung at exit waiting for it."""
+    from fastpersist.async_save import AsyncSaver
+
+    saver = AsyncSaver()
+    saver.save({"a": torch.ones(2)}, tmp_path / "a.pt", mode="snapshot").result(timeout=60)
+    assert saver.pool.nbytes > 0
+    saver.close()
+    assert saver.pool.nbytes == 0  # the snapshot buffers go with the threads
+    with pytest.raises(RuntimeError, match="closed"):
+        saver.save({"a": torch.ones(2)}, tmp_path / "b.pt")
+    with pytest.raises(RuntimeError, match="closed"):
+        saver.prepare({"a": torch.ones(2)})
+    saver.close()  # again: nothing
+    assert not os.path.exists(tmp_path / "b.pt")
+
+
+@pytest.mark.parametrize(
+    "kw, error",
+    [
+        ({"nice": 2.5}, TypeError),
+        ({"nice": "5"}, TypeError),
+        ({"max_pending": 1.5}, TypeError),
+        ({"nice": 20}, ValueError),
+    ],
+)
+def test_saver_arguments_are_checked_when_made(kw, error):
+    """Regression: nice=2.5 was accepted; both threads then died on
+    os.setpriority and every save hung."""
+    from fastpersist.async_save import AsyncSaver
+
+    with pytest.raises(error):
+        AsyncSaver(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"block_size": 3}, "block_size 3 must be a positive multiple"),
+        ({"arena_bytes": 4096, "block_size": 8192}, "arena_bytes 4096 must hold at least one block"),
+        ({"queue_depth": 5000}, "queue_depth must be in 1..=4096"),
+        ({"gather_threads": 10000}, "gather_threads must be in 1..=256"),
+        ({"arena_bytes": 1 << 60}, "more than this machine's memory"),
+    ],
+)
+def test_engine_limits_are_checked_at_the_call(tmp_path, kw, match):
+    """Regression: values only the engine refused (not a multiple of the
+    page, an arena smaller than a block, ...) passed the call and failed
+    in the save's future, or at a Checkpointer's first save."""
+    with pytest.raises(ValueError, match=match):
+        fastpersist.save_async({"a": torch.ones(2)}, tmp_path / "a.pt", **kw)
+    with pytest.raises(ValueError, match=match):
+        fastpersist.Checkpointer(str(tmp_path / "ck"), **kw)
+    with pytest.raises(ValueError, match=match):
+        fastpersist.patch(**kw)
+    assert sorted(os.listdir(tmp_path)) == []

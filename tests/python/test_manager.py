@@ -373,3 +373,47 @@ def test_a_bad_configuration_is_refused_when_made(tmp_path, options, error, matc
     with pytest.raises(error, match=match):
         fastpersist.Checkpointer(str(d), every=1, **options)
     assert not d.exists()
+
+
+@pytest.mark.parametrize(
+    "step, error",
+    [(-1, ValueError), (10**20, ValueError), (1.5, TypeError), ("7", TypeError), (None, TypeError), (True, TypeError)],
+)
+def test_a_step_no_file_name_can_hold_is_refused(tmp_path, step, error):
+    """Regression: save(-1) wrote ckpt--00000000001.pt, which latest() and
+    retention never see (never loaded, never removed); 1.5 or "7" failed
+    with a format-code error."""
+    ck = fastpersist.Checkpointer(str(tmp_path), every=1)
+    with pytest.raises(error, match="step must be"):
+        ck.save(step, {"a": torch.ones(2)})
+    with pytest.raises(error, match="step must be"):
+        ck.step(step, {"a": torch.ones(2)})
+    ck.save(10**20 - 1, {"a": torch.ones(2)}).result()
+    assert ck.latest().step == 10**20 - 1
+    ck.close()
+    assert [n for n in os.listdir(tmp_path) if n.startswith("ckpt-")] == [ckpt_name(10**20 - 1)]
+
+
+@pytest.mark.parametrize("kw", [{"keep_last": 2.5}, {"keep_last": True}, {"keep_every": 2.5}, {"keep_last": "3"}])
+def test_retention_counts_must_be_whole(tmp_path, kw):
+    """Regression: keep_last=2.5 was accepted and then never removed a
+    checkpoint (the disk filled up)."""
+    with pytest.raises(TypeError, match="keep_"):
+        fastpersist.Checkpointer(str(tmp_path / "ck"), every=1, **kw)
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
+def test_a_closed_checkpointer_refuses_saves_and_frees_its_buffers(tmp_path, mode):
+    """Regression: save() or step() after close() hung (the saver's threads
+    had ended), and close() kept the snapshot buffers."""
+    ck = fastpersist.Checkpointer(str(tmp_path), every=1, mode=mode)
+    ck.save(1, {"a": torch.ones(1 << 16)}).result()
+    ck.close()
+    assert ck._saver.pool.nbytes == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        ck.save(2, {"a": torch.ones(2)})
+    with pytest.raises(RuntimeError, match="closed"):
+        ck.step(2, {"a": torch.ones(2)})
+    ck.close()
+    assert ck.latest().step == 1
+    assert torch.equal(ck.load_latest()[1]["a"], torch.ones(1 << 16))

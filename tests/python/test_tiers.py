@@ -359,3 +359,38 @@ def test_other_stores_get_the_parts_through_their_writer(tmp_path):
     store.upload(str(p))
     assert store.committed() == {p.name: p.stat().st_size}
     assert store.fs.cat_file(store.root + "/" + p.name) == p.read_bytes()
+
+
+@pytest.mark.parametrize("where", ["dir", "dir/", "file://dir", "cwd"])
+def test_an_upload_onto_the_file_itself_is_refused_and_the_file_kept(tmp_path, monkeypatch, where):
+    """Regression: uploading a checkpoint to the directory it is in (a
+    local store) opened it for writing, truncating the very file being
+    read, and raised only after: the checkpoint was lost."""
+    p = tmp_path / "ckpt.pt"
+    sd = {"w": torch.arange(1000.0)}
+    fastpersist.write_state_dict(sd, p)
+    before = p.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    url = {"dir": str(tmp_path), "dir/": str(tmp_path) + "/", "file://dir": f"file://{tmp_path}", "cwd": "."}[where]
+    with pytest.raises(ValueError, match="itself"):
+        fastpersist.upload(str(p), url)
+    assert p.read_bytes() == before
+    assert torch.equal(fastpersist.read_state_dict(p)["w"], sd["w"])
+
+
+def test_an_upload_needs_a_url(tmp_path):
+    p = tmp_path / "ckpt.pt"
+    fastpersist.write_state_dict({"w": torch.ones(3)}, p)
+    with pytest.raises(ValueError, match="url"):
+        fastpersist.upload(str(p), "")
+    with pytest.raises(TypeError, match="url"):
+        fastpersist.upload(str(p), None)
+
+
+def test_an_upload_to_another_local_directory_works(tmp_path):
+    p = tmp_path / "a" / "ckpt.pt"
+    p.parent.mkdir()
+    fastpersist.write_state_dict({"w": torch.ones(3)}, p)
+    (tmp_path / "b").mkdir()
+    fastpersist.upload(str(p), str(tmp_path / "b"))
+    assert (tmp_path / "b" / "ckpt.pt").read_bytes() == p.read_bytes()

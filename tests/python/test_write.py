@@ -817,3 +817,20 @@ def test_a_tensor_changed_in_place_during_a_synchronous_save_is_caught(tmp_path,
     with pytest.raises(fastpersist.TensorChangedError, match="changed in place"):
         fastpersist.write_state_dict(sd, p)
     assert list(torch.load(p)) == ["old"]
+
+
+def test_durable_none_is_the_default_not_off(tmp_path, monkeypatch):
+    """Regression: durable=None (documented as "the default") read as False
+    and turned off every fsync; a string such as "no" read as True."""
+    from fastpersist.options import EngineOptions
+
+    assert EngineOptions.resolve(durable=None).durable is True
+    assert EngineOptions.resolve(durable=False).durable is False
+    for bad in ("no", 2, 0.0):
+        with pytest.raises(TypeError, match="durable must be True, False or None"):
+            fastpersist.write_state_dict({"a": torch.ones(2)}, tmp_path / "a.pt", durable=bad)
+    with pytest.raises(TypeError, match="direct must be True, False or None"):
+        fastpersist.write_state_dict({"a": torch.ones(2)}, tmp_path / "a.pt", direct="no")
+    monkeypatch.setenv("FASTPERSIST_DIRECT", "0")
+    assert EngineOptions.resolve(direct=None).direct is False
+    assert not os.path.exists(tmp_path / "a.pt")
