@@ -411,13 +411,17 @@ impl TempFile {
         };
         let fd = self.fd();
         if let Some(mut avail) = zero_fills(fd) {
-            if avail < len && wait_for_frees(FREE_WAIT) {
+            // What the file holds already needs no more room: a save
+            // reserves at its start and again, for the whole file, at its
+            // end, when most of it is written.
+            let need = len.saturating_sub(allocated_bytes(fd));
+            if avail < need && wait_for_frees(FREE_WAIT) {
                 avail = zero_fills(fd).unwrap_or(avail);
             }
-            if avail < len {
+            if avail < need {
                 return Err(Error::os(
                     libc::ENOSPC,
-                    format!("cannot reserve {len} bytes: {avail} bytes free"),
+                    format!("cannot reserve {len} bytes: {avail} bytes free, {need} more needed"),
                     Some(&self.tmp),
                 ));
             }
@@ -805,6 +809,17 @@ pub fn wait_for_frees(timeout: std::time::Duration) -> bool {
 /// allocates and zeroes every page), and FAT/exFAT (no unwritten extents,
 /// clusters are zeroed). statfs magic numbers from `linux/magic.h`.
 const ZERO_FILLING_FS: [i64; 4] = [0x0102_1994, 0x9584_58f6, 0x4d44, 0x2011_bab0];
+
+/// Bytes of storage the open file `fd` holds (its allocated blocks).
+fn allocated_bytes(fd: RawFd) -> u64 {
+    // SAFETY: fstat fills the zeroed struct for our own open fd.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; `st` is a valid, writable stat buffer.
+    if unsafe { libc::fstat(fd, &raw mut st) } != 0 {
+        return 0;
+    }
+    u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512)
+}
 
 /// For a file on a file system where fallocate zero-fills (see
 /// [`ZERO_FILLING_FS`]): the bytes free to unprivileged users (`u64::MAX`
