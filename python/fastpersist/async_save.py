@@ -382,6 +382,9 @@ def check_save_options(mode: str, options: Dict[str, Any], what: str = "save_asy
         raise ValueError("metadata is only stored by format='safetensors'")
     if fmt != "torch" and (options.get("group") is not None or options.get("sharded")):
         raise ValueError("distributed saves write torch checkpoints (format='torch')")
+    if options.get("sharded") and options.get("group") is None:
+        # As write_state_dict says; it was a plain save of the whole object.
+        raise ValueError("sharded=True needs group= (the ranks that each hold a shard)")
     on_change = options.get("on_change", "error")
     if on_change not in ON_CHANGE:
         raise ValueError(f"on_change must be one of {ON_CHANGE}, not {on_change!r}")

@@ -378,6 +378,20 @@ def _check_peer_args(replicate: Any, group: Any, nodes: Any) -> None:
             raise ValueError("group= needs torch.distributed initialized first (init_process_group)")
 
 
+def _local_dir(name: str, value: Any) -> str:
+    """A directory argument as a local path: ``file://`` URLs are their
+    path (not a directory named ``file:``); an empty one is refused (it
+    would be the current directory, whatever that is when written)."""
+    path = os.fspath(value)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if path.startswith("file://"):
+        path = path[len("file://") :]
+    if not path:
+        raise ValueError(f"{name} must name a directory, not {value!r}")
+    return path
+
+
 def _check_options(mode: str, options: Dict[str, Any], keep_last: Any, keep_every: Any) -> None:
     """Refuse, when a Checkpointer is made, the options its saves would
     refuse (not at its first save, hours into a run), and retention counts
@@ -457,13 +471,13 @@ class Checkpointer:
         _check_peer_args(replicate, group, nodes)
         _check_options(mode, options, keep_last, keep_every)
         self._closed = False
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = os.path.abspath(_local_dir("directory", directory))
         #: The object store tier, when ``stage_dir`` is a URL.
         self.store = ObjectStore(os.fspath(stage_dir), storage_options) if stage_dir and is_url(stage_dir) else None
         self.stage_url = self.store.url if self.store is not None else None
         if self.store is not None:
             stage_dir = None
-        self.stage_dir = os.path.abspath(os.fspath(stage_dir)) if stage_dir is not None else None
+        self.stage_dir = os.path.abspath(_local_dir("stage_dir", stage_dir)) if stage_dir is not None else None
         os.makedirs(self.directory, exist_ok=True)
         if self.stage_dir:
             os.makedirs(self.stage_dir, exist_ok=True)

@@ -417,3 +417,31 @@ def test_a_closed_checkpointer_refuses_saves_and_frees_its_buffers(tmp_path, mod
     ck.close()
     assert ck.latest().step == 1
     assert torch.equal(ck.load_latest()[1]["a"], torch.ones(1 << 16))
+
+
+def test_directory_arguments_are_local_paths_and_not_empty(tmp_path, monkeypatch):
+    """Regression: stage_dir="file:///abs/dir" staged into ./file:/abs/dir
+    under the current directory; "" for either directory wrote into the
+    current directory."""
+    monkeypatch.chdir(tmp_path)
+    shared = tmp_path / "shared"
+    ck = fastpersist.Checkpointer(f"file://{tmp_path / 'local'}", stage_dir=f"file://{shared}", every=1)
+    ck.save(1, {"a": torch.ones(2)}).result()
+    ck.close()
+    assert os.path.exists(tmp_path / "local" / ckpt_name(1))
+    assert os.path.exists(shared / ckpt_name(1))
+    assert not os.path.exists(tmp_path / "file:")
+    with pytest.raises(ValueError, match="directory must name a directory"):
+        fastpersist.Checkpointer("", every=1)
+    with pytest.raises(ValueError, match="stage_dir must name a directory"):
+        fastpersist.Checkpointer(str(tmp_path / "x"), stage_dir="", every=1)
+
+
+def test_sharded_without_a_group_is_refused(tmp_path):
+    """Regression: save_async(sharded=True) without group= silently wrote
+    a plain file of the whole object (write_state_dict refuses it)."""
+    with pytest.raises(ValueError, match="sharded=True needs group="):
+        fastpersist.save_async({"a": torch.ones(2)}, tmp_path / "a.pt", sharded=True)
+    with pytest.raises(ValueError, match="sharded=True needs group="):
+        fastpersist.Checkpointer(str(tmp_path / "ck"), sharded=True)
+    assert not os.path.exists(tmp_path / "a.pt")
