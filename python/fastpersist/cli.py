@@ -291,6 +291,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# Argument types: a bad value is a usage error (exit status 2, with the
+# usage line), not a traceback and the "corrupt checkpoint" status.
+
+
+def _size(text: str) -> str:
+    from .bench import parse_size
+
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"the size must be positive, not {text!r}")
+    return text
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
+def _directory(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"not a directory: {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fastpersist", description="Fast, durable checkpoints.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -307,9 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="check every checkpoint's CRC32s")
     p.set_defaults(fn=cmd_ls)
     p = sub.add_parser("bench", help="write and read benchmarks (fio limits, torch)")
-    p.add_argument("--size", default="1GiB", help="state dict size (default 1GiB)")
-    p.add_argument("--dir", default=None, help="directory on the disk to test (default: cwd)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--size", default="1GiB", type=_size, help="state dict size (default 1GiB)")
+    p.add_argument("--dir", default=None, type=_directory, help="directory on the disk to test (default: cwd)")
+    p.add_argument("--rounds", type=_positive, default=3)
     p.add_argument("--progress", action="store_true", help="show progress even when not on a terminal")
     p.set_defaults(fn=cmd_bench)
     return ap

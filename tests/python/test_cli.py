@@ -73,6 +73,34 @@ def test_usage_errors():
     assert run("frobnicate").returncode == 2
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--size", "abc"], "bad size"),
+        (["--size=-5MiB"], "bad size"),
+        (["--size", "0"], "must be positive"),
+        (["--rounds", "0"], "must be at least 1"),
+        (["--rounds", "x"], "not a whole number"),
+        (["--dir", "NOFILE"], "not a directory"),
+    ],
+)
+def test_bench_arguments_are_usage_errors(tmp_path, args, says):
+    """Regression: a bad --size or --dir printed a traceback and exited 1
+    (the "corrupt checkpoint" status); --rounds 0 printed a table of nan
+    and exited 0; --size 0 ran anyway."""
+    args = [str(tmp_path / "missing") if a == "NOFILE" else a for a in args]
+    r = run("bench", *args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert says in r.stderr and "Traceback" not in r.stderr
+
+
+def test_python_dash_m_runs_the_command_line(ckpt):
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "fastpersist", "verify", str(ckpt)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_bench_runs(tmp_path):
     r = run("bench", "--size", "8MiB", "--rounds", "1", "--dir", tmp_path, "--progress")
     assert r.returncode == 0, r.stderr

@@ -1,0 +1,7 @@
+"""``python -m fastpersist``: the ``fastpersist`` command line."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
