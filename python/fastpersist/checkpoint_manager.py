@@ -382,9 +382,7 @@ def _local_dir(name: str, value: Any) -> str:
     """A directory argument as a local path: ``file://`` URLs are their
     path (not a directory named ``file:``); an empty one is refused (it
     would be the current directory, whatever that is when written)."""
-    path = os.fspath(value)
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
+    path: str = os.fsdecode(os.fspath(value))
     if path.startswith("file://"):
         path = path[len("file://") :]
     if not path:
