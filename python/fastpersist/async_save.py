@@ -391,6 +391,28 @@ def check_save_options(mode: str, options: Dict[str, Any], what: str = "save_asy
     return EngineOptions.resolve(background=True, **{k: v for k, v in options.items() if k in ENGINE_OPTIONS})
 
 
+class _Held:
+    """A background save's object and its recorded version counters, handed
+    to the background thread in a box that the save empties as it starts.
+    The thread's call frames then hold only the box: they live on after the
+    save (the thread keeps its last call until the next; a failed save's
+    error keeps the frames it went through), while the save drops the
+    object itself before it completes its future, so the caller's tensors
+    are let go of while the caller still waits, not at some later point
+    (when an exiting interpreter may be tearing down)."""
+
+    __slots__ = ("obj", "versions")
+
+    def __init__(self, obj: Any, versions: TensorVersions) -> None:
+        self.obj: Any = obj
+        self.versions: Any = versions
+
+    def take(self) -> Tuple[Any, Any]:
+        obj, versions = self.obj, self.versions
+        self.obj = self.versions = None
+        return obj, versions
+
+
 def _on(device: Any, fn: Callable[..., None]) -> Callable[..., None]:
     """``fn`` run on a background thread with ``device`` (the caller's, at
     the call) as that thread's current CUDA device."""
@@ -615,15 +637,17 @@ class AsyncSaver:
         with self._lock:
             self._last = fut
             self._inflight.append(fut)
+        held = _Held(obj, versions)
+        del obj, versions  # from here on only in the box
         if group is not None:
-            self._write.submit(_on(home, self._distributed), obj, p, opts, fut, group, sharded, ready, versions)
+            self._write.submit(_on(home, self._distributed), held, p, opts, fut, group, sharded, ready)
         elif mode == "snapshot":
             planner = _planner(fmt, metadata)
-            self._snap.submit(_on(home, self._snapshot_then_write), obj, p, opts, fut, ready, planner, versions)
+            self._snap.submit(_on(home, self._snapshot_then_write), held, p, opts, fut, ready, planner)
         elif fmt == "safetensors":
-            self._write.submit(_on(home, self._pipelined_safetensors), obj, p, opts, fut, metadata, versions)
+            self._write.submit(_on(home, self._pipelined_safetensors), held, p, opts, fut, metadata)
         else:
-            self._write.submit(_on(home, self._pipelined), obj, p, opts, fut, ready, versions)
+            self._write.submit(_on(home, self._pipelined), held, p, opts, fut, ready)
         return fut
 
     def _after_fork_in_child(self) -> None:
@@ -650,62 +674,72 @@ class AsyncSaver:
                 if f is fut:
                     del self._inflight[i]
                     break
+            if self._last is fut:
+                # Done: the next save has nothing to wait for, and a failed
+                # one's error (with the frames of whoever raised it) is the
+                # caller's to keep, not this saver's.
+                self._last = None
         self._slots.release()
 
     def _pipelined(
         self,
-        obj: Any,
+        held: _Held,
         path: str,
         opts: EngineOptions,
         fut: CheckpointFuture,
         ready: ReadyEvents,
-        versions: TensorVersions,
     ) -> None:
+        obj, versions = held.take()
         if not fut.set_running_or_notify_cancel():
             return
         try:
             wait_for_earlier(path, fut)
             stats = write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot, ready=ready, versions=versions)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
-            obj = None  # this frame stays in the traceback
+            versions.release()
+            obj = versions = None  # this frame stays in the traceback
             fut._fail(e)
             return
+        obj = versions = None  # let go of the tensors before the caller is told
         fut._succeed(stats)
 
     def _pipelined_safetensors(
         self,
-        obj: Any,
+        held: _Held,
         path: str,
         opts: EngineOptions,
         fut: CheckpointFuture,
         metadata: Any,
-        versions: TensorVersions,
     ) -> None:
         # The tensors are written from where they are; the snapshot phase
         # ends once they are all gathered.
+        obj, versions = held.take()
         if not fut.set_running_or_notify_cancel():
             return
         try:
             wait_for_earlier(path, fut)
             stats = write_safetensors(obj, path, opts, metadata, versions, fut._mark_snapshot)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
+            versions.release()
+            obj = versions = None  # this frame stays in the traceback
             fut._fail(e)
             return
+        obj = versions = None  # let go of the tensors before the caller is told
         fut._succeed(stats)
 
     def _distributed(
         self,
-        obj: Any,
+        held: _Held,
         path: str,
         opts: EngineOptions,
         fut: CheckpointFuture,
         group: Any,
         sharded: bool,
         ready: ReadyEvents,
-        versions: TensorVersions,
     ) -> None:
         # With a group the snapshot phase ends with the write (the ranks'
         # parts are written from the live tensors, then committed together).
+        obj, versions = held.take()
         if not fut.set_running_or_notify_cancel():
             return
         try:
@@ -713,21 +747,23 @@ class AsyncSaver:
             with side_streams(ready):
                 stats = write_distributed(obj, path, opts, group, sharded, "torch", versions)
         except BaseException as e:  # noqa: BLE001
-            obj = None  # this frame stays in the traceback
+            versions.release()
+            obj = versions = None  # this frame stays in the traceback
             fut._fail(e)
             return
+        obj = versions = None  # let go of the tensors before the caller is told
         fut._succeed(stats)
 
     def _snapshot_then_write(
         self,
-        obj: Any,
+        held: _Held,
         path: str,
         opts: EngineOptions,
         fut: CheckpointFuture,
         ready: ReadyEvents,
         planner: Callable[[Any, TensorVersions], Plan],
-        versions: TensorVersions,
     ) -> None:
+        obj, versions = held.take()
         if not fut.set_running_or_notify_cancel():
             return
         buf = None
@@ -782,9 +818,11 @@ class AsyncSaver:
         except BaseException as e:  # noqa: BLE001
             if buf is not None:
                 self._recover(buf, streams)
-            obj = plan = buf = streams = None  # noqa: F841 - this frame stays in the traceback
+            versions.release()
+            obj = plan = buf = streams = versions = None  # noqa: F841 - this frame stays in the traceback
             fut._fail(e)
             return
+        versions = None  # the copies are made: the tensors are the caller's again
 
         def write() -> None:
             # The buffer goes back to the pool before the future is done, so

@@ -686,6 +686,12 @@ class TensorVersions:
     def __len__(self) -> int:
         return len(self._seen)
 
+    def release(self) -> None:
+        """Let go of the recorded tensors (a failed save: its error, kept by
+        the caller, must not keep them alive through this object)."""
+        self._seen = {}
+        self._survey = None
+
     def changed(self) -> List[Tuple[torch.Tensor, int, int]]:
         """(tensor, version recorded, version now) of each tensor changed since."""
         return [(t, v, t._version) for t, v in self._seen.values() if t._version != v]

@@ -11,6 +11,7 @@ same.
 from __future__ import annotations
 
 import os
+import pickle
 import struct
 import sys
 import threading
@@ -389,9 +390,25 @@ def _read_legacy(fd: int, size: int, path: str, map_location: MapLocation, weigh
     with os.fdopen(os.dup(fd), "rb") as f:
         try:
             obj = torch.load(f, map_location=map_location, weights_only=weights_only)
-        except EOFError as e:
-            raise CorruptCheckpointError(f"{path}: the legacy torch file is truncated ({e})") from None
+        except Exception as e:  # only the errors of data that ends early are ours
+            if not _truncated(e):
+                raise
+            why = f"{type(e).__name__}: {e}"
+            raise CorruptCheckpointError(f"{path}: the legacy torch file is truncated ({why})") from None
     return obj, size, 0
+
+
+def _truncated(e: BaseException) -> bool:
+    """Whether torch.load's error on a legacy file is its data ending early
+    (depending on where it ends: EOFError, a short struct or index, the
+    pickle's or the storage reader's "truncated"/"unexpected EOF"), not a
+    refusal to load (weights_only) or a class that is not there."""
+    if isinstance(e, (EOFError, struct.error, IndexError)):
+        return True
+    msg = str(e)
+    return isinstance(e, (RuntimeError, pickle.UnpicklingError)) and (
+        "unexpected EOF" in msg or "pickle data was truncated" in msg
+    )
 
 
 def _read_safetensors(

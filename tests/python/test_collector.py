@@ -131,17 +131,28 @@ def test_leaves_no_cyclic_garbage(garbage_by_call, call):
     assert garbage_by_call[call] == {}
 
 
-def test_storages_die_with_the_callers_tensors(tmp_path, collector_off):
-    """Once a save has returned and the caller has dropped its tensors,
-    their memory is free, without a collection. (Background saves, from
-    save_async or a Checkpointer, still hold their last call's object until
-    the next save: dropped on the worker thread right after its future
-    completed, the tensors' deallocation raced an exiting interpreter.)"""
+@pytest.mark.parametrize("how", ["write", "pipelined", "pipelined safetensors", "snapshot", "Checkpointer"])
+def test_storages_die_with_the_callers_tensors(tmp_path, collector_off, how):
+    """Once a save has returned (or its future has completed) and the
+    caller has dropped its tensors, their memory is free, without a
+    collection. Regression: the part writer's cycle kept them until a
+    collection; a background thread kept its last call's object until the
+    next save came (and dropping it only after completing the future raced
+    an exiting interpreter: torch's deallocation re-taking the GIL during
+    finalization, "terminate called without an active exception"); the
+    save now lets go of it before it completes its future."""
     sd = small_state(32)
     fastpersist.write_state_dict(sd, tmp_path / "warm.pt")
     gc.collect()
     storages = [weakref.ref(t.untyped_storage()) for t in sd.values()]
-    fastpersist.write_state_dict(sd, tmp_path / "x.pt")
+    if how == "write":
+        fastpersist.write_state_dict(sd, tmp_path / "x.pt")
+    elif how == "Checkpointer":
+        ck = fastpersist.Checkpointer(str(tmp_path / "ck"), every=1)
+        ck.save(1, {"model": sd}).result()
+    else:
+        mode, _, fmt = how.partition(" ")
+        fastpersist.save_async(sd, str(tmp_path / "x"), mode=mode, format=fmt or "torch").result()
     del sd
     assert [r for r in storages if r() is not None] == []
 
@@ -213,3 +224,21 @@ def test_dcp_save_and_load_leave_nothing_of_fastpersists(tmp_path, collector_off
             gc.set_debug(0)
             gc.garbage.clear()
         assert ours == []
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_a_failed_background_save_lets_go_of_the_tensors(tmp_path, collector_off, mode, fmt):
+    """Regression: a failed save_async kept the caller's tensors alive for
+    good, also through gc.collect(): the saver kept the failed future (its
+    `_last`), whose error's traceback held the save's frame and, through
+    the recorded version counters, every tensor. Now they are freed once
+    the background thread has taken its next call, without a collection."""
+    sd = {"w": torch.ones(1 << 16), "b": torch.zeros(7)}
+    storages = [weakref.ref(t.untyped_storage()) for t in sd.values()]
+    fut = fastpersist.save_async(sd, tmp_path / "missing" / "x", mode=mode, format=fmt)
+    assert isinstance(fut.exception(timeout=60), OSError)
+    del sd, fut
+    # The background thread holds its last call until it takes the next.
+    fastpersist.save_async({"x": torch.ones(2)}, tmp_path / "ok", mode=mode, format=fmt).result(timeout=60)
+    assert [r for r in storages if r() is not None] == []

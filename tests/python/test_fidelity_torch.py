@@ -311,6 +311,27 @@ def test_17_3_legacy_file_keeps_weights_only_rules(tmp_path):
     assert fastpersist.read_state_dict(p, weights_only=False)["when"].year == 2024
 
 
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_truncated_legacy_file_reads_as_corrupt_wherever_it_ends(tmp_path, weights_only):
+    """Regression: read_state_dict mapped only EOFError to
+    CorruptCheckpointError; cut elsewhere, a legacy file raised a bare
+    IndexError, struct.error, RuntimeError or UnpicklingError."""
+    p = tmp_path / "legacy.pt"
+    _legacy(p, {"a": torch.arange(1000.0), "b": {"c": torch.ones(3, dtype=torch.int64)}, "n": 3})
+    raw = p.read_bytes()
+    other = 0
+    for cut in range(1, len(raw), max(1, len(raw) // 200)):
+        p.write_bytes(raw[:cut])
+        try:
+            fastpersist.read_state_dict(p, weights_only=weights_only)
+        except fastpersist.CorruptCheckpointError as e:
+            assert "truncated" in str(e) or "neither a torch checkpoint" in str(e)
+        except pickle.UnpicklingError as e:  # torch's own weights_only refusal, passed on as torch words it
+            assert weights_only and "Weights only load failed" in str(e)
+            other += 1
+    assert other < 20
+
+
 def test_17_3_damaged_legacy_file(tmp_path):
     p = tmp_path / "legacy.pt"
     _legacy(p, {"a": torch.arange(100.0)})

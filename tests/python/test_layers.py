@@ -35,6 +35,7 @@ LAYERS = {
     "patching": 9,
     "testing": 9,
     "__init__": 10,
+    "__main__": 10,  # python -m fastpersist: the command line
     # Public names of adapters (imported on demand, never by __init__).
     "dcp": 11,
 }
