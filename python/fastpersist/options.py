@@ -192,7 +192,9 @@ class EngineOptions:
         """Parameters where given, else the environment, else the defaults
         (``background``: those of a save that overlaps the caller's work,
         :func:`default_background_gather_threads`). Raises ValueError for
-        values no engine can take (negative, zero)."""
+        values no engine can take (negative or zero, and the engine's own
+        limits: see ``_core.check_engine_options``), TypeError for a count
+        that is not an int or an on/off option that is not a bool or None."""
         threads = default_background_gather_threads() if background else default_gather_threads()
         opts = cls(
             block_size=_count("block_size", block_size, "FASTPERSIST_BLOCK_SIZE", DEFAULT_BLOCK_SIZE),
