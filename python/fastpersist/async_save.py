@@ -48,7 +48,6 @@ from .collectives import checkpoint_group
 from .cuda_staging import ReadyEvents, active_devices, copy_stream, home_device, record_ready, side_streams, use_device
 from .errors import InheritedSaveError, drop_frames
 from .options import (
-    ENGINE_OPTIONS,
     EngineOptions,
     PathLike,
     WriteStats,
@@ -369,12 +368,7 @@ def check_save_options(mode: str, options: Dict[str, Any], what: str = "save_asy
     is made, not at its first save, hours into a run."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    unknown = sorted(set(options) - set(SAVE_OPTIONS) - set(ENGINE_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"{what}() got unknown option(s) {', '.join(map(repr, unknown))}; "
-            f"it takes {', '.join(SAVE_OPTIONS + ENGINE_OPTIONS)}"
-        )
+    opts = EngineOptions.given(f"{what}()", options, background=True, also=SAVE_OPTIONS)
     fmt = options.get("format", "torch")
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, not {fmt!r}")
@@ -388,7 +382,7 @@ def check_save_options(mode: str, options: Dict[str, Any], what: str = "save_asy
     on_change = options.get("on_change", "error")
     if on_change not in ON_CHANGE:
         raise ValueError(f"on_change must be one of {ON_CHANGE}, not {on_change!r}")
-    return EngineOptions.resolve(background=True, **{k: v for k, v in options.items() if k in ENGINE_OPTIONS})
+    return opts
 
 
 class _Held:

@@ -221,17 +221,19 @@ class EngineOptions:
         return opts
 
     @classmethod
-    def given(cls, what: str, options: Dict[str, Any], background: bool = False) -> EngineOptions:
+    def given(
+        cls, what: str, options: Dict[str, Any], background: bool = False, also: Tuple[str, ...] = ()
+    ) -> EngineOptions:
         """:meth:`resolve` of the keyword arguments a public call ``what``
-        took as engine options: one it does not know is a TypeError that
+        took as options: the engine's, plus the names in ``also`` (the
+        call's own, left to it). One it does not know is a TypeError that
         names ``what``, the option and those it takes (not this method)."""
-        unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+        takes = also + ENGINE_OPTIONS
+        unknown = sorted(set(options) - set(takes))
         if unknown:
-            raise TypeError(
-                f"{what} got unknown option(s) {', '.join(map(repr, unknown))}; "
-                f"its engine options are {', '.join(ENGINE_OPTIONS)}"
-            )
-        return cls.resolve(background=background, **options)
+            names = ", ".join(map(repr, unknown))
+            raise TypeError(f"{what} got unknown option(s) {names}; it takes {', '.join(takes)}")
+        return cls.resolve(background=background, **{k: v for k, v in options.items() if k in ENGINE_OPTIONS})
 
 
 #: The engine options a save takes (:meth:`EngineOptions.resolve`'s parameters).

@@ -161,17 +161,6 @@ def write_torch_zip(
     memory will be read again they are checked (a tensor changed in place
     meanwhile: :class:`~fastpersist.TensorChangedError`, nothing is
     committed), then ``on_gathered()`` is called."""
-    return _write_torch_zip(obj, path, opts, on_gathered, ready, versions)
-
-
-def _write_torch_zip(
-    obj: Any,
-    path: str,
-    opts: EngineOptions,
-    on_gathered: Optional[Callable[[], None]],
-    ready: Optional[ReadyEvents],
-    versions: Optional[TensorVersions],
-) -> WriteStats:
     t0 = time.perf_counter()
     if is_special_file(path):
         plan = plan_torch_save(obj)
