@@ -30,7 +30,9 @@ import logging
 import pickle
 import re
 import sys
+import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
@@ -614,17 +616,75 @@ def _version(t: torch.Tensor) -> Optional[int]:
         return None
 
 
+def _storage_key(t: torch.Tensor) -> Optional[int]:
+    """The address of ``t``'s storage (shared by its views and detached
+    copies); None where it has none to compare (empty, or a wrapper)."""
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except Exception:  # noqa: BLE001 - a wrapper subclass, a meta tensor: nothing to match
+        return None
+
+
+# The saves between their call and their check (TensorVersions), which an
+# optimizer step marks as written (:func:`_optimizer_step_pre_hook`).
+_WATCHING: weakref.WeakSet[TensorVersions] = weakref.WeakSet()
+_STEP_HOOK: List[Any] = []
+_STEP_HOOK_LOCK = threading.Lock()
+
+
+def _optimizer_step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Runs before every ``torch.optim.Optimizer.step()`` of the process
+    once a save has been made. While saves are pending, the tensors the
+    step is about to write (each parameter with a gradient, and its state)
+    are marked written in every pending save that holds them: fused kernels
+    (``fused=True`` Adam, AdamW, SGD, Adagrad) and optimizers that update
+    ``p.data`` change them without bumping their version counters."""
+    if not _WATCHING:
+        return
+    keys = set()
+    state = getattr(optimizer, "state", {})
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            keys.add(_storage_key(p))
+            for v in (state.get(p) or {}).values():
+                if isinstance(v, torch.Tensor):
+                    keys.add(_storage_key(v))
+    keys.discard(None)
+    if keys:
+        who = f"{type(optimizer).__name__}.step()"
+        for versions in list(_WATCHING):
+            versions._written_by(keys, who)
+
+
+def _watch(versions: TensorVersions) -> None:
+    with _STEP_HOOK_LOCK:
+        _WATCHING.add(versions)
+        if not _STEP_HOOK:
+            # Installed once, at the first save, and kept: removing it from
+            # a background thread could race a step iterating the hooks.
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _STEP_HOOK.append(register_optimizer_step_pre_hook(_optimizer_step_pre_hook))
+
+
 class TensorVersions:
     """The version counters of a save's tensors as they were at the call,
     checked once every byte of them has been gathered (:meth:`check`).
 
     torch bumps a tensor's version counter on every in-place operation
-    (``add_``, ``copy_``, optimizer steps, foreach and fused kernels, a
-    forward's ``num_batches_tracked += 1``), when the operation is issued
-    (CUDA: queued on the stream; CPU: once the kernel has run). Views and
+    (``add_``, ``copy_``, foreach kernels, a forward's
+    ``num_batches_tracked += 1``), when the operation is issued (CUDA:
+    queued on the stream; CPU: once the kernel has run). Views and
     ``detach()``-ed tensors (what ``state_dict()`` returns) share the
-    counter of their base, so an update through any of them is seen. Not
-    seen: writes that bypass the counter (``tensor.data.add_()``, numpy or
+    counter of their base, so an update through any of them is seen.
+    Optimizer steps are seen whatever kernel they use: fused optimizer
+    kernels (``fused=True``) and optimizers that update ``p.data`` write
+    without bumping the counter, so every ``Optimizer.step()`` while the
+    save is pending marks the tensors it writes (a global step pre-hook,
+    installed at the first save). Not seen: other writes that bypass the
+    counter (``tensor.data.add_()`` outside an optimizer step, numpy or
     DLPack views, kernels whose schema does not declare the write, such as
     eager BatchNorm's ``running_mean``/``running_var``, which are covered
     by ``num_batches_tracked`` changing in the same forward).
@@ -644,6 +704,12 @@ class TensorVersions:
         self.on_change = on_change
         self._seen: Dict[int, Tuple[torch.Tensor, int]] = {}
         self._survey: Optional[Tuple[Any, Survey]] = None
+        # Written by an optimizer step while pending: id -> who wrote it;
+        # _by_storage indexes the first _indexed entries of _seen.
+        self._written: Dict[int, str] = {}
+        self._by_storage: Dict[int, List[int]] = {}
+        self._indexed = 0
+        _watch(self)
         if storages:
             self._survey = (obj, survey_storages(obj, self))
         elif obj is not None:
@@ -689,28 +755,59 @@ class TensorVersions:
     def release(self) -> None:
         """Let go of the recorded tensors (a failed save: its error, kept by
         the caller, must not keep them alive through this object)."""
+        _WATCHING.discard(self)
         self._seen = {}
         self._survey = None
+        self._by_storage = {}
+        self._indexed = 0
+
+    def _written_by(self, keys: set, who: str) -> None:
+        """Mark the recorded tensors whose storage is one of ``keys`` as
+        written by ``who`` (an optimizer step, on the stepping thread)."""
+        seen = self._seen
+        if self._indexed != len(seen):  # new tensors since (the pickler's)
+            index: Dict[int, List[int]] = {}
+            items = list(seen.items())
+            for i, (t, _) in items:
+                k = _storage_key(t)
+                if k is not None:
+                    index.setdefault(k, []).append(i)
+            self._by_storage, self._indexed = index, len(items)
+        for k in keys & self._by_storage.keys():
+            for i in self._by_storage[k]:
+                self._written.setdefault(i, who)
 
     def changed(self) -> List[Tuple[torch.Tensor, int, int]]:
         """(tensor, version recorded, version now) of each tensor changed since."""
         return [(t, v, t._version) for t, v in self._seen.values() if t._version != v]
 
+    def written(self) -> List[Tuple[torch.Tensor, str]]:
+        """(tensor, who) of each recorded tensor an optimizer step wrote since."""
+        seen = self._seen
+        return [(seen[i][0], who) for i, who in list(self._written.items()) if i in seen]
+
     def check(self, obj: Any = None, what: str = "the save") -> None:
         """Raise :class:`TensorChangedError` (``on_change="error"``) or warn
         when a recorded tensor was changed in place since it was recorded;
         ``obj`` (the saved object) is searched to name the tensor."""
+        _WATCHING.discard(self)
         bad = self.changed()
-        if not bad:
+        written = [] if bad else self.written()
+        if not bad and not written:
             return
-        t, then, now = bad[0]
+        t = bad[0][0] if bad else written[0][0]
         where = find_path(obj, lambda o: o is t) if obj is not None else None
         name = f"tensor {where}" if where is not None else "a tensor inside an object"
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        msg = (
-            f"{name} ({_describe(t)}){more} was changed in place while {what} read it "
-            f"(version {then} at the call, {now} once its bytes were gathered)"
-        )
+        count = len(bad) if bad else len(written)
+        more = f" (and {count - 1} more)" if count > 1 else ""
+        if bad:
+            how = f"(version {bad[0][1]} at the call, {bad[0][2]} once its bytes were gathered)"
+        else:
+            how = (
+                f"(written by {written[0][1]}, whose kernels do not bump torch's version counter: "
+                "a fused optimizer, or one that updates p.data)"
+            )
+        msg = f"{name} ({_describe(t)}){more} was changed in place while {what} read it {how}"
         fence = (
             "fence with future.wait_snapshot() before any in-place update of the saved tensors, "
             "forward included (optimizer.step(), BatchNorm statistics, ...)"

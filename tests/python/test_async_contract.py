@@ -88,6 +88,119 @@ def test_optimizer_step_without_a_fence_fails_the_save(tmp_path, saver, mode):
     assert p.read_bytes() == before and no_temp_files(tmp_path)
 
 
+def fused_adam(params):
+    try:
+        return torch.optim.Adam(params, fused=True)
+    except RuntimeError as e:  # torch < 2.4: fused kernels on CUDA only
+        pytest.skip(f"no fused Adam on the CPU in this torch: {e}")
+
+
+class DataSGD(torch.optim.Optimizer):
+    """An optimizer of the older kind: it updates p.data, which torch's
+    version counter does not see."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad.data, alpha=-group["lr"])
+
+
+def optimizer_kinds():
+    return {
+        "fused": lambda params: fused_adam(params),
+        "data": lambda params: DataSGD(params),
+    }
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["fused", "data"])
+def test_optimizer_steps_the_version_counter_misses_fail_the_save(tmp_path, saver, mode, kind):
+    # Fused optimizer kernels and p.data updates write the parameters
+    # without bumping their version counters: the step itself is watched.
+    model = torch.nn.Linear(300, 300)
+    opt = optimizer_kinds()[kind](model.parameters())
+    model(torch.randn(4, 300)).sum().backward()
+    v = model.weight._version
+    p = tmp_path / "ckpt.pt"
+    before = previous_file(p, model)
+    with held(saver, mode):
+        fut = saver.save({"model": model.state_dict(), "optim": opt.state_dict()}, p, mode=mode)
+        opt.step()
+        assert model.weight._version == v  # the counter did not move
+    with pytest.raises(fastpersist.TensorChangedError, match=r"\['model'\]\['weight'\].*written by \w+\.step\(\)"):
+        fut.result(timeout=60)
+    assert p.read_bytes() == before and no_temp_files(tmp_path)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_fused_step_on_saved_optimizer_state_fails_the_save(tmp_path, saver, mode):
+    # The second step: the saved optimizer state (exp_avg, ...) is written too.
+    model = torch.nn.Linear(64, 64, bias=False)
+    opt = fused_adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    state = opt.state[model.weight]
+    p = tmp_path / "ckpt.pt"
+    with held(saver, mode):
+        # The moments alone ("step", bumped by a foreach kernel, is seen anyway).
+        fut = saver.save({"m": state["exp_avg"], "v": state["exp_avg_sq"]}, p, mode=mode)
+        opt.step()
+    with pytest.raises(fastpersist.TensorChangedError, match=r"\['(m|v)'\].*\(and 1 more\).*written by Adam"):
+        fut.result(timeout=60)
+    assert not p.exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_steps_that_do_not_write_the_saved_tensors_are_allowed(tmp_path, saver, mode):
+    # A frozen part (no gradient) is not written by the step; nor is
+    # anything after the fence; and a finished save watches nothing.
+    frozen, trained = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+    frozen.requires_grad_(False)
+    opt = fused_adam(list(frozen.parameters()) + list(trained.parameters()))
+    trained(frozen(torch.randn(4, 64))).sum().backward()
+    expect = type(frozen.state_dict())((k, v.clone()) for k, v in frozen.state_dict().items())
+    with held(saver, mode):
+        fut = saver.save(frozen.state_dict(), tmp_path / "frozen.pt", mode=mode)
+        opt.step()
+    fut.result(timeout=60)
+    assert_same(expect, torch.load(tmp_path / "frozen.pt"))
+    fut = saver.save(trained.state_dict(), tmp_path / "trained.pt", mode=mode)
+    expect = type(trained.state_dict())((k, v.clone()) for k, v in trained.state_dict().items())
+    fut.wait_snapshot(timeout=60)
+    opt.step()
+    fut.result(timeout=60)
+    assert_same(expect, torch.load(tmp_path / "trained.pt"))
+    from fastpersist import pickling
+
+    assert not pickling._WATCHING
+
+
+def test_a_fused_step_on_another_thread_fails_a_synchronous_save(tmp_path, monkeypatch):
+    # A synchronous save is watched too: here a step on another thread
+    # runs between the call's walk and the gathering of the bytes.
+    from fastpersist import writer
+
+    model = torch.nn.Linear(256, 256)
+    opt = fused_adam(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    real = writer.TorchZipLayout
+
+    def layout_then_step(*a, **k):
+        t = threading.Thread(target=opt.step)
+        t.start()
+        t.join()
+        return real(*a, **k)
+
+    monkeypatch.setattr(writer, "TorchZipLayout", layout_then_step)
+    with pytest.raises(fastpersist.TensorChangedError, match="written by Adam.step"):
+        fastpersist.write_state_dict(model.state_dict(), tmp_path / "a.pt")
+    assert not (tmp_path / "a.pt").exists()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_on_change_warn_commits_and_warns(tmp_path, saver, mode):
     w = torch.zeros(1000)
