@@ -755,6 +755,7 @@ fn write_locked(
     engine: &PyEngine,
     segments: Vec<Segment>,
     guard: Option<PyObject>,
+    lend: bool,
     err: &GuardErr,
 ) -> Result<(), Error> {
     let mut lock = session
@@ -763,7 +764,10 @@ fn write_locked(
     let s = lock
         .as_mut()
         .ok_or_else(|| Error::option("this write session is already finished"))?;
-    guarded(guard, err, || engine.engine()?.write(s, segments))
+    s.set_lending(lend);
+    let res = guarded(guard, err, || engine.engine()?.write(s, segments));
+    s.set_lending(true);
+    res
 }
 
 /// A part of a file for the write-behind thread: its segments, and the
@@ -828,7 +832,8 @@ impl PySession {
                                 continue; // drop what follows a failure, or an abort
                             }
                             let err = GuardErr::default();
-                            let res = write_locked(&session, engine.get(), segments, guard, &err);
+                            let res =
+                                write_locked(&session, engine.get(), segments, guard, true, &err);
                             if let Err(e) = res {
                                 state.failed.store(true, Ordering::SeqCst);
                                 end = Err((e, err));
@@ -889,8 +894,11 @@ impl PySession {
     /// Add segments (at or after everything given so far) and write them.
     /// On return no reference to the regions' memory is kept (bytes past
     /// the last whole block are copied into the session), so the caller
-    /// may reuse it. `guard`: as for `Engine.write_file`.
-    #[pyo3(signature = (blobs, regions, slots, guard=None))]
+    /// may reuse it. `guard`: as for `Engine.write_file`. `lend=False`:
+    /// every byte is copied into the arena, none written from where it lies
+    /// (memory handed over one piece per call, such as a staging slot: lent
+    /// writes end with their call, gathered ones stay in flight).
+    #[pyo3(signature = (blobs, regions, slots, guard=None, lend=true))]
     fn write<'py>(
         &self,
         py: Python<'py>,
@@ -898,13 +906,23 @@ impl PySession {
         regions: &Bound<'py, PyAny>,
         slots: &Bound<'py, PyAny>,
         guard: Option<PyObject>,
+        lend: bool,
     ) -> PyResult<()> {
         self.check_mine()?;
         let segments = session_segments(py, blobs, regions, slots)?;
         PySession::join_behind(self, py)?;
         let err = GuardErr::default();
-        py.allow_threads(|| write_locked(&self.session, self.engine.get(), segments, guard, &err))
-            .map_err(|e| guard_err(&err, e))
+        py.allow_threads(|| {
+            write_locked(
+                &self.session,
+                self.engine.get(),
+                segments,
+                guard,
+                lend,
+                &err,
+            )
+        })
+        .map_err(|e| guard_err(&err, e))
     }
 
     /// `write`, on the session's write-behind thread: the segments are

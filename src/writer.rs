@@ -78,6 +78,9 @@ pub struct Session {
     /// Memory alignment that writes straight from caller memory need
     /// (None: always gather).
     lend_align: Option<usize>,
+    /// Whether the next writes may lend caller memory at all
+    /// ([`Session::set_lending`]).
+    lending: bool,
     zero_copy_bytes: u64,
     /// Checksum ids of the caller memory written from where it lies.
     lent_ids: BTreeSet<u32>,
@@ -87,6 +90,16 @@ pub struct Session {
 static NEXT_SESSION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl Session {
+    /// Let the writes that follow lend caller memory to the kernel (the
+    /// default, where `zero_copy` is on and the file allows it), or gather
+    /// every byte into the arena. A lent write never outlives its call, so
+    /// memory handed over one piece per call (a staging slot) writes faster
+    /// gathered: the arena's writes stay in flight across calls, from
+    /// buffers registered with io_uring.
+    pub fn set_lending(&mut self, lending: bool) {
+        self.lending = lending;
+    }
+
     fn append(&mut self, mut segments: Vec<Segment>) -> Result<()> {
         segments.retain(|s| !s.source.is_empty());
         segments.sort_by_key(|s| s.offset);
@@ -218,6 +231,7 @@ impl Engine {
             io_seconds: 0.0,
             unflushed: 0,
             lend_align,
+            lending: true,
             zero_copy_bytes: 0,
             lent_ids: BTreeSet::new(),
             failed: false,
@@ -389,7 +403,8 @@ impl Engine {
         let keep = keep_in_flight && self.uring.is_some();
         let fd = session.tmp.fd();
         let written = session.written;
-        let res = self.with_lending(unguarded(session.lend_align), |sink, arena, free| {
+        let align = session.lend_align.filter(|_| session.lending);
+        let res = self.with_lending(unguarded(align), |sink, arena, free| {
             let lent = pump(
                 &layout,
                 written..upto,

@@ -268,3 +268,74 @@ fn streamed_saves_lend_across_calls_and_other_uses_of_the_engine() {
         assert!(lent.iter().all(|&x| x == lent[0]), "{lent:?} {opts:?}");
     }
 }
+
+#[test]
+fn a_session_told_not_to_lend_gathers_those_writes_and_lends_the_rest() {
+    // `Session::set_lending(false)` (staged device chunks): the memory of
+    // those calls is copied into the arena, whatever `zero_copy` says, and
+    // may be scribbled over once the call returns, like lent memory; a
+    // later call that lends again does. The same save with lending left on
+    // lends both memories.
+    let d = tempfile::tempdir().unwrap();
+    let mut s1 = vec![];
+    let mut s2 = vec![];
+    let first = aligned(&mut s1, 1 << 20, 3);
+    let first_copy = first.to_vec();
+    let second = aligned(&mut s2, 1 << 20, 4);
+    let n = first.len() as u64;
+    let at = 4096 + n + (64 << 10);
+    for opts in combos() {
+        let mut eng = Engine::new(opts.clone()).unwrap();
+        let mut lent = vec![];
+        for lend_first in [false, true] {
+            let p = d.path().join("g.bin");
+            // SAFETY: both memories outlive the session; the first is
+            // changed only after the call that was given it has returned.
+            let (ma, mb) = unsafe {
+                (
+                    MemRef::new(first.as_ptr(), first.len()),
+                    MemRef::new(second.as_ptr(), second.len()),
+                )
+            };
+            let mut s = eng.begin(&p, 3 << 20).unwrap();
+            s.set_lending(lend_first);
+            eng.write(
+                &mut s,
+                vec![Segment {
+                    offset: 4096,
+                    source: Source::Mem(ma),
+                    crc_id: Some(0),
+                }],
+            )
+            .unwrap();
+            first.fill(0xEE);
+            s.set_lending(true);
+            let st = eng
+                .finish(
+                    s,
+                    vec![Segment {
+                        offset: at,
+                        source: Source::Mem(mb),
+                        crc_id: Some(1),
+                    }],
+                    at + n,
+                )
+                .unwrap();
+            let got = std::fs::read(&p).unwrap();
+            assert!(got[4096..4096 + n as usize] == *first_copy, "{opts:?}");
+            assert!(got[at as usize..] == *second, "{opts:?}");
+            assert_eq!(
+                st.crcs,
+                vec![crc32fast::hash(&first_copy), crc32fast::hash(second)],
+                "{opts:?}"
+            );
+            lent.push(st.zero_copy_bytes);
+            first.copy_from_slice(&first_copy);
+        }
+        let block = opts.block_size as u64;
+        // Gathered first: only (most of) the second memory is lent; lent
+        // first: (most of) the first memory too.
+        assert!(lent[0] > 0 && lent[0] <= n, "{lent:?} {opts:?}");
+        assert!(lent[1] >= lent[0] + n - 2 * block, "{lent:?} {opts:?}");
+    }
+}

@@ -196,6 +196,7 @@ class WriteSession:
         regions: Sequence[_Region],
         slots: Sequence[_Slot],
         guard: _Guard | None = None,
+        lend: bool = True,
     ) -> None: ...
     def write_behind(
         self,

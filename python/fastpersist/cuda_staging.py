@@ -714,8 +714,13 @@ def send(
             session.write(before.blobs, before.regions, before.slots, g)
         if g is not None:
             g.check([region.crc_id])
+        # Gathered, not lent: a lent write ends with its call, so the disk
+        # would drain after every chunk; the arena's writes stay in flight.
         stream_device_region(
-            lambda regs: session.write([], regs, []), region, ctx.staging, ctx.copier(region.storage.device)
+            lambda regs: session.write([], regs, [], lend=False),
+            region,
+            ctx.staging,
+            ctx.copier(region.storage.device),
         )
         _, rest = rest.split_at(region.offset + region.length)
         rest.device = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import struct
 import subprocess
 import sys
 import tempfile
@@ -58,41 +57,25 @@ def test_staged_file_is_byte_identical(tmp_path, staged_on_cpu, monkeypatch):
     assert (tmp_path / "staged.pt").read_bytes() == (tmp_path / "plain.pt").read_bytes()
 
 
-def _data_records(path) -> list:
-    """(data offset, bytes) of each storage record of a torch zip file."""
-    out = []
-    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
-        for info in z.infolist():
-            if "/data/" in info.filename:
-                f.seek(info.header_offset + 26)
-                name_len, extra_len = struct.unpack("<HH", f.read(4))
-                out.append((info.header_offset + 30 + name_len + extra_len, info.file_size))
-    return out
-
-
-def test_staged_chunks_are_written_from_the_slots_without_a_second_copy(tmp_path, monkeypatch):
-    """Issue 21, item 4: device-to-host copies land in the staging slots
-    (registered with CUDA), and the engine writes the slots' whole blocks
-    from where they lie (zero copy), not after copying them again into its
-    arena. A thread stands in for the copy engine; the chunk is 16 blocks."""
+def test_staged_chunks_are_gathered_into_the_arena_not_lent(tmp_path, monkeypatch):
+    """Issue 21, item 4: a staged chunk is handed to the engine one call at
+    a time, and a lent write never outlives its call, so lending the
+    staging slots drained the disk after every chunk and wrote from memory
+    io_uring has not registered (a GPU save at 0.79 of the limit on an H200
+    against 0.92 from host memory; the CPU stand-in 2.1 against 3.1 GB/s).
+    The chunks are copied into the arena (one pass, with their CRC32), whose
+    writes stay in flight across calls, even with ``zero_copy`` on. A thread
+    stands in for the copy engine; the chunk is 16 blocks."""
     monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")
     monkeypatch.setenv("FASTPERSIST_STAGE_CHUNK", str(16 * 4096))
     sd = {f"w{i}": make((5 << 16,), torch.float32, i) for i in range(4)}
     sd["odd"] = make((70_001,), torch.float32, 9)  # a partial last block
-    st = fastpersist.write_state_dict(sd, tmp_path / "staged.pt")
-    # The whole blocks of the file inside each storage record (records are
-    # 64-byte aligned: the block a record starts in holds its header too).
-    whole = 0
-    for off, n in _data_records(tmp_path / "staged.pt"):
-        whole += ((off + n) // 4096 - -(-off // 4096)) * 4096
-    assert whole > 0.99 * sum(t.nbytes for t in sd.values())
-    # Every whole block is lent but the odd tensor's last one or two (a
-    # chunk's unaligned end is carried into the next write, then gathered).
-    assert whole - 2 * 4096 <= st.zero_copy_bytes <= whole
-    assert_same(sd, torch.load(tmp_path / "staged.pt"))
-    st = fastpersist.write_state_dict(sd, tmp_path / "copied.pt", zero_copy=False)
+    st = fastpersist.write_state_dict(sd, tmp_path / "staged.pt", zero_copy=True)
     assert st.zero_copy_bytes == 0
-    assert (tmp_path / "staged.pt").read_bytes() == (tmp_path / "copied.pt").read_bytes()
+    assert_same(sd, torch.load(tmp_path / "staged.pt"))
+    monkeypatch.delenv("FASTPERSIST_TEST_STAGE_CPU")
+    st = fastpersist.write_state_dict(sd, tmp_path / "direct.pt", zero_copy=True)
+    assert (tmp_path / "staged.pt").read_bytes() == (tmp_path / "direct.pt").read_bytes()
 
 
 @given(state_dicts())
@@ -244,7 +227,6 @@ def test_location_scan_finds_every_storage_and_builds_nothing(tmp_path):
 
     sd = {"a": torch.ones(3), "b": [torch.zeros(2), torch.ones(4)[1:]], "boom": Boom()}
     torch.save(sd, tmp_path / "t.pt")
-    import zipfile
 
     with zipfile.ZipFile(tmp_path / "t.pt") as z:
         pkl = z.read([n for n in z.namelist() if n.endswith("data.pkl")][0])
