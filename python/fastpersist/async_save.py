@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import _core
-from .collectives import checkpoint_group
+from .collectives import check_group, checkpoint_group
 from .cuda_staging import ReadyEvents, active_devices, copy_stream, home_device, record_ready, side_streams, use_device
 from .errors import InheritedSaveError, drop_frames
 from .options import (
@@ -376,6 +376,7 @@ def check_save_options(mode: str, options: Dict[str, Any], what: str = "save_asy
         raise ValueError("metadata is only stored by format='safetensors'")
     if fmt != "torch" and (options.get("group") is not None or options.get("sharded")):
         raise ValueError("distributed saves write torch checkpoints (format='torch')")
+    check_group(options.get("group"), f"{what}()")
     if options.get("sharded") and options.get("group") is None:
         # As write_state_dict says; it was a plain save of the whole object.
         raise ValueError("sharded=True needs group= (the ranks that each hold a shard)")
@@ -596,9 +597,13 @@ class AsyncSaver:
         return None
 
     def save(self, obj: Any, path: PathLike, *, mode: str = "pipelined", **options: Any) -> CheckpointFuture:
+        return self._save(obj, path, mode, options, "AsyncSaver.save")
+
+    def _save(self, obj: Any, path: PathLike, mode: str, options: Dict[str, Any], what: str) -> CheckpointFuture:
+        """:meth:`save`, its errors naming ``what`` (the call the user made)."""
         self._check_open()
-        p = resolve_target(path)
-        opts = check_save_options(mode, options)
+        p = resolve_target(path, directory=bool(options.get("sharded")))
+        opts = check_save_options(mode, options, what)
         group = options.pop("group", None)
         on_change = options.pop("on_change", "error")
         sharded = options.pop("sharded", False)
@@ -903,7 +908,7 @@ def save_async(obj: Any, path: PathLike, *, mode: str = "pipelined", **options: 
     unset, ``gather_threads`` is a quarter of the usable cores (at least 1:
     :func:`~fastpersist.options.default_background_gather_threads`), the
     rest left to the work the save overlaps."""
-    return default_saver().save(obj, path, mode=mode, **options)
+    return default_saver()._save(obj, path, mode, options, "save_async")
 
 
 def wait_all(timeout: Optional[float] = None) -> List[CheckpointFuture]:

@@ -67,7 +67,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set,
 
 from . import _core
 from .async_save import AsyncSaver, CheckpointFuture, check_save_options
-from .collectives import dedicated_groups, gather, group_ranks
+from .collectives import check_group, dedicated_groups, gather, group_ranks
 from .errors import FastPersistError
 from .options import TEMP_MIN_AGE, remove_stale_temps
 from .reader import read_state_dict
@@ -369,13 +369,7 @@ def _check_peer_args(replicate: Any, group: Any, nodes: Any) -> None:
         )
     if nodes is not None and not replicate:
         raise ValueError("nodes= (the node of each rank) is used only with replicate=")
-    if group is not None:
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch without distributed
-            raise ValueError("group= needs torch.distributed") from None
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("group= needs torch.distributed initialized first (init_process_group)")
+    check_group(group, "Checkpointer()")
 
 
 def _local_dir(name: str, value: Any) -> str:

@@ -29,6 +29,7 @@ from .errors import FastPersistError, TensorChangedError
 __all__ = [
     "DistributedCheckpointError",
     "DistributedTensorChangedError",
+    "check_group",
     "checkpoint_group",
     "dedicated_groups",
     "group_ranks",
@@ -52,6 +53,30 @@ class DistributedTensorChangedError(DistributedCheckpointError, TensorChangedErr
 
 _groups: Dict[Tuple[int, ...], Any] = {}
 _groups_lock = threading.Lock()
+
+
+def check_group(group: Any, what: str) -> None:
+    """Refuse a ``group=`` given to ``what`` that is not a process group
+    (TypeError), or one given before torch.distributed is initialized
+    (ValueError): at the call, naming it, not as a KeyError from inside
+    torch.distributed once a save is under way."""
+    if group is None:
+        return
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        raise ValueError(f"{what}: group= needs torch.distributed") from None
+    if not dist.is_available():  # pragma: no cover - torch without distributed
+        raise ValueError(f"{what}: group= needs torch.distributed, which this torch does not have")
+    if group is not dist.group.WORLD and not isinstance(group, dist.ProcessGroup):
+        shown = repr(group)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise TypeError(
+            f"{what}: group must be a torch.distributed ProcessGroup (torch.distributed.group.WORLD "
+            f"for every rank) or None, not {type(group).__name__} {shown}"
+        )
+    if not dist.is_initialized():
+        raise ValueError(f"{what}: group= needs torch.distributed initialized first (init_process_group)")
 
 
 def _ranks(group: Any) -> Tuple[int, ...]:

@@ -465,13 +465,19 @@ def check_path(path: Any) -> str:
     return p
 
 
-def resolve_target(path: Any) -> str:
+def resolve_target(path: Any, directory: bool = False) -> str:
     """The absolute path a save to ``path`` writes, fixed at the call (a
     later ``os.chdir`` changes nothing). A symbolic link is followed to its
     final target, as ``torch.save``'s ``open()`` does: the file is
     committed in the target's directory and the link still points to it; a
-    dangling link's target is created."""
-    return os.path.realpath(os.path.abspath(check_path(path)))
+    dangling link's target is created. Unless the save writes a
+    ``directory`` (a sharded save), a path that ends with a separator is a
+    ValueError (``torch.save`` refuses it too), where the separator would
+    otherwise be dropped and a file written."""
+    p = check_path(path)
+    if not directory and (p.endswith(os.sep) or (os.altsep and p.endswith(os.altsep))):
+        raise ValueError(f"{p!r} ends with a path separator: a save needs a file name, not a directory")
+    return os.path.realpath(os.path.abspath(p))
 
 
 def is_special_file(path: str) -> bool:
@@ -702,7 +708,7 @@ def has_pending(path: Any) -> bool:
     has been called and has not finished: the file may not exist yet, but
     it will."""
     try:
-        p = resolve_target(path)
+        p = resolve_target(path, directory=True)
     except (OSError, TypeError, ValueError):
         return False
     with _order_lock:

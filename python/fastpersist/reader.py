@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from .collectives import check_group
 from .cuda_staging import DeviceRead, device_for, read_staged, read_targets, staging_setup
 from .distributed import is_sharded_dir, read_sharded
 from .errors import CorruptCheckpointError, drop_frames
@@ -119,6 +120,9 @@ def read_state_dict(
     gives this rank's shard with ``group``, else the list of every shard.
     """
     p = check_path(path)
+    if stats is not None and not callable(getattr(stats, "append", None)):
+        raise TypeError(f"stats must be a list (it receives a ReadStats), not {type(stats).__name__}")
+    check_group(group, "read_state_dict()")
     if is_sharded_dir(p):
         return read_sharded(
             p,

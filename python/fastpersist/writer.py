@@ -20,6 +20,7 @@ import zlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import _core, distributed
+from .collectives import check_group
 from .cuda_staging import DeviceContext, ReadyEvents, send, stage_chunk, staging_setup
 from .options import (
     EngineOptions,
@@ -463,9 +464,10 @@ def write_state_dict(
     ``errno`` and ``filename``) for I/O failures, ``ValueError`` for bad
     options, ``TypeError`` when ``path`` is not a path.
     """
-    p = resolve_target(path)
+    p = resolve_target(path, directory=sharded)
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
+    check_group(group, "write_state_dict()")
     opts = EngineOptions.resolve(
         block_size, arena_bytes, queue_depth, direct, io_uring, durable, gather_threads, zero_copy
     )

@@ -286,3 +286,66 @@ def test_the_dcp_writer_names_its_own_durability_option(tmp_path):
     FastPersistWriter = pytest.importorskip("fastpersist.dcp").FastPersistWriter
     with pytest.raises(TypeError, match="sync_files"):
         FastPersistWriter(str(tmp_path), durable=False)
+
+
+def _saver():
+    from fastpersist.async_save import AsyncSaver
+
+    return AsyncSaver()
+
+
+def _group_takers(tmp_path):
+    sd = {"w": torch.ones(4)}
+    p = str(tmp_path / "a.pt")
+    return {
+        "write_state_dict()": lambda g: fastpersist.write_state_dict(sd, p, group=g),
+        "read_state_dict()": lambda g: fastpersist.read_state_dict(p, group=g),
+        "save_async()": lambda g: fastpersist.save_async(sd, p, group=g).result(timeout=60),
+        "AsyncSaver.save()": lambda g: _saver().save(sd, p, group=g).result(timeout=60),
+        "Checkpointer()": lambda g: fastpersist.Checkpointer(str(tmp_path / "ck"), group=g),
+    }
+
+
+@pytest.mark.parametrize(
+    "what", ["write_state_dict()", "read_state_dict()", "save_async()", "AsyncSaver.save()", "Checkpointer()"]
+)
+def test_a_group_that_is_not_a_process_group_is_named_at_the_call(tmp_path, what):
+    """Regression: group="x" (or a rank list) raised a bare KeyError from
+    inside torch.distributed, once the save was under way."""
+    if what == "read_state_dict()":
+        fastpersist.write_state_dict({"w": torch.ones(4)}, tmp_path / "a.pt")
+    before = sorted(os.listdir(tmp_path))
+    call = _group_takers(tmp_path)[what]
+    for bad in ("x", [0, 1], 3):
+        with pytest.raises(TypeError, match=r"group must be a torch.distributed ProcessGroup") as ei:
+            call(bad)
+        assert str(ei.value).startswith(what), str(ei.value)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_read_state_dict_refuses_stats_it_cannot_append_to_before_reading(tmp_path):
+    """Regression: stats={} read the whole file, then failed with an
+    AttributeError from inside the reader."""
+    fastpersist.write_state_dict({"w": torch.ones(4)}, tmp_path / "a.pt")
+    for bad in ({}, "x", 5):
+        with pytest.raises(TypeError, match="stats must be a list"):
+            fastpersist.read_state_dict(tmp_path / "a.pt", stats=bad)
+    got = []
+    fastpersist.read_state_dict(tmp_path / "a.pt", stats=got)
+    assert len(got) == 1
+
+
+@pytest.mark.parametrize("how", ["write_state_dict", "save_async", "safetensors"])
+def test_a_file_path_ending_with_a_separator_is_refused(tmp_path, how):
+    """Regression: write_state_dict("x.pt/") dropped the separator and wrote
+    the file x.pt (torch.save refuses such a name)."""
+    sd = {"w": torch.ones(4)}
+    target = str(tmp_path / "x.pt") + os.sep
+    calls = {
+        "write_state_dict": lambda: fastpersist.write_state_dict(sd, target),
+        "save_async": lambda: fastpersist.save_async(sd, target).result(timeout=60),
+        "safetensors": lambda: fastpersist.write_state_dict(sd, target, format="safetensors"),
+    }
+    with pytest.raises(ValueError, match="ends with a path separator"):
+        calls[how]()
+    assert os.listdir(tmp_path) == []
