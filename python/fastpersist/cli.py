@@ -35,6 +35,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .verify import inspect_file
 
     fmt, recs = inspect_file(args.path)
+    if fmt == "torch-legacy":
+        return _inspect_legacy(args)
     if args.json:
         json.dump({"format": fmt, "records": [r.__dict__ for r in recs]}, sys.stdout, indent=1)
         print()
@@ -60,13 +62,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _torch_tensors(path: str) -> list:
+def _inspect_legacy(args: argparse.Namespace) -> int:
+    """torch's legacy (non-zip) format has no records to list: its tensors,
+    from a weights-only load."""
+    tensors = _torch_tensors(args.path, mmap=False)
+    if args.json:
+        rows = [{"key": k, "dtype": d, "shape": s, "bytes": n} for k, d, s, n in tensors]
+        json.dump({"format": "torch-legacy", "records": [], "tensors": rows}, sys.stdout, indent=1)
+        print()
+        return EXIT_OK
+    total = sum(n for _, _, _, n in tensors)
+    print(
+        f"{args.path}: torch-legacy checkpoint (no checksums in this format), {len(tensors)} tensors, "
+        f"{_human(total)} of data, {_human(os.path.getsize(args.path))} on disk"
+    )
+    print(f"{'tensor':<40} {'dtype':<16} {'shape':<20} {'bytes':>12}")
+    for key, dtype, shape, nbytes in tensors:
+        print(f"{key:<40} {dtype:<16} {shape!s:<20} {nbytes:>12}")
+    return EXIT_OK
+
+
+def _torch_tensors(path: str, mmap: bool = True) -> list:
     """Key paths, dtypes and shapes of the tensors of a torch checkpoint,
-    from a lazy (mmap) load; [] when it cannot be loaded weights-only."""
+    from a lazy (mmap) load, or a plain one (``mmap=False``: torch's legacy
+    format); [] when it cannot be loaded weights-only."""
     import torch
 
     try:
-        obj = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        obj = torch.load(path, mmap=mmap, weights_only=True, map_location="cpu")
     except Exception:  # noqa: BLE001 - inspect still shows the records
         return []
     out = []

@@ -208,10 +208,18 @@ def assert_roundtrip(obj: Any, path: Any, *, write_kwargs: Optional[Dict[str, An
     ``torch.load`` (the same ``map_location`` and ``weights_only``), and
     assert that both equal ``obj`` exactly (:func:`assert_same_state`; the
     device is compared only without ``map_location``). Returns what
-    ``read_state_dict`` gave."""
+    ``read_state_dict`` gave.
+
+    With ``write_kwargs={"format": "safetensors"}`` the file is compared as
+    safetensors keeps it: a plain dict in name order (its header is sorted),
+    each tensor contiguous in a storage of its own; the second reader is
+    ``safetensors.torch.load_file`` (where safetensors is installed)."""
     write_state_dict(obj, path, **(write_kwargs or {}))
     check_device = read_kwargs.get("map_location") is None
     got = read_state_dict(path, **read_kwargs)
+    if (write_kwargs or {}).get("format") == "safetensors":
+        _check_safetensors_roundtrip(obj, got, path, read_kwargs, check_device)
+        return got
     try:
         assert_same_state(obj, got, check_device=check_device)
     except AssertionError as e:
@@ -222,6 +230,32 @@ def assert_roundtrip(obj: Any, path: Any, *, write_kwargs: Optional[Dict[str, An
     except AssertionError as e:
         raise AssertionError(f"torch.load({os.fspath(path)!r}): {e}") from None
     return got
+
+
+def _as_safetensors(d: Any) -> Dict[str, Any]:
+    """``d`` as a safetensors file gives it back: a dict in name order,
+    each tensor a contiguous copy (a storage of its own)."""
+    return {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in sorted(d.items())}
+
+
+def _check_safetensors_roundtrip(
+    obj: Any, got: Any, path: Any, read_kwargs: Dict[str, Any], check_device: bool
+) -> None:
+    expected = _as_safetensors(obj)
+    try:
+        assert_same_state(expected, _as_safetensors(got), check_device=check_device)
+    except AssertionError as e:
+        raise AssertionError(f"read_state_dict({os.fspath(path)!r}): {e}") from None
+    try:
+        from safetensors.torch import load_file
+    except ImportError:  # pragma: no cover - depends on the environment
+        return
+    device = read_kwargs.get("map_location")
+    ref = load_file(os.fspath(path), device=str(device) if device is not None else "cpu")
+    try:
+        assert_same_state(expected, _as_safetensors(ref), check_device=check_device)
+    except AssertionError as e:
+        raise AssertionError(f"safetensors.torch.load_file({os.fspath(path)!r}): {e}") from None
 
 
 # ---------------------------------------------------------------------------

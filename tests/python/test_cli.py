@@ -37,6 +37,23 @@ def test_inspect(ckpt):
     assert rec["bytes"] == 64 * 8 * 2 and rec["alignment"] % STORAGE_ALIGNMENT == 0
 
 
+def test_inspect_lists_the_tensors_of_a_legacy_torch_file(tmp_path):
+    """Regression: inspect of torch's legacy (non-zip) format said
+    "0 tensors, 0 B of data" and printed an empty table."""
+    p = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(3, 4), "b": torch.zeros(5, dtype=torch.int64)}, p, _use_new_zipfile_serialization=False)
+    r = run("inspect", p)
+    assert r.returncode == 0, r.stderr
+    assert "torch-legacy checkpoint" in r.stdout and "2 tensors, 88 B of data" in r.stdout, r.stdout
+    assert "float32" in r.stdout and "[3, 4]" in r.stdout and "int64" in r.stdout
+    j = json.loads(run("inspect", p, "--json").stdout)
+    assert j["format"] == "torch-legacy" and j["records"] == []
+    assert {t["key"]: (t["dtype"], t["shape"], t["bytes"]) for t in j["tensors"]} == {
+        "w": ("float32", [3, 4], 48),
+        "b": ("int64", [5], 40),
+    }
+
+
 def test_verify_ok_corrupt_missing(ckpt, tmp_path):
     assert run("verify", ckpt).returncode == 0
     raw = bytearray(ckpt.read_bytes())

@@ -99,3 +99,23 @@ def test_roundtrip_reports_which_reader_differs(tmp_path, monkeypatch):
     monkeypatch.setattr(testing, "read_state_dict", lambda p, **kw: {"w": real(p, **kw)["w"] + 1})
     with pytest.raises(AssertionError, match=r"read_state_dict.*\['w'\]"):
         assert_roundtrip({"w": torch.zeros(3)}, tmp_path / "x.pt")
+
+
+def test_roundtrip_of_a_safetensors_file_compares_it_as_safetensors_keeps_it(tmp_path, monkeypatch):
+    """Regression: assert_roundtrip(..., write_kwargs={"format":
+    "safetensors"}) failed on any dict not already in name order (the
+    safetensors header is sorted) and then read the file with torch.load.
+    Views and OrderedDicts are fine too; a wrong value is still caught,
+    and named with the reader that gave it."""
+    import collections
+
+    import fastpersist.testing as testing
+
+    base = torch.arange(12, dtype=torch.float32)
+    sd = collections.OrderedDict([("b", base[2:8]), ("a", torch.ones(2, 3).t()), ("c", torch.zeros(0))])
+    got = assert_roundtrip(sd, tmp_path / "x.safetensors", write_kwargs={"format": "safetensors"})
+    assert list(got) == ["a", "b", "c"]
+    real = testing.read_state_dict
+    monkeypatch.setattr(testing, "read_state_dict", lambda p, **kw: {**real(p, **kw), "a": torch.ones(3, 2) * 2})
+    with pytest.raises(AssertionError, match=r"read_state_dict.*\['a'\]"):
+        assert_roundtrip(sd, tmp_path / "y.safetensors", write_kwargs={"format": "safetensors"})
