@@ -752,6 +752,10 @@ class TensorVersions:
     def __len__(self) -> int:
         return len(self._seen)
 
+    def unwatch(self) -> None:
+        """Stop watching optimizer steps (the save has ended, whichever way)."""
+        _WATCHING.discard(self)
+
     def release(self) -> None:
         """Let go of the recorded tensors (a failed save: its error, kept by
         the caller, must not keep them alive through this object)."""

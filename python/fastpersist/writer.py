@@ -474,11 +474,16 @@ def write_state_dict(
     # At the call, one walk: the version counters and, for a torch file
     # laid out from this object, its storages.
     versions = TensorVersions(obj, on_change, storages=format == "torch" and not sharded)
-    wait_for_earlier(p)
-    if group is not None or sharded:
-        return write_distributed(obj, p, opts, group, sharded, format, versions)
-    if format == "safetensors":
-        return write_safetensors(obj, p, opts, metadata, versions)
-    if metadata is not None:
-        raise ValueError("metadata is only stored by format='safetensors'")
-    return write_torch_zip(obj, p, opts, versions=versions)
+    try:
+        wait_for_earlier(p)
+        if group is not None or sharded:
+            return write_distributed(obj, p, opts, group, sharded, format, versions)
+        if format == "safetensors":
+            return write_safetensors(obj, p, opts, metadata, versions)
+        if metadata is not None:
+            raise ValueError("metadata is only stored by format='safetensors'")
+        return write_torch_zip(obj, p, opts, versions=versions)
+    finally:
+        # A failed save's traceback keeps this frame: its versions no longer
+        # watch optimizer steps.
+        versions.unwatch()

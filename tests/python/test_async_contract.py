@@ -502,3 +502,23 @@ def test_a_tensor_changed_on_one_rank_with_on_change_warn_commits(tmp_path):
     assert all(r["ok"] for r in res), res
     assert res[0]["warnings"] == [] and any("['w']" in w for w in res[1]["warnings"]), res
     assert torch.load(tmp_path / "ckpt.pt")["n"] == state(0)["n"]
+
+
+def test_a_failed_save_stops_watching_optimizer_steps(tmp_path):
+    """A save that fails before its check (here: a directory in the way)
+    no longer marks what optimizer steps write, even while its traceback
+    (which holds its frames) is kept."""
+    from fastpersist import pickling
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").mkdir()
+    try:
+        fastpersist.write_state_dict(model.state_dict(), tmp_path / "d" / "x")
+    except Exception as e:  # noqa: BLE001 - whichever error; kept alive below
+        kept = e
+    assert kept.__traceback__ is not None
+    assert not pickling._WATCHING
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
