@@ -2,7 +2,7 @@
 //! as a gathered write, only for memory no guard watches, and the ids of
 //! those writes never lost or doubled, whatever fails or interleaves.
 
-use fastpersist::{Engine, Fault, MemRef, Options, Segment, Source};
+use fastpersist::{Engine, Fault, MemRef, Options, Segment, Session, Source};
 
 fn combos() -> Vec<Options> {
     let mut v = vec![];
@@ -188,6 +188,60 @@ fn a_failed_lent_write_fails_the_save_and_loses_no_id() {
     }
 }
 
+/// Begin a streamed save of `p` and write `ma` at 4096 in one call, lent
+/// or (`lend` false) gathered; later calls lend again.
+fn begin_with_first(eng: &mut Engine, p: &std::path::Path, ma: MemRef, lend: bool) -> Session {
+    let mut s = eng.begin(p, 3 << 20).unwrap();
+    s.set_lending(lend);
+    eng.write(
+        &mut s,
+        vec![Segment {
+            offset: 4096,
+            source: Source::Mem(ma),
+            crc_id: Some(0),
+        }],
+    )
+    .unwrap();
+    s.set_lending(true);
+    s
+}
+
+/// Finish a streamed save whose first 1 MiB memory (`first`, as it was
+/// given) lies at 4096 with `second` after it (`mb`, 64 KiB apart); check
+/// the file's bytes and CRCs, and return the bytes written from memory.
+fn finish_with_second(
+    eng: &mut Engine,
+    s: Session,
+    p: &std::path::Path,
+    mb: MemRef,
+    first: &[u8],
+    second: &[u8],
+    opts: &Options,
+) -> u64 {
+    let n = first.len() as u64;
+    let at = 4096 + n + (64 << 10);
+    let st = eng
+        .finish(
+            s,
+            vec![Segment {
+                offset: at,
+                source: Source::Mem(mb),
+                crc_id: Some(1),
+            }],
+            at + second.len() as u64,
+        )
+        .unwrap();
+    let got = std::fs::read(p).unwrap();
+    assert!(got[4096..4096 + n as usize] == *first, "{opts:?}");
+    assert!(got[at as usize..] == *second, "{opts:?}");
+    assert_eq!(
+        st.crcs,
+        vec![crc32fast::hash(first), crc32fast::hash(second)],
+        "{opts:?}"
+    );
+    st.zero_copy_bytes
+}
+
 #[test]
 fn streamed_saves_lend_across_calls_and_other_uses_of_the_engine() {
     // A streamed save's lent writes complete before each call returns: the
@@ -212,7 +266,6 @@ fn streamed_saves_lend_across_calls_and_other_uses_of_the_engine() {
         let mut lent = vec![];
         for _ in 0..3 {
             let p = d.path().join("s.bin");
-            let n = first.len() as u64;
             // SAFETY: both memories outlive the session and stay unchanged.
             let (ma, mb) = unsafe {
                 (
@@ -220,16 +273,7 @@ fn streamed_saves_lend_across_calls_and_other_uses_of_the_engine() {
                     MemRef::new(second_mem.as_ptr(), second_mem.len()),
                 )
             };
-            let mut s = eng.begin(&p, 3 << 20).unwrap();
-            eng.write(
-                &mut s,
-                vec![Segment {
-                    offset: 4096,
-                    source: Source::Mem(ma),
-                    crc_id: Some(0),
-                }],
-            )
-            .unwrap();
+            let s = begin_with_first(&mut eng, &p, ma, true);
             // SAFETY: the write of this memory has returned (see above).
             unsafe { std::ptr::write_bytes(first_ptr, 0xEE, 1 << 20) };
             let mut buf = vec![0u8; 100_000];
@@ -240,27 +284,15 @@ fn streamed_saves_lend_across_calls_and_other_uses_of_the_engine() {
             }];
             eng.read_into(&other, &reqs).unwrap();
             assert!(buf.iter().all(|&x| x == 5));
-            let second = 4096 + n + (64 << 10);
-            let st = eng
-                .finish(
-                    s,
-                    vec![Segment {
-                        offset: second,
-                        source: Source::Mem(mb),
-                        crc_id: Some(1),
-                    }],
-                    second + n,
-                )
-                .unwrap();
-            let got = std::fs::read(&p).unwrap();
-            assert!(got[4096..4096 + n as usize] == *first_copy, "{opts:?}");
-            assert!(got[second as usize..] == *second_mem, "{opts:?}");
-            assert_eq!(
-                st.crcs,
-                vec![crc32fast::hash(&first_copy), crc32fast::hash(second_mem)],
-                "{opts:?}"
-            );
-            lent.push(st.zero_copy_bytes);
+            lent.push(finish_with_second(
+                &mut eng,
+                s,
+                &p,
+                mb,
+                &first_copy,
+                second_mem,
+                &opts,
+            ));
             // SAFETY: the session is finished; nothing reads the memory.
             unsafe { std::ptr::copy_nonoverlapping(first_copy.as_ptr(), first_ptr, 1 << 20) };
         }
@@ -283,7 +315,6 @@ fn a_session_told_not_to_lend_gathers_those_writes_and_lends_the_rest() {
     let first_copy = first.to_vec();
     let second = aligned(&mut s2, 1 << 20, 4);
     let n = first.len() as u64;
-    let at = 4096 + n + (64 << 10);
     for opts in combos() {
         let mut eng = Engine::new(opts.clone()).unwrap();
         let mut lent = vec![];
@@ -297,39 +328,17 @@ fn a_session_told_not_to_lend_gathers_those_writes_and_lends_the_rest() {
                     MemRef::new(second.as_ptr(), second.len()),
                 )
             };
-            let mut s = eng.begin(&p, 3 << 20).unwrap();
-            s.set_lending(lend_first);
-            eng.write(
-                &mut s,
-                vec![Segment {
-                    offset: 4096,
-                    source: Source::Mem(ma),
-                    crc_id: Some(0),
-                }],
-            )
-            .unwrap();
+            let s = begin_with_first(&mut eng, &p, ma, lend_first);
             first.fill(0xEE);
-            s.set_lending(true);
-            let st = eng
-                .finish(
-                    s,
-                    vec![Segment {
-                        offset: at,
-                        source: Source::Mem(mb),
-                        crc_id: Some(1),
-                    }],
-                    at + n,
-                )
-                .unwrap();
-            let got = std::fs::read(&p).unwrap();
-            assert!(got[4096..4096 + n as usize] == *first_copy, "{opts:?}");
-            assert!(got[at as usize..] == *second, "{opts:?}");
-            assert_eq!(
-                st.crcs,
-                vec![crc32fast::hash(&first_copy), crc32fast::hash(second)],
-                "{opts:?}"
-            );
-            lent.push(st.zero_copy_bytes);
+            lent.push(finish_with_second(
+                &mut eng,
+                s,
+                &p,
+                mb,
+                &first_copy,
+                second,
+                &opts,
+            ));
             first.copy_from_slice(&first_copy);
         }
         let block = opts.block_size as u64;
