@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import logging
+import operator
 import os
 import queue
 import threading
@@ -150,6 +151,19 @@ def _remove(bufs: List[torch.Tensor], buf: torch.Tensor) -> None:
     raise ValueError("buffer not in the pool")
 
 
+def _check_nbytes(nbytes: Any) -> int:
+    """A buffer size: an int (numpy's too, not a bool or a float) >= 0."""
+    if isinstance(nbytes, bool):
+        raise TypeError("nbytes must be an int, not bool")
+    try:
+        n = operator.index(nbytes)
+    except TypeError:
+        raise TypeError(f"nbytes must be an int, not {type(nbytes).__name__}") from None
+    if n < 0:
+        raise ValueError(f"nbytes must be >= 0, not {n}")
+    return n
+
+
 class SnapshotPool:
     """Reusable host staging buffers for snapshot saves (pinned when CUDA
     tensors are saved and CUDA is available). Buffers are kept for reuse
@@ -163,6 +177,7 @@ class SnapshotPool:
         self._stale: List[torch.Tensor] = []
 
     def acquire(self, nbytes: int, pin: bool = False) -> torch.Tensor:
+        nbytes = _check_nbytes(nbytes)
         with self._lock:
             fits = [b for b in self._free if b.numel() >= nbytes and (not pin or b.is_pinned())]
             if fits:
@@ -180,8 +195,7 @@ class SnapshotPool:
         now, on huge pages where the kernel gives them, and faulted in), so
         the next snapshot of that size does not allocate on its critical
         path. A smaller idle buffer is replaced."""
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, not {nbytes}")
+        nbytes = _check_nbytes(nbytes)
         with self._lock:
             if any(b.numel() >= nbytes and (not pin or b.is_pinned()) for b in self._free):
                 return
@@ -200,10 +214,7 @@ class SnapshotPool:
         missing ones are made now (faulted in), and for each one made a
         smaller idle buffer not counted is dropped. Snapshots taken in
         any order then all find a buffer: each takes the smallest that fits."""
-        reqs = [(int(n), bool(pin)) for n, pin in requests]
-        for n, _ in reqs:
-            if n < 0:
-                raise ValueError(f"nbytes must be >= 0, not {n}")
+        reqs = [(_check_nbytes(n), bool(pin)) for n, pin in requests]
         counted: List[torch.Tensor] = []
         missing: List[Tuple[int, bool]] = []
         with self._lock:

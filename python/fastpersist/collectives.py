@@ -56,9 +56,9 @@ _groups_lock = threading.Lock()
 
 
 def check_group(group: Any, what: str) -> None:
-    """Refuse a ``group=`` given to ``what`` that is not a process group
-    (TypeError), or one given before torch.distributed is initialized
-    (ValueError): at the call, naming it, not as a KeyError from inside
+    """Refuse a ``group=`` given to ``what`` before torch.distributed is
+    initialized (ValueError), or one that is not a process group
+    (TypeError): at the call, naming it, not as a KeyError from inside
     torch.distributed once a save is under way."""
     if group is None:
         return
@@ -68,15 +68,15 @@ def check_group(group: Any, what: str) -> None:
         raise ValueError(f"{what}: group= needs torch.distributed") from None
     if not dist.is_available():  # pragma: no cover - torch without distributed
         raise ValueError(f"{what}: group= needs torch.distributed, which this torch does not have")
+    shown = repr(group)
+    shown = f"{type(group).__name__} {shown if len(shown) <= 60 else shown[:57] + '...'}"
+    if not dist.is_initialized():
+        raise ValueError(f"{what}: group= needs torch.distributed initialized first (init_process_group); got {shown}")
     if group is not dist.group.WORLD and not isinstance(group, dist.ProcessGroup):
-        shown = repr(group)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise TypeError(
             f"{what}: group must be a torch.distributed ProcessGroup (torch.distributed.group.WORLD "
-            f"for every rank) or None, not {type(group).__name__} {shown}"
+            f"for every rank) or None, not {shown}"
         )
-    if not dist.is_initialized():
-        raise ValueError(f"{what}: group= needs torch.distributed initialized first (init_process_group)")
 
 
 def _ranks(group: Any) -> Tuple[int, ...]:

@@ -616,11 +616,13 @@ def _version(t: torch.Tensor) -> Optional[int]:
         return None
 
 
-def _storage_key(t: torch.Tensor) -> Optional[int]:
-    """The address of ``t``'s storage (shared by its views and detached
-    copies); None where it has none to compare (empty, or a wrapper)."""
+def _storage_key(t: torch.Tensor) -> Optional[Tuple[int, str]]:
+    """The address and device of ``t``'s storage (shared by its views and
+    detached copies); None where it has none to compare (empty, or a
+    wrapper)."""
     try:
-        return t.untyped_storage().data_ptr() or None
+        ptr = t.untyped_storage().data_ptr()
+        return (ptr, str(t.device)) if ptr else None
     except Exception:  # noqa: BLE001 - a wrapper subclass, a meta tensor: nothing to match
         return None
 
@@ -707,7 +709,7 @@ class TensorVersions:
         # Written by an optimizer step while pending: id -> who wrote it;
         # _by_storage indexes the first _indexed entries of _seen.
         self._written: Dict[int, str] = {}
-        self._by_storage: Dict[int, List[int]] = {}
+        self._by_storage: Dict[Tuple[int, str], List[int]] = {}
         self._indexed = 0
         _watch(self)
         if storages:
@@ -770,7 +772,7 @@ class TensorVersions:
         written by ``who`` (an optimizer step, on the stepping thread)."""
         seen = self._seen
         if self._indexed != len(seen):  # new tensors since (the pickler's)
-            index: Dict[int, List[int]] = {}
+            index: Dict[Tuple[int, str], List[int]] = {}
             items = list(seen.items())
             for i, (t, _) in items:
                 k = _storage_key(t)
@@ -786,9 +788,12 @@ class TensorVersions:
         return [(t, v, t._version) for t, v in self._seen.values() if t._version != v]
 
     def written(self) -> List[Tuple[torch.Tensor, str]]:
-        """(tensor, who) of each recorded tensor an optimizer step wrote since."""
-        seen = self._seen
-        return [(seen[i][0], who) for i, who in list(self._written.items()) if i in seen]
+        """(tensor, who) of each recorded tensor an optimizer step wrote
+        since, in the order they were recorded (the save's)."""
+        written = self._written
+        if not written:
+            return []
+        return [(t, written[i]) for i, (t, _) in list(self._seen.items()) if i in written]
 
     def check(self, obj: Any = None, what: str = "the save") -> None:
         """Raise :class:`TensorChangedError` (``on_change="error"``) or warn

@@ -231,6 +231,23 @@ def test_new_pool_buffers_are_faulted_in():
     pool.put_back(buf)
 
 
+def test_pool_sizes_are_checked_in_every_call():
+    """Regression: SnapshotPool.acquire(-1) (and a float or bool size)
+    returned a buffer; reserve and reserve_many refused only negatives."""
+    pool = fastpersist.SnapshotPool()
+    for call in (pool.acquire, pool.reserve, lambda n: pool.reserve_many([(n, False)])):
+        with pytest.raises(ValueError, match="nbytes must be >= 0"):
+            call(-1)
+        for bad in (2.5, True, "8"):
+            with pytest.raises(TypeError, match="nbytes must be an int"):
+                call(bad)
+    assert pool.nbytes == 0
+    import numpy as np
+
+    pool.put_back(pool.acquire(np.int64(4096)))
+    assert pool.nbytes >= 4096
+
+
 def test_checkpointer_prepare_in_snapshot_mode(tmp_path):
     sd = {"w": make((1 << 20,), torch.float32)}
     ck = fastpersist.Checkpointer(tmp_path / "c", mode="snapshot", every=1)

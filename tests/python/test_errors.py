@@ -306,21 +306,54 @@ def _group_takers(tmp_path):
     }
 
 
-@pytest.mark.parametrize(
-    "what", ["write_state_dict()", "read_state_dict()", "save_async()", "AsyncSaver.save()", "Checkpointer()"]
-)
-def test_a_group_that_is_not_a_process_group_is_named_at_the_call(tmp_path, what):
-    """Regression: group="x" (or a rank list) raised a bare KeyError from
-    inside torch.distributed, once the save was under way."""
+@pytest.fixture
+def gloo_world(tmp_path):
+    """A process group of this process alone (gloo), destroyed after."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+GROUP_TAKERS = ["write_state_dict()", "read_state_dict()", "save_async()", "AsyncSaver.save()", "Checkpointer()"]
+
+
+def _check_group_refusals(tmp_path, what, error, match):
+    d = tmp_path / "files"
+    d.mkdir()
     if what == "read_state_dict()":
-        fastpersist.write_state_dict({"w": torch.ones(4)}, tmp_path / "a.pt")
-    before = sorted(os.listdir(tmp_path))
-    call = _group_takers(tmp_path)[what]
+        fastpersist.write_state_dict({"w": torch.ones(4)}, d / "a.pt")
+    before = sorted(os.listdir(d))
+    call = _group_takers(d)[what]
     for bad in ("x", [0, 1], 3):
-        with pytest.raises(TypeError, match=r"group must be a torch.distributed ProcessGroup") as ei:
+        with pytest.raises(error, match=match) as ei:
             call(bad)
         assert str(ei.value).startswith(what), str(ei.value)
-    assert sorted(os.listdir(tmp_path)) == before
+    assert sorted(os.listdir(d)) == before
+
+
+@pytest.mark.parametrize("what", GROUP_TAKERS)
+def test_a_group_before_init_is_named_at_the_call(tmp_path, what):
+    """Regression: group="x" (or a rank list) raised a bare KeyError from
+    inside torch.distributed, once the save was under way."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("torch.distributed is initialized in this process")
+    _check_group_refusals(tmp_path, what, ValueError, r"init_process_group\); got (str|list|int)")
+
+
+@pytest.mark.parametrize("what", GROUP_TAKERS)
+def test_a_group_that_is_not_a_process_group_is_named_at_the_call(tmp_path, gloo_world, what):
+    _check_group_refusals(tmp_path, what, TypeError, r"group must be a torch.distributed ProcessGroup")
 
 
 def test_read_state_dict_refuses_stats_it_cannot_append_to_before_reading(tmp_path):
