@@ -641,23 +641,43 @@ def _optimizer_step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     are marked written in every pending save that holds them: fused kernels
     (``fused=True`` Adam, AdamW, SGD, Adagrad) and optimizers that update
     ``p.data`` change them without bumping their version counters."""
-    if not _WATCHING:
+    if not _WATCHING or _compiling():
+        # Compiled steps write back through copy_, which the counter sees.
         return
-    keys = set()
-    state = getattr(optimizer, "state", {})
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            keys.add(_storage_key(p))
-            for v in (state.get(p) or {}).values():
-                if isinstance(v, torch.Tensor):
-                    keys.add(_storage_key(v))
-    keys.discard(None)
+    try:
+        keys = _step_writes(optimizer)
+    except Exception:  # an optimizer of an unexpected shape: never fail its step
+        log.debug("fastpersist: cannot tell what %s.step() writes", type(optimizer).__name__, exc_info=True)
+        return
     if keys:
         who = f"{type(optimizer).__name__}.step()"
         for versions in list(_WATCHING):
             versions._written_by(keys, who)
+
+
+def _step_writes(optimizer: Any) -> set:
+    """The storage keys of what ``optimizer.step()`` writes: each parameter
+    with a gradient, and the tensors of its state."""
+    keys = set()
+    state = getattr(optimizer, "state", None)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor) or p.grad is None:
+                continue
+            keys.add(_storage_key(p))
+            st = state.get(p) if isinstance(state, dict) else None
+            if isinstance(st, dict):
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        keys.add(_storage_key(v))
+    keys.discard(None)
+    return keys
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    is_compiling = getattr(compiler, "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
 
 
 def _watch(versions: TensorVersions) -> None:

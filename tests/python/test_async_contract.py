@@ -522,3 +522,35 @@ def test_a_failed_save_stops_watching_optimizer_steps(tmp_path):
     assert not pickling._WATCHING
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
+
+
+class OddOptimizer(torch.optim.Optimizer):
+    """An optimizer of a shape the step hook does not expect: its state
+    cannot be read. Its step writes nothing."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    @property
+    def state(self):
+        raise RuntimeError("no state here")
+
+    @state.setter
+    def state(self, value):
+        pass
+
+    def step(self, closure=None):
+        return None
+
+
+def test_the_step_hook_never_fails_an_optimizer_step(tmp_path, saver):
+    # While a save is pending, the hook reads the optimizer's parameters and
+    # state; an optimizer it cannot read still steps, and the save commits.
+    model = torch.nn.Linear(8, 8)
+    opt = OddOptimizer(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    with held(saver, "pipelined"):
+        fut = saver.save(model.state_dict(), tmp_path / "a.pt")
+        opt.step()
+    fut.result(timeout=60)
+    assert_same(model.state_dict(), torch.load(tmp_path / "a.pt"))
