@@ -67,14 +67,21 @@ def _inspect_legacy(args: argparse.Namespace) -> int:
     from a weights-only load."""
     tensors = _torch_tensors(args.path, mmap=False)
     if args.json:
-        rows = [{"key": k, "dtype": d, "shape": s, "bytes": n} for k, d, s, n in tensors]
+        rows = None if tensors is None else [{"key": k, "dtype": d, "shape": s, "bytes": n} for k, d, s, n in tensors]
         json.dump({"format": "torch-legacy", "records": [], "tensors": rows}, sys.stdout, indent=1)
         print()
+        return EXIT_OK
+    on_disk = _human(os.path.getsize(args.path))
+    if tensors is None:
+        print(
+            f"{args.path}: torch-legacy checkpoint (no checksums in this format), {on_disk} on disk; "
+            "its objects cannot be loaded weights-only, so its tensors are not listed"
+        )
         return EXIT_OK
     total = sum(n for _, _, _, n in tensors)
     print(
         f"{args.path}: torch-legacy checkpoint (no checksums in this format), {len(tensors)} tensors, "
-        f"{_human(total)} of data, {_human(os.path.getsize(args.path))} on disk"
+        f"{_human(total)} of data, {on_disk} on disk"
     )
     print(f"{'tensor':<40} {'dtype':<16} {'shape':<20} {'bytes':>12}")
     for key, dtype, shape, nbytes in tensors:
@@ -82,16 +89,16 @@ def _inspect_legacy(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _torch_tensors(path: str, mmap: bool = True) -> list:
+def _torch_tensors(path: str, mmap: bool = True) -> Optional[list]:
     """Key paths, dtypes and shapes of the tensors of a torch checkpoint,
     from a lazy (mmap) load, or a plain one (``mmap=False``: torch's legacy
-    format); [] when it cannot be loaded weights-only."""
+    format); None when it cannot be loaded weights-only."""
     import torch
 
     try:
         obj = torch.load(path, mmap=mmap, weights_only=True, map_location="cpu")
     except Exception:  # noqa: BLE001 - inspect still shows the records
-        return []
+        return None
     out = []
     stack = [("", obj)]
     while stack:

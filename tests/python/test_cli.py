@@ -52,6 +52,13 @@ def test_inspect_lists_the_tensors_of_a_legacy_torch_file(tmp_path):
         "w": ("float32", [3, 4], 48),
         "b": ("int64", [5], 40),
     }
+    # One that a weights-only load refuses: said so, not "0 tensors".
+    odd = tmp_path / "odd.pt"
+    torch.save({"w": torch.ones(3), "c": fastpersist.ReadStats}, odd, _use_new_zipfile_serialization=False)
+    r = run("inspect", odd)
+    assert r.returncode == 0, r.stderr
+    assert "cannot be loaded weights-only" in r.stdout and "0 tensors" not in r.stdout, r.stdout
+    assert json.loads(run("inspect", odd, "--json").stdout)["tensors"] is None
 
 
 def test_verify_ok_corrupt_missing(ckpt, tmp_path):
