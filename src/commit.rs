@@ -717,16 +717,21 @@ fn hold_replaced(dir: &File, name: &CStr) -> Option<OwnedFd> {
     }
     // SAFETY: `fd` was just opened and is owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let big = fstat(fd.as_raw_fd()).is_some_and(|st| {
+        st.st_mode & libc::S_IFMT == libc::S_IFREG
+            && st.st_nlink == 1
+            && st.st_size >= FREE_LATER_MIN
+    });
+    big.then_some(fd)
+}
+
+/// `fstat` of an open descriptor; None where it fails.
+fn fstat(fd: RawFd) -> Option<libc::stat> {
     // SAFETY: `stat` is plain old data; all-zero is a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat on our own descriptor into a stat buffer that lives
-    // across the call.
-    let ok = unsafe { libc::fstat(fd.as_raw_fd(), &raw mut st) } == 0;
-    let big = ok
-        && st.st_mode & libc::S_IFMT == libc::S_IFREG
-        && st.st_nlink == 1
-        && st.st_size >= FREE_LATER_MIN;
-    big.then_some(fd)
+    // SAFETY: fstat on a descriptor the caller holds open, into a stat
+    // buffer that lives across the call.
+    (unsafe { libc::fstat(fd, &raw mut st) } == 0).then_some(st)
 }
 
 /// Drop `fd` (the last reference to a replaced file) on a thread of its
@@ -812,13 +817,9 @@ const ZERO_FILLING_FS: [i64; 4] = [0x0102_1994, 0x9584_58f6, 0x4d44, 0x2011_bab0
 
 /// Bytes of storage the open file `fd` holds (its allocated blocks).
 fn allocated_bytes(fd: RawFd) -> u64 {
-    // SAFETY: fstat fills the zeroed struct for our own open fd.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; `st` is a valid, writable stat buffer.
-    if unsafe { libc::fstat(fd, &raw mut st) } != 0 {
-        return 0;
-    }
-    u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512)
+    fstat(fd).map_or(0, |st| {
+        u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512)
+    })
 }
 
 /// For a file on a file system where fallocate zero-fills (see
