@@ -419,6 +419,29 @@ class _Held:
         return obj, versions
 
 
+def _write_held(
+    held: _Held, path: str, fut: CheckpointFuture, write: Callable[[Any, TensorVersions], WriteStats]
+) -> None:
+    """Run a background save that writes straight from the caller's
+    tensors: take the object out of its box, ``write(obj, versions)`` once
+    earlier saves to ``path`` are done, and complete ``fut``, letting go of
+    the tensors first (on failure too, where this frame stays in the
+    traceback, and the versions release theirs)."""
+    obj, versions = held.take()
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        wait_for_earlier(path, fut)
+        stats = write(obj, versions)
+    except BaseException as e:  # noqa: BLE001 - delivered through the future
+        versions.release()
+        obj = versions = None  # this frame stays in the traceback
+        fut._fail(e)
+        return
+    obj = versions = None  # let go of the tensors before the caller is told
+    fut._succeed(stats)
+
+
 def _on(device: Any, fn: Callable[..., None]) -> Callable[..., None]:
     """``fn`` run on a background thread with ``device`` (the caller's, at
     the call) as that thread's current CUDA device."""
@@ -699,19 +722,14 @@ class AsyncSaver:
         fut: CheckpointFuture,
         ready: ReadyEvents,
     ) -> None:
-        obj, versions = held.take()
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            wait_for_earlier(path, fut)
-            stats = write_torch_zip(obj, path, opts, on_gathered=fut._mark_snapshot, ready=ready, versions=versions)
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
-            versions.release()
-            obj = versions = None  # this frame stays in the traceback
-            fut._fail(e)
-            return
-        obj = versions = None  # let go of the tensors before the caller is told
-        fut._succeed(stats)
+        _write_held(
+            held,
+            path,
+            fut,
+            lambda obj, versions: write_torch_zip(
+                obj, path, opts, on_gathered=fut._mark_snapshot, ready=ready, versions=versions
+            ),
+        )
 
     def _pipelined_safetensors(
         self,
@@ -723,19 +741,12 @@ class AsyncSaver:
     ) -> None:
         # The tensors are written from where they are; the snapshot phase
         # ends once they are all gathered.
-        obj, versions = held.take()
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            wait_for_earlier(path, fut)
-            stats = write_safetensors(obj, path, opts, metadata, versions, fut._mark_snapshot)
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
-            versions.release()
-            obj = versions = None  # this frame stays in the traceback
-            fut._fail(e)
-            return
-        obj = versions = None  # let go of the tensors before the caller is told
-        fut._succeed(stats)
+        _write_held(
+            held,
+            path,
+            fut,
+            lambda obj, versions: write_safetensors(obj, path, opts, metadata, versions, fut._mark_snapshot),
+        )
 
     def _distributed(
         self,
@@ -749,20 +760,11 @@ class AsyncSaver:
     ) -> None:
         # With a group the snapshot phase ends with the write (the ranks'
         # parts are written from the live tensors, then committed together).
-        obj, versions = held.take()
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            wait_for_earlier(path, fut)
+        def write(obj: Any, versions: TensorVersions) -> WriteStats:
             with side_streams(ready):
-                stats = write_distributed(obj, path, opts, group, sharded, "torch", versions)
-        except BaseException as e:  # noqa: BLE001
-            versions.release()
-            obj = versions = None  # this frame stays in the traceback
-            fut._fail(e)
-            return
-        obj = versions = None  # let go of the tensors before the caller is told
-        fut._succeed(stats)
+                return write_distributed(obj, path, opts, group, sharded, "torch", versions)
+
+        _write_held(held, path, fut, write)
 
     def _snapshot_then_write(
         self,

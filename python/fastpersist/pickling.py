@@ -781,7 +781,7 @@ class TensorVersions:
     def release(self) -> None:
         """Let go of the recorded tensors (a failed save: its error, kept by
         the caller, must not keep them alive through this object)."""
-        _WATCHING.discard(self)
+        self.unwatch()
         self._seen = {}
         self._survey = None
         self._by_storage = {}
@@ -819,7 +819,7 @@ class TensorVersions:
         """Raise :class:`TensorChangedError` (``on_change="error"``) or warn
         when a recorded tensor was changed in place since it was recorded;
         ``obj`` (the saved object) is searched to name the tensor."""
-        _WATCHING.discard(self)
+        self.unwatch()
         bad = self.changed()
         written = [] if bad else self.written()
         if not bad and not written:

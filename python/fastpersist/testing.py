@@ -220,16 +220,18 @@ def assert_roundtrip(obj: Any, path: Any, *, write_kwargs: Optional[Dict[str, An
     if (write_kwargs or {}).get("format") == "safetensors":
         _check_safetensors_roundtrip(obj, got, path, read_kwargs, check_device)
         return got
-    try:
-        assert_same_state(obj, got, check_device=check_device)
-    except AssertionError as e:
-        raise AssertionError(f"read_state_dict({os.fspath(path)!r}): {e}") from None
+    _same_as_read(obj, got, "read_state_dict", path, check_device)
     ref = torch.load(path, **_torch_load_kwargs(read_kwargs))
-    try:
-        assert_same_state(obj, ref, check_device=check_device)
-    except AssertionError as e:
-        raise AssertionError(f"torch.load({os.fspath(path)!r}): {e}") from None
+    _same_as_read(obj, ref, "torch.load", path, check_device)
     return got
+
+
+def _same_as_read(expected: Any, got: Any, reader: str, path: Any, check_device: bool) -> None:
+    """:func:`assert_same_state`, its error naming the reader that gave ``got``."""
+    try:
+        assert_same_state(expected, got, check_device=check_device)
+    except AssertionError as e:
+        raise AssertionError(f"{reader}({os.fspath(path)!r}): {e}") from None
 
 
 def _as_safetensors(d: Any) -> Dict[str, Any]:
@@ -242,20 +244,14 @@ def _check_safetensors_roundtrip(
     obj: Any, got: Any, path: Any, read_kwargs: Dict[str, Any], check_device: bool
 ) -> None:
     expected = _as_safetensors(obj)
-    try:
-        assert_same_state(expected, _as_safetensors(got), check_device=check_device)
-    except AssertionError as e:
-        raise AssertionError(f"read_state_dict({os.fspath(path)!r}): {e}") from None
+    _same_as_read(expected, _as_safetensors(got), "read_state_dict", path, check_device)
     try:
         from safetensors.torch import load_file
     except ImportError:  # pragma: no cover - depends on the environment
         return
     device = read_kwargs.get("map_location")
     ref = load_file(os.fspath(path), device=str(device) if device is not None else "cpu")
-    try:
-        assert_same_state(expected, _as_safetensors(ref), check_device=check_device)
-    except AssertionError as e:
-        raise AssertionError(f"safetensors.torch.load_file({os.fspath(path)!r}): {e}") from None
+    _same_as_read(expected, _as_safetensors(ref), "safetensors.torch.load_file", path, check_device)
 
 
 # ---------------------------------------------------------------------------
