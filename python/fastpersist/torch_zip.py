@@ -222,6 +222,17 @@ class TorchZipLayout:
         self.file_len = self.cursor
         return self._take()
 
+    def laid_out(self) -> None:
+        """Every byte of the file has been gathered: let go of what only
+        laying it out needed (the records' and entries' bookkeeping, the
+        storages found up front); :attr:`guard`, :attr:`storage_keys` and
+        :attr:`storage_bytes` stay."""
+        self.records = []
+        self.entries = []
+        self._known = {}
+        self._known_keys = set()
+        del self.keepalive[:]
+
     def _take(self) -> Batch:
         b, self._batch = self._batch, Batch()
         b.end = self.cursor

@@ -168,9 +168,9 @@ def write_torch_zip(
         return stream_plan(plan, path, time.perf_counter() - t0, t0)
     if versions is None:
         versions = TensorVersions(obj, storages=True)
-    gathered = _checked(versions, obj, on_gathered)
     stage, kind = staging_setup()
     layout = TorchZipLayout(obj, stage=stage, versions=versions)
+    gathered = _checked(versions, obj, on_gathered, layout.laid_out)
     head_end, head_devices = layout.head_hints()
     ctx: Optional[DeviceContext] = None
     if head_devices:
@@ -216,16 +216,27 @@ def write_torch_zip(
     return stats
 
 
-def _checked(versions: TensorVersions, obj: Any, on_gathered: Optional[Callable[[], None]]) -> Callable[[], None]:
+def _checked(
+    versions: TensorVersions,
+    obj: Any,
+    on_gathered: Optional[Callable[[], None]],
+    laid_out: Optional[Callable[[], None]] = None,
+) -> Callable[[], None]:
     """The engine's ``on_gathered`` hook: every byte of caller memory is in
     the arena and nothing is committed yet. A tensor changed in place since
     the call raises (the engine then commits nothing) or warns; then
-    ``on_gathered()`` (the end of an async save's snapshot phase)."""
+    ``on_gathered()`` (the end of an async save's snapshot phase). Then the
+    versions, and with ``laid_out()`` the layout's bookkeeping, are let go:
+    freed here, while the file's last writes are still in flight, rather
+    than after the commit (10,000 tensors: 3-5 ms of deallocation)."""
 
     def gathered() -> None:
         versions.check(obj)
         if on_gathered is not None:
             on_gathered()
+        versions.release()
+        if laid_out is not None:
+            laid_out()
 
     return gathered
 
