@@ -600,7 +600,7 @@ class AsyncSaver:
             self.pool.reserve(_snapshot_bytes(plan), pin=pin)
 
         if background:
-            return self._snap.submit(run)
+            return self._queue(run)
         run()
         return None
 
@@ -626,7 +626,7 @@ class AsyncSaver:
             self.pool.reserve_many(requests)
 
         if background:
-            return self._snap.submit(run)
+            return self._queue(run)
         run()
         return None
 
@@ -664,23 +664,31 @@ class AsyncSaver:
         except BaseException:
             self._slots.release()
             raise
-        fut = CheckpointFuture(p, mode)
-        note_pending(p, fut)
-        fut.add_done_callback(self._finished)
+        held = _Held(obj, versions)
+        del obj  # from here on only in the box
         with self._lock:
+            if self._closed:
+                # Closed by another thread since the check above: its threads
+                # end once the saves registered before are done, so this one
+                # would never run (its future never complete).
+                self._slots.release()
+                versions.release()
+                self._check_open()
+            del versions
+            fut = CheckpointFuture(p, mode)
+            note_pending(p, fut)
+            fut.add_done_callback(self._finished)
             self._last = fut
             self._inflight.append(fut)
-        held = _Held(obj, versions)
-        del obj, versions  # from here on only in the box
-        if group is not None:
-            self._write.submit(_on(home, self._distributed), held, p, opts, fut, group, sharded, ready)
-        elif mode == "snapshot":
-            planner = _planner(fmt, metadata)
-            self._snap.submit(_on(home, self._snapshot_then_write), held, p, opts, fut, ready, planner)
-        elif fmt == "safetensors":
-            self._write.submit(_on(home, self._pipelined_safetensors), held, p, opts, fut, metadata)
-        else:
-            self._write.submit(_on(home, self._pipelined), held, p, opts, fut, ready)
+            if group is not None:
+                self._write.submit(_on(home, self._distributed), held, p, opts, fut, group, sharded, ready)
+            elif mode == "snapshot":
+                planner = _planner(fmt, metadata)
+                self._snap.submit(_on(home, self._snapshot_then_write), held, p, opts, fut, ready, planner)
+            elif fmt == "safetensors":
+                self._write.submit(_on(home, self._pipelined_safetensors), held, p, opts, fut, metadata)
+            else:
+                self._write.submit(_on(home, self._pipelined), held, p, opts, fut, ready)
         return fut
 
     def _after_fork_in_child(self) -> None:
@@ -886,6 +894,15 @@ class AsyncSaver:
         self._snap.stop()
         self._write.stop()
         self.pool.release()
+
+    def _queue(self, fn: Callable[[], None]) -> concurrent.futures.Future:
+        """``fn`` queued on the snapshot thread, unless the saver was closed
+        meanwhile (by another thread): :meth:`close` ends the threads once
+        the work queued before it is done, so work queued after would never
+        run."""
+        with self._lock:
+            self._check_open()
+            return self._snap.submit(fn)
 
     def _check_open(self) -> None:
         if self._closed:

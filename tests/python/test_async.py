@@ -356,6 +356,50 @@ def test_a_closed_saver_refuses_saves_instead_of_hanging(tmp_path):
     saver.close()  # again: nothing
     assert not os.path.exists(tmp_path / "b.pt")
 
+@pytest.mark.parametrize("call", ["save", "snapshot", "prepare"])
+def test_a_saver_closed_by_another_thread_during_a_call_refuses_it(tmp_path, monkeypatch, call):
+    """Regression: a save (or a background prepare) that passed the check
+    for a closed saver, then was overtaken by close() on another thread,
+    was queued for threads that had ended: its future never completed."""
+    import threading
+
+    from fastpersist import async_save
+
+    saver = AsyncSaver()
+    inside, go = threading.Event(), threading.Event()
+    real = async_save.record_ready if call != "prepare" else async_save._planner
+
+    def paused(*a, **kw):
+        inside.set()
+        assert go.wait(60)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(async_save, "record_ready" if call != "prepare" else "_planner", paused)
+    result: dict = {}
+
+    def run():
+        try:
+            sd = {"a": torch.ones(2)}
+            if call == "prepare":
+                result["fut"] = saver.prepare(sd, background=True)
+            else:
+                mode = "snapshot" if call == "snapshot" else "pipelined"
+                result["fut"] = saver.save(sd, tmp_path / "a.pt", mode=mode)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            result["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert inside.wait(60)
+    saver.close()  # nothing registered yet: returns at once, the threads end
+    go.set()
+    t.join(60)
+    assert "fut" not in result, "a call the closed saver can never run was accepted"
+    assert isinstance(result["error"], RuntimeError) and "closed" in str(result["error"])
+    assert not os.path.exists(tmp_path / "a.pt")
+    assert not fastpersist.options.has_pending(str(tmp_path / "a.pt"))
+
+
 
 @pytest.mark.parametrize(
     "kw, error",
