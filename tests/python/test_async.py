@@ -356,6 +356,7 @@ def test_a_closed_saver_refuses_saves_instead_of_hanging(tmp_path):
     saver.close()  # again: nothing
     assert not os.path.exists(tmp_path / "b.pt")
 
+
 @pytest.mark.parametrize("call", ["save", "snapshot", "prepare"])
 def test_a_saver_closed_by_another_thread_during_a_call_refuses_it(tmp_path, monkeypatch, call):
     """Regression: a save (or a background prepare) that passed the check
@@ -398,7 +399,6 @@ def test_a_saver_closed_by_another_thread_during_a_call_refuses_it(tmp_path, mon
     assert isinstance(result["error"], RuntimeError) and "closed" in str(result["error"])
     assert not os.path.exists(tmp_path / "a.pt")
     assert not fastpersist.options.has_pending(str(tmp_path / "a.pt"))
-
 
 
 @pytest.mark.parametrize(
