@@ -2748,6 +2748,40 @@ fn int_items(o: &Bound<'_, PyAny>) -> bool {
         .is_ok_and(|t| t.iter().all(|x| exact_int(&x)))
 }
 
+/// Whether a tensor at `offset` with `size` and `stride` (ints, tuples of
+/// ints) of `dtype` lies within `untyped`'s bytes (true for values the
+/// check cannot read: torch's `set_` refuses those itself).
+fn fits_storage(
+    offset: &Bound<'_, PyAny>,
+    size: &Bound<'_, PyAny>,
+    stride: &Bound<'_, PyAny>,
+    dtype: &Bound<'_, PyAny>,
+    untyped: &Bound<'_, PyAny>,
+) -> PyResult<bool> {
+    let py = offset.py();
+    let (Ok(offset), Ok(size), Ok(stride)) = (
+        offset.extract::<i64>(),
+        size.extract::<Vec<i64>>(),
+        stride.extract::<Vec<i64>>(),
+    ) else {
+        return Ok(true);
+    };
+    if size.len() != stride.len() || size.contains(&0) {
+        return Ok(true);
+    }
+    let span = size
+        .iter()
+        .zip(&stride)
+        .fold(i128::from(offset) + 1, |acc, (&n, &s)| {
+            acc + (i128::from(n) - 1) * i128::from(s)
+        });
+    let elem: i128 = dtype.getattr(pyo3::intern!(py, "itemsize"))?.extract()?;
+    let nbytes: i128 = untyped
+        .call_method0(pyo3::intern!(py, "nbytes"))?
+        .extract()?;
+    Ok(span.saturating_mul(elem) <= nbytes)
+}
+
 impl<'py> UnpickleBuild<'py> {
     /// `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad,
     /// backward_hooks[, metadata])` for what torch.save writes for a plain
@@ -2792,6 +2826,15 @@ impl<'py> UnpickleBuild<'py> {
         // device=storage._untyped_storage.device).set_(...)
         let dtype = storage.getattr(pyo3::intern!(py, "dtype"))?;
         let untyped = storage.getattr(pyo3::intern!(py, "_untyped_storage"))?;
+        if !fits_storage(&offset, &size, &stride, &dtype, &untyped)? {
+            // `set_` would grow the storage to fit (a read's storages can be
+            // resized, torch.load's cannot): refused before it allocates.
+            return Err(PyValueError::new_err(format!(
+                "a tensor of size {size} at offset {offset} reaches past its storage of {} bytes",
+                untyped.call_method0(pyo3::intern!(py, "nbytes"))?
+            ))
+            .into());
+        }
         let device = untyped.getattr(pyo3::intern!(py, "device"))?;
         let kwargs = PyDict::new(py);
         kwargs.set_item(pyo3::intern!(py, "dtype"), dtype)?;

@@ -979,19 +979,60 @@ def _storage_dtype(storage_type: Any) -> torch.dtype:
     return dtype
 
 
+def tensor_span(offset: Any, size: Any, stride: Any) -> Optional[int]:
+    """How many elements of its storage a tensor at ``offset`` with
+    ``size`` and ``stride`` reaches (0 when it holds none), or None when
+    they are not ints (torch's rebuild then raises its own error)."""
+    try:
+        if type(offset) is not int or len(size) != len(stride):
+            return None
+        if not all(type(n) is int for n in size) or not all(type(n) is int for n in stride):
+            return None
+    except TypeError:
+        return None
+    if any(n == 0 for n in size):
+        return 0
+    return offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1
+
+
+#: torch's rebuild functions that lay a tensor over a storage: (storage,
+#: offset, size, stride, ...).
+_TENSOR_REBUILDS = frozenset(
+    ("torch._utils", n) for n in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_qtensor")
+)
+
+
+class _ScannedStorage(_Anything):
+    """What a scan's ``persistent_load`` gives for a storage: its key."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
 class LocationScan(pickle.Unpickler):
     """Replays a pickle's opcodes with every global replaced by a stand-in,
     so nothing is constructed or imported, and notes each storage's
     location and its (storage type name, element count) (torch writes one
-    persistent id per storage)."""
+    persistent id per storage), and (:attr:`spans`) the most elements of
+    each storage a tensor laid over it reaches."""
 
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data), encoding="utf-8")
         self.locations: Dict[str, str] = {}
         self.storages: Dict[str, Tuple[str, int]] = {}
+        self.spans: Dict[str, int] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _TENSOR_REBUILDS:
+            return self._tensor
         return _stand_in(module, name)
+
+    def _tensor(self, storage: Any = None, offset: Any = 0, size: Any = (), stride: Any = (), *rest: Any) -> Any:
+        if isinstance(storage, _ScannedStorage):
+            span = tensor_span(offset, size, stride)
+            if span is not None:
+                self.spans[storage.key] = max(self.spans.get(storage.key, 0), span)
+        return _Anything()
 
     def persistent_load(self, pid: Any) -> Any:
         # zip files: ("storage", type, key, location, numel); legacy files
@@ -1004,6 +1045,7 @@ class LocationScan(pickle.Unpickler):
             prev = self.storages.get(key)
             if prev is None or numel * storage_element_size(type_name) > prev[1] * storage_element_size(prev[0]):
                 self.storages[key] = (type_name, numel)
+            return _ScannedStorage(key)
         return _Anything()
 
 
@@ -1047,6 +1089,21 @@ class _StorageLoader:
         self.typed: Dict[str, Any] = {}
         # Records handed out and not kept: a later reference gets its own.
         self.handed: set = set()
+        # Every storage handed out, its key and size then (see check_sizes).
+        self.given: List[Tuple[Any, str, int]] = []
+
+    def check_sizes(self) -> None:
+        """Raise :class:`CorruptCheckpointError` when a tensor the pickle
+        laid over a storage reached past the record's bytes. Storages made
+        for a read can be resized, and ``set_`` grows them to fit what the
+        pickle claims (torch.load's cannot be: it refuses such a file), so
+        the file's own bytes would come back padded with memory it never
+        held."""
+        for st, key, n in self.given:
+            if st.nbytes() != n:
+                raise CorruptCheckpointError(
+                    f"{self.path}: a tensor in the pickle reaches past storage {key!r}, which holds {n} bytes"
+                )
 
     def __call__(self, saved_id: Any) -> Any:
         if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] != "storage":
@@ -1083,6 +1140,7 @@ class _StorageLoader:
             except Exception as e:
                 raise _RestoreError(e) from e
         ts = torch.storage.TypedStorage(wrap_storage=st, dtype=dtype, _internal=True)
+        self.given.append((st, key, st.nbytes()))
         if kept is None:
             if ts._data_ptr() != 0 or load_keeps_every_storage():
                 self.typed[key] = ts
@@ -1272,12 +1330,53 @@ def _fast_unpickle(pkl: bytes, weights_only: bool, load: Callable[[Any], Any]) -
     return _core.fast_unpickle(pkl, ctx, load)
 
 
+class _MissingGlobal(Exception):
+    """Carries the error of a global the pickle names that cannot be
+    imported (a class since removed): torch.load raises it as it is."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Unpickler(pickle.Unpickler):
+    """The unpickler of ``weights_only=False`` loads: globals as pickle
+    finds them, torch's tensor rebuilds checked first (a tensor reaching
+    past its storage's record is refused before ``set_`` would grow the
+    storage to fit it)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            found = super().find_class(module, name)
+        except (ImportError, AttributeError) as e:
+            raise _MissingGlobal(e) from e
+        if (module, name) in _TENSOR_REBUILDS and callable(found):
+            return _fitting(found)
+        return found
+
+
+def _fitting(rebuild: Callable[..., Any]) -> Callable[..., Any]:
+    """``rebuild`` (storage, offset, size, stride, ...), refusing a tensor
+    that reaches past its storage."""
+
+    @functools.wraps(rebuild)
+    def checked(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any, **kw: Any) -> Any:
+        span = tensor_span(offset, size, stride)
+        if span is not None and isinstance(storage, torch.storage.TypedStorage) and span > storage.size():
+            raise CorruptCheckpointError(
+                f"a tensor of {tuple(size)} at offset {offset} reaches past its storage of {storage.size()} elements"
+            )
+        return rebuild(storage, offset, size, stride, *rest, **kw)
+
+    return checked
+
+
 def _unpickler(pkl: bytes, weights_only: bool) -> Any:
     if weights_only:
         from torch import _weights_only_unpickler
 
         return _weights_only_unpickler.Unpickler(io.BytesIO(pkl), encoding="utf-8")
-    return pickle.Unpickler(io.BytesIO(pkl), encoding="utf-8")
+    return _Unpickler(io.BytesIO(pkl), encoding="utf-8")
 
 
 def unpickle_before_data(pkl: bytes, storages: Dict[str, Any], path: str, weights_only: bool) -> Tuple[Any, bool]:
@@ -1294,6 +1393,7 @@ def unpickle_before_data(pkl: bytes, storages: Dict[str, Any], path: str, weight
     loader = _StorageLoader(storages, path, None, set(), pending=True)
     try:
         obj = _fast_unpickle(pkl, weights_only, loader)
+        loader.check_sizes()
     except Exception:  # noqa: BLE001 - a storage to restore, or damage: the unpickle after the read
         return None, True
     return obj, False
@@ -1331,10 +1431,15 @@ def unpickle(
         obj = _fast_unpickle(pkl, weights_only, loader) if fast else None
         if obj is None:
             obj = unpickler.load()
-    except CorruptCheckpointError:
+        loader.check_sizes()
+    except CorruptCheckpointError as e:
+        if not str(e).startswith(path):
+            raise CorruptCheckpointError(f"{path}: {e}") from None
         raise
-    except _RestoreError as e:  # e.g. map_location="cuda" without a GPU: torch's own error
+    except (_RestoreError, _MissingGlobal) as e:  # e.g. map_location="cuda" without a GPU: torch's own error
         raise e.error from None
+    except NotImplementedError:
+        raise  # what torch.load raises too (a quantized tensor restored to meta, say)
     except pickle.UnpicklingError as e:
         if weights_only:  # torch.load's words, exactly
             raise pickle.UnpicklingError(weights_only_message(str(e))) from None

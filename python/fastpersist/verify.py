@@ -109,7 +109,8 @@ def inspect_file(path: PathLike) -> Tuple[str, List[RecordInfo]]:
 
 def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
     """The pickle is well formed, and every storage it names is a record
-    of the file holding at least the bytes the pickle needs."""
+    of the file holding at least the bytes the pickle needs, and the bytes
+    every tensor laid over it reaches."""
     try:
         for _ in pickletools.genops(data):
             pass
@@ -131,6 +132,11 @@ def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
         need = numel * storage_element_size(type_name)
         if need > sizes[key]:
             raise CorruptCheckpointError(f"{path}: storage {key!r} holds {sizes[key]} bytes, the pickle needs {need}")
+        reach = scan.spans.get(key, 0) * storage_element_size(type_name)
+        if reach > sizes[key]:
+            raise CorruptCheckpointError(
+                f"{path}: a tensor in the pickle reaches {reach} bytes into storage {key!r}, which holds {sizes[key]}"
+            )
 
 
 def _check_legacy(fd: int, size: int, path: str) -> int:

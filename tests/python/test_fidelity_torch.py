@@ -724,3 +724,49 @@ def test_17_7_torch_computes_the_offsets_of_fastpersists_records(tmp_path, monke
     want = _offset_loads(theirs, monkeypatch)
     assert not isinstance(want["plain"], type), want["plain"]
     assert _offset_loads(ours, monkeypatch) == want
+
+
+@pytest.mark.parametrize("gone", ["class", "module"])
+def test_a_pickled_class_that_no_longer_exists_raises_what_torch_raises(tmp_path, monkeypatch, gone):
+    """Regression: an intact file naming a class (or module) that cannot be
+    imported any more raised CorruptCheckpointError (the file is not
+    corrupt); torch.load raises the import's own AttributeError or
+    ModuleNotFoundError, which callers catch."""
+    import importlib
+
+    name = f"fp_gone_{gone}"
+    mod = tmp_path / f"{name}.py"
+    mod.write_text("class Thing:\n    def __init__(self):\n        self.x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    m = importlib.import_module(name)
+    obj = {"t": torch.ones(3), "thing": m.Thing()}
+    paths = {"torch": tmp_path / "t.pt", "fastpersist": tmp_path / "f.pt"}
+    torch.save(obj, paths["torch"])
+    fastpersist.write_state_dict(obj, paths["fastpersist"])
+    if gone == "class":
+        del m.Thing
+    else:
+        monkeypatch.delitem(sys.modules, name)
+        mod.unlink()
+    expected = AttributeError if gone == "class" else ModuleNotFoundError
+    for p in paths.values():
+        with pytest.raises(expected) as want:
+            torch.load(p, weights_only=False)
+        with pytest.raises(expected) as got:
+            fastpersist.read_state_dict(p, weights_only=False)
+        assert not isinstance(got.value, fastpersist.CorruptCheckpointError)
+        assert str(got.value) == str(want.value)
+
+
+def test_a_quantized_tensor_loaded_to_meta_raises_what_torch_raises(tmp_path):
+    """Regression: torch.load of a quantized tensor to ``meta`` raises
+    NotImplementedError; read_state_dict raised CorruptCheckpointError."""
+    q = torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8)
+    p = tmp_path / "q.pt"
+    fastpersist.write_state_dict({"q": q}, p)
+    for loc in ("meta", {"cpu": "meta"}):
+        with pytest.raises(NotImplementedError) as want:
+            torch.load(p, map_location=loc)
+        with pytest.raises(NotImplementedError) as got:
+            fastpersist.read_state_dict(p, map_location=loc)
+        assert type(got.value) is type(want.value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -766,3 +767,54 @@ def test_15_directory_level_attacks_fuzzed_under_a_memory_limit(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ALL" in r.stdout, (r.stdout, r.stderr[-3000:])
+
+
+def _rezip(src, dst, edit):
+    """``src``'s records rewritten into ``dst`` (stored, as torch writes
+    them) with ``edit(name, data)`` applied to each."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, edit(info.filename, zin.read(info.filename)))
+
+
+@pytest.mark.parametrize("writer", ["torch", "fastpersist"])
+@pytest.mark.parametrize(
+    "claim",
+    [
+        (b"J\x00\x00\x00\x04\x85", b"K\x01\x85"),  # size (2**26,): 256 MiB of a 16-byte record
+        (b"K\x04\x85", b"J\x00\x00\x00\x04\x85"),  # stride 2**26
+    ],
+    ids=["size", "stride"],
+)
+def test_a_tensor_reaching_past_its_record_is_corrupt_not_grown(tmp_path, writer, claim):
+    """Regression: a pickle whose tensor claims more elements (a larger
+    size or stride) than its storage's record holds was loaded: the read's
+    storage was grown by ``set_`` to fit the claim (a huge allocation), and
+    the tensor came back as the file's bytes padded with memory the file
+    never held; ``verify`` called the file OK. torch.load refuses it (its
+    storages cannot be resized)."""
+    src, bad = tmp_path / "a.pt", tmp_path / "bad.pt"
+    sd = {"a": torch.arange(4, dtype=torch.float32)}
+    torch.save(sd, src) if writer == "torch" else fastpersist.write_state_dict(sd, src)
+
+    def edit(name, data):
+        if name.endswith("data.pkl"):  # the size and stride tuples, each memoized (BINPUT)
+            out, n = re.subn(rb"K\x04\x85(q.)K\x01\x85", lambda m: claim[0] + m[1] + claim[1], data, flags=re.DOTALL)
+            assert n == 1
+            return out
+        return data
+
+    _rezip(src, bad, edit)
+    with pytest.raises(RuntimeError):
+        torch.load(bad, weights_only=True)
+    from fastpersist.verify import verify_file
+
+    for kw in ({}, {"weights_only": False}, {"map_location": "cpu"}, {"verify": False}):
+        with pytest.raises(fastpersist.CorruptCheckpointError, match="reaches past"):
+            fastpersist.read_state_dict(bad, **kw)
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="reaches"):
+        verify_file(bad)
+    r = subprocess.run([sys.executable, "-m", "fastpersist", "verify", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
