@@ -87,9 +87,9 @@ __all__ = [
 
 log = logging.getLogger("fastpersist")
 #: Checkpoint file names, exactly as :func:`ckpt_name` makes them.
-CKPT_RE = re.compile(r"^ckpt-([0-9]{12,20})\.pt$")
+CKPT_RE = re.compile(r"ckpt-([0-9]{12,20})\.pt")
 #: Temporary files of checkpoint saves, exactly as the core names them.
-TEMP_RE = re.compile(r"^\.(ckpt-[0-9]{12,20}\.pt)\.[0-9]+\.[0-9]+" + re.escape(_core.TEMP_MARKER) + "$")
+TEMP_RE = re.compile(r"\.(ckpt-[0-9]{12,20}\.pt)\.[0-9]+\.[0-9]+" + re.escape(_core.TEMP_MARKER))
 LOG_NAME = "checkpoints.jsonl"
 #: How often latest()/load_latest() list again when listed files vanish.
 _RELIST = 20
@@ -116,7 +116,7 @@ def _check_step(step: Any) -> None:
 
 
 def _parse_ckpt(name: str) -> Optional[int]:
-    m = CKPT_RE.match(name)
+    m = CKPT_RE.fullmatch(name)
     if m is None:
         return None
     step = int(m.group(1))
@@ -218,7 +218,7 @@ def clean_temp_files(directory: str, min_age: float = TEMP_MIN_AGE) -> List[str]
     checkpoint save names them, not locked by a live writer (on any host or
     in any PID namespace), and older than ``min_age`` seconds. Returns the
     names removed."""
-    return remove_stale_temps(directory, TEMP_RE.match, min_age)
+    return remove_stale_temps(directory, TEMP_RE.fullmatch, min_age)
 
 
 class FrequencyTuner:

@@ -78,7 +78,7 @@ __all__ = [
 
 INDEX_NAME = "index.json"
 #: Exactly the names :func:`shard_name` makes.
-SHARD_RE = re.compile(r"^shard-[0-9a-f]{1,32}-[0-9]{5}-of-[0-9]{5}\.pt$")
+SHARD_RE = re.compile(r"shard-[0-9a-f]{1,32}-[0-9]{5}-of-[0-9]{5}\.pt")
 
 
 def shard_name(save_id: str, rank: int, world: int) -> str:
@@ -247,7 +247,7 @@ def _remove_old_shards(dirpath: str, keep: set) -> None:
         warnings.warn(f"fastpersist: cannot list {dirpath} to remove old shards: {e}", RuntimeWarning, stacklevel=3)
         return
     for n in names:
-        if n in keep or not SHARD_RE.match(n):
+        if n in keep or not SHARD_RE.fullmatch(n):
             continue
         try:
             os.unlink(os.path.join(dirpath, n))
@@ -333,7 +333,7 @@ def _load_index(dirpath: str) -> Tuple[List[Dict[str, Any]], int]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptCheckpointError(f"{dirpath}: unreadable {INDEX_NAME}: {e}") from None
     for n in names:
-        if not isinstance(n, str) or not SHARD_RE.match(n):
+        if not isinstance(n, str) or not SHARD_RE.fullmatch(n):
             raise CorruptCheckpointError(
                 f"{dirpath}: {INDEX_NAME} names {n!r}, which is not a shard file name "
                 f"(shards are files of this directory named shard-<id>-<rank>-of-<world>.pt)"

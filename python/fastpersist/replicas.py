@@ -58,7 +58,7 @@ REPLICA_DIR = "replicas"
 #: Bytes per message (read at each transfer; one transfer holds four
 #: buffers of this size: two each way).
 CHUNK_BYTES = 8 << 20
-_RANK_RE = re.compile(r"^rank-(0|[1-9][0-9]{0,8})$")
+_RANK_RE = re.compile(r"rank-(0|[1-9][0-9]{0,8})")
 
 
 class ReplicaError(FastPersistError, OSError):
@@ -80,7 +80,7 @@ def held_ranks(directory: str) -> List[int]:
         names = os.listdir(root)
     except OSError:
         return []
-    return sorted(int(n[5:]) for n in names if _RANK_RE.match(n) and os.path.isdir(os.path.join(root, n)))
+    return sorted(int(n[5:]) for n in names if _RANK_RE.fullmatch(n) and os.path.isdir(os.path.join(root, n)))
 
 
 def node_ids(ranks: Sequence[int], nodes: Optional[Sequence[Hashable]] = None) -> List[Hashable]:

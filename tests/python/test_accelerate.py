@@ -186,3 +186,22 @@ def test_prepare_false_and_a_state_that_grows_after_prepare(tmp_path, monkeypatc
     for k, v in acc.unwrap_model(model).state_dict().items():
         assert bits(got[k]) == bits(v), k
     fp.unregister()
+
+
+def test_pruning_removes_only_the_checkpoint_folders(tmp_path):
+    """Regression: ``total_limit`` pruning removed every folder beside the
+    checkpoints whose name ended in digits (a user's ``best_model_7``, an
+    ``export2024``), not only accelerate's ``checkpoint_<n>``."""
+    acc, model, opt, sched = setup(tmp_path / "run", limit=1)
+    ck = tmp_path / "run" / "checkpoints"
+    user = ["best_model_7", "export2024", "checkpoint_99.old", "checkpoint_3\n"]
+    for n in user:
+        (ck / n).mkdir(parents=True)
+    fp = register(acc)
+    train(acc, model, opt, sched, range(1, 5), save_every=1)
+    fp.wait()
+    acc.end_training()
+    left = sorted(os.listdir(ck))
+    assert all(n in left for n in user), left
+    assert [n for n in left if n not in user] == ["checkpoint_3"]
+    fp.unregister()

@@ -122,6 +122,47 @@ def test_15_4_cleanup_errors_after_the_index_do_not_delete_the_new_shards(tmp_pa
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
 
 
+def test_names_that_only_begin_like_fastpersists_are_never_deleted(tmp_path):
+    """Regression: the sharded save's cleanup matched its shard names with
+    ``^...$``, whose ``$`` also matches before a trailing newline, and
+    deleted a user's file named like a shard plus a newline. Every name
+    fastpersist deletes by (shards, checkpoints, temporary files) must be
+    its own, whole."""
+    d = tmp_path / "sh"
+    ck = tmp_path / "ck"
+    code = textwrap.dedent(
+        f"""
+        import os, socket, torch, torch.distributed as dist, fastpersist
+        from fastpersist.checkpoint_manager import ckpt_name
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+        d, ck = {str(d)!r}, {str(ck)!r}
+        fastpersist.write_state_dict({{"v": torch.ones(10)}}, d, group=dist.group.WORLD, sharded=True)
+        user = [n + "\\n" for n in os.listdir(d) if n.startswith("shard-")]
+        user += ["shard-abc-00000-of-00001.pt\\n"]
+        for n in user:
+            open(os.path.join(d, n), "w").write("the user's")
+        fastpersist.write_state_dict({{"v": torch.full((10,), 2.0)}}, d, group=dist.group.WORLD, sharded=True)
+        left = os.listdir(d)
+        assert all(n in left for n in user), (user, left)
+        os.makedirs(ck)
+        mine = [ckpt_name(1) + "\\n", "." + ckpt_name(1) + ".1.2.fptmp\\n"]
+        for n in mine:
+            open(os.path.join(ck, n), "w").write("the user's")
+            os.utime(os.path.join(ck, n), (1, 1))
+        with fastpersist.Checkpointer(ck, every=1, keep_last=1) as c:
+            for step in range(1, 4):
+                c.save(step, {{"i": step}}).result()
+                c.wait()
+        left = os.listdir(ck)
+        assert all(n in left for n in mine), (mine, left)
+        print("OK")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
 # 5. Snapshot saves in flight at interpreter exit.
 
 

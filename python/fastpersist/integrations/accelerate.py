@@ -252,14 +252,16 @@ def _load_into(model: Any, state: Dict[str, Any]) -> None:
         raise RuntimeError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
 
 
-_NUMBERED = re.compile(r"([0-9]+)$")
+#: The folders accelerate's automatic naming makes (``checkpoint_<n>``):
+#: the only ones pruned, a user's other folders beside them never.
+_NUMBERED = re.compile(r"checkpoint_([0-9]+)")
 
 
 def _prune(parent: str, keep: int) -> None:
     """Delete the oldest ``checkpoint_<n>`` folders beyond ``keep``."""
     found = []
     for name in os.listdir(parent):
-        m = _NUMBERED.search(name)
+        m = _NUMBERED.fullmatch(name)
         if m and os.path.isdir(os.path.join(parent, name)):
             found.append((int(m.group(1)), os.path.join(parent, name)))
     for _, p in sorted(found)[: max(0, len(found) - keep)]:

@@ -85,7 +85,7 @@ __all__ = ["FastPersistTrainerMixin", "latest_complete_checkpoint"]
 TESTED = ">=5.0,<6"
 STATE_NAME = "trainer_state.json"
 _PENDING_STATE = ".trainer_state.json.fastpersist-pending"
-_CKPT = re.compile(r"^checkpoint-([0-9]+)$")
+_CKPT = re.compile(r"checkpoint-([0-9]+)")
 
 
 def _framework() -> Tuple[Any, Any, Any]:
@@ -120,7 +120,7 @@ def latest_complete_checkpoint(output_dir: str) -> Optional[str]:
         return None
     found = []
     for name in os.listdir(output_dir):
-        m = _CKPT.match(name)
+        m = _CKPT.fullmatch(name)
         p = os.path.join(output_dir, name)
         if m and os.path.isfile(os.path.join(p, STATE_NAME)):
             found.append((int(m.group(1)), p))
