@@ -98,6 +98,17 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
     def snapshot_done(self) -> bool:
         return self._snapshot.is_set()
 
+    def cancel(self) -> bool:
+        """Cancel a save that has not started yet: nothing is written, and
+        the tensors may change at once (:meth:`wait_snapshot` returns;
+        :meth:`result` raises ``CancelledError``). False once it runs."""
+        if not super().cancel():
+            return False
+        if not self._snapshot.is_set():
+            self._snapshot.set()  # nothing will read the tensors
+        self.total_seconds = time.perf_counter() - self.submitted_at
+        return True
+
     def _mark_snapshot(self) -> None:
         if not self._snapshot.is_set():
             self.snapshot_seconds = time.perf_counter() - self.submitted_at
@@ -139,6 +150,15 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
                     f"({os.getpid()}); process {parent} completes it, this one does not"
                 )
             )
+
+
+def future_error(fut: concurrent.futures.Future, timeout: Optional[float] = None) -> Optional[BaseException]:
+    """``fut.exception(timeout)``, with a cancelled future's
+    ``CancelledError`` returned rather than raised."""
+    try:
+        return fut.exception(timeout)
+    except concurrent.futures.CancelledError as e:
+        return e
 
 
 def _remove(bufs: List[torch.Tensor], buf: torch.Tensor) -> None:
@@ -882,7 +902,7 @@ class AsyncSaver:
         """Wait for every save in flight; returns those that failed."""
         pending = self.pending()
         concurrent.futures.wait(pending, timeout=timeout)
-        return [f for f in pending if f.done() and f.exception() is not None]
+        return [f for f in pending if f.done() and future_error(f) is not None]
 
     def close(self) -> None:
         """Wait for every save in flight, then end the background threads and
@@ -970,4 +990,4 @@ def _drain_at_exit() -> None:
     log.warning("fastpersist: waiting for %d checkpoint save(s) in flight before exit", len(pending))
     for s in savers:
         for f in s.wait_all():
-            log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, f.exception())
+            log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, future_error(f))

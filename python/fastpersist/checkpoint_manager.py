@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple, TypeVar, Union, overload
 
 from . import _core
-from .async_save import AsyncSaver, CheckpointFuture, check_save_options
+from .async_save import AsyncSaver, CheckpointFuture, check_save_options, future_error
 from .collectives import check_group, dedicated_groups, gather, group_ranks
 from .errors import FastPersistError
 from .options import TEMP_MIN_AGE, remove_stale_temps
@@ -642,7 +642,7 @@ class Checkpointer:
 
     def _finish(self, fl: _InFlight, wait: bool, tune: bool = True) -> None:
         t = self.clock()
-        exc = fl.future.exception() if wait else fl.future.exception(timeout=0)
+        exc = future_error(fl.future, None if wait else 0)
         waited = self.clock() - t
         self._inflight = None
         if exc is not None:

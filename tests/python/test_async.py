@@ -440,3 +440,46 @@ def test_engine_limits_are_checked_at_the_call(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         fastpersist.patch(**kw)
     assert sorted(os.listdir(tmp_path)) == []
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
+def test_a_cancelled_save_writes_nothing_and_breaks_nothing(tmp_path, mode):
+    """Regression: cancelling a queued save left its snapshot phase open
+    for ever (``wait_snapshot()`` hung), and a Checkpointer whose save was
+    cancelled raised CancelledError from every later call, close() too,
+    leaving its threads running."""
+    import concurrent.futures
+    import threading
+
+    saver = AsyncSaver(max_pending=2)
+    gate = threading.Event()
+
+    def busy(s):  # the thread that would start the save is busy until the gate opens
+        return (s._snap if mode == "snapshot" else s._write).submit(gate.wait, 60)
+
+    blocker = busy(saver)
+    fut = saver.save({"a": torch.ones(4)}, tmp_path / "a.pt", mode=mode)
+    assert fut.cancel()
+    fut.wait_snapshot(timeout=5)  # returns: nothing will read the tensors
+    gate.set()
+    blocker.result(timeout=60)
+    with pytest.raises(concurrent.futures.CancelledError):
+        fut.result(timeout=60)
+    assert saver.wait_all(timeout=60) == []  # cancelled, not failed
+    saver.save({"a": torch.ones(4)}, tmp_path / "a.pt", mode=mode).result(timeout=60)  # the path is free
+    saver.close()
+    assert torch.equal(fastpersist.read_state_dict(tmp_path / "a.pt")["a"], torch.ones(4))
+
+    ck = fastpersist.Checkpointer(tmp_path / "ck", every=1, mode=mode)
+    gate.clear()
+    blocker = busy(ck._saver)
+    f = ck.save(2, {"w": torch.zeros(10)})
+    assert f.cancel()
+    ck.fence()
+    gate.set()
+    blocker.result(timeout=60)
+    ck.save(3, {"w": torch.ones(10)}).result(timeout=60)
+    ck.step(4, {"w": torch.ones(10)})
+    ck.close()
+    assert ck.latest() is not None and ck.latest().step in (3, 4)
+    assert not ck._saver._snap._thread.is_alive() and not ck._saver._write._thread.is_alive()

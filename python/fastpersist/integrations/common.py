@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from .. import _core
-from ..async_save import MODES, AsyncSaver, CheckpointFuture
+from ..async_save import MODES, AsyncSaver, CheckpointFuture, future_error
 from ..errors import CorruptCheckpointError
 from ..options import EngineOptions, WriteStats
 from ..patching import load_file_route, torch_load_route, torch_save_route
@@ -123,7 +123,7 @@ class PendingCheckpoint:
     def _wait_saves(self) -> Optional[BaseException]:
         first: Optional[BaseException] = None
         for f in self.futures:
-            e = f.exception()
+            e = future_error(f)
             if e is not None and first is None:
                 first = e
             elif e is not None:
@@ -352,7 +352,7 @@ PREPARE_MARGIN = 64 << 10
 
 
 def _log_prepare_failure(fut: concurrent.futures.Future) -> None:
-    e = fut.exception()
+    e = future_error(fut)
     if e is not None:
         log.warning("fastpersist: the staging buffers could not be made ahead of the first save (%r)", e)
 
