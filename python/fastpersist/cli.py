@@ -379,15 +379,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from .errors import CorruptCheckpointError
+    from .errors import CorruptCheckpointError, UnsupportedFormatError
 
     try:
         return int(args.fn(args))
     except CorruptCheckpointError as e:
         print(f"fastpersist: corrupt checkpoint: {e}", file=sys.stderr)
         return EXIT_CORRUPT
-    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-        print(f"fastpersist: {e.filename or ''}: {e.strerror}", file=sys.stderr)
+    except UnsupportedFormatError as e:  # a valid file of another kind (TorchScript)
+        print(f"fastpersist: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # a file that cannot be opened or read: missing, a loop, a socket, ...
+        where = os.fsdecode(e.filename) if e.filename is not None else ""
+        print(f"fastpersist: {where}: {e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

@@ -29,6 +29,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import functools
 import gc
 import inspect
@@ -463,6 +464,17 @@ def check_path(path: Any) -> str:
     if "\0" in p:
         raise ValueError(f"path {p!r} contains a NUL byte")
     return p
+
+
+def open_for_read(path: str) -> int:
+    """An fd of the checkpoint file ``path``, opened for reading; a
+    directory is an ``IsADirectoryError`` naming it (``open`` takes a
+    directory, and the first read would fail without its name)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    if stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    return fd
 
 
 def resolve_target(path: Any, directory: bool = False) -> str:

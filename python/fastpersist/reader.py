@@ -26,9 +26,9 @@ from .collectives import check_group
 from .cuda_staging import DeviceRead, device_for, read_staged, read_targets, staging_setup
 from .distributed import is_sharded_dir, read_sharded
 from .errors import CorruptCheckpointError, drop_frames
-from .options import EngineOptions, PathLike, RangeBuffer, ReadReq, check_path, gc_paused, read_records
+from .options import EngineOptions, PathLike, RangeBuffer, ReadReq, check_path, gc_paused, open_for_read, read_records
 from .pickling import MapLocation, is_legacy_torch, restore_location, unpickle, unpickle_before_data
-from .safetensors_format import Entry, is_safetensors, parse_header, torch_dtype_error, torch_shape
+from .safetensors_format import Entry, empty_of_shape, is_safetensors, parse_header, torch_dtype_error, torch_shape
 from .torch_zip import (
     HEADERS_BY_ENGINE,
     ZipDirectory,
@@ -155,7 +155,7 @@ def _read_file(
 ) -> Any:
     t0 = time.perf_counter()
     opts = EngineOptions.resolve(direct=direct, io_uring=io_uring)
-    fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_for_read(p)
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, HEAD_BYTES, 0)
@@ -434,7 +434,7 @@ def _read_safetensors(
         typed.append((e, shape, e.dtype))
     # In file order, as safetensors' load_file gives them.
     for e, shape, dtype in sorted(typed, key=lambda x: (x[0].begin, x[0].end)):
-        t = torch.empty(shape, dtype=dtype, device=dev)
+        t = torch.empty(shape, dtype=dtype, device=dev) if e.end > e.begin else empty_of_shape(shape, dtype, dev)
         out[e.name] = t
         if e.end > e.begin:
             if dev is not None:

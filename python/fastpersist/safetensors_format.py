@@ -302,6 +302,10 @@ def _entry(name: str, info: Any, data_len: int, where: str) -> Entry:
     numel = 1
     for d in shape:
         numel *= d
+        if numel > _USIZE_MAX:  # safetensors' checked product, left to right
+            raise CorruptCheckpointError(f"{where}tensor {name!r}: shape {shape} overflows computing its size")
+    if numel * bits > _USIZE_MAX:
+        raise CorruptCheckpointError(f"{where}tensor {name!r}: shape {shape} overflows computing its size")
     if numel * bits % 8:
         raise CorruptCheckpointError(f"{where}tensor {name!r}: {numel} {code} values are not a whole number of bytes")
     nbytes = numel * bits // 8
@@ -310,9 +314,47 @@ def _entry(name: str, info: Any, data_len: int, where: str) -> Entry:
             f"{where}tensor {name!r}: data_offsets [{begin}, {end}] do not match its "
             f"{nbytes} bytes inside the {data_len}-byte data area"
         )
-    if numel == 0 and any(d > (1 << 40) for d in shape):
+    if numel == 0 and not _makeable(shape):
         raise CorruptCheckpointError(f"{where}tensor {name!r}: shape {shape} is not one torch can make")
     return Entry(name, code, DTYPES.get(code), shape, begin, end)
+
+
+_USIZE_MAX = (1 << 64) - 1
+
+
+def empty_of_shape(shape: List[int], dtype: torch.dtype, device: Any = None) -> torch.Tensor:
+    """A tensor of ``shape`` without elements, as safetensors makes one (a
+    view of an empty buffer: ``[0, 2**40, 2**40]`` has strides torch.empty
+    could not compute)."""
+    return torch.empty(0, dtype=dtype, device=device).reshape(shape)
+
+
+def _makeable(shape: List[int]) -> bool:
+    """Whether torch can make a tensor of ``shape`` without elements."""
+    try:
+        empty_of_shape(shape, torch.uint8, "meta")
+    except (RuntimeError, ValueError, OverflowError, TypeError):
+        return False
+    return True
+
+
+def _check_text(header: Dict[str, Any], where: str) -> None:
+    """Every name and metadata string is valid UTF-8 text: JSON's ``\\u``
+    escapes can spell lone surrogates, which Python's parser takes and
+    safetensors' refuses."""
+    for name, info in header.items():
+        texts = [name]
+        if name == "__metadata__" and isinstance(info, dict):
+            texts += [t for kv in info.items() for t in kv if isinstance(t, str)]
+        elif isinstance(info, dict) and isinstance(info.get("dtype"), str):
+            texts.append(info["dtype"])
+        for t in texts:
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError:
+                raise CorruptCheckpointError(
+                    f"{where}safetensors header is not valid JSON: {t!r} is not valid UTF-8 text"
+                ) from None
 
 
 def _metadata(header: Dict[str, Any], where: str) -> Optional[Dict[str, str]]:
@@ -361,6 +403,7 @@ def parse_header(raw: bytes, file_len: int, path: str = "") -> Tuple[int, List[E
         raise CorruptCheckpointError(f"{where}safetensors header is not valid JSON: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}safetensors header is not a JSON object")
+    _check_text(header, where)
     meta = _metadata(header, where)
     data_start = 8 + n
     data_len = file_len - data_start

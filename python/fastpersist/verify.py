@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
 from .errors import CorruptCheckpointError, UnsupportedFormatError
-from .options import EngineOptions, PathLike, check_path, checksums
+from .options import EngineOptions, PathLike, check_path, checksums, open_for_read
 from .pickling import LocationScan, load_plain, storage_element_size
 from .reader import HEAD_BYTES, check_crcs, detect
 from .safetensors_format import parse_header, torch_shape
@@ -100,7 +100,7 @@ def inspect_file(path: PathLike) -> Tuple[str, List[RecordInfo]]:
     (safetensors), without reading the data (none for torch's legacy
     format, which has no directory)."""
     p = check_path(path)
-    fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_for_read(p)
     try:
         return _inspect_fd(fd, os.fstat(fd).st_size, p)
     finally:
@@ -207,7 +207,7 @@ def verify_file(path: PathLike, *, direct: Optional[bool] = None) -> VerifyResul
     records: its storages). Raises CorruptCheckpointError, or
     UnsupportedFormatError for a TorchScript archive."""
     p = check_path(path)
-    fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_for_read(p)
     try:
         return verify_fd(fd, p, direct=direct)
     finally:

@@ -131,3 +131,40 @@ def test_bench_runs(tmp_path):
     assert "fastpersist write" in r.stdout and "fastpersist read" in r.stdout
     assert "bench [" in r.stderr  # the progress bar
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["torchscript", "symlink-loop", "socket", "directory", "name-too-long"])
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_files_that_cannot_be_read_are_a_usage_error_with_their_name(tmp_path, kind, command):
+    """Regression: ``inspect`` of a TorchScript archive, a symbolic link
+    loop, a socket or a name too long printed a traceback and exited 1
+    ("corrupt"); a directory was reported without its name (here and by
+    ``read_state_dict``). The CLI's contract: 0 OK, 1 corrupt, 2 bad usage
+    or a file that cannot be opened, one line naming it."""
+    import socket
+
+    if kind == "torchscript":
+        p = tmp_path / "script.pt"
+        torch.jit.script(torch.nn.Linear(2, 2)).save(str(p))
+    elif kind == "symlink-loop":
+        p = tmp_path / "a"
+        os.symlink(tmp_path / "b", p)
+        os.symlink(p, tmp_path / "b")
+    elif kind == "socket":
+        p = tmp_path / "s"
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(p))
+        s.close()
+    elif kind == "directory":
+        p = tmp_path / "d"
+        p.mkdir()
+    else:
+        p = tmp_path / ("x" * 300)
+    r = run(command, p)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr + r.stdout
+    assert p.name in r.stderr + r.stdout
+    if kind == "directory":
+        with pytest.raises(IsADirectoryError) as ei:
+            fastpersist.read_state_dict(p)
+        assert ei.value.filename == str(p)
