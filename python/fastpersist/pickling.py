@@ -996,10 +996,9 @@ def tensor_span(offset: Any, size: Any, stride: Any) -> Optional[int]:
 
 
 #: torch's rebuild functions that lay a tensor over a storage: (storage,
-#: offset, size, stride, ...).
-_TENSOR_REBUILDS = frozenset(
-    ("torch._utils", n) for n in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_qtensor")
-)
+#: offset, size, stride, ...), and how many arguments each needs.
+_REBUILD_ARGS = {"_rebuild_tensor": 4, "_rebuild_tensor_v2": 6, "_rebuild_tensor_v3": 7, "_rebuild_qtensor": 7}
+_TENSOR_REBUILDS = frozenset(("torch._utils", n) for n in _REBUILD_ARGS)
 
 
 class _ScannedStorage(_Anything):
@@ -1024,10 +1023,13 @@ class LocationScan(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _TENSOR_REBUILDS:
-            return self._tensor
+            return functools.partial(self._tensor, name)
         return _stand_in(module, name)
 
-    def _tensor(self, storage: Any = None, offset: Any = 0, size: Any = (), stride: Any = (), *rest: Any) -> Any:
+    def _tensor(self, name: str, *args: Any) -> Any:
+        if len(args) < _REBUILD_ARGS[name]:
+            raise TypeError(f"{name} is given {len(args)} arguments, it takes {_REBUILD_ARGS[name]}")
+        storage, offset, size, stride = args[:4]
         if isinstance(storage, _ScannedStorage):
             span = tensor_span(offset, size, stride)
             if span is not None:

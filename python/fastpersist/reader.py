@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import pickletools
 import struct
 import sys
 import threading
@@ -25,9 +26,18 @@ import torch
 from .collectives import check_group
 from .cuda_staging import DeviceRead, device_for, read_staged, read_targets, staging_setup
 from .distributed import is_sharded_dir, read_sharded
-from .errors import CorruptCheckpointError, drop_frames
+from .errors import CorruptCheckpointError, UnsupportedFormatError, drop_frames
 from .options import EngineOptions, PathLike, RangeBuffer, ReadReq, check_path, gc_paused, open_for_read, read_records
-from .pickling import MapLocation, is_legacy_torch, restore_location, unpickle, unpickle_before_data
+from .pickling import (
+    LocationScan,
+    MapLocation,
+    is_legacy_torch,
+    load_plain,
+    restore_location,
+    storage_element_size,
+    unpickle,
+    unpickle_before_data,
+)
 from .safetensors_format import Entry, empty_of_shape, is_safetensors, parse_header, torch_dtype_error, torch_shape
 from .torch_zip import (
     HEADERS_BY_ENGINE,
@@ -394,12 +404,70 @@ def _read_legacy(fd: int, size: int, path: str, map_location: MapLocation, weigh
     with os.fdopen(os.dup(fd), "rb") as f:
         try:
             obj = torch.load(f, map_location=map_location, weights_only=weights_only)
-        except Exception as e:  # only the errors of data that ends early are ours
-            if not _truncated(e):
-                raise
+        except Exception as e:
             why = f"{type(e).__name__}: {e}"
-            raise CorruptCheckpointError(f"{path}: the legacy torch file is truncated ({why})") from None
+            if _truncated(e):
+                raise CorruptCheckpointError(f"{path}: the legacy torch file is truncated ({why})") from None
+            if isinstance(e, pickle.UnpicklingError) and weights_only:
+                raise  # torch's refusal, in its words
+            # A damaged file raises anything from inside torch.load (a
+            # KeyError, an AssertionError, ...): the structure check names
+            # the damage; an intact file's error is torch's own.
+            try:
+                check_legacy(fd, size, path)
+            except (CorruptCheckpointError, UnsupportedFormatError) as c:
+                raise CorruptCheckpointError(f"{c} (torch.load: {why})") from None
+            raise
     return obj, size, 0
+
+
+#: The first two pickles of torch's legacy format.
+LEGACY_MAGIC, LEGACY_PROTOCOL = 0x1950A86A20F9469CFC6C, 1001
+
+
+def check_legacy(fd: int, size: int, path: str) -> int:
+    """torch's legacy format, without loading it: five pickles (magic
+    number, protocol, system info, the object, the storage keys), then
+    each storage as its element count and its bytes, ending at the end of
+    the file; the object's pickle names only storages the file holds, of
+    the size it says. Returns the number of storages. No checksums exist."""
+    if os.pread(fd, 262, 0)[257:262] == b"ustar":
+        raise UnsupportedFormatError(
+            f"{path}: torch's oldest (tar) format: verify cannot check it; torch.load reads it"
+        )
+    with os.fdopen(os.dup(fd), "rb") as f:
+        try:
+            magic, protocol = load_plain(f), load_plain(f)
+            if magic != LEGACY_MAGIC or protocol != LEGACY_PROTOCOL:
+                raise ValueError(f"magic number {magic!r} and protocol {protocol!r} are not torch's")
+            load_plain(f)  # system info
+            start = f.tell()
+            for _ in pickletools.genops(f):
+                pass
+            end = f.tell()
+            keys = load_plain(f)
+            if not isinstance(keys, list):
+                raise ValueError(f"the storage keys are a {type(keys).__name__}")
+            scan = LocationScan(os.pread(fd, end - start, start))
+            scan.load()
+        except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
+            raise CorruptCheckpointError(
+                f"{path}: not a well-formed legacy torch file: {type(e).__name__}: {e}"
+            ) from None
+        for key in keys:
+            if str(key) not in scan.storages:
+                raise CorruptCheckpointError(f"{path}: storage {key!r} is not named by the pickle")
+            type_name, numel = scan.storages[str(key)]
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CorruptCheckpointError(f"{path}: the legacy torch file is truncated (storage {key!r})")
+            (n,) = struct.unpack("<q", raw)
+            if n != numel:
+                raise CorruptCheckpointError(f"{path}: storage {key!r} holds {n} elements, the pickle needs {numel}")
+            f.seek(n * storage_element_size(type_name), os.SEEK_CUR)
+        if f.tell() != size:
+            raise CorruptCheckpointError(f"{path}: the storages end at byte {f.tell()}, the file at {size}")
+    return len(keys)
 
 
 def _truncated(e: BaseException) -> bool:

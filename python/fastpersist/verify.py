@@ -15,10 +15,10 @@ import struct
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
-from .errors import CorruptCheckpointError, UnsupportedFormatError
+from .errors import CorruptCheckpointError
 from .options import EngineOptions, PathLike, check_path, checksums, open_for_read
-from .pickling import LocationScan, load_plain, storage_element_size
-from .reader import HEAD_BYTES, check_crcs, detect
+from .pickling import LocationScan, storage_element_size
+from .reader import HEAD_BYTES, check_crcs, check_legacy, detect
 from .safetensors_format import parse_header, torch_shape
 from .torch_zip import ZipRecord, read_zip_directory, unrecorded_crcs, written_by_fastpersist
 
@@ -139,49 +139,6 @@ def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
             )
 
 
-def _check_legacy(fd: int, size: int, path: str) -> int:
-    """torch's legacy format, without loading it: five pickles (magic
-    number, protocol, system info, the object, the storage keys), then
-    each storage as its element count and its bytes, ending at the end of
-    the file; the object's pickle names only storages the file holds, of
-    the size it says. Returns the number of storages. No checksums exist."""
-    if os.pread(fd, 262, 0)[257:262] == b"ustar":
-        raise UnsupportedFormatError(
-            f"{path}: torch's oldest (tar) format: verify cannot check it; torch.load reads it"
-        )
-    with os.fdopen(os.dup(fd), "rb") as f:
-        try:
-            for _ in range(3):  # magic number, protocol version, system info
-                load_plain(f)
-            start = f.tell()
-            for _ in pickletools.genops(f):
-                pass
-            end = f.tell()
-            keys = load_plain(f)
-            if not isinstance(keys, list):
-                raise ValueError(f"the storage keys are a {type(keys).__name__}")
-            scan = LocationScan(os.pread(fd, end - start, start))
-            scan.load()
-        except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
-            raise CorruptCheckpointError(
-                f"{path}: not a well-formed legacy torch file: {type(e).__name__}: {e}"
-            ) from None
-        for key in keys:
-            if str(key) not in scan.storages:
-                raise CorruptCheckpointError(f"{path}: storage {key!r} is not named by the pickle")
-            type_name, numel = scan.storages[str(key)]
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise CorruptCheckpointError(f"{path}: the legacy torch file is truncated (storage {key!r})")
-            (n,) = struct.unpack("<q", raw)
-            if n != numel:
-                raise CorruptCheckpointError(f"{path}: storage {key!r} holds {n} elements, the pickle needs {numel}")
-            f.seek(n * storage_element_size(type_name), os.SEEK_CUR)
-        if f.tell() != size:
-            raise CorruptCheckpointError(f"{path}: the storages end at byte {f.tell()}, the file at {size}")
-    return len(keys)
-
-
 def _check_crcs(fd: int, recs: List[RecordInfo], crcs: List[int], path: str) -> List[str]:
     """CRC32s of a zip's records against the directory, with the reader's
     rule for CRC fields torch left 0 (returned: not checked)."""
@@ -223,7 +180,7 @@ def verify_fd(fd: int, path: str, *, direct: Optional[bool] = None) -> VerifyRes
     size = os.fstat(fd).st_size
     fmt, recs = _inspect_fd(fd, size, path)
     if fmt == "torch-legacy":
-        return VerifyResult(fmt, _check_legacy(fd, size, path))
+        return VerifyResult(fmt, check_legacy(fd, size, path))
     try:
         crcs = checksums(fd, [(r.offset, r.bytes) for r in recs], opts)
     except ValueError as e:
