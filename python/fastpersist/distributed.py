@@ -323,15 +323,25 @@ def _unlink(p: str) -> None:
         pass
 
 
+def _count(v: Any, what: str) -> int:
+    """An index's rank or world size: a JSON integer >= 0 (the index holds
+    nothing else; ``Infinity`` or ``1e400`` are not counts)."""
+    if type(v) is not int or v < 0:
+        raise ValueError(f"{what} {v!r} is not a count")
+    return v
+
+
 def _load_index(dirpath: str) -> Tuple[List[Dict[str, Any]], int]:
     try:
         with open(os.path.join(dirpath, INDEX_NAME), "rb") as f:
             index = json.loads(f.read(1 << 24))
-        shards = sorted(index["shards"], key=lambda s: int(s["rank"]))
-        world = int(index["world_size"])
+        world = _count(index["world_size"], "world_size")
+        shards = sorted(index["shards"], key=lambda s: _count(s["rank"], "rank"))
         names = [s["file"] for s in shards]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CorruptCheckpointError(f"{dirpath}: unreadable {INDEX_NAME}: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{dirpath}: unreadable {INDEX_NAME}: {type(e).__name__}: {e}") from None
+    if [s["rank"] for s in shards] != list(range(len(shards))):
+        raise CorruptCheckpointError(f"{dirpath}: {INDEX_NAME} does not list ranks 0 to {len(shards) - 1} once each")
     for n in names:
         if not isinstance(n, str) or not SHARD_RE.fullmatch(n):
             raise CorruptCheckpointError(

@@ -12,6 +12,7 @@ environment defaults are described in :mod:`fastpersist.options`.
 from __future__ import annotations
 
 import ctypes
+import errno
 import queue
 import struct
 import threading
@@ -22,6 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from . import _core, distributed
 from .collectives import check_group
 from .cuda_staging import DeviceContext, ReadyEvents, send, stage_chunk, staging_setup
+from .errors import WriteError
 from .options import (
     EngineOptions,
     PathLike,
@@ -336,26 +338,31 @@ def stream_plan(plan: Plan, path: str, plan_seconds: float = 0.0, t0: Optional[f
     pieces.sort(key=lambda x: (x[0], x[1]))
     crcs: Dict[int, int] = {}
     tio = time.perf_counter()
-    with open(path, "wb", buffering=1 << 20) as f:
-        pos = 0
-        for off, kind, what in pieces:
-            if off > pos:
-                f.write(bytes(off - pos))
-            if kind == 0:
-                data = what
-            elif kind == 1:
-                # Checked and copied with the GIL held: the storage cannot
-                # be resized in between.
-                data = bytearray(what.length)
-                dst = ctypes.addressof(ctypes.c_char.from_buffer(data))
-                _core.copy_memory(dst, what.address, what.length, plan.guard, what.crc_id)
-                crcs[what.crc_id] = zlib.crc32(data, crcs.get(what.crc_id, 0))
-            else:
-                data = struct.pack("<I", crcs.get(what, 0))
-            f.write(data)
-            pos = off + len(data)
-        if plan.file_len > pos:
-            f.write(bytes(plan.file_len - pos))
+    try:
+        with open(path, "wb", buffering=1 << 20) as f:
+            pos = 0
+            for off, kind, what in pieces:
+                if off > pos:
+                    f.write(bytes(off - pos))
+                if kind == 0:
+                    data = what
+                elif kind == 1:
+                    # Checked and copied with the GIL held: the storage cannot
+                    # be resized in between.
+                    data = bytearray(what.length)
+                    dst = ctypes.addressof(ctypes.c_char.from_buffer(data))
+                    _core.copy_memory(dst, what.address, what.length, plan.guard, what.crc_id)
+                    crcs[what.crc_id] = zlib.crc32(data, crcs.get(what.crc_id, 0))
+                else:
+                    data = struct.pack("<I", crcs.get(what, 0))
+                f.write(data)
+                pos = off + len(data)
+            if plan.file_len > pos:
+                f.write(bytes(plan.file_len - pos))
+    except WriteError:
+        raise
+    except OSError as e:  # /dev/full's ENOSPC, a FIFO's reader gone (EPIPE): the library's I/O error
+        raise WriteError(e.errno or errno.EIO, e.strerror or str(e), path) from e
     del plan.keepalive[:]
     now = time.perf_counter()
     raw: _core.RawWriteStats = {

@@ -206,6 +206,32 @@ def test_15_8_index_cannot_name_files_outside_the_directory(tmp_path, name):
         fastpersist.read_state_dict(d)
 
 
+@pytest.mark.parametrize(
+    "index",
+    [
+        '{"world_size":1,"shards":[{"rank":Infinity,"file":"shard-1-00000-of-00001.pt"}]}',
+        '{"world_size":1e400,"shards":[{"rank":0,"file":"shard-1-00000-of-00001.pt"}]}',
+        '{"world_size":1.0,"shards":[{"rank":0,"file":"shard-1-00000-of-00001.pt"}]}',
+        '{"world_size":1,"shards":[{"rank":true,"file":"shard-1-00000-of-00001.pt"}]}',
+        '{"world_size":2,"shards":[{"rank":0,"file":"shard-1-00000-of-00002.pt"},'
+        '{"rank":0,"file":"shard-1-00001-of-00002.pt"}]}',
+        '{"x":' + "[" * 100000 + "]" * 100000 + "}",
+    ],
+    ids=["rank-infinity", "world-1e400", "world-float", "rank-bool", "rank-twice", "deep"],
+)
+def test_a_hostile_shard_index_is_corrupt(tmp_path, index):
+    """Regression: an index.json whose counts are not integers (Infinity,
+    1e400) raised a bare OverflowError, a deeply nested one RecursionError;
+    a rank listed twice was taken."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for n in ("shard-1-00000-of-00001.pt", "shard-1-00000-of-00002.pt", "shard-1-00001-of-00002.pt"):
+        torch.save({"a": torch.ones(2)}, d / n)
+    (d / "index.json").write_text(index)
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        fastpersist.read_state_dict(d)
+
+
 # 9. Name patterns too broad.
 
 
@@ -900,3 +926,16 @@ def test_a_damaged_legacy_file_is_corrupt_not_a_bare_error(tmp_path):
         verify_file(q)
     with pytest.raises(fastpersist.CorruptCheckpointError):
         fastpersist.read_state_dict(q)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_an_io_error_writing_a_special_file_is_a_write_error(tmp_path, fmt):
+    """Regression: a save to a device or FIFO (written in place, as torch
+    does) raised the bare OSError of its write (ENOSPC from /dev/full, EPIPE
+    from a FIFO whose reader left), not the documented WriteError."""
+    import errno
+
+    with pytest.raises(fastpersist.WriteError) as ei:
+        fastpersist.write_state_dict({"a": torch.ones(300_000)}, "/dev/full", format=fmt)
+    assert ei.value.errno == errno.ENOSPC and ei.value.filename == "/dev/full"
