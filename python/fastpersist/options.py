@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar, Union, cast
 
 from . import _core
-from .errors import FallbackWarning
+from .errors import FallbackWarning, WriteError
 
 __all__ = [
     "PathLike",
@@ -489,7 +489,21 @@ def resolve_target(path: Any, directory: bool = False) -> str:
     p = check_path(path)
     if not directory and (p.endswith(os.sep) or (os.altsep and p.endswith(os.altsep))):
         raise ValueError(f"{p!r} ends with a path separator: a save needs a file name, not a directory")
-    return os.path.realpath(os.path.abspath(p))
+    if ".." in p.split(os.sep) and not parent_exists(p):
+        # realpath would drop "missing/.." as text; the kernel (torch.save's
+        # open) finds no such directory.
+        raise WriteError(errno.ENOENT, f"no such directory: {os.path.dirname(p)!r}", p)
+    # Links first, then "..", component by component, as the kernel
+    # resolves them ("link/../x" is beside the link's target, not the link).
+    return os.path.realpath(p)
+
+
+def parent_exists(path: Any) -> bool:
+    """Whether the directory that would hold ``path`` exists, as the kernel
+    finds it (links followed before each ``..``)."""
+    p = os.fspath(path)
+    parent = os.path.dirname(p) or (b"." if isinstance(p, bytes) else ".")
+    return os.path.isdir(parent)
 
 
 def is_special_file(path: str) -> bool:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .errors import CorruptCheckpointError, FastPersistError, SerializationError, UnsupportedDtypeError
-from .options import EngineOptions
+from .options import EngineOptions, parent_exists
 from .reader import detect_format, read_state_dict
 from .torch_zip import STORAGE_ALIGNMENT
 from .writer import write_state_dict
@@ -153,7 +153,7 @@ def torch_save_route(save: Callable[..., Any], args: tuple, kwargs: dict) -> Tup
     align = _config("save", "storage_alignment", 64)
     if not isinstance(align, int) or align <= 0 or _ALIGNMENT % align:
         return None, f"storage_alignment={align!r}"
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))) or os.path.isdir(path):
+    if not parent_exists(path) or os.path.isdir(path):
         return None, "no such directory, or a directory"  # torch's own error
     return (ba.arguments["obj"], path), ""
 
@@ -234,7 +234,7 @@ def _save_file_route(save_file: Callable[..., Any], args: tuple, kwargs: dict) -
         # fastpersist writes a non-contiguous tensor's copy; safetensors refuses it.
         if not isinstance(v, torch.Tensor) or v.layout is not torch.strided or not v.is_contiguous():
             return None, "a value safetensors refuses"
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))) or os.path.isdir(path):
+    if not parent_exists(path) or os.path.isdir(path):
         return None, "no such directory, or a directory"
     return {"obj": tensors, "path": path, "metadata": ba.arguments.get("metadata")}, ""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import os
 import pickle
 import struct
 import zipfile
@@ -303,3 +304,39 @@ def test_torch_save_is_routed_only_where_its_storage_alignment_divides_fastpersi
             assert_same(torch.load(p), sd)
     finally:
         save_cfg.storage_alignment = old
+
+
+def test_dotdot_after_a_symlink_saves_where_torch_saves(tmp_path, monkeypatch):
+    """Regression: ``link/../x.pt`` (``link`` to a directory elsewhere) was
+    resolved as text first (``..`` dropping ``link``), so fastpersist (and
+    torch.save under the patch) wrote ``./x.pt``, where the kernel, and
+    torch.save, write beside the link's target; ``missing/../x.pt`` was
+    written where torch.save raises."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "elsewhere" / "deep").mkdir(parents=True)
+    os.symlink(tmp_path / "elsewhere" / "deep", tmp_path / "work" / "link")
+    monkeypatch.chdir(tmp_path / "work")
+    sd = {"t": torch.ones(2)}
+    torch.save(sd, "link/../by_torch.pt")
+    fastpersist.write_state_dict(sd, "link/../by_fastpersist.pt")
+    fastpersist.save_async(sd, "link/../by_async.pt").result()
+    with fastpersist.patch() as stats:
+        torch.save(sd, "link/../by_patch.pt")
+        assert torch.equal(torch.load("link/../by_torch.pt")["t"], sd["t"])
+    assert stats.routed_calls["torch.save"] == 1
+    assert sorted(os.listdir(tmp_path / "elsewhere")) == [
+        "by_async.pt",
+        "by_fastpersist.pt",
+        "by_patch.pt",
+        "by_torch.pt",
+        "deep",
+    ]
+    assert sorted(os.listdir(tmp_path / "work")) == ["link"]
+    with pytest.raises(RuntimeError):
+        torch.save(sd, "missing/../x.pt")
+    with pytest.raises(fastpersist.WriteError):
+        fastpersist.write_state_dict(sd, "missing/../x.pt")
+    with fastpersist.patch():
+        with pytest.raises(RuntimeError):
+            torch.save(sd, "missing/../x.pt")
+    assert not os.path.exists("x.pt")
