@@ -2429,7 +2429,7 @@ impl<'py> PickleWalk<'py> {
 
     /// The tests of `_Pickler.reducer_override` for a tensor whose type
     /// is exactly torch.Tensor: strided, on the CPU, a dtype it reduces
-    /// itself, not quantized, no attributes (the zero tensor test is
+    /// itself, not quantized, not nested, no attributes (the zero tensor test is
     /// `tensor`'s). Returns its dtype's index in `dtypes`.
     fn plain_tensor(&mut self, t: &Bound<'py, PyAny>) -> Walked<usize> {
         let py = self.py;
@@ -2443,6 +2443,8 @@ impl<'py> PickleWalk<'py> {
         let attrs = t.getattr(pyo3::intern!(py, "__dict__"))?;
         if t.getattr(pyo3::intern!(py, "is_quantized"))?
             .extract::<bool>()?
+            || t.getattr(pyo3::intern!(py, "is_nested"))?
+                .extract::<bool>()?
             || attrs.len()? != 0
         {
             return Err(Stop::Unsupported);

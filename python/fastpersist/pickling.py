@@ -220,6 +220,7 @@ class _Pickler(pickle.Pickler):
             and o.device.type == "cpu"
             and o.dtype not in _V3_DTYPES
             and not o.is_quantized
+            and not o.is_nested  # strided nested tensors: torch's own reduction
             and not o.__dict__
             and not _zero(o)
         ):

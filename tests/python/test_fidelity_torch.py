@@ -770,3 +770,26 @@ def test_a_quantized_tensor_loaded_to_meta_raises_what_torch_raises(tmp_path):
         with pytest.raises(NotImplementedError) as got:
             fastpersist.read_state_dict(p, map_location=loc)
         assert type(got.value) is type(want.value)
+
+
+@pytest.mark.parametrize("how", ["write", "pipelined", "snapshot"])
+def test_a_nested_tensor_saves_as_torch_saves_it(tmp_path, how):
+    """Regression: a (strided) nested tensor, which torch.save writes, was
+    refused with SerializationError ("NestedTensorImpl doesn't support
+    sizes"): the fast tensor reducers took it for a plain tensor."""
+    parts = [torch.ones(2), torch.arange(3.0)]
+    sd = {"n": torch.nested.nested_tensor(parts), "x": torch.arange(4)}
+    p = tmp_path / "n.pt"
+    if how == "write":
+        fastpersist.write_state_dict(sd, p)
+    else:
+        fastpersist.save_async(sd, p, mode=how).result()
+    torch.save(sd, tmp_path / "t.pt")
+    for load in (
+        lambda f: torch.load(f, weights_only=False),
+        lambda f: fastpersist.read_state_dict(f, weights_only=False),
+    ):
+        got, want = load(p), load(tmp_path / "t.pt")
+        assert got["n"].is_nested and [t.tolist() for t in got["n"].unbind()] == [t.tolist() for t in parts]
+        assert [t.tolist() for t in want["n"].unbind()] == [t.tolist() for t in parts]
+        assert torch.equal(got["x"], sd["x"])
