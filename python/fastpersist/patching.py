@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import CorruptCheckpointError, FastPersistError, SerializationError, UnsupportedDtypeError
+from .errors import CorruptCheckpointError, FastPersistError, SerializationError, UnsupportedDtypeError, WriteError
 from .options import EngineOptions, parent_exists
 from .reader import detect_format, read_state_dict
 from .torch_zip import STORAGE_ALIGNMENT
@@ -106,11 +106,19 @@ def _non_default(fn: Callable[..., Any], ba: inspect.BoundArguments, handled: Tu
     return None
 
 
+def _file_name(path: str) -> bool:
+    """Whether ``path`` names a file (not empty, no trailing separator),
+    which fastpersist would otherwise refuse with its own ValueError."""
+    return path != "" and not path.endswith(os.sep) and not (os.altsep and path.endswith(os.altsep))
+
+
 def _path(f: Any) -> Optional[str]:
+    """``f`` as a path fastpersist takes, or None: a file object, bytes, or
+    no file name (the original then raises its own error)."""
     if not isinstance(f, (str, os.PathLike)):
         return None
     p = os.fspath(f)
-    return p if isinstance(p, str) else None
+    return p if isinstance(p, str) and _file_name(p) else None
 
 
 def _torch_state() -> Optional[str]:
@@ -143,7 +151,7 @@ def torch_save_route(save: Callable[..., Any], args: tuple, kwargs: dict) -> Tup
         return None, "arguments torch.save does not take"
     path = _path(ba.arguments["f"])
     if path is None:
-        return None, "a file object"
+        return None, "a file object, or not a file name"
     odd = _non_default(save, ba, ("obj", "f"))
     if odd is not None:
         return None, odd
@@ -168,7 +176,7 @@ def _torch_load_route(load: Callable[..., Any], args: tuple, kwargs: dict) -> Tu
         return None, "arguments torch.load does not take"
     path = _path(ba.arguments["f"])
     if path is None:
-        return None, "a file object"
+        return None, "a file object, or not a file name"
     a = ba.arguments
     if a.get("mmap") or (a.get("mmap") is None and _config("load", "mmap", False)):
         return None, "mmap=True"
@@ -223,7 +231,7 @@ def _save_file_route(save_file: Callable[..., Any], args: tuple, kwargs: dict) -
         return None, "arguments save_file does not take"
     path = _path(ba.arguments["filename"])
     if path is None:
-        return None, "not a path"
+        return None, "not a path, or not a file name"
     odd = _non_default(save_file, ba, ("tensors", "filename", "metadata"))
     if odd is not None:
         return None, odd
@@ -258,7 +266,7 @@ def _load_file_route(load_file: Callable[..., Any], args: tuple, kwargs: dict) -
         return None, "arguments load_file does not take"
     path = _path(ba.arguments["filename"])
     if path is None:
-        return None, "not a path"
+        return None, "not a path, or not a file name"
     if ba.arguments.get("backend", "mmap") not in ("mmap", "pread"):
         return None, f"backend={ba.arguments['backend']!r}"
     odd = _non_default(load_file, ba, ("filename", "device", "backend"))
@@ -294,6 +302,8 @@ def _torch_save(original: Callable[..., Any], args: tuple, kwargs: dict, options
         write_state_dict(target[0], target[1], **options)
     except SerializationError as e:  # raised before any file exists: torch.save may take it
         raise _Fallback(f"fastpersist cannot write it ({type(e).__name__})") from None
+    except WriteError as e:  # torch.save's I/O failures are RuntimeErrors
+        raise _also(e, RuntimeError) from e
 
 
 def _torch_load(original: Callable[..., Any], args: tuple, kwargs: dict, options: Dict[str, Any]) -> Any:
@@ -318,6 +328,25 @@ def _save_file(original: Callable[..., Any], args: tuple, kwargs: dict, options:
         write_state_dict(call["obj"], call["path"], format="safetensors", metadata=call["metadata"], **options)
     except (SerializationError, UnicodeEncodeError) as e:  # safetensors gives its own refusal
         raise _Fallback(f"fastpersist cannot write it ({type(e).__name__})") from None
+    except WriteError as e:  # safetensors' I/O failures are SafetensorErrors
+        from safetensors import SafetensorError
+
+        raise _also(e, SafetensorError) from e
+
+
+_ALSO: Dict[Tuple[type, type], type] = {}
+
+
+def _also(e: WriteError, base: type) -> BaseException:
+    """``e`` as an exception that is also a ``base``, the class the patched
+    function raises for the same failure, so code that catches either
+    catches it (a ``WriteError``, an ``OSError``, with its errno and file
+    name, and a ``RuntimeError`` for torch.save)."""
+    cls = _ALSO.get((type(e), base))
+    if cls is None:
+        cls = _ALSO[(type(e), base)] = type(type(e).__name__, (type(e), base), {"__module__": type(e).__module__})
+    out: BaseException = cls(e.errno, e.strerror, e.filename) if e.errno is not None else cls(*e.args)
+    return out
 
 
 def _load_file(original: Callable[..., Any], args: tuple, kwargs: dict, options: Dict[str, Any]) -> Any:

@@ -340,3 +340,41 @@ def test_dotdot_after_a_symlink_saves_where_torch_saves(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError):
             torch.save(sd, "missing/../x.pt")
     assert not os.path.exists("x.pt")
+
+
+@pytest.mark.parametrize("target", ["/dev/full", "name-too-long", "empty", "trailing-separator"])
+@pytest.mark.parametrize("fn", ["torch.save", "save_file"])
+def test_failures_under_the_patch_are_of_the_class_the_original_raises(tmp_path, target, fn):
+    """Regression: under the patch, a routed save's I/O failure (ENOSPC,
+    ENAMETOOLONG) raised fastpersist's WriteError, an OSError, where
+    torch.save raises a RuntimeError and safetensors a SafetensorError, so
+    ``except RuntimeError`` around torch.save stopped catching it; an empty
+    path or one ending in a separator raised ValueError."""
+    from safetensors.torch import save_file
+
+    path = {
+        "/dev/full": "/dev/full",
+        "name-too-long": str(tmp_path / ("x" * 300)),
+        "empty": "",
+        "trailing-separator": str(tmp_path / "x.pt") + os.sep,
+    }[target]
+    if target == "/dev/full" and not os.path.exists(path):
+        pytest.skip("needs /dev/full")
+    sd = {"a": torch.ones(300_000)}
+
+    def call():
+        if fn == "torch.save":
+            torch.save(sd, path)
+        else:
+            save_file(sd, path)
+
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - its class is the point
+        want = e
+    else:
+        pytest.skip(f"{fn} does not fail here")  # safetensors 0.8 ignores /dev/full's ENOSPC
+    with fastpersist.patch():
+        with pytest.raises(Exception) as got:
+            call()
+    assert isinstance(got.value, type(want)), (type(got.value).__mro__, type(want))
