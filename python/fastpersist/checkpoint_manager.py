@@ -221,6 +221,14 @@ def clean_temp_files(directory: str, min_age: float = TEMP_MIN_AGE) -> List[str]
     return remove_stale_temps(directory, TEMP_RE.fullmatch, min_age)
 
 
+#: How many times its estimate one checkpoint's measured cost or write
+#: time may count for (see :meth:`FrequencyTuner.record_checkpoint`).
+OUTLIER = 4.0
+#: An iteration this many times the baseline, with no checkpoint in flight,
+#: is a stall, not an iteration (see :meth:`FrequencyTuner.record_iteration`).
+STALL = 10.0
+
+
 class FrequencyTuner:
     """Picks the checkpoint interval (in iterations).
 
@@ -280,6 +288,11 @@ class FrequencyTuner:
         self._samples: List[float] = []
 
     def record_iteration(self, seconds: float, affected: bool) -> None:
+        if not affected and self.baseline and seconds > STALL * self.baseline:
+            # A stall no checkpoint was in flight for (an evaluation, a wait
+            # for data, not reported with pause()): not the checkpoints'
+            # cost, nor a clean iteration.
+            return
         self._window_sum += seconds
         self._window_n += 1
         if affected:
@@ -295,6 +308,13 @@ class FrequencyTuner:
 
     def record_checkpoint(self, cost: float, write_seconds: float) -> None:
         a = 0.5
+        # One sample moves the cost estimate at most OUTLIER times over: a
+        # single stalled iteration (a data-loader hiccup, a pause not
+        # reported with pause()) must not stretch the interval a
+        # thousandfold. (A slow write is taken as it is: the next save must
+        # not queue behind it.)
+        if self.cost is not None:
+            cost = min(cost, OUTLIER * max(self.cost, self.max_overhead * (self.clean_time or 0.0)))
         self.cost = cost if self.cost is None else (1 - a) * self.cost + a * cost
         self.write_time = write_seconds if self.write_time is None else (1 - a) * self.write_time + a * write_seconds
         self._retune()
@@ -312,7 +332,9 @@ class FrequencyTuner:
     def _feedback(self) -> None:
         """Called when a checkpoint is issued: judge the window since the last."""
         if self._window_n and self.baseline:
-            achieved = (self._window_sum / self._window_n) / self.baseline - 1.0
+            # At most OUTLIER times the target: one stalled iteration in the
+            # window must not multiply the interval for many checkpoints.
+            achieved = min((self._window_sum / self._window_n) / self.baseline - 1.0, OUTLIER * self.max_overhead)
             a = 0.5
             self.observed_overhead = (
                 achieved if self.observed_overhead is None else (1 - a) * self.observed_overhead + a * achieved
@@ -357,6 +379,8 @@ class _InFlight:
     issued_at: float
     stall: float
     extra: float = 0.0
+    #: When (by the Checkpointer's clock) the save finished, once it has.
+    done_at: Optional[float] = None
 
 
 def _check_peer_args(replicate: Any, group: Any, nodes: Any) -> None:
@@ -567,8 +591,10 @@ class Checkpointer:
         if self._last_step_at is not None:
             dur = now - self._last_step_at
             fl = self._inflight
-            self.tuner.record_iteration(dur, affected=fl is not None)
-            if fl is not None and self.tuner.clean_time is not None:
+            # A save that had finished before this iteration began costs it nothing.
+            affected = fl is not None and (fl.done_at is None or fl.done_at > self._last_step_at)
+            self.tuner.record_iteration(dur, affected=affected)
+            if fl is not None and affected and self.tuner.clean_time is not None:
                 fl.extra += max(0.0, dur - self.tuner.clean_time)
         self._poll()
         if not self._prepared:
@@ -632,7 +658,8 @@ class Checkpointer:
             self._finish(self._inflight, wait=True)
         path = os.path.join(self.directory, ckpt_name(step))
         fut = self._saver.save({"step": step, "state": state}, path, mode=self.mode, **self.options)
-        self._inflight = _InFlight(step, fut, t0, self.clock() - t0)
+        fl = self._inflight = _InFlight(step, fut, t0, self.clock() - t0)
+        fut.add_done_callback(lambda _: setattr(fl, "done_at", self.clock()))
         return fut
 
     def _poll(self) -> None:
