@@ -559,6 +559,14 @@ def _lower_priority(nice: int) -> None:
         log.debug("fastpersist: cannot lower the background threads' priority: %s", e)
 
 
+def check_max_pending(max_pending: Any) -> None:
+    """``max_pending``: an int, at least 1."""
+    if isinstance(max_pending, bool) or not isinstance(max_pending, int):
+        raise TypeError(f"max_pending must be an int, not {type(max_pending).__name__}")
+    if max_pending < 1:
+        raise ValueError(f"max_pending must be at least 1, not {max_pending}")
+
+
 class AsyncSaver:
     """Runs asynchronous saves: a snapshot thread and a writer thread.
 
@@ -571,10 +579,7 @@ class AsyncSaver:
     when the caller fences on it finishes on the core the caller left."""
 
     def __init__(self, max_pending: int = 2, nice: Optional[int] = None) -> None:
-        if isinstance(max_pending, bool) or not isinstance(max_pending, int):
-            raise TypeError(f"max_pending must be an int, not {type(max_pending).__name__}")
-        if max_pending < 1:
-            raise ValueError("max_pending must be at least 1")
+        check_max_pending(max_pending)
         if nice is None:
             nice = env_int("FASTPERSIST_BACKGROUND_NICE", DEFAULT_NICE)
         if isinstance(nice, bool) or not isinstance(nice, int):

@@ -259,10 +259,12 @@ class FrequencyTuner:
         max_interval: int = 100_000,
         reprofile_every: int = 25,
     ) -> None:
-        if every != "auto" and not (isinstance(every, int) and every >= 1):
+        if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be 'auto' or a positive int, not {every!r}")
+        if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)):
+            raise TypeError(f"max_overhead must be a number in (0, 1), not {type(max_overhead).__name__}")
         if not 0 < max_overhead < 1:
-            raise ValueError("max_overhead must be in (0, 1)")
+            raise ValueError(f"max_overhead must be in (0, 1), not {max_overhead!r}")
         self.auto = every == "auto"
         self.interval = 1 if self.auto else int(every)
         self.max_overhead = max_overhead
@@ -486,6 +488,9 @@ class Checkpointer:
     ) -> None:
         _check_peer_args(replicate, group, nodes)
         _check_options(mode, options, keep_last, keep_every)
+        if not callable(clock):
+            raise TypeError(f"clock must be a function returning seconds, not {type(clock).__name__}")
+        self.tuner = FrequencyTuner(every, max_overhead)  # checked before any directory is made
         self._closed = False
         self.directory = os.path.abspath(_local_dir("directory", directory))
         #: The object store tier, when ``stage_dir`` is a URL.
@@ -502,7 +507,6 @@ class Checkpointer:
         self.mode = mode
         self.options = options
         self.clock = clock
-        self.tuner = FrequencyTuner(every, max_overhead)
         self._saver = AsyncSaver(max_pending=2)
         self._prepared = False
         staged = self.stage_dir or self.store is not None

@@ -376,3 +376,14 @@ def test_a_state_that_grows_after_prepare_is_saved_whole(tmp_path, monkeypatch):
     assert set(got) == set(m.state_dict()) and "extra" in got
     for k, v in m.state_dict().items():
         assert bits(got[k]) == bits(v), k
+
+
+@pytest.mark.parametrize(
+    "kw, error",
+    [({"max_pending": 0}, ValueError), ({"max_pending": "2"}, TypeError), ({"async_save": "no"}, TypeError)],
+)
+def test_checkpoint_io_arguments_are_checked_at_construction(kw, error):
+    """Regression: max_pending=0 or "2" was taken and failed at the first
+    save (the saver is made then); async_save="no" was taken as true."""
+    with pytest.raises(error, match=next(iter(kw))):
+        FastPersistCheckpointIO(**kw)

@@ -474,3 +474,23 @@ def test_sharded_without_a_group_is_refused(tmp_path):
     with pytest.raises(ValueError, match="sharded=True needs group="):
         fastpersist.Checkpointer(str(tmp_path / "ck"), sharded=True)
     assert not os.path.exists(tmp_path / "a.pt")
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        ({"max_overhead": "0.1"}, TypeError, "max_overhead"),
+        ({"max_overhead": None}, TypeError, "max_overhead"),
+        ({"max_overhead": True}, TypeError, "max_overhead"),
+        ({"every": True}, ValueError, "every"),
+        ({"clock": None}, TypeError, "clock"),
+    ],
+)
+def test_checkpointer_arguments_are_checked_at_construction(tmp_path, kw, error, match):
+    """Regression: a string max_overhead raised TypeError "'<' not supported
+    between instances of 'int' and 'str'" (no argument named), every=True
+    and clock=None were taken (the latter failing at the first step), and
+    the directory was made before the arguments were checked."""
+    with pytest.raises(error, match=match):
+        fastpersist.Checkpointer(tmp_path / "ck", **kw)
+    assert not (tmp_path / "ck").exists()

@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from .. import _core
-from ..async_save import MODES, AsyncSaver, CheckpointFuture, future_error
+from ..async_save import MODES, AsyncSaver, CheckpointFuture, check_max_pending, future_error
 from ..errors import CorruptCheckpointError
 from ..options import EngineOptions, WriteStats
 from ..patching import load_file_route, torch_load_route, torch_save_route
@@ -183,6 +183,9 @@ class BackgroundSaves:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False, not {async_save!r}")
+        check_max_pending(max_pending)  # here, not at the first save (the saver is made then)
         EngineOptions.given(what, engine_options)  # bad options fail here, not at the first save
         self.mode = mode
         self.async_save = async_save
