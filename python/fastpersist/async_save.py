@@ -85,11 +85,34 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
         self.total_seconds: Optional[float] = None
         self._snapshot = threading.Event()
         self._snapshot_error: Optional[BaseException] = None
+        #: The background workers that run this save (see _check_waiter).
+        self._workers: Tuple[Any, ...] = ()
+
+    def _check_waiter(self, what: str) -> None:
+        """Refuse a wait that could never end: from one of the threads that
+        run this save (a done-callback of another save, which runs there,
+        starting this one and waiting for it)."""
+        me = threading.current_thread()
+        if not self.done() and any(w._thread is me for w in self._workers):
+            raise RuntimeError(
+                f"{what} of the save of {self.path} on {me.name}, the thread that runs it, would never return "
+                "(a done-callback runs on fastpersist's thread: hand the wait to a thread of your own)"
+            )
+
+    def result(self, timeout: Optional[float] = None) -> WriteStats:
+        self._check_waiter("result()")
+        return super().result(timeout)
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        self._check_waiter("exception()")
+        return super().exception(timeout)
 
     def wait_snapshot(self, timeout: Optional[float] = None) -> None:
         """Block until the tensors may be changed again (snapshot copied, or
         every byte streamed out). Raises the save's error if it failed
         before that point; ``TimeoutError`` after ``timeout`` seconds."""
+        if not self._snapshot.is_set():
+            self._check_waiter("wait_snapshot()")
         if not self._snapshot.wait(timeout):
             raise TimeoutError(f"snapshot of {self.path} not finished after {timeout} s")
         if self._snapshot_error is not None:
@@ -701,6 +724,7 @@ class AsyncSaver:
                 self._check_open()
             del versions
             fut = CheckpointFuture(p, mode)
+            fut._workers = (self._snap, self._write)
             note_pending(p, fut)
             fut.add_done_callback(self._finished)
             self._last = fut

@@ -483,3 +483,32 @@ def test_a_cancelled_save_writes_nothing_and_breaks_nothing(tmp_path, mode):
     ck.close()
     assert ck.latest() is not None and ck.latest().step in (3, 4)
     assert not ck._saver._snap._thread.is_alive() and not ck._saver._write._thread.is_alive()
+
+
+def test_waiting_on_a_save_from_the_thread_that_runs_it_raises_instead_of_hanging(tmp_path):
+    """Regression: a done-callback (it runs on the saver's write thread)
+    that started another save and waited for it hung for ever: the save
+    it waited for was queued behind the callback, on that same thread."""
+    import threading
+
+    saver = AsyncSaver()
+    seen: dict = {}
+    done = threading.Event()
+
+    def callback(_):
+        g = saver.save({"a": torch.ones(2)}, tmp_path / "inner.pt")
+        for name, wait in (("result", g.result), ("exception", g.exception), ("wait_snapshot", g.wait_snapshot)):
+            try:
+                wait(timeout=30)
+            except RuntimeError as e:
+                seen[name] = str(e)
+        seen["inner"] = g
+        done.set()
+
+    f = saver.save({"a": torch.ones(2)}, tmp_path / "outer.pt")
+    f.add_done_callback(callback)
+    assert done.wait(60)
+    assert set(seen) == {"result", "exception", "wait_snapshot", "inner"}, seen
+    assert "would never return" in seen["result"]
+    seen["inner"].result(timeout=60)  # from this thread it completes
+    saver.close()
