@@ -87,6 +87,8 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
         self._snapshot_error: Optional[BaseException] = None
         #: The background workers that run this save (see _check_waiter).
         self._workers: Tuple[Any, ...] = ()
+        #: When the save finished by its owner's clock (a Checkpointer's), once it has.
+        self.done_at: Optional[float] = None
 
     def _check_waiter(self, what: str) -> None:
         """Refuse a wait that could never end: from one of the threads that

@@ -381,8 +381,6 @@ class _InFlight:
     issued_at: float
     stall: float
     extra: float = 0.0
-    #: When (by the Checkpointer's clock) the save finished, once it has.
-    done_at: Optional[float] = None
 
 
 def _check_peer_args(replicate: Any, group: Any, nodes: Any) -> None:
@@ -596,7 +594,8 @@ class Checkpointer:
             dur = now - self._last_step_at
             fl = self._inflight
             # A save that had finished before this iteration began costs it nothing.
-            affected = fl is not None and (fl.done_at is None or fl.done_at > self._last_step_at)
+            done_at = fl.future.done_at if fl is not None else None
+            affected = fl is not None and (done_at is None or done_at > self._last_step_at)
             self.tuner.record_iteration(dur, affected=affected)
             if fl is not None and affected and self.tuner.clean_time is not None:
                 fl.extra += max(0.0, dur - self.tuner.clean_time)
@@ -662,8 +661,9 @@ class Checkpointer:
             self._finish(self._inflight, wait=True)
         path = os.path.join(self.directory, ckpt_name(step))
         fut = self._saver.save({"step": step, "state": state}, path, mode=self.mode, **self.options)
-        fl = self._inflight = _InFlight(step, fut, t0, self.clock() - t0)
-        fut.add_done_callback(lambda _: setattr(fl, "done_at", self.clock()))
+        self._inflight = _InFlight(step, fut, t0, self.clock() - t0)
+        clock = self.clock  # (the callback holds neither self nor the _InFlight: no cycle)
+        fut.add_done_callback(lambda f: setattr(f, "done_at", clock()))
         return fut
 
     def _poll(self) -> None:

@@ -152,7 +152,7 @@ def test_one_stalled_iteration_does_not_stretch_the_interval(tmp_path, in_flight
         now[0] += 0.1
         if step == 200:
             if in_flight and ck._inflight is not None:
-                ck._inflight.done_at = None  # the save is still running through the stall
+                ck._inflight.future.done_at = None  # the save is still running through the stall
             now[0] += 60.0
         f = ck.step(step, {"w": torch.zeros(10)})
         if f is not None:
