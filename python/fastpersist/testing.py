@@ -28,6 +28,7 @@ import io
 import math
 import os
 import struct
+import sys
 import warnings
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
@@ -87,8 +88,17 @@ def _saves(dt: torch.dtype) -> bool:
 # Exact comparison
 
 
-def _float_bits(x: float) -> bytes:
+def _number_bits(x: Any) -> bytes:
+    """A float's or a complex number's bits (NaN payloads and signed zeros
+    told apart)."""
+    if isinstance(x, complex):
+        return struct.pack("<dd", x.real, x.imag)
     return struct.pack("<d", x)
+
+
+def _is_numpy(x: Any) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, (np.ndarray, np.generic))
 
 
 def _storage_bytes(st: Any) -> bytes:
@@ -104,6 +114,19 @@ def _wrapper_parts(t: torch.Tensor) -> Optional[Tuple[List[str], Any]]:
         return None
     flatten = getattr(t, "__tensor_flatten__", None)
     return None if flatten is None else flatten()
+
+
+#: Objects compared with ``==``.
+_ATOMS = (bool, int, str, bytes, bytearray, range, set, frozenset, torch.dtype, torch.device)
+
+#: The parts of a sparse tensor, by layout.
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
 
 
 class _Comparison:
@@ -122,23 +145,63 @@ class _Comparison:
             self.fail(where, f"type {type(got).__qualname__}, expected {type(exp).__qualname__}")
         if isinstance(exp, torch.Tensor):
             self.tensor(exp, got, where)
-        elif isinstance(exp, dict):
+        elif isinstance(exp, (dict, list, tuple)):
+            self.container(exp, got, where)
+        elif isinstance(exp, (float, complex)):
+            if _number_bits(exp) != _number_bits(got):
+                self.fail(
+                    where, f"{got!r} (bits {_number_bits(got).hex()}), expected {exp!r} ({_number_bits(exp).hex()})"
+                )
+        elif exp is None or isinstance(exp, _ATOMS):
+            if exp != got:
+                self.fail(where, f"{got!r}, expected {exp!r}")
+        elif _is_numpy(exp):
+            self.numpy(exp, got, where)
+        else:
+            self.state(exp, got, where)
+
+    def container(self, exp: Any, got: Any, where: str) -> None:
+        if isinstance(exp, dict):
             if list(exp.keys()) != list(got.keys()):
                 self.fail(where, f"keys {list(got.keys())!r}, expected {list(exp.keys())!r}")
             for k in exp:
                 self.same(exp[k], got[k], f"{where}[{k!r}]")
-        elif isinstance(exp, (list, tuple)):
+        else:
             if len(exp) != len(got):
                 self.fail(where, f"length {len(got)}, expected {len(exp)}")
             for i, (a, b) in enumerate(zip(exp, got)):
                 self.same(a, b, f"{where}[{i}]")
-        elif isinstance(exp, float):
-            if _float_bits(exp) != _float_bits(got):
-                self.fail(
-                    where, f"{got!r} (bits {_float_bits(got).hex()}), expected {exp!r} ({_float_bits(exp).hex()})"
-                )
-        elif exp != got:
-            self.fail(where, f"{got!r}, expected {exp!r}")
+        if type(exp) not in (dict, OrderedDict, list, tuple):
+            self.state(exp, got, where)  # a defaultdict's factory, a subclass's attributes
+
+    def state(self, exp: Any, got: Any, where: str) -> None:
+        """Any other object: what pickling it keeps (``__reduce_ex__``'s
+        arguments and state, so identity-compared objects such as modules
+        and objects whose ``==`` a tensor would break are compared by what
+        they hold), else ``==``."""
+        try:
+            a, b = exp.__reduce_ex__(2), got.__reduce_ex__(2)
+        except Exception:  # noqa: BLE001 - an object pickle cannot take apart
+            if exp != got:
+                self.fail(where, f"{got!r}, expected {exp!r}")
+            return
+        if not isinstance(a, tuple) or not isinstance(b, tuple):  # a global's name
+            if a != b:
+                self.fail(where, f"{got!r}, expected {exp!r}")
+            return
+        if a[0] is not b[0]:
+            self.fail(where, f"made by {b[0]!r}, expected {a[0]!r}")
+        self.same(a[1], b[1], f"{where}<args>")
+        if len(a) > 2 or len(b) > 2:
+            self.same(a[2] if len(a) > 2 else None, b[2] if len(b) > 2 else None, f"{where}<state>")
+
+    def numpy(self, exp: Any, got: Any, where: str) -> None:
+        if exp.dtype != got.dtype or getattr(exp, "shape", None) != getattr(got, "shape", None):
+            self.fail(where, f"numpy {got.dtype} {getattr(got, 'shape', ())}, expected {exp.dtype} {exp.shape}")
+        if exp.dtype.hasobject:
+            self.same(exp.tolist(), got.tolist(), where)
+        elif exp.tobytes() != got.tobytes():
+            self.fail(where, "numpy values differ")
 
     def tensor(self, exp: torch.Tensor, got: torch.Tensor, where: str) -> None:
         for attr in ("dtype", "shape", "layout", "requires_grad"):
@@ -155,11 +218,13 @@ class _Comparison:
             for n in names:
                 self.same(getattr(exp, n), getattr(got, n), f"{where}.{n}")
             return
+        if exp.__dict__ or got.__dict__:
+            self.same(dict(exp.__dict__), dict(got.__dict__), f"{where}.__dict__")
         if exp.layout is not torch.strided:
-            if exp.is_sparse:
-                self.same(exp._indices(), got._indices(), f"{where}._indices()")
-                self.same(exp._values(), got._values(), f"{where}._values()")
+            self.sparse(exp, got, where)
             return
+        if exp.is_quantized:
+            self.quantizer(exp, got, where)
         if exp.stride() != got.stride() or exp.storage_offset() != got.storage_offset():
             self.fail(
                 where,
@@ -171,6 +236,22 @@ class _Comparison:
         if exp.device.type == "meta":
             return
         self.storage(exp.untyped_storage(), got.untyped_storage(), where)
+
+    def sparse(self, exp: torch.Tensor, got: torch.Tensor, where: str) -> None:
+        for part in _SPARSE_PARTS.get(exp.layout, ()):
+            self.same(getattr(exp, part)(), getattr(got, part)(), f"{where}.{part}()")
+        if exp.is_sparse and exp.is_coalesced() != got.is_coalesced():
+            self.fail(where, f"is_coalesced() {got.is_coalesced()}, expected {exp.is_coalesced()}")
+
+    def quantizer(self, exp: torch.Tensor, got: torch.Tensor, where: str) -> None:
+        if exp.qscheme() != got.qscheme():
+            self.fail(where, f"qscheme {got.qscheme()}, expected {exp.qscheme()}")
+        if exp.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            for name in ("q_scale", "q_zero_point"):
+                self.same(getattr(exp, name)(), getattr(got, name)(), f"{where}.{name}()")
+        else:
+            for name in ("q_per_channel_scales", "q_per_channel_zero_points", "q_per_channel_axis"):
+                self.same(getattr(exp, name)(), getattr(got, name)(), f"{where}.{name}()")
 
     def storage(self, exp: Any, got: Any, where: str) -> None:
         e, g = exp._cdata, got._cdata

@@ -4,6 +4,7 @@ its comparison catches what it promises to catch."""
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import pytest
@@ -119,3 +120,49 @@ def test_roundtrip_of_a_safetensors_file_compares_it_as_safetensors_keeps_it(tmp
     monkeypatch.setattr(testing, "read_state_dict", lambda p, **kw: {**real(p, **kw), "a": torch.ones(3, 2) * 2})
     with pytest.raises(AssertionError, match=r"read_state_dict.*\['a'\]"):
         assert_roundtrip(sd, tmp_path / "y.safetensors", write_kwargs={"format": "safetensors"})
+
+
+@dataclasses.dataclass
+class _Holder:
+    w: torch.Tensor
+
+
+def test_assert_same_state_compares_what_pickling_keeps(tmp_path):
+    """Regression: assert_roundtrip failed on objects that round-trip
+    exactly (a module, compared by identity; a numpy array or a dataclass
+    holding a tensor, whose == raised; a complex NaN) and passed objects
+    that differ (sparse CSR values, a quantized tensor's scale, a tensor's
+    attributes, a defaultdict's factory)."""
+    import collections
+
+    import numpy as np
+    from fastpersist.testing import assert_roundtrip, assert_same_state
+
+    torch.manual_seed(0)
+    for i, obj in enumerate(
+        [
+            {"m": torch.nn.Linear(2, 2)},
+            {"a": np.arange(3.0), "s": np.float32(1.5)},
+            {"d": _Holder(torch.ones(2))},
+            {"c": complex(float("nan"), 0.0)},
+        ]
+    ):
+        assert_roundtrip(obj, tmp_path / f"{i}.pt", weights_only=False)
+
+    def differ(a, b):
+        with pytest.raises(AssertionError):
+            assert_same_state({"x": a}, {"x": b})
+
+    differ(torch.eye(3).to_sparse_csr(), (torch.eye(3) * 5).to_sparse_csr())
+    differ(
+        torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8),
+        torch.quantize_per_tensor(torch.ones(4) * 2, 0.2, 0, torch.qint8),
+    )
+    t1, t2 = torch.ones(2), torch.ones(2)
+    t1.note, t2.note = "a", "b"
+    differ(t1, t2)
+    differ(collections.defaultdict(list), collections.defaultdict(int))
+    differ(np.array([1.0, 2.0]), np.array([1.0, 3.0]))
+    differ(_Holder(torch.ones(2)), _Holder(torch.zeros(2)))
+    differ(complex(1.0, 0.0), complex(1.0, -0.0))
+    assert_same_state({"x": _Holder(torch.ones(2))}, {"x": _Holder(torch.ones(2))})
