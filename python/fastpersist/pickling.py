@@ -702,6 +702,9 @@ class TensorVersions:
     queued on the stream; CPU: once the kernel has run). Views and
     ``detach()``-ed tensors (what ``state_dict()`` returns) share the
     counter of their base, so an update through any of them is seen.
+    A CPU operation still running when the check comes (issued after the
+    call without the fence) bumps the counter only as it returns, so it
+    can go unseen: the fence is the guarantee, this check the net.
     Optimizer steps are seen whatever kernel they use: fused optimizer
     kernels (``fused=True``) and optimizers that update ``p.data`` write
     without bumping the counter, so every ``Optimizer.step()`` while the
