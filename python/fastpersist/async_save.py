@@ -70,6 +70,10 @@ log = logging.getLogger("fastpersist")
 MODES = ("pipelined", "snapshot")
 
 
+#: Failed saves a saver keeps for :meth:`AsyncSaver.wait_all` at most.
+MAX_UNSEEN = 64
+
+
 class CheckpointFuture(concurrent.futures.Future[WriteStats]):
     """A ``concurrent.futures.Future`` whose result is the :class:`WriteStats`
     of a durable, committed checkpoint, plus the snapshot phase."""
@@ -89,6 +93,8 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
         self._workers: Tuple[Any, ...] = ()
         #: When the save finished by its owner's clock (a Checkpointer's), once it has.
         self.done_at: Optional[float] = None
+        # Whether its outcome was asked for (result(), exception(), a raising wait_snapshot()).
+        self._seen = False
 
     def _check_waiter(self, what: str) -> None:
         """Refuse a wait that could never end: from one of the threads that
@@ -103,11 +109,23 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
 
     def result(self, timeout: Optional[float] = None) -> WriteStats:
         self._check_waiter("result()")
-        return super().result(timeout)
+        try:
+            return super().result(timeout)
+        finally:
+            self._seen = self._seen or self.done()
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         self._check_waiter("exception()")
-        return super().exception(timeout)
+        try:
+            return super().exception(timeout)
+        finally:
+            self._seen = self._seen or self.done()
+
+    def _failed_unseen(self) -> bool:
+        """Failed (not cancelled), and nobody has asked for its outcome."""
+        if self._seen or not self.done() or self.cancelled():
+            return False
+        return concurrent.futures.Future.exception(self, 0) is not None
 
     def wait_snapshot(self, timeout: Optional[float] = None) -> None:
         """Block until the tensors may be changed again (snapshot copied, or
@@ -118,6 +136,7 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
         if not self._snapshot.wait(timeout):
             raise TimeoutError(f"snapshot of {self.path} not finished after {timeout} s")
         if self._snapshot_error is not None:
+            self._seen = True
             raise self._snapshot_error
 
     def snapshot_done(self) -> bool:
@@ -623,6 +642,8 @@ class AsyncSaver:
         self._lock = threading.RLock()
         self._last: Optional[CheckpointFuture] = None
         self._inflight: List[CheckpointFuture] = []
+        # Failed saves whose outcome nobody asked for (see wait_all).
+        self._unseen: List[CheckpointFuture] = []
         _savers.add(self)
         # A saver dropped without close(): its threads end once idle.
         fin = weakref.finalize(self, _stop_workers, self._snap, self._write)
@@ -754,6 +775,7 @@ class AsyncSaver:
         self._slots = threading.BoundedSemaphore(self._max_pending)
         self._last = None
         self._inflight = []
+        self._unseen = []
         self.pool._after_fork()
         self._snap._after_fork()
         self._write._after_fork()
@@ -771,6 +793,10 @@ class AsyncSaver:
                 # one's error (with the frames of whoever raised it) is the
                 # caller's to keep, not this saver's.
                 self._last = None
+            if isinstance(fut, CheckpointFuture) and fut._failed_unseen():
+                # Kept (its error's frames dropped) until wait_all() reports it:
+                # a failure nobody reads must not pass silently.
+                self._unseen = [f for f in self._unseen[-(MAX_UNSEEN - 1) :] if f._failed_unseen()] + [fut]
         self._slots.release()
 
     def _pipelined(
@@ -930,10 +956,18 @@ class AsyncSaver:
             return list(self._inflight)
 
     def wait_all(self, timeout: Optional[float] = None) -> List[CheckpointFuture]:
-        """Wait for every save in flight; returns those that failed."""
+        """Wait for every save in flight; returns those that failed, and the
+        earlier failures whose outcome nobody asked for yet (the last
+        ``MAX_UNSEEN``), each reported once."""
         pending = self.pending()
         concurrent.futures.wait(pending, timeout=timeout)
-        return [f for f in pending if f.done() and future_error(f) is not None]
+        with self._lock:
+            unseen, self._unseen = [f for f in self._unseen if f._failed_unseen()], []
+        failed = [f for f in unseen if f not in pending]
+        failed += [f for f in pending if f.done() and future_error(f) is not None]
+        for f in failed:
+            f._seen = True
+        return failed
 
     def close(self) -> None:
         """Wait for every save in flight, then end the background threads and
@@ -1016,9 +1050,8 @@ def _drain_at_exit() -> None:
     exits; a failure among them is logged as an error."""
     savers = list(_savers)
     pending = [f for s in savers for f in s.pending()]
-    if not pending:
-        return
-    log.warning("fastpersist: waiting for %d checkpoint save(s) in flight before exit", len(pending))
+    if pending:
+        log.warning("fastpersist: waiting for %d checkpoint save(s) in flight before exit", len(pending))
     for s in savers:
         for f in s.wait_all():
             log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, future_error(f))

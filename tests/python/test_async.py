@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import os
 import subprocess
@@ -511,4 +512,23 @@ def test_waiting_on_a_save_from_the_thread_that_runs_it_raises_instead_of_hangin
     assert set(seen) == {"result", "exception", "wait_snapshot", "inner"}, seen
     assert "would never return" in seen["result"]
     seen["inner"].result(timeout=60)  # from this thread it completes
+    saver.close()
+
+
+def test_wait_all_reports_a_failure_nobody_read(tmp_path):
+    """Regression: a background save that failed before wait_all() was
+    called (its future never read) was not among wait_all()'s failures:
+    the failure passed silently. Reported once; one whose outcome was read
+    is the reader's."""
+    saver = AsyncSaver()
+    (tmp_path / "dir.pt").mkdir()  # a save there fails
+    bad = saver.save({"a": torch.ones(2)}, tmp_path / "dir.pt")
+    read = saver.save({"a": torch.ones(2)}, tmp_path / "dir.pt")
+    with pytest.raises(fastpersist.WriteError):
+        read.result(timeout=60)
+    concurrent.futures.wait([bad], timeout=60)
+    assert saver.wait_all(timeout=60) == [bad]
+    assert saver.wait_all(timeout=60) == []  # once
+    ok = saver.save({"a": torch.ones(2)}, tmp_path / "ok.pt")
+    assert saver.wait_all(timeout=60) == [] and ok.result().bytes > 0
     saver.close()
