@@ -556,6 +556,10 @@ class _Worker:
                 fn()
             except BaseException:
                 log.exception("fastpersist: uncaught error in a background save")
+            # The job (its saver's bound methods, its arguments) is not kept
+            # while the thread waits for the next: a saver dropped without
+            # close() is collected, and its finalizer ends these threads.
+            fn = None
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         """Queue ``fn(*args)``; the future gives its result."""

@@ -532,3 +532,30 @@ def test_wait_all_reports_a_failure_nobody_read(tmp_path):
     ok = saver.save({"a": torch.ones(2)}, tmp_path / "ok.pt")
     assert saver.wait_all(timeout=60) == [] and ok.result().bytes > 0
     saver.close()
+
+
+@pytest.mark.parametrize("owner", ["AsyncSaver", "Checkpointer"])
+def test_a_saver_dropped_without_close_ends_its_threads(tmp_path, owner):
+    """Regression: an AsyncSaver (or a Checkpointer) dropped without
+    close() kept its two threads for the life of the process: each thread
+    held its last job, whose bound methods held the saver, so the saver's
+    finalizer (which ends them) never ran."""
+    import gc
+
+    if owner == "AsyncSaver":
+        s = AsyncSaver()
+        saver = s
+        for mode in ("pipelined", "snapshot"):
+            s.save({"a": torch.ones(4)}, tmp_path / f"{mode}.pt", mode=mode).result(timeout=60)
+    else:
+        s = fastpersist.Checkpointer(tmp_path / "ck", every=1)
+        saver = s._saver
+        s.save(1, {"a": torch.ones(4)}).result(timeout=60)
+        s.wait()
+    threads = [saver._snap._thread, saver._write._thread]
+    assert all(t is not None and t.is_alive() for t in threads)
+    del s, saver
+    gc.collect()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
