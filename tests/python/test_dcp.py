@@ -387,6 +387,28 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path):
     assert_equal(load(tmp_path, dcp.FileSystemReader(tmp_path), sd), sd)
 
 
+def test_a_failed_write_removes_the_files_it_wrote(tmp_path):
+    """Regression: when a rank's write failed after some of its files were
+    written (one file per item, the first ones done), those files stayed
+    until the next save. They are this save's own and nothing names them."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class FailsLate(DefaultSavePlanner):
+        def resolve_data(self, item):
+            if item.index.fqn == "z":
+                raise RuntimeError("injected: the planner fails on the last item")
+            return super().resolve_data(item)
+
+    sd = {"a": torch.ones(1000), "b": torch.ones(1000), "z": torch.ones(10)}
+    with raises(RuntimeError, "injected"):
+        dcp.save(
+            sd,
+            storage_writer=FastPersistWriter(tmp_path, single_file_per_rank=False, thread_count=1),
+            planner=FailsLate(),
+        )
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".distcp")], os.listdir(tmp_path)
+
+
 def test_failed_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
     """The new data files are durable, but .metadata could not be written:
     the previous checkpoint still loads; the next save sweeps the leftovers."""

@@ -41,6 +41,7 @@ caller names no storage (``dcp.save(sd, checkpoint_id=path)``);
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import io
@@ -695,6 +696,12 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         for t in threads:
             t.join()
         if errors:
+            # This save's files written before the failure are of no use
+            # (nothing will name them): removed now, not at the next save.
+            for n, done in enumerate(stats):
+                if done is not None:
+                    with contextlib.suppress(OSError):
+                        _core.remove_file(os.path.join(self.path, names.name(n)))
             raise errors[0]
         self.last_stats = [s for s in stats if s is not None]
         fut: Future = Future()
