@@ -227,7 +227,8 @@ def is_safetensors(head: bytes, file_len: int) -> bool:
     if len(head) < 9:
         return False
     (n,) = struct.unpack_from("<Q", head)
-    return 2 <= n <= min(MAX_HEADER, file_len - 8) and head[8:9] == b"{"
+    # JSON may start with whitespace, and safetensors' own parser takes it.
+    return 2 <= n <= min(MAX_HEADER, file_len - 8) and head[8 : 8 + n].lstrip(b" \t\n\r")[:1] == b"{"
 
 
 #: Largest dimension accepted when reading (torch sizes are int64).

@@ -400,3 +400,20 @@ def test_headers_read_exactly_as_safetensors_reads_them(tmp_path, header):
     for k in want:
         assert (got[k].shape, got[k].stride(), got[k].dtype) == (want[k].shape, want[k].stride(), want[k].dtype)
     verify_file(p)
+
+
+def test_a_header_that_starts_with_whitespace_reads_as_safetensors_reads_it(tmp_path):
+    """Regression: a header with whitespace before its opening brace (JSON
+    allows it, safetensors' parser takes it) was "neither a torch
+    checkpoint nor a safetensors file"."""
+    src = tmp_path / "a.safetensors"
+    save_file({"w": torch.arange(6.0).reshape(2, 3)}, src)
+    raw = src.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = b" \n\t" + raw[8 : 8 + n]
+    p = tmp_path / "ws.safetensors"
+    p.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n :])
+    want = load_file(p)
+    got = fastpersist.read_state_dict(p)
+    assert list(got) == list(want) and torch.equal(got["w"], want["w"])
+    verify_file(p)
