@@ -178,3 +178,20 @@ def written_by_fastpersist(path) -> bool:
         data = [i for i in z.infolist() if i.filename.startswith(prefix + "data/")]
         want = serialization_id(z.read(pkl[0]), len(data), sum(i.file_size for i in data))
         return z.read(sid[0]) == want.encode()
+
+
+def full_device(directory: Any) -> str:
+    """A character device like /dev/full (every write fails with ENOSPC)
+    made in ``directory``, so a test never writes the system's own (and a
+    defect that replaced it would replace only this one); skips the test
+    where device nodes cannot be made (not root)."""
+    import stat
+
+    import pytest
+
+    path = os.path.join(os.fspath(directory), "full")
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+    except (PermissionError, OSError) as e:
+        pytest.skip(f"cannot make a device node here: {e}")
+    return path
