@@ -996,7 +996,8 @@ def tensor_span(offset: Any, size: Any, stride: Any) -> Optional[int]:
         return None
     if any(n == 0 for n in size):
         return 0
-    return offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1
+    span: int = offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1
+    return span
 
 
 #: torch's rebuild functions that lay a tensor over a storage: (storage,
