@@ -415,8 +415,10 @@ def _read_legacy(fd: int, size: int, path: str, map_location: MapLocation, weigh
             # the damage; an intact file's error is torch's own.
             try:
                 check_legacy(fd, size, path)
-            except (CorruptCheckpointError, UnsupportedFormatError) as c:
+            except CorruptCheckpointError as c:
                 raise CorruptCheckpointError(f"{c} (torch.load: {why})") from None
+            except UnsupportedFormatError:
+                pass  # torch's tar format: the check cannot tell, torch's error stands
             raise
     return obj, size, 0
 
