@@ -5,6 +5,7 @@ has a GPU."""
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Dict
 
@@ -132,4 +133,16 @@ def spawn(fn: Any, world: int, *args: Any) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(fn, args=(world, port, *args), nprocs=world, join=True)
+    mp.spawn(_then_exit, args=(fn, world, port, *args), nprocs=world, join=True)
+
+
+def _then_exit(rank: int, fn: Any, *args: Any) -> None:
+    """Run ``fn(rank, *args)``; once it has returned (its process group
+    destroyed), leave without the interpreter's finalization, where gloo's
+    worker threads can still hold work with Python references and abort
+    the process ("terminate called without an active exception",
+    pytorch/pytorch#179291). An exception still fails the rank as before."""
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
