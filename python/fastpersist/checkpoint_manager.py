@@ -221,8 +221,9 @@ def clean_temp_files(directory: str, min_age: float = TEMP_MIN_AGE) -> List[str]
     return remove_stale_temps(directory, TEMP_RE.fullmatch, min_age)
 
 
-#: How many times its estimate one checkpoint's measured cost or write
-#: time may count for (see :meth:`FrequencyTuner.record_checkpoint`).
+#: How many times its estimate one checkpoint's measured cost may count
+#: for, and one window's overhead the target (see
+#: :meth:`FrequencyTuner.record_checkpoint` and ``_feedback``).
 OUTLIER = 4.0
 #: An iteration this many times the baseline, with no checkpoint in flight,
 #: is a stall, not an iteration (see :meth:`FrequencyTuner.record_iteration`).
