@@ -1337,13 +1337,9 @@ def _fast_unpickle(pkl: bytes, weights_only: bool, load: Callable[[Any], Any]) -
     return _core.fast_unpickle(pkl, ctx, load)
 
 
-class _MissingGlobal(Exception):
+class _MissingGlobal(_RestoreError):
     """Carries the error of a global the pickle names that cannot be
     imported (a class since removed): torch.load raises it as it is."""
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 class _Unpickler(pickle.Unpickler):
@@ -1443,7 +1439,7 @@ def unpickle(
         if not str(e).startswith(path):
             raise CorruptCheckpointError(f"{path}: {e}") from None
         raise
-    except (_RestoreError, _MissingGlobal) as e:  # e.g. map_location="cuda" without a GPU: torch's own error
+    except _RestoreError as e:  # map_location="cuda" without a GPU, a class gone: torch's own error
         raise e.error from None
     except NotImplementedError:
         raise  # what torch.load raises too (a quantized tensor restored to meta, say)
