@@ -757,6 +757,7 @@ fn write_locked(
     guard: Option<PyObject>,
     lend: bool,
     err: &GuardErr,
+    reserve: u64,
 ) -> Result<(), Error> {
     let mut lock = session
         .lock()
@@ -764,15 +765,19 @@ fn write_locked(
     let s = lock
         .as_mut()
         .ok_or_else(|| Error::option("this write session is already finished"))?;
+    if reserve > 0 {
+        s.reserve(reserve)?;
+    }
     s.set_lending(lend);
     let res = guarded(guard, err, || engine.engine()?.write(s, segments));
     s.set_lending(true);
     res
 }
 
-/// A part of a file for the write-behind thread: its segments, and the
-/// `MemoryGuard` its caller memory is read under.
-type BehindPart = (Vec<Segment>, Option<PyObject>);
+/// A part of a file for the write-behind thread: its segments, the
+/// `MemoryGuard` its caller memory is read under, and how much of the file
+/// to reserve before it is written (0: nothing more).
+type BehindPart = (Vec<Segment>, Option<PyObject>, u64);
 
 /// What the write-behind thread ends with: the first failure, and what a
 /// guard's failed check found for it.
@@ -826,14 +831,21 @@ impl PySession {
                     GIL_WAITERS.fetch_sub(1, Ordering::SeqCst);
                     py.allow_threads(|| {
                         let mut end: BehindEnd = Ok(());
-                        for (segments, guard) in rx {
+                        for (segments, guard, reserve) in rx {
                             if end.is_err() || state.cancel.load(Ordering::SeqCst) {
                                 state.pending.fetch_sub(1, Ordering::SeqCst);
                                 continue; // drop what follows a failure, or an abort
                             }
                             let err = GuardErr::default();
-                            let res =
-                                write_locked(&session, engine.get(), segments, guard, true, &err);
+                            let res = write_locked(
+                                &session,
+                                engine.get(),
+                                segments,
+                                guard,
+                                true,
+                                &err,
+                                reserve,
+                            );
                             if let Err(e) = res {
                                 state.failed.store(true, Ordering::SeqCst);
                                 end = Err((e, err));
@@ -920,9 +932,29 @@ impl PySession {
                 guard,
                 lend,
                 &err,
+                0,
             )
         })
         .map_err(|e| guard_err(&err, e))
+    }
+
+    /// Reserve the file's first `nbytes` bytes (whole blocks), as `begin`
+    /// reserved its size hint: for a session begun before the whole file's
+    /// size was known. After the parts given to `write_behind` so far.
+    fn reserve(&self, py: Python<'_>, nbytes: IntArg) -> PyResult<()> {
+        self.check_mine()?;
+        let n: u64 = nbytes.get("nbytes")?;
+        PySession::join_behind(self, py)?;
+        py.allow_threads(|| {
+            let lock = self
+                .session
+                .lock()
+                .map_err(|_| Error::option("session poisoned"))?;
+            lock.as_ref()
+                .ok_or_else(|| Error::option("this write session is already finished"))?
+                .reserve(n)
+        })
+        .map_err(to_py)
     }
 
     /// `write`, on the session's write-behind thread: the segments are
@@ -930,8 +962,9 @@ impl PySession {
     /// `join_behind` returns; the guard is consulted as it is read), and
     /// this returns at once. Parts are written in the order given; a
     /// failure is raised by `join_behind` (and by `write`, `finish`), and
-    /// `behind_failed` says whether one happened so far.
-    #[pyo3(signature = (blobs, regions, slots, guard=None))]
+    /// `behind_failed` says whether one happened so far. `reserve`: as
+    /// `reserve(nbytes)`, on that thread, before this part is written.
+    #[pyo3(signature = (blobs, regions, slots, guard=None, reserve=IntArg(0)))]
     fn write_behind<'py>(
         &self,
         py: Python<'py>,
@@ -939,8 +972,10 @@ impl PySession {
         regions: &Bound<'py, PyAny>,
         slots: &Bound<'py, PyAny>,
         guard: Option<PyObject>,
+        reserve: IntArg,
     ) -> PyResult<()> {
         self.check_mine()?;
+        let reserve: u64 = reserve.get("reserve")?;
         let segments = session_segments(py, blobs, regions, slots)?;
         let mut behind = self
             .behind
@@ -950,7 +985,9 @@ impl PySession {
             *behind = Some(self.spawn_behind(py)?);
         }
         self.state.pending.fetch_add(1, Ordering::SeqCst);
-        let sent = behind.as_ref().map(|b| b.parts.send((segments, guard)));
+        let sent = behind
+            .as_ref()
+            .map(|b| b.parts.send((segments, guard, reserve)));
         if let Some(Err(_)) = sent {
             self.state.pending.fetch_sub(1, Ordering::SeqCst);
             // Only a panicked thread stops listening: join_behind says so.
@@ -1998,34 +2035,201 @@ fn tensor_has_data<'py>(
     ctx.4.call1((t,))?.is_truthy()
 }
 
+/// What a survey has found so far: the storages with data, keyed by
+/// `_cdata`, as `(key, storage)` with keys "0", "1", ... in the order met;
+/// their bytes; those not on the CPU; and where the first object the walk
+/// does not see into but the pickler may find storages in came.
+struct Found<'py> {
+    storages: Bound<'py, PyDict>,
+    total: u64,
+    off_cpu: Bound<'py, PyList>,
+    ordered: Option<usize>,
+}
+
+impl<'py> Found<'py> {
+    fn new(py: Python<'py>) -> Self {
+        Found {
+            storages: PyDict::new(py),
+            total: 0,
+            off_cpu: PyList::empty(py),
+            ordered: None,
+        }
+    }
+
+    /// The finding part of the walk for a leaf `o` (not a container, not an
+    /// atom): a `tensor` (of an `exact` type, Tensor or Parameter, or a
+    /// subclass) or another object.
+    fn leaf(
+        &mut self,
+        ctx: &SurveyCtx<'py>,
+        o: &Bound<'py, PyAny>,
+        exact: bool,
+        tensor: bool,
+    ) -> PyResult<()> {
+        let py = o.py();
+        if !tensor {
+            // An object the walk does not enter: the pickler may meet
+            // storages in it (pickling._may_hold_storages says).
+            if self.ordered.is_none() && ctx.7.call1((o,))?.is_truthy()? {
+                self.ordered = Some(self.storages.len());
+            }
+            return Ok(());
+        }
+        if !exact && self.ordered.is_none() {
+            // A subclass's reduction is its own: it may meet other
+            // storages before (or instead of) its own.
+            self.ordered = Some(self.storages.len());
+        }
+        if o.getattr(pyo3::intern!(py, "layout"))?.is(&ctx.3) && tensor_has_data(ctx, o, exact)? {
+            let st = o.call_method0(pyo3::intern!(py, "untyped_storage"))?;
+            let cdata = st.getattr(pyo3::intern!(py, "_cdata"))?;
+            if !self.storages.contains(&cdata)? {
+                self.total += st
+                    .call_method0(pyo3::intern!(py, "nbytes"))?
+                    .extract::<u64>()?;
+                // The tensor's device is its storage's (a bool: no device
+                // object made).
+                if !o.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()? {
+                    self.off_cpu.append(&st)?;
+                }
+                self.storages
+                    .set_item(cdata, (self.storages.len().to_string(), st))?;
+            }
+        }
+        if exact && self.ordered.is_none() && has_attributes(o)? {
+            // torch pickles a tensor's attributes after its storage.
+            self.ordered = Some(self.storages.len());
+        }
+        Ok(())
+    }
+
+    fn result(&self) -> SurveyResult<'py> {
+        let n = self.storages.len();
+        (
+            self.storages.clone(),
+            self.total,
+            self.off_cpu.clone(),
+            self.ordered.unwrap_or(n),
+        )
+    }
+}
+
+/// The storages found, their bytes, those not on the CPU, and how many of
+/// the storages come first in pickling order (see [`survey`]).
+type SurveyResult<'py> = (Bound<'py, PyDict>, u64, Bound<'py, PyList>, usize);
+
+/// What [`survey`] returns: a [`SurveyResult`] and the rest of the survey
+/// (None when it went to the end).
+type SurveyFirst<'py> = (
+    Bound<'py, PyDict>,
+    u64,
+    Bound<'py, PyList>,
+    usize,
+    Option<SurveyRest>,
+);
+
+/// Counts the leaves a walk has handled and hands the GIL over every
+/// [`TENSORS_PER_RELEASE`] of them (as the pickler's walk: a thread waiting
+/// for it takes it here; the walk holds its own references).
+struct Releases(u32);
+
+impl Releases {
+    fn tick(&mut self, py: Python<'_>) {
+        self.0 += 1;
+        if self.0 == TENSORS_PER_RELEASE {
+            self.0 = 0;
+            if !let_engines_in(py) {
+                py.allow_threads(|| ());
+            }
+        }
+    }
+}
+
+/// The rest of a survey stopped early (`limit`): the leaves whose storages
+/// are still to be found, in the order the walk met them (their versions
+/// are recorded already), and what was found before them. [`Self::finish`]
+/// finds them: the same storages, keys and order as one walk to the end.
+#[pyclass(module = "fastpersist._core", name = "SurveyRest")]
+struct SurveyRest {
+    storages: Py<PyDict>,
+    total: u64,
+    off_cpu: Py<PyList>,
+    ordered: Option<usize>,
+    /// `(leaf, exact, tensor)`, as `Found::leaf` takes them.
+    leaves: Vec<(PyObject, bool, bool)>,
+}
+
+#[pymethods]
+impl SurveyRest {
+    /// Find the storages of the leaves left; returns what [`survey`] returns
+    /// (the storage dict is the one the first part returned, extended).
+    /// Once done, a second call returns the same.
+    fn finish<'py>(&mut self, py: Python<'py>, ctx: SurveyCtx<'py>) -> PyResult<SurveyResult<'py>> {
+        let mut found = Found {
+            storages: self.storages.bind(py).clone(),
+            total: self.total,
+            off_cpu: self.off_cpu.bind(py).clone(),
+            ordered: self.ordered,
+        };
+        let leaves = std::mem::take(&mut self.leaves);
+        let mut releases = Releases(0);
+        let mut done = 0;
+        let mut res = Ok(());
+        for (o, exact, tensor) in &leaves {
+            res = found.leaf(&ctx, o.bind(py), *exact, *tensor);
+            if res.is_err() {
+                break;
+            }
+            done += 1;
+            releases.tick(py);
+        }
+        self.total = found.total;
+        self.ordered = found.ordered;
+        if let Err(e) = res {
+            // What was not handled stays for another call.
+            self.leaves = leaves.into_iter().skip(done).collect();
+            return Err(e);
+        }
+        Ok(found.result())
+    }
+
+    /// Leaves whose storages are still to be found.
+    fn __len__(&self) -> usize {
+        self.leaves.len()
+    }
+}
+
 /// The walk of `find_storages` (`find`: dict keys included; the storages
 /// with data, keyed by `_cdata`, as `(key, storage)` with keys "0", "1", ...
 /// in the order met) or of `TensorVersions._walk` (values only, nothing
 /// found). With `seen` (a TensorVersions' `_seen`), each tensor not in it
 /// yet is recorded there as `id -> (tensor, version)`, unless it has no
 /// version counter. Returns the storages, their bytes, those not on the
-/// CPU, and how many of the storages come before the first object the walk
+/// CPU, how many of the storages come before the first object the walk
 /// does not see into but the pickler may find storages in (an object of
 /// another class, a tensor subclass, a tensor with attributes): those
 /// storages, and only those, are met by the pickler first and in this
-/// order.
+/// order; and the rest of the survey, or None. With `limit` (`(bytes,
+/// storages)`), once at least that many storages holding at least that
+/// many bytes are found, the walk goes on recording versions but leaves
+/// the finding of the remaining storages to the returned `SurveyRest`
+/// (what the storages found so far need is known, and their writing can
+/// start while the rest is found).
 #[pyfunction]
-#[pyo3(signature = (obj, ctx, seen, find))]
-#[allow(clippy::type_complexity)]
+#[pyo3(signature = (obj, ctx, seen, find, limit=None))]
 fn survey<'py>(
     py: Python<'py>,
     obj: &Bound<'py, PyAny>,
     ctx: SurveyCtx<'py>,
     seen: Option<Bound<'py, PyDict>>,
     find: bool,
-) -> PyResult<(Bound<'py, PyDict>, u64, Bound<'py, PyList>, usize)> {
-    let found = PyDict::new(py);
-    let off_cpu = PyList::empty(py);
-    let mut total = 0u64;
-    let mut ordered: Option<usize> = None;
+    limit: Option<(u64, usize)>,
+) -> PyResult<SurveyFirst<'py>> {
+    let mut found = Found::new(py);
+    let mut rest: Option<Vec<(PyObject, bool, bool)>> = None;
     let mut containers: std::collections::HashSet<usize> = std::collections::HashSet::new();
     let mut stack = vec![obj.clone()];
-    let mut since_release = 0u32;
+    let mut releases = Releases(0);
     while let Some(o) = stack.pop() {
         let ty = o.get_type();
         let mapping = o.is_exact_instance_of::<PyDict>() || ty.is(&ctx.2);
@@ -2036,76 +2240,54 @@ fn survey<'py>(
             continue;
         }
         let exact = ty.is(&ctx.0) || ty.is(&ctx.1);
-        if !exact {
-            if is_atom(&ctx, &o, &ty) {
-                continue;
-            }
-            if !o.is_instance(&ctx.0)? {
-                // An object the walk does not enter: the pickler may meet
-                // storages in it (pickling._may_hold_storages says).
-                if find && ordered.is_none() && ctx.7.call1((&o,))?.is_truthy()? {
-                    ordered = Some(found.len());
-                }
-                continue;
-            }
-            if find && ordered.is_none() {
-                // A subclass's reduction is its own: it may meet other
-                // storages before (or instead of) its own.
-                ordered = Some(found.len());
-            }
+        if !exact && is_atom(&ctx, &o, &ty) {
+            continue;
         }
-        if let Some(seen) = &seen {
-            let id = o.as_ptr() as usize;
-            if !seen.contains(id)? {
-                let v = if exact {
-                    match o.getattr(pyo3::intern!(py, "_version")) {
-                        Ok(v) => Some(v),
-                        Err(e) if e.is_instance_of::<PyRuntimeError>(py) => None,
-                        Err(e) => return Err(e),
+        let tensor = exact || o.is_instance(&ctx.0)?;
+        if tensor {
+            if let Some(seen) = &seen {
+                let id = o.as_ptr() as usize;
+                if !seen.contains(id)? {
+                    let v = if exact {
+                        match o.getattr(pyo3::intern!(py, "_version")) {
+                            Ok(v) => Some(v),
+                            Err(e) if e.is_instance_of::<PyRuntimeError>(py) => None,
+                            Err(e) => return Err(e),
+                        }
+                    } else {
+                        let v = ctx.5.call1((&o,))?;
+                        (!v.is_none()).then_some(v)
+                    };
+                    if let Some(v) = v {
+                        seen.set_item(id, (&o, v))?;
                     }
-                } else {
-                    let v = ctx.5.call1((&o,))?;
-                    (!v.is_none()).then_some(v)
-                };
-                if let Some(v) = v {
-                    seen.set_item(id, (&o, v))?;
                 }
             }
         }
-        if find
-            && o.getattr(pyo3::intern!(py, "layout"))?.is(&ctx.3)
-            && tensor_has_data(&ctx, &o, exact)?
-        {
-            let st = o.call_method0(pyo3::intern!(py, "untyped_storage"))?;
-            let cdata = st.getattr(pyo3::intern!(py, "_cdata"))?;
-            if !found.contains(&cdata)? {
-                total += st
-                    .call_method0(pyo3::intern!(py, "nbytes"))?
-                    .extract::<u64>()?;
-                // The tensor's device is its storage's (a bool: no device
-                // object made).
-                if !o.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()? {
-                    off_cpu.append(&st)?;
-                }
-                found.set_item(cdata, (found.len().to_string(), st))?;
+        if find {
+            if rest.is_none()
+                && limit.is_some_and(|(bytes, n)| found.total >= bytes && found.storages.len() >= n)
+            {
+                rest = Some(Vec::new());
+            }
+            match &mut rest {
+                Some(leaves) => leaves.push((o.clone().unbind(), exact, tensor)),
+                None => found.leaf(&ctx, &o, exact, tensor)?,
             }
         }
-        if find && exact && ordered.is_none() && has_attributes(&o)? {
-            // torch pickles a tensor's attributes after its storage.
-            ordered = Some(found.len());
-        }
-        since_release += 1;
-        if since_release == TENSORS_PER_RELEASE {
-            since_release = 0;
-            // As the pickler's walk: a thread waiting for the GIL takes it
-            // here; the stack holds its own references.
-            if !let_engines_in(py) {
-                py.allow_threads(|| ());
-            }
+        if tensor {
+            releases.tick(py);
         }
     }
-    let n = found.len();
-    Ok((found, total, off_cpu, ordered.unwrap_or(n)))
+    let (storages, total, off_cpu, ordered) = found.result();
+    let rest = rest.map(|leaves| SurveyRest {
+        storages: storages.clone().unbind(),
+        total,
+        off_cpu: off_cpu.clone().unbind(),
+        ordered: found.ordered,
+        leaves,
+    });
+    Ok((storages, total, off_cpu, ordered, rest))
 }
 
 /// Whether tensor `t` has attributes of its own (a non-empty `__dict__`),
@@ -3077,6 +3259,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prepare_memory, m)?)?;
     m.add_function(wrap_pyfunction!(fast_pickle, m)?)?;
     m.add_function(wrap_pyfunction!(survey, m)?)?;
+    m.add_class::<SurveyRest>()?;
     m.add_function(wrap_pyfunction!(fast_unpickle, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;
     m.add("TEMP_NAME_PART_MAX", crate::commit::TEMP_NAME_PART_MAX)?;

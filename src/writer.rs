@@ -100,6 +100,21 @@ impl Session {
         self.lending = lending;
     }
 
+    /// Reserve the file's first `len` bytes (rounded up to whole blocks),
+    /// as [`Engine::begin`] reserved its size hint: a session begun before
+    /// the whole file's size was known reserves the rest once it is, before
+    /// writing past what it reserved (on extent file systems, O_DIRECT
+    /// writes into reserved space go on in parallel; past it, each takes
+    /// the file's lock). Bytes reserved already cost nothing again.
+    pub fn reserve(&self, len: u64) -> Result<()> {
+        let padded = align::align_up(len, self.block as u64).ok_or_else(|| {
+            Error::option(format!(
+                "cannot reserve {len} bytes: more than any file can hold"
+            ))
+        })?;
+        self.tmp.preallocate(padded)
+    }
+
     fn append(&mut self, mut segments: Vec<Segment>) -> Result<()> {
         segments.retain(|s| !s.source.is_empty());
         segments.sort_by_key(|s| s.offset);

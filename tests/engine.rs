@@ -259,6 +259,43 @@ fn streamed_session_equals_one_shot() {
 }
 
 #[test]
+fn a_session_reserves_the_rest_once_it_knows_it() {
+    use std::os::unix::fs::MetadataExt;
+    let big = pattern(3_000_000, 9);
+    let d = tempfile::tempdir().unwrap();
+    let target = d.path().join("r.bin");
+    let mut eng = Engine::new(Options::default()).unwrap();
+    let mut s = eng.begin(&target, 4096).unwrap();
+    let temp = || d.path().join(&only(d.path())[0]);
+    let (first, rest) = big.split_at(1 << 20);
+    let seg = |offset: u64, b: &[u8]| Segment {
+        offset,
+        source: Source::Bytes(b.to_vec()),
+        crc_id: None,
+    };
+    eng.write(&mut s, vec![seg(0, first)]).unwrap();
+    s.reserve(big.len() as u64).unwrap();
+    // Reserved on disk (a file system without fallocate reserves nothing;
+    // this test's directory is on one with it, or on tmpfs, where only the
+    // free space is checked).
+    let blocks = std::fs::metadata(temp()).unwrap().blocks() * 512;
+    assert!(
+        blocks >= big.len() as u64 || fastpersist::commit::fallocate_zero_fills(d.path()).unwrap(),
+        "{blocks} bytes reserved"
+    );
+    // Less than what is reserved, or all of it again: nothing to do.
+    s.reserve(10).unwrap();
+    s.reserve(big.len() as u64).unwrap();
+    let e = s.reserve(u64::MAX).unwrap_err();
+    assert!(e.to_string().contains("cannot reserve"), "{e}");
+    eng.write(&mut s, vec![seg(first.len() as u64, rest)])
+        .unwrap();
+    eng.finish(s, vec![], big.len() as u64).unwrap();
+    assert!(std::fs::read(&target).unwrap() == big);
+    assert_eq!(only(d.path()), vec!["r.bin".to_string()]);
+}
+
+#[test]
 fn dropped_session_leaves_nothing() {
     let d = tempfile::tempdir().unwrap();
     let mut eng = Engine::new(Options::default()).unwrap();

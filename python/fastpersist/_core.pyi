@@ -72,6 +72,7 @@ __all__ = [
     "remove_file",
     "fast_pickle",
     "survey",
+    "SurveyRest",
     "fast_unpickle",
     "TEMP_MARKER",
     "TEMP_NAME_PART_MAX",
@@ -204,7 +205,9 @@ class WriteSession:
         regions: Sequence[_Region],
         slots: Sequence[_Slot],
         guard: _Guard | None = None,
+        reserve: int = ...,
     ) -> None: ...
+    def reserve(self, nbytes: int) -> None: ...
     def join_behind(self) -> None: ...
     @property
     def behind_failed(self) -> bool: ...
@@ -350,12 +353,20 @@ _SurveyContext: TypeAlias = tuple[
     Callable[[Any], bool],
 ]
 
+_SurveyFound: TypeAlias = tuple[dict[int, tuple[str, Any]], int, list[Any], int]
+
+@final
+class SurveyRest:
+    def finish(self, ctx: _SurveyContext) -> _SurveyFound: ...
+    def __len__(self) -> int: ...
+
 def survey(
     obj: object,
     ctx: _SurveyContext,
     seen: dict[int, Any] | None,
     find: bool,
-) -> tuple[dict[int, tuple[str, Any]], int, list[Any], int]: ...
+    limit: tuple[int, int] | None = None,
+) -> tuple[dict[int, tuple[str, Any]], int, list[Any], int, SurveyRest | None]: ...
 
 # What fastpersist.pickling._fast_unpickle_context() builds: (module, name,
 # object) of each GLOBAL resolved, torch._utils._rebuild_tensor_v2,

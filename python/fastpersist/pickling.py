@@ -461,12 +461,24 @@ class Survey(NamedTuple):
     nbytes: int
     off_cpu: List[Any]
     ordered: Optional[int] = None
+    #: A survey stopped early (``limit``): the finding of the remaining
+    #: storages (``_core.SurveyRest``), which :meth:`whole` completes.
+    rest: Optional[Any] = None
 
     def first(self) -> Dict[int, Tuple[str, Any]]:
         """The storages the pickler meets first, in order (``ordered``)."""
         if self.ordered is None or self.ordered >= len(self.storages):
             return self.storages
         return dict(list(self.storages.items())[: self.ordered])
+
+    def whole(self) -> Survey:
+        """The survey gone to the end: this one, or, for one stopped early,
+        its storages and those found now after them (the same keys and
+        order as one walk to the end; the versions were all recorded by the
+        first part). Hands the GIL to engine threads as the walks do."""
+        if self.rest is None:
+            return self
+        return Survey(*self.rest.finish(_survey_context()))
 
 
 def _atoms() -> tuple:
@@ -513,7 +525,9 @@ def _survey_context() -> tuple:
     )
 
 
-def _fast_survey(obj: Any, versions: Optional[TensorVersions], find: bool) -> Optional[Survey]:
+def _fast_survey(
+    obj: Any, versions: Optional[TensorVersions], find: bool, limit: Optional[Tuple[int, int]] = None
+) -> Optional[Survey]:
     """The walk in the extension, where it records versions as
     :meth:`TensorVersions.add` would (no subclass's own ``add``)."""
     if not FAST_SURVEY:
@@ -523,10 +537,12 @@ def _fast_survey(obj: Any, versions: Optional[TensorVersions], find: bool) -> Op
         seen = versions._seen
         if type(versions).add is not TensorVersions.add or type(seen) is not dict:
             return None
-    return Survey(*_core.survey(obj, _survey_context(), seen, find))
+    return Survey(*_core.survey(obj, _survey_context(), seen, find, limit))
 
 
-def survey_storages(obj: Any, versions: Optional[TensorVersions] = None) -> Survey:
+def survey_storages(
+    obj: Any, versions: Optional[TensorVersions] = None, limit: Optional[Tuple[int, int]] = None
+) -> Survey:
     """The storages of the dense tensors inside plain containers (dict,
     list, tuple), keyed as torch.save will key them: by first encounter in
     pickling order. Found before pickling, so their bytes can be on their
@@ -534,8 +550,12 @@ def survey_storages(obj: Any, versions: Optional[TensorVersions] = None) -> Surv
     and those of wrapper subclasses' inner tensors (a wrapper's own storage
     holds no data), are found by the pickler later. With ``versions``,
     every tensor met (dict keys included) is also recorded there: one walk
-    of the containers for both."""
-    fast = _fast_survey(obj, versions, True)
+    of the containers for both. ``limit`` (``(bytes, storages)``): once at
+    least that many storages holding that many bytes are found, the walk
+    only records versions, and the rest of the storages are found by
+    :meth:`Survey.whole` (the extension's walk; the Python walk goes to the
+    end)."""
+    fast = _fast_survey(obj, versions, True, limit)
     if fast is not None:
         return fast
     walk = _SurveyWalk()
@@ -722,9 +742,18 @@ class TensorVersions:
     With ``storages=True`` the same walk also finds ``obj``'s storages
     (:func:`survey_storages`, in pickling order), so a synchronous save
     walks its containers once; :meth:`survey_of` hands them to the layout
-    of that same object."""
+    of that same object. With ``limit`` too, only the first storages are
+    found at the call (every version is still recorded then): the layout
+    finds the rest (:meth:`Survey.whole`) once the first are on their way
+    to disk."""
 
-    def __init__(self, obj: Any = None, on_change: str = "error", storages: bool = False) -> None:
+    def __init__(
+        self,
+        obj: Any = None,
+        on_change: str = "error",
+        storages: bool = False,
+        limit: Optional[Tuple[int, int]] = None,
+    ) -> None:
         if on_change not in ON_CHANGE:
             raise ValueError(f"on_change must be one of {ON_CHANGE}, not {on_change!r}")
         self.on_change = on_change
@@ -737,7 +766,7 @@ class TensorVersions:
         self._indexed = 0
         _watch(self)
         if storages:
-            self._survey = (obj, survey_storages(obj, self))
+            self._survey = (obj, survey_storages(obj, self, limit))
         elif obj is not None:
             self._walk(obj)
 
@@ -748,7 +777,7 @@ class TensorVersions:
         if self._survey is None or self._survey[0] is not obj:
             return None
         found = self._survey[1]
-        return Survey(dict(found.storages), found.nbytes, list(found.off_cpu), found.ordered)
+        return Survey(dict(found.storages), found.nbytes, list(found.off_cpu), found.ordered, found.rest)
 
     def _walk(self, obj: Any) -> None:
         if _fast_survey(obj, self, False) is not None:

@@ -157,6 +157,9 @@ class Batch:
     device: List[DeviceRegion] = field(default_factory=list)
     #: End of the last piece.
     end: int = 0
+    #: Bytes of the file (from its start) to reserve before this batch is
+    #: written: where the whole file's size was not known when it was begun.
+    reserve: int = 0
 
     def extend(self, other: Batch) -> None:
         self.blobs += other.blobs

@@ -40,7 +40,7 @@ from .options import (
 from .pickling import TensorVersions
 from .plan import Batch, MemoryGuard, Plan, split_regions
 from .safetensors_format import plan_safetensors
-from .torch_zip import TorchZipLayout, plan_torch_save
+from .torch_zip import SURVEY_FIRST, TorchZipLayout, plan_torch_save
 
 __all__ = [
     "WriteStats",
@@ -100,6 +100,8 @@ class PartWriter:
             if ctx is not None:
                 ctx.use()  # a fresh thread: on the call's device, never device 0 by default
             while (part := parts.get()) is not None:
+                if part.reserve:
+                    session.reserve(part.reserve)
                 send(session, part, ctx, guard=guard)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             failure.append(e)
@@ -112,7 +114,7 @@ class PartWriter:
                 raise ValueError("a part with device storages needs a DeviceContext to stage them")
             # The guard as of this part (an empty one watches nothing yet).
             guard = self._guard if self._guard else None
-            self._session.write_behind(part.blobs, part.regions, part.slots, guard)
+            self._session.write_behind(part.blobs, part.regions, part.slots, guard, part.reserve)
             return
         if self._failure:  # no use laying out more: the join raises it
             raise self._failure[0]
@@ -491,7 +493,8 @@ def write_state_dict(
     )
     # At the call, one walk: the version counters and, for a torch file
     # laid out from this object, its storages.
-    versions = TensorVersions(obj, on_change, storages=format == "torch" and not sharded)
+    torch_file = format == "torch" and not sharded
+    versions = TensorVersions(obj, on_change, storages=torch_file, limit=SURVEY_FIRST if torch_file else None)
     try:
         wait_for_earlier(p)
         if group is not None or sharded:

@@ -616,9 +616,9 @@ def test_a_save_walks_its_containers_once(tmp_path: Any, monkeypatch: pytest.Mon
     walks: List[str] = []
     real_find, real_walk = pickling.survey_storages, TensorVersions._walk
 
-    def find(obj: Any, versions: Optional[TensorVersions] = None) -> pickling.Survey:
+    def find(obj: Any, versions: Optional[TensorVersions] = None, limit: Any = None) -> pickling.Survey:
         walks.append("find")
-        return real_find(obj, versions)
+        return real_find(obj, versions, limit)
 
     def walk(self: TensorVersions, obj: Any) -> None:
         walks.append("versions")

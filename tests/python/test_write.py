@@ -834,3 +834,91 @@ def test_durable_none_is_the_default_not_off(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTPERSIST_DIRECT", "0")
     assert EngineOptions.resolve(direct=None).direct is False
     assert not os.path.exists(tmp_path / "a.pt")
+
+
+class _Opaque:
+    """An object the survey does not enter: the pickler may meet storages in it."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _many(n: int = 40) -> dict:
+    base = torch.arange(400.0)
+    sd: dict = {f"t{i}": torch.full((16 + i,), float(i)) for i in range(n)}
+    sd["view"] = base[10:20]  # shares base's storage, met first here
+    sd["nested"] = [base, {"again": sd["t3"]}, (torch.zeros(3, dtype=torch.int8),)]
+    sd["late"] = torch.ones(7)
+    return sd
+
+
+@pytest.mark.parametrize("limit", [(0, 1), (0, 5), (64, 2), (1 << 40, 1 << 30)])
+@pytest.mark.parametrize("opaque", [False, True])
+def test_a_survey_stopped_early_writes_the_same_file(tmp_path, monkeypatch, limit, opaque):
+    """write_state_dict finds only the first storages at the call
+    (writer.SURVEY_FIRST) and the rest while those are written: the file is
+    byte for byte the one a survey gone to the end lays out (same keys,
+    order and places), also when an object the survey cannot see into
+    comes among the rest (the pickler numbers what follows)."""
+    from fastpersist import writer
+
+    sd = _many()
+    if opaque:
+        sd = {**dict(list(sd.items())[:20]), "obj": _Opaque(torch.ones(5)), **dict(list(sd.items())[20:])}
+    monkeypatch.setattr(writer, "SURVEY_FIRST", None)
+    fastpersist.write_state_dict(sd, tmp_path / "whole.pt")
+    monkeypatch.setattr(writer, "SURVEY_FIRST", limit)
+    fastpersist.write_state_dict(sd, tmp_path / "early.pt")
+    assert (tmp_path / "early.pt").read_bytes() == (tmp_path / "whole.pt").read_bytes()
+    got = torch.load(tmp_path / "early.pt", weights_only=False)
+    assert_same(got["nested"], sd["nested"])
+    assert got["view"].untyped_storage().data_ptr() == got["nested"][0].untyped_storage().data_ptr()
+
+
+def test_a_survey_stopped_early_reserves_the_rest_before_writing_it(tmp_path, monkeypatch):
+    """The head's first part past the storages found at the call carries the
+    reservation of the whole head (the session was begun knowing only the
+    first), and the write-behind thread makes it before writing that part."""
+    from fastpersist import writer
+
+    parts = []
+    real = writer.PartWriter.put
+
+    def put(self, part):
+        parts.append((part.reserve, part.end))
+        return real(self, part)
+
+    monkeypatch.setattr(writer.PartWriter, "put", put)
+    monkeypatch.setattr(writer, "SURVEY_FIRST", (0, 4))
+    sd = {f"t{i}": torch.full((1 << 14,), float(i)) for i in range(64)}
+    fastpersist.write_state_dict(sd, tmp_path / "a.pt")
+    reserved = [(r, end) for r, end in parts if r]
+    assert len(reserved) == 1, parts
+    # At least the storages' bytes, and no less than where that part ends.
+    assert reserved[0][0] >= 64 * (1 << 16) and reserved[0][0] >= reserved[0][1]
+    assert_same(torch.load(tmp_path / "a.pt"), sd)
+
+
+def test_a_survey_stopped_early_still_records_every_version_at_the_call(tmp_path, monkeypatch):
+    """Only the finding of storages waits: a tensor among the rest changed
+    in place after the call (here, while the first part is laid out) is
+    still caught, and nothing is committed."""
+    from fastpersist import torch_zip, writer
+
+    sd = {f"t{i}": torch.full((100,), float(i)) for i in range(20)}
+    target = sd["t17"]
+    real = torch_zip.TorchZipLayout._add_storages
+    calls = []
+
+    def add_storages(self, items, host=False):
+        if not calls:
+            target.add_(1)
+        calls.append(len(items))
+        return real(self, items, host)
+
+    monkeypatch.setattr(writer, "SURVEY_FIRST", (0, 2))
+    monkeypatch.setattr(torch_zip.TorchZipLayout, "_add_storages", add_storages)
+    p = tmp_path / "a.pt"
+    with pytest.raises(fastpersist.TensorChangedError, match="t17"):
+        fastpersist.write_state_dict(sd, p)
+    assert not p.exists()
