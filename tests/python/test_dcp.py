@@ -205,9 +205,9 @@ def test_templates_outlive_many_shapes_and_stay_bounded(tmp_path, monkeypatch):
     made = []
     real = mod._make_template
 
-    def counted(t, align):
+    def counted(t, align, plain=False):
         made.append(tuple(t.shape))
-        return real(t, align)
+        return real(t, align, plain)
 
     monkeypatch.setattr(mod, "_make_template", counted)
     monkeypatch.setattr(mod, "_templates", mod._Templates())
@@ -246,7 +246,7 @@ def test_large_tensor_data_is_page_aligned(tmp_path):
     entries = [e for es in sidecar(tmp_path)["files"].values() for e in es]
     big = [e for e in entries if e[4] >= 64 << 10]
     assert big
-    for offset, length, _crc, data_off, data_len in big:
+    for offset, length, _crc, data_off, data_len, *_ in big:
         assert (offset + data_off) % 4096 == 0
         assert data_off + data_len <= length
 
@@ -775,7 +775,7 @@ def test_crc_detects_a_flipped_byte(tmp_path, where):
     sd = state()
     dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
     rel, entries = next(iter(sidecar(tmp_path)["files"].items()))
-    offset, length, _crc, data_off, data_len = max(entries, key=lambda e: e[4])  # the largest tensor
+    offset, length, _crc, data_off, data_len, *_ = max(entries, key=lambda e: e[4])  # the largest tensor
     at = {"data": data_off + data_len // 2, "header": 10, "tail": data_off + data_len + 20}[where]
     _flip(tmp_path / rel, offset + at)
     with raises(CorruptCheckpointError, "'big'.*CRC32"):
@@ -1253,3 +1253,110 @@ def test_install_through_torchtitan_checkpoint_manager(tmp_path, monkeypatch, as
     assert calls["write"] == 1 and calls["read"] == 1
     assert_equal(_titan_state(model, opt, sched), saved)
     ck.close()
+
+
+# ---------------------------------------------------------------------------
+# Regressions: what a reader takes without parsing, what an overwrite removes
+
+
+def test_conjugate_and_negative_views_load_with_their_values(tmp_path):
+    """Regression: a contiguous conj/neg view was written from its storage
+    (the values before the lazy conjugation or negation) with a blob whose
+    pickle carried the flag; FastPersistReader took the data as it lay and
+    loaded -x and conj(conj(c)). Now the record holds the values shown."""
+    x = torch.arange(1.0, 7.0)
+    c = torch.complex(torch.arange(4.0), torch.arange(4.0) + 1)
+    sd = {"neg": torch._neg_view(x), "conj": c.conj(), "plain": x.clone()}
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    want = {k: v.resolve_conj().resolve_neg() for k, v in sd.items()}
+    for reader in (FastPersistReader(tmp_path), dcp.FileSystemReader(tmp_path)):
+        out = {k: torch.zeros_like(v) for k, v in want.items()}
+        dcp.load(out, storage_reader=reader)
+        assert_equal(out, want, type(reader).__name__)
+    # A conjugate view as the destination gets the values, not their conjugates.
+    dest = torch.zeros(4, dtype=torch.complex64).conj()
+    dcp.load({"conj": dest}, storage_reader=FastPersistReader(tmp_path))
+    assert torch.equal(dest.resolve_conj(), want["conj"])
+
+
+def _damage_sidecar(path: Any, edit: Any) -> None:
+    md = pickle.load(open(os.path.join(path, ".metadata"), "rb"))
+    car = os.path.join(path, sidecar_name(md.storage_meta.save_id))
+    doc = json.load(open(car))
+    for entries in doc["files"].values():
+        for e in entries:
+            if e[3] >= 0:
+                edit(e)
+    with open(car, "w") as f:
+        json.dump(doc, f)
+
+
+def test_the_fast_path_checks_what_it_takes_from_the_sidecar_and_metadata(tmp_path):
+    """Regression: the reader took an item's data where the sidecar said it
+    lay, as the dtype the .metadata named, checking only the whole item's
+    CRC32 (the same however the item is split): a sidecar whose data offset
+    was off by 4 loaded shifted values, a .metadata naming int32 for a
+    float32 tensor loaded its bits as integers, both without an error. Now a
+    blob head unlike the one recorded is corrupt, and a dtype or shape unlike
+    the blob's is read by parsing the blob (as the stock reader does)."""
+    sd = {"w": torch.arange(16, dtype=torch.float32), "big": torch.randn(1 << 15)}
+    shifted = tmp_path / "shifted"
+    dcp.save(sd, storage_writer=FastPersistWriter(shifted))
+    _damage_sidecar(shifted, lambda e: e.__setitem__(3, e[3] + 4))
+    with raises(CorruptCheckpointError, "not the blob head the CRC32 sidecar recorded"):
+        load(shifted, FastPersistReader(shifted), sd)
+
+    retyped = tmp_path / "retyped"
+    dcp.save(sd, storage_writer=FastPersistWriter(retyped))
+    p = retyped / ".metadata"
+    md = pickle.load(open(p, "rb"))
+    m = md.state_dict_metadata["w"]
+    m.properties = dataclasses.replace(m.properties, dtype=torch.int32)
+    p.write_bytes(pickle.dumps(md))
+    out = {"w": torch.zeros(16), "big": torch.zeros(1 << 15)}
+    dcp.load(out, storage_reader=FastPersistReader(retyped))
+    assert_equal(out, sd)
+
+
+def test_a_sidecar_of_version_1_is_read_by_parsing_each_blob(tmp_path):
+    """Entries without a head CRC and kind (fastpersist's first sidecars)
+    are still checked against their CRC32s; their data is taken by parsing."""
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    _damage_sidecar(tmp_path, lambda e: e.__delitem__(slice(5, None)))
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+
+
+def test_an_overwrite_removes_only_data_files_the_old_metadata_names(tmp_path):
+    """Regression: the replaced checkpoint's .metadata was trusted for what
+    to remove: a damaged one naming ``train.log`` and ``.metadata`` had the
+    user's file and the .metadata just committed removed. Now only names
+    data files have are removed; and the old .metadata is read without
+    running anything it names (a class outside DCP's metadata: nothing is
+    removed on its account)."""
+    sd = {"a": torch.randn(8), "b": torch.randn(8)}
+    d = tmp_path / "ck"
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(d))
+    (d / "train.log").write_text("mine")
+    p = d / ".metadata"
+    md = pickle.load(open(p, "rb"))
+    k1, k2 = list(md.storage_data)
+    md.storage_data[k1] = dataclasses.replace(md.storage_data[k1], relative_path="train.log")
+    md.storage_data[k2] = dataclasses.replace(md.storage_data[k2], relative_path=".metadata")
+    p.write_bytes(pickle.dumps(md))
+    dcp.save(sd, storage_writer=FastPersistWriter(d))
+    assert (d / "train.log").read_text() == "mine"
+    assert_equal(load(d, FastPersistReader(d), sd), sd)
+
+    # A .metadata that would run code when unpickled is not unpickled.
+    class Boom:
+        def __reduce__(self):
+            return (os.remove, (str(d / "train.log"),))
+
+    ours = [n for n in os.listdir(d) if n.endswith(".distcp") and n.count(".") == 2]
+    p.write_bytes(pickle.dumps({"storage_data": Boom()}))
+    dcp.save(sd, storage_writer=FastPersistWriter(d))
+    assert (d / "train.log").read_text() == "mine"
+    # this module's own data files of another save are found by name all the same
+    assert ours and not set(ours) & set(os.listdir(d))
+    assert_equal(load(d, FastPersistReader(d), sd), sd)

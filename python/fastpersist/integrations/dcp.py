@@ -48,6 +48,7 @@ import io
 import json
 import logging
 import os
+import pathlib
 import pickle
 import re
 import struct
@@ -107,10 +108,18 @@ ALIGN_ABOVE = 64 << 10
 STREAM_FIRST_PART = 8 << 20
 STREAM_PART_MAX = 512 << 20
 SIDECAR_FORMAT = "fastpersist.dcp.crc32"
+#: 2: each tensor item's entry also holds its blob head's CRC32 and the
+#: ``_kind`` of its dtype and shape (version 1's entries have neither, and
+#: their items are read by parsing each blob).
+SIDECAR_VERSION = 2
 _TAG_LEN = 16
 #: Data files this module names: ``__<rank>_<n>.<save tag>.distcp``.
 _OWN_DATA = re.compile(rf"__(\d+)_\d+\.([0-9a-f]{{{_TAG_LEN}}})\.distcp")
 _OWN_SIDECAR = re.compile(rf"\.fastpersist-([0-9a-f]{{{_TAG_LEN}}})\.crc32")
+#: Data files of a DCP checkpoint: DCP's own (``__<rank>_<n>.distcp``) and
+#: this module's. The only names a replaced checkpoint's ``.metadata`` can
+#: have removed.
+_DATA_FILE = re.compile(rf"__\d+_\d+(\.[0-9a-f]{{{_TAG_LEN}}})?\.distcp")
 #: Bytes of temporary buffers one read call fills at most.
 READ_BATCH_BYTES = 256 << 20
 #: The small pieces a read batch reads only for their CRC32s (the heads and
@@ -156,6 +165,10 @@ class _Template(NamedTuple):
     length: int
     head_crc: int
     align: int
+    #: ``_kind`` of the dtype and shape the blob holds, for a plain tensor's
+    #: blob; -1 for one made for a particular tensor (a subclass, quantized),
+    #: whose data a reader must not take without parsing its blob.
+    kind: int = -1
 
     @property
     def data_off(self) -> int:
@@ -167,8 +180,16 @@ class _Template(NamedTuple):
         return len(self.head) + len(self.tail_zero) + sum(len(b) for _, b in self.tail)
 
 
-def _make_template(t: torch.Tensor, align: int) -> _Template:
-    """Lay out ``torch.save(t)`` once (its bytes do not depend on values)."""
+def _kind(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    """A checksum of a tensor's dtype and shape: a sidecar entry records the
+    one its blob holds, and a reader takes the data without parsing the
+    blob only where the ``.metadata`` says the same."""
+    return _core.crc32(f"{dtype}{tuple(int(n) for n in shape)}".encode())
+
+
+def _make_template(t: torch.Tensor, align: int, plain: bool = False) -> _Template:
+    """Lay out ``torch.save(t)`` once (its bytes do not depend on values).
+    ``plain``: ``t`` stands for every tensor of its dtype and shape."""
     plan = plan_torch_save(t, alignment=align)
     data = [r for r in plan.records if r[0].startswith("data/")]
     if len(data) != 1:
@@ -189,7 +210,10 @@ def _make_template(t: torch.Tensor, align: int) -> _Template:
         if s > pos:
             pieces.append((pos, bytes(tail[pos:s])))
         pos = s + 4
-    return _Template(bytes(head), data_len, pieces, slots, bytes(tail), plan.file_len, _core.crc32(bytes(head)), align)
+    kind = _kind(t.dtype, t.shape) if plain else -1
+    return _Template(
+        bytes(head), data_len, pieces, slots, bytes(tail), plan.file_len, _core.crc32(bytes(head)), align, kind
+    )
 
 
 #: Bytes of per-shape templates kept (most recently used first). A model
@@ -210,7 +234,7 @@ class _Templates:
         self._lock = threading.Lock()
 
     def get(self, t: torch.Tensor, align: int) -> _Template:
-        if type(t) is not torch.Tensor or t.is_conj() or t.is_neg() or t.is_quantized:
+        if type(t) is not torch.Tensor or _lazy(t) or t.is_quantized:
             return _make_template(t, align)
         key = (t.dtype, t.shape, align)  # torch.Size hashes as the tuple it is
         with self._lock:
@@ -218,7 +242,7 @@ class _Templates:
             if tpl is not None:
                 self._cache.move_to_end(key)
                 return tpl
-        tpl = _make_template(torch.empty(t.shape, dtype=t.dtype), align)
+        tpl = _make_template(torch.empty(t.shape, dtype=t.dtype), align, plain=True)
         with self._lock:
             if key not in self._cache:
                 self._cache[key] = tpl
@@ -242,6 +266,14 @@ class _ItemInfo(NamedTuple):
     crc32: int
     data_offset: int  # of the tensor data inside the item; -1 for byte items
     data_length: int
+    head_crc: int = -1  # of the bytes before the data
+    kind: int = -1  # _kind of the blob's dtype and shape; -1: parse the blob
+
+
+def _lazy(t: torch.Tensor) -> bool:
+    """A conjugate or negative view: its storage holds other values than
+    it shows (data read into the storage would be conjugated or negated)."""
+    return t.is_conj() or t.is_neg()
 
 
 def _in_place(t: torch.Tensor) -> bool:
@@ -293,6 +325,11 @@ class _FileLayout:
         # Run once per item (10,000 small tensors: 10,000 times): each
         # attribute and tensor call is paid per item, so they are spared.
         t = t.detach()
+        if _lazy(t):
+            # Its storage holds the values before the lazy conjugation or
+            # negation: the record holds them after (a reader that takes the
+            # data as it lies gets the tensor's values).
+            t = t.resolve_conj().resolve_neg()
         staged = self._staged(t)
         if not staged and not t.is_cpu:
             t = t.cpu()
@@ -354,7 +391,7 @@ class _FileLayout:
         out = []
         for item, off, length, tpl, cid, byte_crc in self.items:
             crc = byte_crc
-            data_off = data_len = -1
+            data_off = data_len = head_crc = kind = -1
             if tpl is not None:
                 d = crcs.get(str(cid), 0) if tpl.data_len else 0
                 tail = bytearray(tpl.tail_zero)
@@ -362,8 +399,9 @@ class _FileLayout:
                     struct.pack_into("<I", tail, s, d)
                 crc = _core.crc32_combine(tpl.head_crc, d, tpl.data_len)
                 crc = _core.crc32_combine(crc, _core.crc32(bytes(tail)), len(tail))
-                data_off, data_len = tpl.data_off, tpl.data_len
-            info = _ItemInfo(self.name, off, length, crc, data_off, data_len)
+                if tpl.kind >= 0:
+                    data_off, data_len, head_crc, kind = tpl.data_off, tpl.data_len, tpl.head_crc, tpl.kind
+            info = _ItemInfo(self.name, off, length, crc, data_off, data_len, head_crc, kind)
             out.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         return out
 
@@ -418,15 +456,42 @@ def _in_background(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Fut
     return fut
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads a ``.metadata`` only to learn which files it names: the
+    classes of DCP's metadata, torch's dtypes, layouts and memory formats,
+    paths and plain containers, nothing else (a file in the directory being
+    saved to is not trusted to run code: DCP's own writer never reads it)."""
+
+    _TORCH = (torch.dtype, torch.layout, torch.memory_format)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "collections" and name == "OrderedDict":
+            return OrderedDict
+        if module == "torch" and name in ("Size", "device"):
+            return getattr(torch, name)
+        if module == "torch.serialization" and name == "_get_layout":  # how a torch.layout pickles
+            return torch.serialization._get_layout
+        if module == "pathlib" and name in ("Path", "PosixPath", "PurePath", "PurePosixPath"):
+            return getattr(pathlib, name)  # a checkpoint_id given as a path
+        obj = super().find_class(module, name) if module == "torch" or module.startswith("torch.") else None
+        if module == "torch" and isinstance(obj, self._TORCH):
+            return obj
+        if module.startswith("torch.distributed.checkpoint.") and isinstance(obj, type):
+            return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
 def _referenced(directory: str, metadata_file: str) -> Tuple[set, Optional[str]]:
-    """Files the checkpoint committed at ``directory`` uses (data files and
-    its sidecar), or nothing when there is none or it cannot be read."""
+    """Files the checkpoint committed at ``directory`` uses (its data files,
+    by the names data files have, and its sidecar), or nothing when there
+    is none or it cannot be read."""
     try:
         with open(os.path.join(directory, metadata_file), "rb") as f:
-            md = pickle.load(f)
-        files = {getattr(v, "relative_path", None) for v in (md.storage_data or {}).values()}
+            md = _MetadataUnpickler(f).load()
+        files = {getattr(v, "relative_path", None) for v in (getattr(md, "storage_data", None) or {}).values()}
         save_id = getattr(getattr(md, "storage_meta", None), "save_id", None)
-        return {f for f in files if isinstance(f, str)}, (sidecar_name(save_id) if save_id else None)
+        sidecar = sidecar_name(save_id) if isinstance(save_id, str) and save_id else None
+        return {f for f in files if isinstance(f, str) and _DATA_FILE.fullmatch(f)}, sidecar
     except Exception:  # noqa: BLE001 - no usable previous checkpoint: nothing is removed on its account
         return set(), None
 
@@ -764,7 +829,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             info = wr.storage_data
             storage_md[wr.index] = _StorageInfo(info.relative_path, info.offset, info.length)
             files.setdefault(info.relative_path, []).append(
-                [info.offset, info.length, info.crc32, info.data_offset, info.data_length]
+                [info.offset, info.length, info.crc32, info.data_offset, info.data_length, info.head_crc, info.kind]
             )
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
@@ -773,7 +838,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         md_file = self._metadata_file()
         replaced, self._replaced = self._replaced, None
         old_files, old_sidecar = replaced.result() if replaced is not None else _referenced(self.path, md_file)
-        sidecar = {"format": SIDECAR_FORMAT, "version": 1, "save_id": self.save_id, "files": files}
+        sidecar = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "save_id": self.save_id, "files": files}
         _core.atomic_write(
             os.path.join(self.path, sidecar_name(self.save_id)),
             json.dumps(sidecar, separators=(",", ":")).encode(),
@@ -1163,7 +1228,9 @@ class FastPersistReader(StorageReader):
         (the sidecar says where the data lies): the destination itself when
         the item is all of it, dense, of the same dtype (``True``); else a
         fresh tensor of the saved chunk on the destination's device."""
-        if crc is None or crc[3] < 0:
+        # The sidecar entry: offset, length, CRC32, data offset and length,
+        # head CRC32, kind (version 2).
+        if crc is None or crc[3] < 0 or len(crc) < 7:
             return None
         chunk = self.chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
         if chunk is None:
@@ -1172,12 +1239,13 @@ class FastPersistReader(StorageReader):
         n = 1
         for s in sizes:
             n *= s
-        if n * element_size(dtype) != crc[4] or crc[3] + crc[4] > crc[1]:
+        if n * element_size(dtype) != crc[4] or crc[3] + crc[4] > crc[1] or crc[6] != _kind(dtype, sizes):
+            # The .metadata and the blob disagree: torch parses the blob.
             return None
         whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == sizes
         dest = planner.resolve_tensor(req).detach() if whole else None
         # is_cpu / is_cuda: no device object made (this runs once per item).
-        if dest is not None and dest.dtype == dtype and tuple(dest.shape) == sizes:
+        if dest is not None and dest.dtype == dtype and tuple(dest.shape) == sizes and not _lazy(dest):
             if dest.is_cpu and dest.is_contiguous():
                 return dest, True
             if dest.is_cuda and _exact(dest):
@@ -1188,6 +1256,13 @@ class FastPersistReader(StorageReader):
 
     def _finish_item(self, path: str, p: _Pending, got: List[int], staged_crcs: List[int], planner: Any) -> None:
         crc_parts = [staged_crcs[-i - 1] if i < 0 else got[i] for i in p.parts]
+        if len(p.parts) > 1 and p.crc is not None and crc_parts[0] != p.crc[5]:
+            # The data was taken where the sidecar says it lies: the bytes
+            # before it must be the blob head it recorded.
+            raise CorruptCheckpointError(
+                f"{path}: item {_name(p.req)} ({p.info.length} bytes at {p.info.offset}): the bytes before its data "
+                f"are not the blob head the CRC32 sidecar recorded (a damaged sidecar or data file)"
+            )
         if p.crc is not None and self.verify:
             crc = crc_parts[0]
             for c, n in zip(crc_parts[1:], p.lengths[1:]):
