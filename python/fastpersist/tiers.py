@@ -25,6 +25,7 @@ files.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -166,13 +167,20 @@ class ObjectStore:
             except CorruptCheckpointError as e:
                 raise TierError(f"{local} is damaged and was not uploaded: {e}") from e
             size = os.fstat(fd).st_size
-            put = self._put_multipart if self.multipart else self._put_stream
-            self._call(f"upload of {local} to {self.url_of(name)}", put, fd, size, dst)
+            if self.multipart:
+                put = self._put_multipart
+            elif self._local():
+                put = self._put_local
+            else:
+                put = self._put_stream
+            whole = _Crc()
+            self._call(f"upload of {local} to {self.url_of(name)}", put, fd, size, dst, whole)
         finally:
             os.close(fd)
         fmt, records = info
         marker = {
             "size": size,
+            "crc32": whole.value,
             "time": time.time(),
             "fastpersist": _core.__version__,
             "format": fmt,
@@ -181,11 +189,15 @@ class ObjectStore:
         self._call(f"commit marker of {self.url_of(name)}", self.fs.pipe_file, dst + MARKER_SUFFIX, _json(marker))
         return TransferStats(self.url_of(name), size, time.perf_counter() - t0)
 
-    def _is_local_file(self, dst: str, local: str) -> bool:
-        """Whether ``dst`` of this store is the local file ``local`` (a
-        store on the local file system, ``file://`` or a plain directory)."""
+    def _local(self) -> bool:
+        """Whether the store is on the local file system (``file://`` or a
+        plain directory)."""
         protocol = self.fs.protocol
-        if "file" not in (protocol if isinstance(protocol, (tuple, list)) else (protocol,)):
+        return "file" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
+
+    def _is_local_file(self, dst: str, local: str) -> bool:
+        """Whether ``dst`` of this store is the local file ``local``."""
+        if not self._local():
             return False
         try:
             return os.path.samefile(dst, local)
@@ -199,36 +211,51 @@ class ObjectStore:
             part = -(-size // _S3_MAX_PARTS)
         return [(off, min(part, size - off)) for off in range(0, size, part)] or [(0, 0)]
 
-    def _read_part(self, fd: int, offset: int, n: int) -> bytearray:
+    def _read_part(self, fd: int, offset: int, n: int, whole: _Crc) -> bytearray:
         """Bytes [offset, offset + n) of the open file, read by the engine
-        (O_DIRECT where the file system allows it)."""
+        (O_DIRECT where the file system allows it); parts are read in file
+        order, and ``whole`` takes each one's CRC32."""
         buf = bytearray(n)
-        read_range(fd, offset, buf)
+        whole.add(read_range(fd, offset, buf), n)
         return buf
 
-    def _put_stream(self, fd: int, size: int, dst: str) -> None:
-        """Any fsspec store: the parts, one at a time, through its writer."""
+    def _put_local(self, fd: int, size: int, dst: str, whole: _Crc) -> None:
+        """A store on the local file system: a temporary file beside the
+        object, renamed over it once complete and durable (opening the object
+        to write would truncate the committed copy of a name uploaded again,
+        and a failed upload would leave it cut short)."""
+        with _core.TempFile(dst) as tmp:
+            for off, n in self._parts(size):
+                _pwrite_all(tmp.fd, self._read_part(fd, off, n, whole), off)
+            tmp.commit(size, durable=True)
+
+    def _put_stream(self, fd: int, size: int, dst: str, whole: _Crc) -> None:
+        """Any other fsspec store: the parts, one at a time, through its
+        writer, which publishes the object when it is closed."""
         f = self.fs.open(dst, "wb")
         done = False
         try:
             for off, n in self._parts(size):
-                f.write(self._read_part(fd, off, n))
+                f.write(self._read_part(fd, off, n, whole))
             f.close()
             done = True
         finally:
             if not done:
                 discard = getattr(f, "discard", None)  # fsspec's buffered files: drop, don't publish
-                if callable(discard):
-                    discard()
+                try:
+                    if callable(discard):
+                        discard()
+                except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
+                    log.warning("fastpersist: could not discard the failed upload of %s: %s", dst, e)
 
-    def _put_multipart(self, fd: int, size: int, dst: str) -> None:
+    def _put_multipart(self, fd: int, size: int, dst: str, whole: _Crc) -> None:
         """S3: one multipart upload, at most ``concurrency`` parts read and
         in flight at once; aborted on any failure."""
         bucket, key, _ = self.fs.split_path(dst)
         call = self.fs.call_s3
         parts = self._parts(size)
         if len(parts) == 1:
-            call("put_object", Bucket=bucket, Key=key, Body=bytes(self._read_part(fd, *parts[0])))
+            call("put_object", Bucket=bucket, Key=key, Body=bytes(self._read_part(fd, *parts[0], whole)))
             return
         upload_id = call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
         room = threading.Semaphore(self.concurrency)
@@ -251,7 +278,7 @@ class ObjectStore:
                     if failed.is_set():
                         room.release()
                         break
-                    fut = pool.submit(send, number, self._read_part(fd, off, n))
+                    fut = pool.submit(send, number, self._read_part(fd, off, n, whole))
                     fut.add_done_callback(done)
                     futures.append(fut)
             etags = [f.result() for f in futures]  # the first failure raises here
@@ -296,24 +323,45 @@ class ObjectStore:
         return out
 
     def download(self, name: str, local: str) -> TransferStats:
-        """Fetch ``name`` into ``local`` (committed durably, and only after
-        its CRCs verify; an existing ``local`` is replaced only then)."""
+        """Fetch the committed checkpoint ``name`` into ``local`` (committed
+        durably, and only once its size and CRC32 are those its commit
+        marker recorded and its own CRCs verify; an existing ``local`` is
+        replaced only then). FileNotFoundError when ``name`` has no commit
+        marker (its upload did not complete)."""
         t0 = time.perf_counter()
         src = self._path(name)
+        url = self.url_of(name)
+        try:
+            marker = json.loads(self._call(f"commit marker of {url}", self.fs.cat_file, src + MARKER_SUFFIX))
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "no committed checkpoint (no commit marker)", url) from None
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{url}: damaged commit marker ({e})") from None
+        if not isinstance(marker, dict) or not isinstance(marker.get("size"), int):
+            raise CorruptCheckpointError(f"{url}: damaged commit marker (no size)")
         with _core.TempFile(local) as tmp:
-            with self._call(f"download of {self.url_of(name)}", self.fs.open, src, "rb") as f:
+            whole = _Crc()
+            with self._call(f"download of {url}", self.fs.open, src, "rb") as f:
                 off = 0
                 while True:
-                    chunk = self._call(f"download of {self.url_of(name)}", f.read, 16 << 20)
+                    chunk = self._call(f"download of {url}", f.read, 16 << 20)
                     if not chunk:
                         break
-                    os.pwrite(tmp.fd, chunk, off)
+                    _pwrite_all(tmp.fd, chunk, off)
+                    whole.add(_core.crc32(chunk), len(chunk))
                     off += len(chunk)
+            recorded = marker.get("crc32")
+            if off != marker["size"] or (isinstance(recorded, int) and whole.value != recorded):
+                raise CorruptCheckpointError(
+                    f"{url} (downloaded) is damaged: {off} bytes with CRC32 {whole.value:#010x}, its commit marker "
+                    f"recorded {marker['size']} bytes"
+                    + (f" with CRC32 {recorded:#010x}" if isinstance(recorded, int) else "")
+                )
             os.fsync(tmp.fd)
             try:
                 verify_file(tmp.temp_path)
             except CorruptCheckpointError as e:
-                raise CorruptCheckpointError(f"{self.url_of(name)} (downloaded) is damaged: {e}") from None
+                raise CorruptCheckpointError(f"{url} (downloaded) is damaged: {e}") from None
             tmp.commit(off, durable=True)
         return TransferStats(local, off, time.perf_counter() - t0)
 
@@ -331,6 +379,26 @@ def _is_s3(fs: Any) -> bool:
     """Whether ``fs`` is s3fs (multipart calls of its own are available)."""
     protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "s3" in protocol and callable(getattr(fs, "call_s3", None)) and callable(getattr(fs, "split_path", None))
+
+
+class _Crc:
+    """The CRC32 of a whole file, from those of its consecutive pieces."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def add(self, crc: int, n: int) -> None:
+        self.value = _core.crc32_combine(self.value, crc, n)
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (pwrite may write less)."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        view, offset = view[n:], offset + n
 
 
 def _json(obj: Any) -> bytes:

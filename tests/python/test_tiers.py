@@ -4,6 +4,7 @@ mocked fsspec."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -107,14 +108,21 @@ def test_upload_marker_last_and_listing(tmp_path, s3):
     bad = bytearray(p.read_bytes())
     bad[len(bad) // 2] ^= 0xFF
     store.fs.pipe_file(store.root + "/ckpt-000000000004.pt", bytes(bad))
+    store.fs.pipe_file(
+        store.root + "/ckpt-000000000004.pt.fpcommit", store.fs.cat_file(store._path(p.name) + ".fpcommit")
+    )
     with pytest.raises(fastpersist.CorruptCheckpointError, match="downloaded"):
         store.download("ckpt-000000000004.pt", str(tmp_path / "back" / "x.pt"))
+    # One without its marker is not offered (its upload did not complete).
+    with pytest.raises(FileNotFoundError, match="no commit marker"):
+        store.download("ckpt-000000000002.pt", str(tmp_path / "back" / "x.pt"))
     assert sorted(os.listdir(tmp_path / "back")) == [p.name]
     # A damaged local file is never uploaded.
     (tmp_path / "bad.pt").write_bytes(bytes(bad))
     with pytest.raises(fastpersist.tiers.TierError, match="damaged"):
         store.upload(str(tmp_path / "bad.pt"))
     # Deleting: marker first, then data.
+    store.delete("ckpt-000000000004.pt")
     store.delete(p.name)
     assert store.committed() == {}
     with pytest.raises(ValueError):
@@ -290,10 +298,10 @@ def test_upload_in_parts_with_bounded_memory(tmp_path, s3):
                 state["in_flight"] -= 1
                 state["sent"] += 1
 
-    def counting_read(fd, off, n):
+    def counting_read(fd, off, n, whole):
         with lock:
             reads.append((off, state["sent"]))
-        return read_part(fd, off, n)
+        return read_part(fd, off, n, whole)
 
     store.fs.call_s3, store._read_part = counting_call, counting_read
     st = store.upload(str(p))
@@ -394,3 +402,69 @@ def test_an_upload_to_another_local_directory_works(tmp_path):
     (tmp_path / "b").mkdir()
     fastpersist.upload(str(p), str(tmp_path / "b"))
     assert (tmp_path / "b" / "ckpt.pt").read_bytes() == p.read_bytes()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "legacy"])
+def test_a_damaged_object_without_crcs_of_its_own_is_refused(tmp_path, s3, fmt):
+    """Regression: a download was checked only by verify_file, which checks
+    CRC32s of torch zip records alone: a bit flipped in the data of a
+    safetensors or legacy-format object came down, replaced the local file
+    and loaded wrong values. The commit marker now records the whole
+    object's CRC32 (combined from the parts read for the upload), and a
+    download is committed only when its bytes have it."""
+    sd = {"w": torch.randn(100_000)}
+    p = tmp_path / ("a.safetensors" if fmt == "safetensors" else "a.pt")
+    if fmt == "safetensors":
+        fastpersist.write_state_dict(sd, p, format="safetensors")
+    else:
+        torch.save(sd, p, _use_new_zipfile_serialization=False)
+    store = fastpersist.tiers.ObjectStore(f"s3://ckpts/nocrc-{fmt}", s3["opts"])
+    store.upload(str(p))
+    bad = bytearray(p.read_bytes())
+    bad[-1000] ^= 0x10  # in the tensor data, the same size
+    store.fs.pipe_file(store._path(p.name), bytes(bad))
+    assert list(store.committed()) == [p.name]  # listed by its size: the download finds the damage
+    local = tmp_path / "local" / p.name
+    local.parent.mkdir()
+    local.write_bytes(b"mine")
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="CRC32"):
+        store.download(p.name, str(local))
+    assert local.read_bytes() == b"mine" and os.listdir(local.parent) == [p.name]
+
+
+def test_a_failed_upload_to_a_local_store_keeps_the_committed_copy(tmp_path, monkeypatch):
+    """Regression: a store on the local file system was written through
+    fsspec's in-place writer: uploading a name again truncated the committed
+    object at once, and a failure half-way (a read error, the store full)
+    left it cut short, raised fsspec's "Cannot discard if set to autocommit"
+    instead of the error, and the name was no longer listed. Now the object
+    is written beside itself and renamed over it once complete."""
+    root = tmp_path / "store"
+    root.mkdir()
+    store = fastpersist.tiers.ObjectStore(str(root), part_bytes=1 << 20)
+    p = tmp_path / "ck.pt"
+    fastpersist.write_state_dict({"w": torch.randn(600_000)}, p)
+    store.upload(str(p))
+    first = p.read_bytes()
+    fastpersist.write_state_dict({"w": torch.randn(700_000)}, p)
+    real = store._read_part
+    calls = []
+
+    def failing(fd, off, n, whole):
+        calls.append(off)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "injected read error")
+        return real(fd, off, n, whole)
+
+    monkeypatch.setattr(store, "_read_part", failing)
+    with pytest.raises(fastpersist.tiers.TierError, match="injected read error"):
+        store.upload(str(p))
+    assert store.committed() == {"ck.pt": len(first)}
+    assert (root / "ck.pt").read_bytes() == first
+    assert sorted(os.listdir(root)) == ["ck.pt", "ck.pt.fpcommit"]  # no temporary file left
+    monkeypatch.setattr(store, "_read_part", real)
+    store.upload(str(p))
+    assert (root / "ck.pt").read_bytes() == p.read_bytes()
+    back = tmp_path / "back.pt"
+    store.download("ck.pt", str(back))
+    assert back.read_bytes() == p.read_bytes()
