@@ -2092,8 +2092,12 @@ impl<'py> Found<'py> {
                 if !o.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()? {
                     self.off_cpu.append(&st)?;
                 }
-                self.storages
-                    .set_item(cdata, (self.storages.len().to_string(), st))?;
+                // As torch.save makes its keys (`str(len(id_map))`): a new
+                // string, never the interpreter's cached one-character one,
+                // which an equal string pickled before would share (and the
+                // pickler's memo then meet).
+                let key = self.storages.len().into_pyobject(py)?.str()?;
+                self.storages.set_item(cdata, (key, st))?;
             }
         }
         if exact && self.ordered.is_none() && has_attributes(o)? {

@@ -776,3 +776,32 @@ def test_written_file_loads_with_weights_only(tmp_path: Any, dumps: List[Any]) -
     assert torch.equal(got["bf16"], sd["bf16"])
     fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     fresh.load_state_dict(got["model"])
+
+
+def _data_pkl(path: Any) -> bytes:
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"0": torch.ones(2)},
+        {"tag": "1", "a": torch.ones(2), "b": torch.zeros(3)},
+        {"9": [torch.ones(1)] * 3, **{str(i): torch.full((2,), float(i)) for i in range(12)}},
+        {"10": torch.ones(2), "kind": "storage", "device": "cpu"},
+    ],
+    ids=["key-0", "value-1", "digits", "longer"],
+)
+def test_storage_keys_pickle_as_torch_save_makes_them(tmp_path: Any, obj: Any) -> None:
+    """Regression: the survey made storage keys as Python strings from Rust
+    ones, and CPython hands out its one cached object for a one-character
+    string: a "0".."9" pickled before the storage of that key was met by the
+    fast pickler's memo (a back-reference where torch.save, whose keys are
+    ``str(len(id_map))``, fresh objects, writes the string out). The keys
+    are now made as torch makes them, and data.pkl is torch.save's."""
+    torch.save(obj, tmp_path / "torch.pt")
+    fastpersist.write_state_dict(obj, tmp_path / "fp.pt")
+    assert _data_pkl(tmp_path / "fp.pt") == _data_pkl(tmp_path / "torch.pt")
