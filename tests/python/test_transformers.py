@@ -135,6 +135,42 @@ def test_files_are_the_ones_the_trainer_reads_without_fastpersist(tmp_path):
     assert plain.state.global_step == 4
 
 
+def test_a_failed_save_into_an_existing_folder_leaves_it_incomplete(tmp_path, monkeypatch):
+    """Regression: a ``checkpoint-<step>`` folder that already existed (an
+    earlier run in the same output_dir) kept its old ``trainer_state.json``
+    and CRC sidecar while a new save wrote into it, so a failed new save
+    left a mix of the two runs that still counted as complete. The folder
+    is now incomplete from the start of the new save until its commit."""
+    out = tmp_path / "run"
+    ck = out / "checkpoint-2"
+    FPTrainer(model=model(), args=args(out, max_steps=2), train_dataset=data()).train()
+    assert latest_complete_checkpoint(str(out)) == str(ck) and (ck / CRC_SIDECAR).is_file()
+
+    real = fastpersist.integrations.common.BackgroundSaves.save
+
+    def failing(self, obj, path, **kw):
+        if str(path).endswith("optimizer.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+        return real(self, obj, path, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastpersist.integrations.common.BackgroundSaves, "save", failing)
+        t = FPTrainer(model=model(), args=args(out, max_steps=2, seed=1), train_dataset=data())
+        with pytest.raises(OSError, match="injected"):
+            t.train()
+        t.fastpersist_wait()
+    assert latest_complete_checkpoint(str(out)) is None
+    assert not (ck / "trainer_state.json").exists() and not (ck / CRC_SIDECAR).exists()
+    with pytest.raises(ValueError, match="incomplete"):
+        FPTrainer(model=model(), args=args(out, max_steps=3), train_dataset=data()).train(
+            resume_from_checkpoint=str(ck)
+        )
+
+    # A save into it that succeeds commits it again.
+    FPTrainer(model=model(), args=args(out, max_steps=2), train_dataset=data()).train()
+    assert latest_complete_checkpoint(str(out)) == str(ck) and (ck / CRC_SIDECAR).is_file()
+
+
 class ShardedGPT2(GPT2LMHeadModel):
     """save_pretrained with a small ``max_shard_size`` (the Trainer passes none): 7 shards."""
 

@@ -21,9 +21,13 @@ is durable, the whole folder is fsynced and only then is
 ``trainer_state.json`` put in place (written to a temporary name and
 renamed). A folder without ``trainer_state.json`` is an incomplete one:
 ``train(resume_from_checkpoint=True)`` resumes from the newest complete
-checkpoint, and an explicit path to an incomplete one is refused.
-Rotation (``save_total_limit``) runs after that commit, so an older
-checkpoint is deleted only once a newer one is durable. A model bigger than
+checkpoint, and an explicit path to an incomplete one is refused. A save
+into a folder that already exists (an earlier run in the same
+``output_dir``) first takes its ``trainer_state.json`` and CRC sidecar away
+(durably), so the folder is incomplete until the new save commits, never a
+mix of two runs that looks complete. Rotation (``save_total_limit``) runs
+after that commit, so an older checkpoint is deleted only once a newer one
+is durable. A model bigger than
 ``save_pretrained``'s ``max_shard_size`` gets the Trainer's own shards
 (``model-0000k-of-0000n.safetensors``) and ``model.safetensors.index.json``.
 
@@ -64,6 +68,7 @@ import weakref
 from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Tuple
 
 from .common import (
+    CRC_SIDECAR,
     BackgroundSaves,
     after_first_step,
     check_version,
@@ -125,6 +130,18 @@ def latest_complete_checkpoint(output_dir: str) -> Optional[str]:
         if m and os.path.isfile(os.path.join(p, STATE_NAME)):
             found.append((int(m.group(1)), p))
     return max(found)[1] if found else None
+
+
+def _make_incomplete(folder: str) -> None:
+    """Take ``folder``'s commit marker (``trainer_state.json``) away, then
+    its CRC sidecar, each durably: from then on the folder is an incomplete
+    checkpoint, whatever happens to its other files."""
+    for name in (STATE_NAME, CRC_SIDECAR):
+        try:
+            os.unlink(os.path.join(folder, name))
+        except FileNotFoundError:
+            continue
+        fsync_dir(folder)
 
 
 def _safetensors_via(save: Optional[BackgroundSaves] = None, load: bool = False) -> Any:
@@ -260,6 +277,8 @@ class FastPersistTrainerMixin:
             real_save_to_json(pending)
             deferred.append((pending, json_path))
 
+        if args.should_save and os.path.isdir(folder):
+            _make_incomplete(folder)  # an earlier run's: incomplete until this save commits
         state.save_to_json = save_to_json_later
         args.save_total_limit = None  # rotation runs after the commit
         try:
