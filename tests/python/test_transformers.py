@@ -171,6 +171,40 @@ def test_a_failed_save_into_an_existing_folder_leaves_it_incomplete(tmp_path, mo
     assert latest_complete_checkpoint(str(out)) == str(ck) and (ck / CRC_SIDECAR).is_file()
 
 
+def test_rotation_keeps_complete_checkpoints_over_an_incomplete_newer_folder(tmp_path):
+    """Regression: rotation ran the Trainer's ``rotate_checkpoints``, which
+    always keeps the highest-numbered folder, complete or not: with an
+    incomplete ``checkpoint-4`` left by a killed run, every checkpoint the
+    resumed run committed was deleted right after its commit. Rotation now
+    counts complete checkpoints only, never deletes the one just committed
+    and leaves incomplete folders alone."""
+    out = tmp_path / "run"
+    FPTrainer(model=model(), args=args(out, max_steps=2), train_dataset=data()).train()
+    # What a process killed during the step-4 save leaves: files, no trainer_state.json.
+    killed = out / "checkpoint-4"
+    killed.mkdir()
+    (killed / "config.json").write_text("{}")
+
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            t.fastpersist_wait()  # committed, and rotated
+            seen.append(sorted(n for n in os.listdir(out) if (out / n / "trainer_state.json").is_file()))
+
+    t = FPTrainer(
+        model=model(),
+        args=args(out, max_steps=3, save_steps=1, save_total_limit=1),
+        train_dataset=data(),
+        callbacks=[Watch()],
+    )
+    t.train(resume_from_checkpoint=True)
+    assert seen == [["checkpoint-3"]], seen
+    assert latest_complete_checkpoint(str(out)) == str(out / "checkpoint-3")
+    assert sorted(os.listdir(out)) == ["checkpoint-3", "checkpoint-4"]  # the incomplete folder is not ours to rotate
+    assert not (killed / "trainer_state.json").exists()
+
+
 class ShardedGPT2(GPT2LMHeadModel):
     """save_pretrained with a small ``max_shard_size`` (the Trainer passes none): 7 shards."""
 

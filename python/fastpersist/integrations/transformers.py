@@ -27,7 +27,10 @@ into a folder that already exists (an earlier run in the same
 (durably), so the folder is incomplete until the new save commits, never a
 mix of two runs that looks complete. Rotation (``save_total_limit``) runs
 after that commit, so an older checkpoint is deleted only once a newer one
-is durable. A model bigger than
+is durable; it counts complete checkpoints only (by step), never deletes
+the one just committed or the best model's, and leaves incomplete folders
+alone (a deleted checkpoint loses its ``trainer_state.json`` first, so one
+half deleted is never complete). A model bigger than
 ``save_pretrained``'s ``max_shard_size`` gets the Trainer's own shards
 (``model-0000k-of-0000n.safetensors``) and ``model.safetensors.index.json``.
 
@@ -62,8 +65,10 @@ keyword arguments of the same names to the trainer's constructor.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
+import shutil
 import weakref
 from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Tuple
 
@@ -91,6 +96,7 @@ TESTED = ">=5.0,<6"
 STATE_NAME = "trainer_state.json"
 _PENDING_STATE = ".trainer_state.json.fastpersist-pending"
 _CKPT = re.compile(r"checkpoint-([0-9]+)")
+log = logging.getLogger("fastpersist")
 
 
 def _framework() -> Tuple[Any, Any, Any]:
@@ -104,7 +110,6 @@ def _framework() -> Tuple[Any, Any, Any]:
         (trainer, "safetensors"),
         (trainer_utils, "torch"),
         (trainer_utils, "safe_load_file"),
-        (trainer_utils, "rotate_checkpoints"),
         (trainer_utils, "PREFIX_CHECKPOINT_DIR"),
         (trainer.Trainer, "_save_checkpoint"),
         (trainer.Trainer, "_get_output_dir"),
@@ -118,18 +123,25 @@ def _framework() -> Tuple[Any, Any, Any]:
     return modeling_utils, trainer, trainer_utils
 
 
-def latest_complete_checkpoint(output_dir: str) -> Optional[str]:
-    """The newest ``checkpoint-<step>`` folder of ``output_dir`` that holds
-    ``trainer_state.json`` (committed), or None."""
+def _complete_checkpoints(output_dir: str) -> List[str]:
+    """The ``checkpoint-<step>`` folders of ``output_dir`` that hold
+    ``trainer_state.json`` (committed), oldest step first."""
     if not os.path.isdir(output_dir):
-        return None
+        return []
     found = []
     for name in os.listdir(output_dir):
         m = _CKPT.fullmatch(name)
         p = os.path.join(output_dir, name)
         if m and os.path.isfile(os.path.join(p, STATE_NAME)):
             found.append((int(m.group(1)), p))
-    return max(found)[1] if found else None
+    return [p for _, p in sorted(found)]
+
+
+def latest_complete_checkpoint(output_dir: str) -> Optional[str]:
+    """The newest ``checkpoint-<step>`` folder of ``output_dir`` that holds
+    ``trainer_state.json`` (committed), or None."""
+    found = _complete_checkpoints(output_dir)
+    return found[-1] if found else None
 
 
 def _make_incomplete(folder: str) -> None:
@@ -142,6 +154,27 @@ def _make_incomplete(folder: str) -> None:
         except FileNotFoundError:
             continue
         fsync_dir(folder)
+
+
+def _rotate(run_dir: str, limit: int, protected: List[Optional[str]]) -> None:
+    """Delete the oldest complete checkpoints of ``run_dir`` until at most
+    ``limit`` are left (or as many as are ``protected``: the one just
+    committed, the best model's), never a protected one; incomplete folders
+    are neither counted nor deleted. A checkpoint loses its
+    ``trainer_state.json`` (durably) before its files."""
+    keep = {os.path.abspath(p) for p in protected if p}
+    complete = _complete_checkpoints(run_dir)
+    left = len(complete)
+    room = max(limit, len([p for p in complete if os.path.abspath(p) in keep]))
+    for p in complete:
+        if left <= room:
+            break
+        if os.path.abspath(p) in keep:
+            continue
+        log.info("fastpersist: deleting older checkpoint %s (save_total_limit=%d)", p, limit)
+        _make_incomplete(p)
+        shutil.rmtree(p, ignore_errors=True)
+        left -= 1
 
 
 def _safetensors_via(save: Optional[BackgroundSaves] = None, load: bool = False) -> Any:
@@ -303,10 +336,8 @@ class FastPersistTrainerMixin:
             for pending, final in deferred:
                 os.replace(pending, final)
                 fsync_dir(os.path.dirname(final))
-            if should_save and limit:
-                trainer_utils.rotate_checkpoints(
-                    output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=False
-                )
+            if should_save and limit and limit > 0 and os.path.isfile(os.path.join(folder, STATE_NAME)):
+                _rotate(run_dir, limit, [folder, best])
 
         saves.commit(folder, finalize, with_stats=True)
 
