@@ -205,6 +205,39 @@ def test_rotation_keeps_complete_checkpoints_over_an_incomplete_newer_folder(tmp
     assert not (killed / "trainer_state.json").exists()
 
 
+def test_push_to_hub_uploads_a_checkpoint_once_it_is_committed(tmp_path, monkeypatch):
+    """Regression: with ``push_to_hub=True`` the Trainer pushed the
+    checkpoint folder from inside ``_save_checkpoint``, while its files
+    were still being written: the upload had no weights, no optimizer and
+    no ``trainer_state.json``. The push now runs once the checkpoint is
+    committed (the Hub API is stubbed: its upload lists the folder)."""
+    import types
+
+    uploads = []
+
+    class FakeApi:
+        def create_repo(self, name, **kw):
+            return types.SimpleNamespace(repo_id=f"me/{name}")
+
+        def upload_folder(self, *, folder_path, path_in_repo=None, **kw):
+            uploads.append((path_in_repo or ".", sorted(os.listdir(folder_path))))
+            return types.SimpleNamespace(done=lambda: True, is_done=lambda: True)
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FakeApi())
+    out = tmp_path / "run"
+    a = args(out, max_steps=4, push_to_hub=True, hub_strategy="checkpoint", hub_always_push=True)
+    FPTrainer(model=model(), args=a, train_dataset=data()).train()
+    pushed = [files for where, files in uploads if where == "last-checkpoint"]
+    assert len(pushed) == 2, uploads
+    for files in pushed:
+        for n in ["model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", CRC_SIDECAR]:
+            assert n in files, files
+        assert not [n for n in files if "fptmp" in n or "pending" in n], files
+    for where, files in uploads:
+        if where == ".":
+            assert "model.safetensors" in files, files  # copied from the committed checkpoint
+
+
 class ShardedGPT2(GPT2LMHeadModel):
     """save_pretrained with a small ``max_shard_size`` (the Trainer passes none): 7 shards."""
 

@@ -30,7 +30,9 @@ after that commit, so an older checkpoint is deleted only once a newer one
 is durable; it counts complete checkpoints only (by step), never deletes
 the one just committed or the best model's, and leaves incomplete folders
 alone (a deleted checkpoint loses its ``trainer_state.json`` first, so one
-half deleted is never complete). A model bigger than
+half deleted is never complete). With ``push_to_hub``, the Trainer's push
+of a checkpoint runs once it is committed (the save then waits for its
+files, as the stock Trainer's does). A model bigger than
 ``save_pretrained``'s ``max_shard_size`` gets the Trainer's own shards
 (``model-0000k-of-0000n.safetensors``) and ``model.safetensors.index.json``.
 
@@ -112,6 +114,7 @@ def _framework() -> Tuple[Any, Any, Any]:
         (trainer_utils, "safe_load_file"),
         (trainer_utils, "PREFIX_CHECKPOINT_DIR"),
         (trainer.Trainer, "_save_checkpoint"),
+        (trainer.Trainer, "_push_from_checkpoint"),
         (trainer.Trainer, "_get_output_dir"),
         (trainer.Trainer, "_finalize_training"),
         (trainer.Trainer, "_load_from_checkpoint"),
@@ -246,6 +249,7 @@ class FastPersistTrainerMixin:
             self.fastpersist_prepare if fastpersist_prepare is None else fastpersist_prepare
         )
         self._fastpersist_disarm: Optional[Callable[[], None]] = None
+        self._fastpersist_pushes: Optional[List[str]] = None
         self.add_callback(_prepare_callback(self))  # type: ignore[attr-defined]
 
     # -- the snapshot buffers, made ahead of the first checkpoint ------------------
@@ -314,6 +318,8 @@ class FastPersistTrainerMixin:
             _make_incomplete(folder)  # an earlier run's: incomplete until this save commits
         state.save_to_json = save_to_json_later
         args.save_total_limit = None  # rotation runs after the commit
+        pushes: List[str] = []
+        self._fastpersist_pushes = pushes  # a push runs once the checkpoint is committed
         try:
             with (
                 routed(modeling_utils, safe_save_file=safe_save_file_via(saves)),
@@ -326,6 +332,7 @@ class FastPersistTrainerMixin:
         finally:
             del state.save_to_json
             args.save_total_limit = limit
+            self._fastpersist_pushes = None
         should_save = bool(args.should_save)
         best = state.best_model_checkpoint
 
@@ -340,6 +347,26 @@ class FastPersistTrainerMixin:
                 _rotate(run_dir, limit, [folder, best])
 
         saves.commit(folder, finalize, with_stats=True)
+        if pushes:
+            saves.wait()  # the push uploads the folder: its files are durable first (a failure raised, nothing pushed)
+            for p in pushes:
+                super()._push_from_checkpoint(p)  # type: ignore[misc]
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        pushes = getattr(self, "_fastpersist_pushes", None)
+        if pushes is None:
+            super()._push_from_checkpoint(checkpoint_folder)  # type: ignore[misc]
+            return
+        # Called by the Trainer's _save_checkpoint while the files are written: pushed after the commit.
+        from transformers.trainer_utils import HubStrategy
+
+        args: Any = self.args  # type: ignore[attr-defined]
+        in_progress = getattr(self, "push_in_progress", None)
+        if not self.is_world_process_zero() or args.hub_strategy == HubStrategy.END:  # type: ignore[attr-defined]
+            return  # the Trainer pushes nothing then (no wait for it)
+        if not args.hub_always_push and in_progress is not None and not in_progress.is_done():
+            return  # nor while the last push runs
+        pushes.append(checkpoint_folder)
 
     def fastpersist_wait(self) -> None:
         """Wait until every checkpoint saved so far is committed; raise a
