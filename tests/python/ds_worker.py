@@ -3,7 +3,7 @@
 
 ``ds_worker.py DIR two-ranks`` is one of two ranks (RANK, WORLD_SIZE and
 MASTER_PORT set by the caller): the ranks agree on the step at which a tag
-is committed."""
+is committed. ``ds_worker.py DIR early``: a save that fails early."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import threading
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-if sys.argv[2:] != ["two-ranks"]:  # one rank (also for "prepare")
+if sys.argv[2:] != ["two-ranks"]:  # one rank (also for "prepare", "early")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
@@ -329,9 +329,55 @@ def prepare(tmp):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def early(tmp):
+    """A save that fails before its files are written (``client_state``
+    that cannot be pickled), or a ``save_checkpoint`` that raises after some
+    of its files were saved, is never committed: the next ``step()`` goes
+    on, ``latest`` still names the tag before."""
+    out = {}
+    d = os.path.join(tmp, "early")
+    eng = engine({})
+    step(eng, 1)
+    eng.save_checkpoint(d)
+    eng.checkpoint_engine.saves.settle()
+    step(eng, 2)  # commits global_step1
+    out["early_latest_before"] = latest(d)
+    try:
+        eng.save_checkpoint(d, client_state={"hook": lambda: None})
+        out["early_error"] = None
+    except fastpersist.SerializationError:
+        out["early_error"] = "SerializationError"
+    eng.checkpoint_engine.saves.settle()
+    try:
+        step(eng, 3)  # the training loop goes on: the failed tag is dropped, not committed
+        out["early_step_error"] = None
+    except Exception as e:  # noqa: BLE001 - reported
+        out["early_step_error"] = repr(e)
+    out["early_latest"] = latest(d)
+
+    def broken(*a, **kw):
+        raise RuntimeError("injected: the ZeRO optimizer state could not be saved")
+
+    eng._save_zero_checkpoint = broken  # save_checkpoint raises after the model states file was saved
+    try:
+        eng.save_checkpoint(d, tag="partial")
+        out["partial_error"] = None
+    except RuntimeError as e:
+        out["partial_error"] = str(e)
+    del eng._save_zero_checkpoint
+    eng.checkpoint_engine.saves.settle()
+    step(eng, 4)
+    out["partial_latest"] = latest(d)
+    eng.destroy()
+    out["early_latest_after_destroy"] = latest(d)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[2:] == ["two-ranks"]:
         two_ranks(sys.argv[1])
+    elif sys.argv[2:] == ["early"]:
+        early(sys.argv[1])
     elif sys.argv[2:] == ["prepare"]:
         prepare(sys.argv[1])
     else:

@@ -65,6 +65,40 @@ def test_engine_interface_failed_save_raises_at_commit_and_latest_stays(tmp_path
     assert not (tmp_path / "b.pt").exists()
 
 
+def test_engine_interface_a_save_that_fails_early_is_never_committed(tmp_path):
+    """Regression: a save that failed in its snapshot phase (raised by
+    ``save``) was dropped from the tag's saves while the tag stayed
+    pending, so the next commit committed the tag with the files that
+    did succeed and wrote ``latest`` naming it. Now the tag is dropped:
+    its commit writes no ``latest`` and tells DeepSpeed not to write it."""
+    eng = FastPersistCheckpointEngine()
+    a = info(tmp_path, "a")
+    eng.create(a)
+    eng.save({"w": torch.ones(100)}, str(tmp_path / "a.pt"))
+    eng.saves.settle()
+    eng.commit(eng.get_commit_info())
+    assert (tmp_path / "latest").read_text() == "a"
+    b = info(tmp_path, "b")
+    eng.create(b)
+    eng.makedirs(tmp_path / "b", exist_ok=True)
+    eng.save({"w": torch.ones(100)}, str(tmp_path / "b" / "model.pt"))
+    with pytest.raises(fastpersist.SerializationError):
+        eng.save({"hook": lambda: None}, str(tmp_path / "b" / "optim.pt"))
+    eng.saves.settle()
+    pending = eng.get_commit_info()
+    assert pending == b  # DeepSpeed's step() commits it ...
+    assert eng.commit(pending) is False  # ... which writes no latest
+    assert not b.save_latest  # and DeepSpeed writes none either
+    assert (tmp_path / "latest").read_text() == "a"
+    assert eng.get_commit_info() is None
+    # The next tag commits as usual.
+    c = info(tmp_path, "c")
+    eng.create(c)
+    eng.save({"w": torch.ones(100)}, str(tmp_path / "c.pt"))
+    eng.cleanup()
+    assert (tmp_path / "latest").read_text() == "c"
+
+
 def test_reads_torch_legacy_format(tmp_path):
     p = tmp_path / "old.pt"
     torch.save({"w": torch.arange(3)}, p, _use_new_zipfile_serialization=False)
@@ -210,6 +244,19 @@ def test_real_deepspeed_engine_makes_the_snapshot_buffers_before_the_first_check
     assert out["off_after_step1"] == 0 and not out["off_prepared"] and "alloc-save" in out["off_first"]
     for name in ("zero1", "zero0", "off"):
         assert out[f"{name}_loaded"] and out[f"{name}_grown"], (name, out)
+
+
+def test_real_deepspeed_engine_a_save_that_fails_early_is_never_committed(tmp_path):
+    """Regression (decoupled): a save that failed before its files were
+    written (an unpicklable ``client_state``) was committed by the next
+    ``step()``, with ``latest`` naming a tag without its model states file,
+    and so was one whose ``save_checkpoint`` raised after some files were
+    saved; now the step goes on and ``latest`` keeps naming the tag before."""
+    out = _run_ds_worker(tmp_path, "early")
+    assert out["early_latest_before"] == "global_step1" and out["early_error"] == "SerializationError", out
+    assert out["early_step_error"] is None, out
+    assert "injected" in out["partial_error"], out
+    assert out["early_latest"] == out["partial_latest"] == out["early_latest_after_destroy"] == "global_step1", out
 
 
 def test_engine_interface_prepare_option(tmp_path):

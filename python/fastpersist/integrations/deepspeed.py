@@ -22,7 +22,12 @@ or set on an engine: ``use_fastpersist(engine, mode="pipelined")``.
   :class:`fastpersist.DistributedCheckpointError` on every rank), then rank 0
   writes ``latest`` atomically and durably. DeepSpeed writes ``latest``
   only after ``commit`` returns, so ``latest`` never names a tag that is not
-  durable. A failed save raises its error from ``commit``.
+  durable. A failed save raises its error from ``commit``. A save that
+  fails before its file is written (an unpicklable ``client_state``, say),
+  or a ``save_checkpoint`` that raises part way, has raised already: its
+  tag is dropped, never committed (its commit writes no ``latest``, and
+  tells DeepSpeed to write none; with several ranks, every rank raises
+  :class:`fastpersist.DistributedCheckpointError` there instead).
 * ``decoupled=True`` (default): ``save_checkpoint`` returns without waiting
   for the disk and training goes on while the tag is written. DeepSpeed
   asks for the pending checkpoint (``get_commit_info``) in every
@@ -55,7 +60,10 @@ or set on an engine: ``use_fastpersist(engine, mode="pipelined")``.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 from .. import _core
@@ -70,6 +78,7 @@ __all__ = ["FastPersistCheckpointEngine", "use_fastpersist", "initialize", "CONF
 TESTED = ">=0.19,<0.20"
 #: The section of the DeepSpeed config that selects and configures this engine.
 CONFIG_KEY = "fastpersist"
+log = logging.getLogger("fastpersist")
 
 
 def _base() -> type:
@@ -131,6 +140,8 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         self.prepare_ahead = bool(sec_prepare if prepare is None else prepare)
         self.saves = BackgroundSaves(self.mode, max_pending=64, what=f"{type(self).__name__}()", **{**sec, **options})
         self.commit_info: Any = None
+        #: Why the saves since the last commit cannot make a checkpoint (a save that raised), or None.
+        self._dropped: Optional[str] = None
         self._disarm: Optional[Callable[[], None]] = None
 
     def prepare_for(self, engine: Any) -> None:
@@ -180,12 +191,23 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
             self.commit(self.commit_info)
         self.commit_info = info
 
+    def drop_pending(self, why: str) -> None:
+        """The tag being saved cannot be complete (``why``: a save of it
+        raised): its commit writes no ``latest``. The first reason is kept."""
+        if self._dropped is None:
+            self._dropped = why
+
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict: Any, path: str) -> None:
         # Pipelined and decoupled: the fence is the commit, before the optimizer step.
-        self.saves.save(state_dict, path, fence=not (self.decoupled and self.mode == "pipelined"))
+        try:
+            self.saves.save(state_dict, path, fence=not (self.decoupled and self.mode == "pipelined"))
+        except BaseException as e:
+            # Raised here, and dropped from the tag's saves: the tag must not be committed without it.
+            self.drop_pending(f"the save of {path} failed ({describe_error(e)})")
+            raise
 
     def load(self, path: str, map_location: Any = None) -> Any:
         if self.commit_info is not None:  # a tag saved and not yet committed: commit it first
@@ -201,22 +223,31 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
 
     def commit(self, info: Any) -> bool:
         """Every file of ``info.tag`` is durable on every rank when this
-        returns; then rank 0 has written ``latest`` (if ``info.save_latest``)."""
+        returns; then rank 0 has written ``latest`` (if ``info.save_latest``).
+        Returns False, writing no ``latest``, for a tag dropped because one
+        of its saves raised already (:meth:`drop_pending`)."""
         err: Optional[BaseException] = None
         try:
             self.saves.commit(str(info.tag)).result()
         except BaseException as e:  # noqa: BLE001 - agreed on by all ranks below
             err = e
         self.commit_info = None
+        dropped, self._dropped = self._dropped, None
         dist = _dist()
         if dist is not None and dist.get_world_size() > 1:
-            statuses = gather(describe_error(err) if err is not None else None, checkpoint_group(None))
+            mine = err if err is not None else dropped
+            statuses = gather(describe_error(mine) if isinstance(mine, BaseException) else mine, checkpoint_group(None))
             try:
                 fail_all(statuses, f"checkpoint {info.tag}")
             except BaseException as agreed:
                 raise agreed from err
         elif err is not None:
             raise err
+        if dropped is not None:
+            # Its failure was raised where it happened (save_checkpoint); the training goes on.
+            log.error("fastpersist: checkpoint %s is not committed (%s); latest is left as it was", info.tag, dropped)
+            info.save_latest = False  # nor may DeepSpeed write it
+            return False
         if info.save_latest and (dist is None or dist.get_rank() == 0):
             _core.atomic_write(os.path.join(info.save_dir, "latest"), str(info.tag).encode(), durable=True)
         if self.decoupled:
@@ -256,17 +287,53 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         return True  # torch.save's format: views keep sharing their storage
 
 
+def _wrap_engine(engine: Any) -> None:
+    """A ``save_checkpoint`` that raises drops its tag
+    (:meth:`FastPersistCheckpointEngine.drop_pending`). Once per engine,
+    whatever checkpoint engine it has later."""
+    if engine.__dict__.get("_fastpersist_wrapped"):
+        return
+    ref = weakref.ref(engine)  # no cycle through the engine's own attributes
+    cls = type(engine)
+
+    def ours() -> Optional[FastPersistCheckpointEngine]:
+        eng = ref()
+        ce = getattr(eng, "checkpoint_engine", None)
+        return ce if isinstance(ce, FastPersistCheckpointEngine) else None
+
+    real_save = engine.__dict__.get("save_checkpoint")
+
+    @functools.wraps(cls.save_checkpoint)
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        ce = ours()
+        before = ce.commit_info if ce is not None else None
+        try:
+            if real_save is not None:
+                return real_save(*args, **kwargs)
+            return cls.save_checkpoint(ref(), *args, **kwargs)
+        except BaseException as e:
+            ce = ours()
+            if ce is not None and ce.commit_info is not None and ce.commit_info is not before:
+                ce.drop_pending(f"save_checkpoint raised {describe_error(e)}")  # the tag this call made
+            raise
+
+    engine.save_checkpoint = save_checkpoint
+    engine._fastpersist_wrapped = True
+
+
 def use_fastpersist(engine: Any, **options: Any) -> FastPersistCheckpointEngine:
     """Make ``engine.save_checkpoint``/``load_checkpoint`` use fastpersist
     (options as for :class:`FastPersistCheckpointEngine`); in ``"snapshot"``
     mode the snapshot buffers are made ahead of the first checkpoint
     (:meth:`FastPersistCheckpointEngine.prepare_for`) unless ``prepare=False``
-    (or ``"prepare": false`` in the config section)."""
+    (or ``"prepare": false`` in the config section). A ``save_checkpoint``
+    that raises leaves its tag uncommitted."""
     old = getattr(engine, "checkpoint_engine", None)
     if old is not None and old.is_decoupled():
         old.cleanup()
     new = FastPersistCheckpointEngine(getattr(engine, "_config", None), **options)
     engine.checkpoint_engine = new
+    _wrap_engine(engine)
     never_raises("preparing the snapshot buffers", lambda: new.prepare_for(engine))
     return new
 
