@@ -3,7 +3,9 @@
 
 ``ds_worker.py DIR two-ranks`` is one of two ranks (RANK, WORLD_SIZE and
 MASTER_PORT set by the caller): the ranks agree on the step at which a tag
-is committed. ``ds_worker.py DIR early``: a save that fails early."""
+is committed. ``ds_worker.py DIR pending``, ``early`` and ``exit``: a tag
+still pending when ``load_checkpoint`` reads ``latest``, a save that fails
+early, a script that exits with its last tag pending."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import sys
 import threading
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-if sys.argv[2:] != ["two-ranks"]:  # one rank (also for "prepare", "early")
+if sys.argv[2:] != ["two-ranks"]:  # one rank (also for "prepare", "pending", "early", "exit")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
@@ -329,6 +331,32 @@ def prepare(tmp):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def pending(tmp):
+    """Decoupled (the default): ``save_checkpoint`` then ``load_checkpoint``
+    at once (no ``step()`` between to commit the tag) loads that tag."""
+    out = {}
+    d = os.path.join(tmp, "save-load")
+    eng = engine({})
+    for i in range(1, 3):
+        step(eng, i)
+    want = digest(eng)
+    eng.save_checkpoint(d, client_state={"n": 2})
+    step(eng, 3)  # not committed here: its files may not be durable yet
+    eng.save_checkpoint(d, tag="last", client_state={"n": 3})
+    want_last = digest(eng)
+    path, client = eng.load_checkpoint(d)
+    out["load_path"] = os.path.basename(os.path.dirname(path)) if path else None
+    out["load_client"] = client.get("n") if client else None
+    out["load_exact"] = digest(eng) == want_last
+    out["load_latest"] = latest(d)
+    eng.destroy()
+    again = engine({})
+    again.load_checkpoint(d, tag="global_step2")
+    out["load_step2_exact"] = digest(again) == want
+    again.destroy()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 def early(tmp):
     """A save that fails before its files are written (``client_state``
     that cannot be pickled), or a ``save_checkpoint`` that raises after some
@@ -373,11 +401,28 @@ def early(tmp):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def exit_pending(tmp):
+    """A training script that saves at its end and exits, without
+    ``engine.destroy()``: the last tag is committed at exit."""
+    d = os.path.join(tmp, "exit")
+    eng = engine({})
+    for i in range(1, 4):
+        step(eng, i)
+        if i == 2:
+            eng.save_checkpoint(d)  # committed at the next step
+    eng.save_checkpoint(d)  # global_step3, pending at exit
+    print("RESULT " + json.dumps({"latest_before_exit": latest(d)}), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[2:] == ["two-ranks"]:
         two_ranks(sys.argv[1])
+    elif sys.argv[2:] == ["pending"]:
+        pending(sys.argv[1])
     elif sys.argv[2:] == ["early"]:
         early(sys.argv[1])
+    elif sys.argv[2:] == ["exit"]:
+        exit_pending(sys.argv[1])
     elif sys.argv[2:] == ["prepare"]:
         prepare(sys.argv[1])
     else:

@@ -246,6 +246,16 @@ def test_real_deepspeed_engine_makes_the_snapshot_buffers_before_the_first_check
         assert out[f"{name}_loaded"] and out[f"{name}_grown"], (name, out)
 
 
+def test_real_deepspeed_engine_load_right_after_save_loads_that_tag(tmp_path):
+    """Regression (decoupled): ``load_checkpoint`` right after
+    ``save_checkpoint`` read ``latest`` before the pending tag was
+    committed, loading an older tag (or nothing); it now commits the tag
+    first."""
+    out = _run_ds_worker(tmp_path, "pending")
+    assert (out["load_path"], out["load_client"], out["load_latest"]) == ("last", 3, "last"), out
+    assert out["load_exact"] and out["load_step2_exact"], out
+
+
 def test_real_deepspeed_engine_a_save_that_fails_early_is_never_committed(tmp_path):
     """Regression (decoupled): a save that failed before its files were
     written (an unpicklable ``client_state``) was committed by the next
@@ -257,6 +267,17 @@ def test_real_deepspeed_engine_a_save_that_fails_early_is_never_committed(tmp_pa
     assert out["early_step_error"] is None, out
     assert "injected" in out["partial_error"], out
     assert out["early_latest"] == out["partial_latest"] == out["early_latest_after_destroy"] == "global_step1", out
+
+
+def test_real_deepspeed_engine_commits_the_last_tag_at_exit(tmp_path):
+    """Regression (decoupled): a script that saved at its end and exited
+    without ``engine.destroy()`` never committed its last tag: ``latest``
+    kept naming the one before. The tag is committed at exit now."""
+    out = _run_ds_worker(tmp_path, "exit")
+    assert out["latest_before_exit"] == "global_step2", out
+    assert (tmp_path / "exit" / "latest").read_text() == "global_step3"
+    got = torch.load(tmp_path / "exit" / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert got["global_steps"] == 3
 
 
 def test_engine_interface_prepare_option(tmp_path):

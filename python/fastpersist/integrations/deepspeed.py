@@ -41,10 +41,15 @@ or set on an engine: ``use_fastpersist(engine, mode="pipelined")``.
   is handed to DeepSpeed for ``commit`` (and its ``latest``) at the first
   step at which every rank's saves are done, so ``commit`` does not wait
   for the disk and ``latest`` still names only durable tags. The next
-  ``save_checkpoint``, ``load_checkpoint`` and ``engine.destroy()`` (or
+  ``save_checkpoint`` and ``engine.destroy()`` (or
   :meth:`~FastPersistCheckpointEngine.cleanup`) commit a tag still pending,
-  waiting for it. With ``decoupled=False``, ``save_checkpoint`` commits
-  before it returns.
+  waiting for it; so does ``load_checkpoint`` before it reads ``latest``
+  (on an engine set up by :func:`use_fastpersist` or :func:`initialize`),
+  so a tag saved just before is the one loaded, and so does the
+  interpreter's exit (a script that saves at its end and exits without
+  ``destroy()``: its last tag is committed then; with several ranks, only
+  while the process group is still up). With ``decoupled=False``,
+  ``save_checkpoint`` commits before it returns.
 * In ``"snapshot"`` mode the host buffers this rank's files are copied
   into are made ahead of the first checkpoint, in the background
   (:meth:`FastPersistCheckpointEngine.prepare_for`, called by
@@ -60,6 +65,7 @@ or set on an engine: ``use_fastpersist(engine, mode="pipelined")``.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -142,7 +148,10 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         self.commit_info: Any = None
         #: Why the saves since the last commit cannot make a checkpoint (a save that raised), or None.
         self._dropped: Optional[str] = None
+        #: The world size when the pending tag was created (its commit is collective if more than 1).
+        self._world = 1
         self._disarm: Optional[Callable[[], None]] = None
+        _engines.add(self)
 
     def prepare_for(self, engine: Any) -> None:
         """Make the host buffers that this rank's checkpoint files are
@@ -190,12 +199,24 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         if self.commit_info is not None:  # a tag saved and never committed: commit it first
             self.commit(self.commit_info)
         self.commit_info = info
+        dist = _dist()
+        self._world = dist.get_world_size() if dist is not None else 1
 
     def drop_pending(self, why: str) -> None:
         """The tag being saved cannot be complete (``why``: a save of it
         raised): its commit writes no ``latest``. The first reason is kept."""
         if self._dropped is None:
             self._dropped = why
+
+    def commit_pending(self) -> None:
+        """Commit the tag still pending, if any, and (with several ranks)
+        wait until every rank has: ``latest`` names it from then on."""
+        if self.commit_info is None:
+            return
+        self.commit(self.commit_info)
+        dist = _dist()
+        if dist is not None and dist.get_world_size() > 1:
+            gather(None, checkpoint_group(None))  # rank 0 has written latest before any rank reads it
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         os.makedirs(path, exist_ok=exist_ok)
@@ -283,12 +304,44 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
             self.commit(self.commit_info)
         self.saves.wait()
 
+    def _commit_at_exit(self) -> None:
+        info = self.commit_info
+        if info is None:
+            return
+        if self._world > 1 and _dist() is None:
+            log.error(
+                "fastpersist: checkpoint %s was saved and not committed: the process group is gone at exit, so "
+                "the ranks cannot agree on it; latest is left as it was (call engine.destroy() before exiting)",
+                info.tag,
+            )
+            return
+        log.warning("fastpersist: committing checkpoint %s, still pending at exit", info.tag)
+        self.commit(info)
+
     def preserves_storage_sharing(self) -> bool:
         return True  # torch.save's format: views keep sharing their storage
 
 
+#: Every engine made, for the commit of a tag still pending at exit.
+_engines: weakref.WeakSet[FastPersistCheckpointEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _commit_at_exit() -> None:
+    """Commit the tags still pending at exit (a script that saved at its end
+    and exited without ``engine.destroy()``). Registered after the saves'
+    own drain at exit (:mod:`fastpersist.async_save`), so it runs first,
+    while they can still complete."""
+    for eng in list(_engines):
+        try:
+            eng._commit_at_exit()
+        except BaseException as e:  # noqa: BLE001 - at exit: reported, nothing to raise into
+            log.error("fastpersist: a checkpoint pending at exit was NOT committed: %r", e)
+
+
 def _wrap_engine(engine: Any) -> None:
-    """A ``save_checkpoint`` that raises drops its tag
+    """``engine.load_checkpoint`` commits a pending tag before DeepSpeed
+    reads ``latest``; a ``save_checkpoint`` that raises drops its tag
     (:meth:`FastPersistCheckpointEngine.drop_pending`). Once per engine,
     whatever checkpoint engine it has later."""
     if engine.__dict__.get("_fastpersist_wrapped"):
@@ -301,7 +354,17 @@ def _wrap_engine(engine: Any) -> None:
         ce = getattr(eng, "checkpoint_engine", None)
         return ce if isinstance(ce, FastPersistCheckpointEngine) else None
 
+    real_load = engine.__dict__.get("load_checkpoint")
     real_save = engine.__dict__.get("save_checkpoint")
+
+    @functools.wraps(cls.load_checkpoint)
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        ce = ours()
+        if ce is not None:
+            ce.commit_pending()  # before DeepSpeed reads latest
+        if real_load is not None:
+            return real_load(*args, **kwargs)
+        return cls.load_checkpoint(ref(), *args, **kwargs)
 
     @functools.wraps(cls.save_checkpoint)
     def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
@@ -317,6 +380,7 @@ def _wrap_engine(engine: Any) -> None:
                 ce.drop_pending(f"save_checkpoint raised {describe_error(e)}")  # the tag this call made
             raise
 
+    engine.load_checkpoint = load_checkpoint
     engine.save_checkpoint = save_checkpoint
     engine._fastpersist_wrapped = True
 
@@ -326,8 +390,9 @@ def use_fastpersist(engine: Any, **options: Any) -> FastPersistCheckpointEngine:
     (options as for :class:`FastPersistCheckpointEngine`); in ``"snapshot"``
     mode the snapshot buffers are made ahead of the first checkpoint
     (:meth:`FastPersistCheckpointEngine.prepare_for`) unless ``prepare=False``
-    (or ``"prepare": false`` in the config section). A ``save_checkpoint``
-    that raises leaves its tag uncommitted."""
+    (or ``"prepare": false`` in the config section). ``load_checkpoint``
+    then commits a tag still pending before it reads ``latest``, and a
+    ``save_checkpoint`` that raises leaves its tag uncommitted."""
     old = getattr(engine, "checkpoint_engine", None)
     if old is not None and old.is_decoupled():
         old.cleanup()
