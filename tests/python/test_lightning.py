@@ -387,3 +387,34 @@ def test_checkpoint_io_arguments_are_checked_at_construction(kw, error):
     save (the saver is made then); async_save="no" was taken as true."""
     with pytest.raises(error, match=next(iter(kw))):
         FastPersistCheckpointIO(**kw)
+
+
+def test_save_last_link_moves_only_to_a_durable_checkpoint(tmp_path, engine_fault):
+    """Regression: with ``ModelCheckpoint(save_last="link")`` Lightning
+    moved ``last.ckpt`` to the new checkpoint as soon as
+    ``save_checkpoint`` returned, while it was still being written; when
+    that save failed, ``last.ckpt`` pointed at a missing file and
+    ``fit(ckpt_path="last")`` trained from scratch. The link now moves
+    once its target is durable: the failure is raised first and
+    ``last.ckpt`` still names the step-2 checkpoint, which resumes."""
+    d = str(tmp_path / "ck")
+
+    class FillDisk(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == 3:  # before ModelCheckpoint saves step 3
+                io.wait()
+                engine_fault(0, errno.ENOSPC)
+
+    io = FastPersistCheckpointIO()
+    t = trainer(tmp_path, io, [top_k(d, -1, save_last="link"), FillDisk()], max_steps=6)
+    with pytest.raises(fastpersist.WriteError):
+        t.fit(Tiny())
+    engine_fault(None)
+    last = os.path.join(d, "last.ckpt")
+    assert os.path.islink(last) and os.path.exists(last), os.listdir(d)
+    assert torch.load(last, weights_only=True)["global_step"] == 2
+    again = trainer(tmp_path, FastPersistCheckpointIO(), [top_k(d, -1, save_last="link")], max_steps=4)
+    resumed = Tiny()
+    again.fit(resumed, ckpt_path="last")
+    assert len(resumed.losses) == 2  # steps 3 and 4: resumed from step 2, not from scratch
+    assert torch.load(last, weights_only=True)["global_step"] == 4

@@ -32,6 +32,12 @@ One class serves both import trees: it is a ``CheckpointIO`` of
   start of ``fit`` (a ``ModelCheckpoint`` callback's ``on_train_start``)
   if the optimizers have their state, else right after their first step;
   the first save then blocks no longer than later ones.
+* With ``ModelCheckpoint(save_last="link")``, ``last.ckpt`` is moved to a
+  checkpoint only once that checkpoint is durable (the adapter wraps
+  ``ModelCheckpoint._link_checkpoint``, which waits for the saves in
+  flight: a save followed by a link waits for the disk); if its save
+  failed, the error is raised there and ``last.ckpt`` still names the
+  previous checkpoint.
 * A checkpoint still being saved counts as existing for ``ModelCheckpoint``
   (it then names the next one ``-v1``, as with a synchronous save, rather
   than replacing it): the adapter wraps ``ModelCheckpoint.file_exists``.
@@ -257,6 +263,27 @@ def _see_pending_saves() -> None:
     _wrap_model_checkpoint("file_exists", wrap)
 
 
+def _link_when_durable() -> None:
+    """``ModelCheckpoint(save_last="link")`` moves ``last.ckpt`` to the
+    checkpoint just saved as soon as ``save_checkpoint`` returns; the
+    adapter wraps ``ModelCheckpoint._link_checkpoint`` (both trees) so that,
+    with fastpersist's CheckpointIO, it first waits for the saves in flight
+    (a failed one raises there, and the link stays where it was)."""
+
+    def wrap(orig: Any) -> Any:
+        func = orig.__func__ if isinstance(orig, staticmethod) else orig
+
+        def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
+            io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+            if isinstance(io, _FastPersistIO):
+                io.wait()
+            func(trainer, filepath, linkpath)
+
+        return staticmethod(_link_checkpoint) if isinstance(orig, staticmethod) else _link_checkpoint
+
+    _wrap_model_checkpoint("_link_checkpoint", wrap)
+
+
 def _writes_local_state(strategy: Any) -> bool:
     """Whether ``strategy`` saves through its CheckpointIO the state dicts
     of the local module and optimizers (single device, DDP), as opposed to
@@ -308,3 +335,4 @@ class FastPersistCheckpointIO(_FastPersistIO, *_bases()):  # type: ignore[misc]
 
 _see_pending_saves()
 _prepare_at_train_start()
+_link_when_durable()
