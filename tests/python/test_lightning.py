@@ -418,3 +418,48 @@ def test_save_last_link_moves_only_to_a_durable_checkpoint(tmp_path, engine_faul
     again.fit(resumed, ckpt_path="last")
     assert len(resumed.losses) == 2  # steps 3 and 4: resumed from step 2, not from scratch
     assert torch.load(last, weights_only=True)["global_step"] == 4
+
+
+def test_checkpoint_io_pickles_with_its_options_and_not_with_saves_in_flight(tmp_path):
+    """Regression: the plugin could not be pickled (its saves hold a
+    lock), so ``strategy="ddp_spawn"`` and ``copy.deepcopy`` failed with
+    "cannot pickle '_thread.lock' object". A copy keeps the options and
+    saves on its own; pickling while a checkpoint is in flight (its
+    failure would be lost) is refused with a clear error."""
+    import copy
+    import pickle
+
+    io = FastPersistCheckpointIO(mode="pipelined", max_pending=3, block_size=262144, prepare=False)
+    for other in (pickle.loads(pickle.dumps(io)), copy.deepcopy(io)):
+        assert isinstance(other, FastPersistCheckpointIO) and other.saves is not io.saves
+        assert (other.saves.mode, other.saves.max_pending, other.saves.options) == ("pipelined", 3, io.saves.options)
+        assert not other.prepare_ahead
+        other.save_checkpoint({"w": torch.arange(10.0)}, tmp_path / "copy.ckpt")
+        other.teardown()
+        assert torch.equal(torch.load(tmp_path / "copy.ckpt", weights_only=True)["w"], torch.arange(10.0))
+    io.save_checkpoint({"w": torch.ones(10)}, tmp_path / "a.ckpt")
+    with pytest.raises(RuntimeError, match="in flight"):
+        pickle.dumps(io)
+    io.wait()
+    assert pickle.loads(pickle.dumps(io)).saves.mode == "pipelined"
+
+
+def test_ddp_spawn_fit_saves_through_fastpersist(tmp_path):
+    """Regression: ``strategy="ddp_spawn"`` pickles the plugin into the
+    spawned processes, which failed before training started."""
+    d = str(tmp_path / "ck")
+    t = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        plugins=[FastPersistCheckpointIO()],
+        callbacks=[top_k(d, 1)],
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    t.fit(Tiny())
+    (path,) = ckpts(d)
+    assert written_by_fastpersist(path) and torch.load(path, weights_only=True)["global_step"] == 2

@@ -45,6 +45,9 @@ One class serves both import trees: it is a ``CheckpointIO`` of
   (checksums verified), honouring ``map_location`` (default: CPU, as
   Lightning's ``TorchCheckpointIO``) and ``weights_only`` (``None``: torch's
   default, True).
+* The plugin pickles (``strategy="ddp_spawn"``, ``copy.deepcopy``): the
+  copy has the same options and saves of its own. Pickling it while a
+  checkpoint is in flight raises ``RuntimeError`` (call :meth:`wait` first).
 
 Lightning's FSDP (sharded), ModelParallel and DeepSpeed strategies save
 through ``torch.distributed.checkpoint`` or DeepSpeed, not CheckpointIO;
@@ -212,6 +215,42 @@ class _FastPersistIO:
         """Wait until every checkpoint saved so far is durable; raise a
         failed save's error."""
         self.saves.wait()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The options, not the saves (``ddp_spawn``, ``copy.deepcopy``): a
+        copy saves on its own. Refused while a checkpoint is in flight (its
+        outcome would be nobody's)."""
+        saves: BackgroundSaves = self.saves
+        n = saves.in_flight()
+        if n:
+            raise RuntimeError(
+                f"{type(self).__name__} cannot be pickled or copied while {n} checkpoint(s) are in flight: "
+                "call its wait() first"
+            )
+        state = dict(self.__dict__)
+        del state["saves"]
+        state["_disarm"] = None  # optimizer hooks of this process
+        state["_saves_config"] = {
+            "mode": saves.mode,
+            "async_save": saves.async_save,
+            "max_pending": saves.max_pending,
+            "options": dict(saves.options),
+            "fallbacks": saves.fallbacks,
+        }
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        cfg = state.pop("_saves_config")
+        self.__dict__.update(state)
+        self.saves = BackgroundSaves(
+            cfg["mode"],
+            async_save=cfg["async_save"],
+            max_pending=cfg["max_pending"],
+            what=f"{type(self).__name__}()",
+            **cfg["options"],
+        )
+        self.saves.fallbacks = cfg["fallbacks"]
 
     def teardown(self) -> None:
         """Wait for every save (Lightning calls this at the end of a
