@@ -463,3 +463,25 @@ def test_ddp_spawn_fit_saves_through_fastpersist(tmp_path):
     t.fit(Tiny())
     (path,) = ckpts(d)
     assert written_by_fastpersist(path) and torch.load(path, weights_only=True)["global_step"] == 2
+
+
+@pytest.mark.parametrize("url", ["memory://bucket/a.ckpt", "s3://bucket/ck/a.ckpt"])
+def test_remote_paths_are_refused_not_written_to_a_local_folder(tmp_path, monkeypatch, url):
+    """Regression: a remote (fsspec) path was written to a local folder
+    named after its scheme ("memory:", "s3:"). fastpersist writes local
+    files: save, load and remove refuse a URL with a ValueError naming it;
+    ``file://`` paths are local and taken."""
+    monkeypatch.chdir(tmp_path)
+    io = FastPersistCheckpointIO()
+    with pytest.raises(ValueError, match=url.replace(".", r"\.")):
+        io.save_checkpoint({"w": torch.ones(4)}, url)
+    with pytest.raises(ValueError, match="TorchCheckpointIO"):
+        io.load_checkpoint(url)
+    with pytest.raises(ValueError, match="remote"):
+        io.remove_checkpoint(url)
+    io.teardown()
+    assert os.listdir(tmp_path) == []
+    io.save_checkpoint({"w": torch.ones(4)}, f"file://{tmp_path}/local.ckpt")
+    assert torch.equal(io.load_checkpoint(f"file://{tmp_path}/local.ckpt")["w"], torch.ones(4))
+    io.remove_checkpoint(f"file://{tmp_path}/local.ckpt")
+    assert os.listdir(tmp_path) == []

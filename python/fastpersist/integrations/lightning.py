@@ -45,6 +45,10 @@ One class serves both import trees: it is a ``CheckpointIO`` of
   (checksums verified), honouring ``map_location`` (default: CPU, as
   Lightning's ``TorchCheckpointIO``) and ``weights_only`` (``None``: torch's
   default, True).
+* Paths are local files (``file://`` URLs too): a remote fsspec URL
+  (``s3://``, ``memory://``, ...) is refused by ``save_checkpoint``,
+  ``load_checkpoint`` and ``remove_checkpoint`` with a ``ValueError``
+  naming it (use Lightning's ``TorchCheckpointIO`` for those).
 * The plugin pickles (``strategy="ddp_spawn"``, ``copy.deepcopy``): the
   copy has the same options and saves of its own. Pickling it while a
   checkpoint is in flight raises ``RuntimeError`` (call :meth:`wait` first).
@@ -57,6 +61,7 @@ use fastpersist's DeepSpeed checkpoint engine for the latter.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -91,6 +96,24 @@ def _bases() -> Tuple[type, ...]:
             f"{TESTED} (pip install 'fastpersist[lightning]')"
         )
     return tuple(bases)
+
+
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+
+def _local_path(path: Any) -> str:
+    """``path`` as a local path (``file://`` stripped); a URL of another
+    scheme (fsspec's ``s3://``, ``memory://``, ...) is a ValueError naming it."""
+    p: str = os.fspath(path)
+    m = _URL.match(p) if isinstance(p, str) else None
+    if m is None:
+        return p
+    if m.group(1).lower() == "file":
+        return p[m.end() :]
+    raise ValueError(
+        f"{p!r} is a remote ({m.group(1)}://) path: FastPersistCheckpointIO writes and reads local files only; "
+        "use Lightning's TorchCheckpointIO (the default) for remote storage"
+    )
 
 
 def _weights_only_default() -> bool:
@@ -177,7 +200,7 @@ class _FastPersistIO:
         self.saves.check()
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict of fastpersist engine options, not {storage_options!r}")
-        p = os.fspath(path)
+        p = _local_path(path)
         os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
         if storage_options:
             # Other engine options for this one: saved now, after those in flight.
@@ -190,8 +213,8 @@ class _FastPersistIO:
     def load_checkpoint(
         self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
     ) -> Dict[str, Any]:
+        p = _local_path(path)
         self.saves.wait()
-        p = os.fspath(path)
         if not os.path.exists(p):
             raise FileNotFoundError(f"Checkpoint file not found: {p}")
         loaded: Dict[str, Any] = read_state_dict(
@@ -204,8 +227,8 @@ class _FastPersistIO:
     def remove_checkpoint(self, path: Any) -> None:
         """Delete a checkpoint once every save in flight is durable (a
         failed one raises here and nothing is deleted)."""
+        p = _local_path(path)
         self.saves.wait()
-        p = os.fspath(path)
         if os.path.islink(p) or os.path.isfile(p):
             os.unlink(p)
         elif os.path.isdir(p):
