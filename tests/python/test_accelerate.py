@@ -205,3 +205,49 @@ def test_pruning_removes_only_the_checkpoint_folders(tmp_path):
     assert all(n in left for n in user), left
     assert [n for n in left if n not in user] == ["checkpoint_3"]
     fp.unregister()
+
+
+def test_load_state_passes_strict_to_the_weights_load(tmp_path):
+    """Regression: ``load_state(dir, strict=False)`` raised "checkpoint does
+    not match the model" once :func:`register` was installed: the load hook
+    always loaded the weights strictly, the call's model-load arguments
+    never reached it. They do now, as in stock Accelerate: ``strict=False``
+    loads what matches, and the default (strict) still refuses."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    def make(extra_head):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(8, 4)] + ([torch.nn.Linear(4, 2)] if extra_head else [])
+        return acc, acc.prepare(torch.nn.Sequential(*layers))
+
+    acc, model = make(False)
+    fp = register(acc)
+    acc.save_state(str(tmp_path / "ck"))
+    fp.unregister()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    acc, model = make(True)  # a new head: load what the checkpoint has
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fp = register(acc)
+    seen = []
+    real = fastpersist.integrations.accelerate.read_state_dict
+
+    def spy(path, **kw):
+        seen.append(os.path.basename(path))
+        return real(path, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastpersist.integrations.accelerate, "read_state_dict", spy)
+        with pytest.raises(RuntimeError, match=r"1\.weight"):
+            acc.load_state(str(tmp_path / "ck"))
+        acc.load_state(str(tmp_path / "ck"), strict=False)
+    assert "model.safetensors" in seen  # read (and checked) by fastpersist
+    for k, v in saved.items():
+        assert bits(model.state_dict()[k]) == bits(v), k
+    assert not model.state_dict()["1.weight"].any()  # not in the checkpoint: left as it was
+    fp.unregister()

@@ -9,7 +9,10 @@
 weights (``model.safetensors``, ``model_1.safetensors``, ...; or
 ``pytorch_model*.bin`` with ``safe_serialization=False``) and a
 load-state pre-hook that reads them back with
-:func:`fastpersist.read_state_dict` (checksums verified). For the length of
+:func:`fastpersist.read_state_dict` (checksums verified), honouring
+``load_state``'s model-load arguments as Accelerate does (``strict=False``
+loads what matches; arguments other than ``strict`` and ``backend`` leave
+the weights to Accelerate's own loader). For the length of
 each ``save_state`` it also routes the optimizer, scheduler, sampler, scaler
 and RNG files that Accelerate writes through fastpersist. File names and
 formats are Accelerate's own: ``load_state`` works with or without the hooks.
@@ -91,6 +94,8 @@ class FastPersistAccelerate:
         self.prepare_ahead = bool(prepare)
         self._disarm: Optional[Callable[[], None]] = None
         self._safe = True
+        #: The model-load arguments of the ``load_state`` call running (for the load hook).
+        self._load_kwargs: Dict[str, Any] = {}
         self._orig: Dict[str, Callable[..., Any]] = {
             n: getattr(accelerator, n) for n in ("save_state", "load_state", "end_training", "prepare")
         }
@@ -180,9 +185,18 @@ class FastPersistAccelerate:
         self.saves.commit(folder, finalize)
         return location
 
-    def _load_state(self, *args: Any, **kwargs: Any) -> Any:
+    def _load_state(
+        self,
+        input_dir: Optional[str] = None,
+        load_kwargs: Optional[Dict[str, Any]] = None,
+        **load_model_func_kwargs: Any,
+    ) -> Any:
         self.saves.wait()
-        return self._orig["load_state"](*args, **kwargs)
+        self._load_kwargs = dict(load_model_func_kwargs)  # Accelerate hands the hooks only the models and folder
+        try:
+            return self._orig["load_state"](input_dir, load_kwargs, **load_model_func_kwargs)
+        finally:
+            self._load_kwargs = {}
 
     def _end_training(self, *args: Any, **kwargs: Any) -> Any:
         self.saves.wait()
@@ -216,8 +230,12 @@ class FastPersistAccelerate:
         paths = [os.path.join(input_dir, _weights_name(i, True)) for i in range(len(models))]
         if not models or not all(os.path.isfile(p) for p in paths):
             return  # not ours (or another format): Accelerate loads them
+        kwargs = self._load_kwargs
+        if set(kwargs) - _LOAD_MODEL_KWARGS:
+            return  # arguments only Accelerate's loader knows (or refuses, as it would): it loads them
+        strict = bool(kwargs.get("strict", True))
         for model, p in zip(models, paths):
-            _load_into(model, read_state_dict(p))
+            _load_into(model, read_state_dict(p), strict=strict)
         models.clear()  # loaded: Accelerate skips them
 
     # -- control -----------------------------------------------------------------------
@@ -240,10 +258,20 @@ class FastPersistAccelerate:
                 setattr(self.accelerator, n, fn)
 
 
-def _load_into(model: Any, state: Dict[str, Any]) -> None:
+#: The model-load arguments of ``load_state`` that the load hook takes as
+#: safetensors' ``load_model`` (Accelerate's loader of these files) does;
+#: ``backend`` (how safetensors reads the file) means nothing to fastpersist's reader.
+_LOAD_MODEL_KWARGS = frozenset({"strict", "backend"})
+
+
+def _load_into(model: Any, state: Dict[str, Any], strict: bool = True) -> None:
     """``load_state_dict`` that accepts the keys safetensors files drop for
-    tied weights (they share storage with a key that is present)."""
+    tied weights (they share storage with a key that is present); with
+    ``strict=False``, missing and unexpected keys are accepted (what
+    matches is loaded), as safetensors' ``load_model`` does."""
     missing, unexpected = model.load_state_dict(state, strict=False)
+    if not strict:
+        return
     if missing:
         own = model.state_dict()
         loaded = {own[k].untyped_storage().data_ptr() for k in state if k in own}
