@@ -30,7 +30,7 @@ import os
 import struct
 import sys
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -116,8 +116,22 @@ def _wrapper_parts(t: torch.Tensor) -> Optional[Tuple[List[str], Any]]:
     return None if flatten is None else flatten()
 
 
-#: Objects compared with ``==``.
-_ATOMS = (bool, int, str, bytes, bytearray, range, set, frozenset, torch.dtype, torch.device)
+#: Objects compared with ``==`` (after their types).
+_ATOMS = (bool, int, str, bytes, bytearray, range, torch.dtype, torch.device)
+
+
+def _member_key(x: Any) -> Any:
+    """A set member as something that is equal only for
+    a member of the same type and value: ``==`` makes ``1``, ``True`` and
+    ``1.0`` one member, and ``0.0`` and ``-0.0``; floats by their bits."""
+    if isinstance(x, (float, complex)):
+        return (type(x), _number_bits(x))
+    if isinstance(x, tuple):
+        return (type(x), tuple(_member_key(e) for e in x))
+    if isinstance(x, frozenset):
+        return (type(x), frozenset(_member_key(e) for e in x))
+    return (type(x), x)
+
 
 #: The parts of a sparse tensor, by layout.
 _SPARSE_PARTS = {
@@ -147,6 +161,8 @@ class _Comparison:
             self.tensor(exp, got, where)
         elif isinstance(exp, (dict, list, tuple)):
             self.container(exp, got, where)
+        elif isinstance(exp, (set, frozenset)):
+            self.members(exp, got, where)
         elif isinstance(exp, (float, complex)):
             if _number_bits(exp) != _number_bits(got):
                 self.fail(
@@ -162,10 +178,16 @@ class _Comparison:
 
     def container(self, exp: Any, got: Any, where: str) -> None:
         if isinstance(exp, dict):
-            if list(exp.keys()) != list(got.keys()):
+            if len(exp) != len(got) or list(exp.keys()) != list(got.keys()):
                 self.fail(where, f"keys {list(got.keys())!r}, expected {list(exp.keys())!r}")
-            for k in exp:
-                self.same(exp[k], got[k], f"{where}[{k!r}]")
+            # Keys by type and value too (== makes 1, True and 1.0 one key).
+            for i, (k, g) in enumerate(zip(exp, got)):
+                self.same(k, g, f"{where}<key {i}: {k!r}>")
+                self.same(exp[k], got[g], f"{where}[{k!r}]")
+            if type(exp) is OrderedDict:
+                # A state_dict's `_metadata` (load_state_dict's version
+                # migrations); other subclasses' attributes are their state.
+                self.same(dict(vars(exp)), dict(vars(got)), f"{where}.__dict__")
         else:
             if len(exp) != len(got):
                 self.fail(where, f"length {len(got)}, expected {len(exp)}")
@@ -173,6 +195,14 @@ class _Comparison:
                 self.same(a, b, f"{where}[{i}]")
         if type(exp) not in (dict, OrderedDict, list, tuple):
             self.state(exp, got, where)  # a defaultdict's factory, a subclass's attributes
+
+    def members(self, exp: Any, got: Any, where: str) -> None:
+        """A set's members, by type and value (:func:`_member_key`)."""
+        a, b = Counter(map(_member_key, exp)), Counter(map(_member_key, got))
+        if a != b:
+            self.fail(where, f"members {got!r}, expected {exp!r} (compared by type and value)")
+        if type(exp) not in (set, frozenset):
+            self.state(exp, got, where)  # a subclass's attributes
 
     def state(self, exp: Any, got: Any, where: str) -> None:
         """Any other object: what pickling it keeps (``__reduce_ex__``'s

@@ -166,3 +166,43 @@ def test_assert_same_state_compares_what_pickling_keeps(tmp_path):
     differ(_Holder(torch.ones(2)), _Holder(torch.zeros(2)))
     differ(complex(1.0, 0.0), complex(1.0, -0.0))
     assert_same_state({"x": _Holder(torch.ones(2))}, {"x": _Holder(torch.ones(2))})
+
+
+def test_comparison_sees_lost_attributes_and_key_and_member_types(tmp_path):
+    """Regression: assert_same_state passed results that differ: an
+    OrderedDict's own attributes were never compared (a state_dict whose
+    ``_metadata``, which load_state_dict uses for version migrations, was
+    lost passed), and dict keys and set members were compared with ``==``
+    (``{1: x}`` passed as ``{True: x}`` and ``{1.0: x}``, ``{1, 2}`` as
+    ``{1.0, 2.0}``). A module's state_dict still round-trips, ``_metadata``
+    included."""
+    import collections
+
+    sd = torch.nn.BatchNorm1d(2).state_dict()
+    assert sd._metadata
+    with pytest.raises(AssertionError, match="_metadata"):
+        assert_same_state(sd, collections.OrderedDict(sd))
+    changed = collections.OrderedDict(sd)
+    changed._metadata = {"": {"version": 1}}
+    with pytest.raises(AssertionError, match="_metadata"):
+        assert_same_state(sd, changed)
+    one = torch.ones(1)
+    for exp, got in [
+        ({1: one}, {True: one}),
+        ({1: "x"}, {1.0: "x"}),
+        ({0.0: "x"}, {-0.0: "x"}),
+        ({(1, "a"): "x"}, {(1.0, "a"): "x"}),
+        ({"s": {1, 2}}, {"s": {1.0, 2.0}}),
+        ({"s": frozenset({1})}, {"s": frozenset({True})}),
+        ({"s": {(1, 2)}}, {"s": {(1, 2.0)}}),
+    ]:
+        with pytest.raises(AssertionError, match="type|bits"):
+            assert_same_state(exp, got)
+    with pytest.raises(AssertionError, match="members"):
+        assert_same_state({"s": {1, 2}}, {"s": {1, 3}})
+    assert_same_state(
+        {1: "x", "s": {1, 2.5, (3, "a"), frozenset({True})}}, {1: "x", "s": {2.5, 1, (3, "a"), frozenset({True})}}
+    )
+    assert_roundtrip(
+        {"sd": sd, "keys": {True: 2, 2.5: 3, -0.0: 4}, "s": {1, 2.0}}, tmp_path / "k.pt", weights_only=False
+    )
