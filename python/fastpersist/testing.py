@@ -158,7 +158,10 @@ class _Comparison:
         if type(exp) is not type(got):
             self.fail(where, f"type {type(got).__qualname__}, expected {type(exp).__qualname__}")
         if isinstance(exp, torch.Tensor):
-            self.tensor(exp, got, where)
+            if exp.is_nested or got.is_nested:
+                self.nested(exp, got, where)
+            else:
+                self.tensor(exp, got, where)
         elif isinstance(exp, (dict, list, tuple)):
             self.container(exp, got, where)
         elif isinstance(exp, (set, frozenset)):
@@ -266,6 +269,27 @@ class _Comparison:
         if exp.device.type == "meta":
             return
         self.storage(exp.untyped_storage(), got.untyped_storage(), where)
+
+    def nested(self, exp: torch.Tensor, got: torch.Tensor, where: str) -> None:
+        """A nested tensor (no sizes, strides or storage of its own to ask
+        for): its kind, then its parts. A jagged one (a wrapper subclass
+        whose sizes hold nested ints, new in every process) by its inner
+        tensors (values, offsets, lengths) and ragged dimension; a strided
+        one by its components, each a view of its buffer."""
+        for attr in ("is_nested", "dtype", "layout", "requires_grad"):
+            if getattr(exp, attr) != getattr(got, attr):
+                self.fail(where, f"{attr} {getattr(got, attr)}, expected {getattr(exp, attr)}")
+        if exp.dim() != got.dim():
+            self.fail(where, f"{got.dim()} dimensions, expected {exp.dim()}")
+        if self.check_device and exp.device != got.device:
+            self.fail(where, f"device {got.device}, expected {exp.device}")
+        parts = _wrapper_parts(exp)
+        if parts is None:
+            self.same(list(exp.unbind()), list(got.unbind()), f"{where}.unbind()")
+            return
+        for n in ("_values", "_offsets", "_lengths"):  # the rest is a cache of these
+            self.same(getattr(exp, n, None), getattr(got, n, None), f"{where}.{n}")
+        self.same(getattr(exp, "_ragged_idx", None), getattr(got, "_ragged_idx", None), f"{where}._ragged_idx")
 
     def sparse(self, exp: torch.Tensor, got: torch.Tensor, where: str) -> None:
         for part in _SPARSE_PARTS.get(exp.layout, ()):
@@ -491,7 +515,12 @@ def optimizer_states(max_params: int = 4) -> Any:
 
 
 def state_dicts(
-    *, max_leaves: int = 12, max_bytes: int = 256, wrapper_subclasses: bool = False, optimizer: bool = True
+    *,
+    max_leaves: int = 12,
+    max_bytes: int = 256,
+    wrapper_subclasses: bool = False,
+    optimizer: bool = True,
+    nested_tensors: bool = False,
 ) -> Any:
     """A strategy for checkpoint-like objects: nested dicts (plain and
     ordered), lists and tuples of tensors (:func:`tensors`; several are
@@ -499,7 +528,9 @@ def state_dicts(
     optimizer state (:func:`optimizer_states`) and wrapper tensor
     subclasses (``TwoTensor`` from torch's test utilities, when present:
     reading them needs ``weights_only=False`` or torch's
-    ``safe_globals``)."""
+    ``safe_globals``) and nested tensors (``nested_tensors``: strided and
+    jagged ones, of views of the shared storages; reading them needs
+    ``weights_only=False``)."""
     st = _st()
     two: Optional[type] = None
     if wrapper_subclasses:
@@ -533,6 +564,13 @@ def state_dicts(
                     b = other[: t.numel()].reshape(t.shape).clone(memory_format=torch.contiguous_format)
                     if a.stride() == b.stride():
                         return two(a, b)
+            if nested_tensors and t.dim() >= 1 and t.dtype in _GRAD_DTYPES and draw2(st.integers(0, 2)) == 0:
+                # components of ragged lengths (the first dimension)
+                parts = [t[i:].detach() for i in range(max(min(t.shape[0], 3), 1))]
+                layout = draw2(st.sampled_from([torch.strided, torch.jagged]))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "prototype stage"
+                    return torch.nested.nested_tensor(parts, layout=layout)
             return t
 
         leaf = st.one_of(tensor_leaf(), _leaves(st))
