@@ -27,6 +27,7 @@ import functools
 import inspect
 import os
 import pickle
+import re
 import threading
 import zipfile
 from collections import Counter
@@ -247,17 +248,61 @@ def _save_file_route(save_file: Callable[..., Any], args: tuple, kwargs: dict) -
     return {"obj": tensors, "path": path, "metadata": ba.arguments.get("metadata")}, ""
 
 
-def _device(device: Any) -> Optional[str]:
-    """safetensors' ``device`` as a map_location, None if not CPU or CUDA."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        return f"cuda:{device}" if device >= 0 else None
-    if isinstance(device, (str, torch.device)):
-        try:
-            d = torch.device(device)
-        except RuntimeError:
+#: A CUDA device index as safetensors spells it and torch writes it back (ASCII, no sign or zeros in front).
+_CUDA_INDEX = re.compile(r"cuda:(0|[1-9][0-9]{0,5})")
+
+
+def _device(device: Any, path: str) -> Optional[str]:
+    """safetensors' ``device`` as the map_location that places tensors where
+    ``load_file`` places them, None where fastpersist cannot say (the call
+    then goes to load_file, which gives its own result or error). Only the
+    spellings whose meaning is known: ``"cpu"``; ``"cuda"`` (safetensors'
+    first CUDA device, not torch's current one), ``"cuda:N"`` and an index
+    ``N`` (of CUDA, the accelerator) for a CUDA device torch has; and only
+    those the installed safetensors accepts (:func:`_safetensors_accepts`):
+    a ``torch.device``, ``"cpu:0"`` and others are its own to refuse."""
+    if isinstance(device, str):
+        if device == "cpu":
+            location = "cpu"
+        elif device == "cuda":
+            location = "cuda:0"
+        elif _CUDA_INDEX.fullmatch(device):
+            location = device
+        else:
             return None
-        return str(d) if d.type in ("cpu", "cuda") else None
-    return None
+    elif type(device) is int and device >= 0:  # not a bool, nor an int subclass
+        accelerator = getattr(torch, "accelerator", None)
+        current = accelerator.current_accelerator() if accelerator is not None else None
+        if current is None or current.type != "cuda":
+            return None
+        location = f"cuda:{device}"
+    else:
+        return None
+    if location != "cpu" and int(location[len("cuda:") :]) >= torch.cuda.device_count():
+        return None  # no such device: load_file's own error
+    return location if _safetensors_accepts(device, path) else None
+
+
+#: The device values the installed safetensors was seen to accept, by type and value.
+_ACCEPTED: set = set()
+
+
+def _safetensors_accepts(device: Any, path: str) -> bool:
+    """Whether the installed safetensors takes ``device`` (what ``load_file``
+    hands it to: ``safe_open``, which parses it when opening ``path``).
+    Asked once per value; a refusal is not kept (it may be the file's)."""
+    key = (type(device), device)
+    if key in _ACCEPTED:
+        return True
+    try:
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt", device=device):
+            pass
+    except Exception:  # noqa: BLE001 - refused (safetensors' own error follows), or the file's fault
+        return False
+    _ACCEPTED.add(key)
+    return True
 
 
 def _load_file_route(load_file: Callable[..., Any], args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, Any]], str]:
@@ -272,14 +317,14 @@ def _load_file_route(load_file: Callable[..., Any], args: tuple, kwargs: dict) -
     odd = _non_default(load_file, ba, ("filename", "device", "backend"))
     if odd is not None:
         return None, odd
-    device = _device(ba.arguments.get("device", "cpu"))
-    if device is None:
-        return None, f"device={ba.arguments.get('device')!r}"
     try:
         if not os.path.isfile(path) or detect_format(path) != "safetensors":
             return None, "not a safetensors file"
     except (OSError, CorruptCheckpointError):
         return None, "not a safetensors file"
+    device = _device(ba.arguments.get("device", "cpu"), path)
+    if device is None:
+        return None, f"device={ba.arguments.get('device')!r}"
     return {"path": path, "map_location": device}, ""
 
 

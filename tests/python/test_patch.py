@@ -381,3 +381,38 @@ def test_failures_under_the_patch_are_of_the_class_the_original_raises(tmp_path,
         with pytest.raises(Exception) as got:
             call()
     assert isinstance(got.value, type(want)), (type(got.value).__mro__, type(want))
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - its class and message are the point
+        return e
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_load_file_devices_safetensors_refuses_go_to_safetensors(tmp_path):
+    """Regression: the patched load_file loaded with device values
+    safetensors refuses with a SafetensorError ("device ... is invalid"):
+    torch.device("cpu") gave tensors and "cpu:0" torch's RuntimeError. Only
+    the spellings the installed safetensors accepts and fastpersist gives
+    the same for ("cpu", a CUDA device torch has) are routed; anything else
+    goes to load_file, which gives its own result or error."""
+    path = tmp_path / "m.safetensors"
+    SAVE_FILE({"w": torch.arange(3.0)}, path)
+    devices = [torch.device("cpu"), "cpu:0", "cpu:1", "CPU", " cpu", "cpu:", -1, 2**70, 1.5, b"cpu", "meta"]
+    devices += ["cuda", "cuda:0", "cuda:+0", "cuda:00", "cuda:-1", "cuda: 0", 0, True, torch.device("cuda"), None]
+    for device in devices:
+        want = _outcome(lambda: LOAD_FILE(path, device=device))
+        with fastpersist.patch() as stats:
+            got = _outcome(lambda: safetensors_torch.load_file(path, device=device))
+        assert type(got) is type(want), (device, got, want)
+        if isinstance(want, Exception):
+            assert str(got) == str(want), device
+            assert stats.routed == 0, device
+        else:
+            assert_same(got, want)
+            assert {t.device for t in got.values()} == {t.device for t in want.values()}, device
+    with fastpersist.patch() as stats:
+        assert_same(safetensors_torch.load_file(path, device="cpu"), LOAD_FILE(path))
+    assert stats.routed == 1
