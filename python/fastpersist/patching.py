@@ -28,6 +28,9 @@ import inspect
 import os
 import pickle
 import re
+import shutil
+import stat
+import tempfile
 import threading
 import zipfile
 from collections import Counter
@@ -245,7 +248,85 @@ def _save_file_route(save_file: Callable[..., Any], args: tuple, kwargs: dict) -
             return None, "a value safetensors refuses"
     if not parent_exists(path) or os.path.isdir(path):
         return None, "no such directory, or a directory"
+    odd = _save_file_target(save_file, path)
+    if odd is not None:
+        return None, odd
     return {"obj": tensors, "path": path, "metadata": ba.arguments.get("metadata")}, ""
+
+
+def _umask() -> Optional[int]:
+    """The process umask, read without changing it (other threads may be
+    creating files); None where the kernel does not say (before Linux 4.7)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _save_file_mode(save_file: Callable[..., Any], umask: int) -> Optional[int]:
+    """The mode of the file ``save_file`` leaves at its path under ``umask``
+    when it replaces whatever was there by a new file (safetensors 0.8:
+    a temporary file of mode 0600, renamed onto the path), found by
+    watching it save twice in a private directory: None when it does
+    something else (writes an existing file in place, keeps its mode)."""
+    d = tempfile.mkdtemp(prefix=".fastpersist-probe-")
+    try:
+        new, old = os.path.join(d, "new"), os.path.join(d, "old")
+        with open(old, "wb"):
+            pass
+        os.chmod(old, 0o604)  # a mode no writer picks of itself
+        before = os.stat(old)
+        save_file({}, new)
+        save_file({}, old)
+        made, replaced = os.lstat(new), os.lstat(old)
+    except Exception:  # noqa: BLE001 - whatever went wrong, its way is unknown
+        return None
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    mode = stat.S_IMODE(made.st_mode)
+    if not stat.S_ISREG(replaced.st_mode) or replaced.st_ino == before.st_ino or stat.S_IMODE(replaced.st_mode) != mode:
+        return None
+    return mode
+
+
+def _save_file_target(save_file: Callable[..., Any], path: str) -> Optional[str]:
+    """Why fastpersist would not leave at ``path`` what ``save_file`` leaves
+    there, None when it would. save_file makes a new file of its own mode
+    and owner and renames it onto the path (a symlink there is replaced,
+    not followed; hard links to an old file keep it); fastpersist replaces
+    a regular file by rename too, with the old file's mode and owner, or
+    makes a new one with the umask's mode."""
+    umask = _umask()
+    if umask is None:
+        return "the process umask is unknown"
+    mode = _save_file_mode(save_file, umask)
+    if mode is None:
+        return "this safetensors does not replace the file with a new one"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if 0o666 & ~umask != mode:
+            return f"a new file of mode {mode:#o} (fastpersist's would be {0o666 & ~umask:#o})"
+        return None
+    except OSError as e:
+        return f"the path cannot be inspected ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link (safetensors replaces it)"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file (safetensors replaces it)"
+    try:
+        directory = os.stat(os.path.dirname(path) or ".")
+    except OSError as e:
+        return f"the directory cannot be inspected ({e.strerror})"
+    gid = directory.st_gid if directory.st_mode & stat.S_ISGID else os.getegid()
+    if stat.S_IMODE(st.st_mode) != mode or (st.st_uid, st.st_gid) != (os.geteuid(), gid):
+        return f"a file of another mode or owner (safetensors makes a new one of mode {mode:#o})"
+    return None
 
 
 #: A CUDA device index as safetensors spells it and torch writes it back (ASCII, no sign or zeros in front).

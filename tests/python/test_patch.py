@@ -185,6 +185,9 @@ def test_safetensors_save_file_and_load_file_are_routed(tmp_path):
         "e": torch.empty(0, 2),
     }
     SAVE_FILE(sd, tmp_path / "st.safetensors", metadata={"k": "v"})
+    # A file safetensors saved before (mode 0600): the new one fastpersist
+    # gives its place ends as safetensors' would (a new file it would not).
+    SAVE_FILE({}, tmp_path / "fp.safetensors")
     with fastpersist.patch() as stats:
         safetensors_torch.save_file(sd, tmp_path / "fp.safetensors", metadata={"k": "v"})
         got_st = safetensors_torch.load_file(tmp_path / "st.safetensors")
@@ -416,3 +419,71 @@ def test_load_file_devices_safetensors_refuses_go_to_safetensors(tmp_path):
     with fastpersist.patch() as stats:
         assert_same(safetensors_torch.load_file(path, device="cpu"), LOAD_FILE(path))
     assert stats.routed == 1
+
+
+def _tree(d) -> dict:
+    """What is in ``d``: links by their text, files by kind, mode, owner,
+    links and what load_file reads from them (or their bytes)."""
+    import stat
+
+    out = {}
+    for root, dirs, files in os.walk(d):
+        for n in dirs + files:
+            p = os.path.join(root, n)
+            s = os.lstat(p)
+            if stat.S_ISLNK(s.st_mode):
+                out[os.path.relpath(p, d)] = ("link", os.readlink(p))
+            elif stat.S_ISREG(s.st_mode):
+                try:
+                    content = {k: v.tolist() for k, v in LOAD_FILE(p).items()}
+                except Exception:  # noqa: BLE001 - not a safetensors file
+                    content = open(p, "rb").read()
+                out[os.path.relpath(p, d)] = (stat.filemode(s.st_mode), s.st_uid, s.st_gid, s.st_nlink, content)
+            else:
+                out[os.path.relpath(p, d)] = (stat.filemode(s.st_mode), s.st_uid, s.st_gid)
+    return dict(sorted(out.items()))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_save_file_leaves_its_path_as_safetensors_leaves_it(tmp_path, umask):
+    """Regression: the patched save_file treated its path as torch.save
+    does where safetensors 0.8 writes a new file (mode 0600) and renames it
+    onto the path: a new file got 0644 from the umask, an existing one kept
+    its mode, a symlink was written through (its target, maybe in another
+    directory, replaced) and a dangling one or a loop raised WriteError.
+    Now whatever save_file leaves at its path, file or link, mode, owner
+    and links, the patched one leaves too (carrying out itself only what
+    ends the same)."""
+    old = os.umask(umask)
+    try:
+        trees = {}
+        for mode in ("original", "patched"):
+            d = tmp_path / mode
+            (d / "shared").mkdir(parents=True)
+            (d / "shared" / "model.safetensors").write_text("old")
+            for name, target in [("link", "shared/model.safetensors"), ("dangling", "missing/x"), ("loop", "loop.st")]:
+                os.symlink(target, d / f"{name}.st")
+            for name, m in [("mine", 0o600), ("wide", 0o644), ("odd", 0o4640)]:
+                (d / f"{name}.st").write_text("old")
+                os.chmod(d / f"{name}.st", m)
+            os.link(d / "mine.st", d / "mine-too")
+            if os.geteuid() == 0:
+                (d / "theirs.st").write_text("old")
+                os.chmod(d / "theirs.st", 0o600)
+                os.chown(d / "theirs.st", 1234, 4321)
+            names = ["new.st", "link.st", "dangling.st", "loop.st", "mine.st", "wide.st", "odd.st"]
+            names += ["theirs.st"] if os.geteuid() == 0 else []
+            with fastpersist.patch() as stats:
+                for name in names:
+                    sd = {"w": torch.arange(3.0) + len(name)}
+                    if mode == "original":
+                        SAVE_FILE(sd, d / name)
+                    else:
+                        safetensors_torch.save_file(sd, d / name)
+            trees[mode] = _tree(d)
+            if mode == "patched":
+                # Not all fallbacks: a file that ends the same is fastpersist's.
+                assert stats.routed_calls["safetensors.torch.save_file"] == (2 if umask == 0o077 else 1), stats
+        assert trees["patched"] == trees["original"]
+    finally:
+        os.umask(old)
