@@ -29,10 +29,13 @@
 //!   namespaces and (on NFS, through the emulated locks) across hosts.
 //!   [`temp_file_in_use`] asks; a sweeper removes only files that match the
 //!   name and are not in use.
-//! - **Mode**: when the target exists, the temporary file gets its mode
-//!   (permission bits) before anything is written, and again before the
-//!   rename, so a commit never widens a checkpoint's permissions. A new
-//!   target is created with 0o666 less the umask, as `open()` does.
+//! - **Mode and owner**: when the target exists, the temporary file gets
+//!   its owner, group and mode (all of `0o7777`: setuid, setgid and sticky
+//!   bits too) before anything is written, and again before the rename, so
+//!   a commit keeps them and never widens a checkpoint's permissions. Where
+//!   the owner cannot be given (not root), the group is kept if it can be,
+//!   else the group gets no access at all: the file is the writer's then.
+//!   A new target is created with 0o666 less the umask, as `open()` does.
 //! - **Targets**: a target that exists and is not a regular file (nor a
 //!   symlink to one) is refused, nothing touched: directories (EISDIR),
 //!   character and block devices, FIFOs and sockets (EOPNOTSUPP). A symlink
@@ -197,16 +200,31 @@ fn stat_at(dir: &File, name: &CStr) -> std::io::Result<Option<libc::stat>> {
     Err(e)
 }
 
-/// The permission bits of an existing regular target, `None` when there
-/// is none; an error for anything else there (see the module docs).
-fn target_mode(dir: &File, name: &CStr, target: &Path) -> Result<Option<u32>> {
+/// What a replacing file keeps of the file it replaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Keep {
+    /// The mode bits, `0o7777`.
+    mode: u32,
+    uid: libc::uid_t,
+    gid: libc::gid_t,
+}
+
+/// The mode bits and owner of an existing regular target, `None` when
+/// there is none; an error for anything else there (see the module docs).
+fn target_attrs(dir: &File, name: &CStr, target: &Path) -> Result<Option<Keep>> {
     let st = stat_at(dir, name)
         .map_err(|e| Error::from_io(&e, "cannot inspect the target", Some(target)))?;
     let Some(st) = st else {
         return Ok(None);
     };
     let kind = match st.st_mode & libc::S_IFMT {
-        libc::S_IFREG => return Ok(Some(st.st_mode & 0o777)),
+        libc::S_IFREG => {
+            return Ok(Some(Keep {
+                mode: st.st_mode & 0o7777,
+                uid: st.st_uid,
+                gid: st.st_gid,
+            }))
+        }
         libc::S_IFDIR => {
             return Err(Error::os(
                 libc::EISDIR,
@@ -301,14 +319,14 @@ impl TempFile {
                 Error::from_io(&e, what, Some(&dir_path))
             })?;
         let target_name = c_name(name.as_os_str(), target)?;
-        let mode = target_mode(&dir, &target_name, target)?;
+        let keep = target_attrs(&dir, &target_name, target)?;
         let mut last_err = None;
         for _ in 0..CREATE_TRIES {
             let n = COUNTER.fetch_add(1, Ordering::Relaxed);
             let tname = temp_name(name.as_os_str().as_bytes(), std::process::id(), n);
             let tmp = dir_path.join(OsStr::from_bytes(&tname));
             let cname = c_name(OsStr::from_bytes(&tname), &tmp)?;
-            let (fd, is_direct) = create_at(&dir, &cname, mode.map_or(0o666, |_| 0o600), direct)
+            let (fd, is_direct) = create_at(&dir, &cname, keep.map_or(0o666, |_| 0o600), direct)
                 .map_err(|e| Error::from_io(&e, "cannot create the temporary file", Some(&tmp)))?;
             let file = File::from(fd);
             match lock_and_check(&dir, &cname, &file, &tmp) {
@@ -337,9 +355,9 @@ impl TempFile {
                 dir_fsync_fault: None,
                 pid: std::process::id(),
             };
-            if let Some(mode) = mode {
+            if let Some(keep) = keep {
                 // On failure, dropping `t` removes the file.
-                t.set_mode(mode)?;
+                t.keep(keep)?;
             }
             let note = (direct && !is_direct)
                 .then(|| "the file system refused O_DIRECT at open (EINVAL)".to_string());
@@ -348,8 +366,29 @@ impl TempFile {
         Err(last_err.unwrap_or_else(|| Error::os(libc::ESTALE, "no attempt", Some(target))))
     }
 
-    fn set_mode(&self, mode: u32) -> Result<()> {
+    /// Give the file the replaced file's owner, group and mode (see the
+    /// module docs), where it does not have them yet.
+    fn keep(&self, want: Keep) -> Result<()> {
         let file = self.open_file()?;
+        let fd = file.as_raw_fd();
+        let now = fstat(fd)
+            .ok_or_else(|| Error::last_os("cannot stat the temporary file", Some(&self.tmp)))?;
+        let mut mode = want.mode;
+        if (now.st_uid, now.st_gid) != (want.uid, want.gid) {
+            // SAFETY: fchown on our own open descriptor; no memory is passed.
+            if unsafe { libc::fchown(fd, want.uid, want.gid) } != 0 {
+                // Not permitted (not root): the file stays the writer's.
+                // Keep the group where we may, else give it no access.
+                // SAFETY: as above; -1 leaves the owner as it is.
+                let group = unsafe { libc::fchown(fd, libc::uid_t::MAX, want.gid) };
+                if group != 0 && now.st_gid != want.gid {
+                    mode &= !(0o070 | libc::S_ISGID);
+                }
+            }
+        } else if now.st_mode & 0o7777 == mode {
+            return Ok(());
+        }
+        // After the chown, which clears the setuid and setgid bits.
         file.set_permissions(Permissions::from_mode(mode))
             .map_err(|e| Error::from_io(&e, "cannot set the target's mode", Some(&self.tmp)))
     }
@@ -513,11 +552,10 @@ impl TempFile {
                 Error::from_io(&e, "cannot truncate to the true length", Some(&self.tmp))
             })?;
         }
-        if let Some(mode) = target_mode(&self.dir, &self.target_name, &self.target)? {
-            let current = file.metadata().map(|m| m.mode() & 0o777).ok();
-            if current != Some(mode) {
-                self.set_mode(mode)?;
-            }
+        if let Some(keep) = target_attrs(&self.dir, &self.target_name, &self.target)? {
+            // Again: the target may have changed, and a write by another
+            // user than root clears the setuid and setgid bits.
+            self.keep(keep)?;
         }
         let file = self.open_file()?;
         if durable {
@@ -1120,6 +1158,43 @@ mod tests {
         let fresh = d.path().join("fresh");
         atomic_write(&fresh, b"x", true).unwrap();
         assert_eq!(mode_of(&fresh), 0o666 & !umask());
+    }
+
+    #[test]
+    fn commit_keeps_the_target_owner_group_and_special_mode_bits() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let d = tempfile::tempdir().unwrap();
+        // SAFETY: geteuid and getegid have no preconditions.
+        let (me, my_group) = unsafe { (libc::geteuid(), libc::getegid()) };
+        // As root, another owner and group; else the writer's own.
+        let (uid, gid) = if me == 0 {
+            (1234, 4321)
+        } else {
+            (me, my_group)
+        };
+        for mode in [0o6750, 0o1640, 0o4700, 0o644] {
+            let target = d.path().join(format!("m{mode:o}"));
+            std::fs::write(&target, b"old").unwrap();
+            std::os::unix::fs::chown(&target, Some(uid), Some(gid)).unwrap();
+            // After the chown, which clears setuid and setgid.
+            std::fs::set_permissions(&target, std::fs::Permissions::from_mode(mode)).unwrap();
+            let (t, _) = TempFile::create(&target, false).unwrap();
+            let m = std::fs::metadata(t.temp_path()).unwrap();
+            assert_eq!(
+                (m.uid(), m.gid(), m.mode() & 0o7777),
+                (uid, gid, mode),
+                "{mode:o}"
+            );
+            t.write_all_at(b"new", 0).unwrap();
+            t.commit(Some(3), true).unwrap();
+            let m = std::fs::metadata(&target).unwrap();
+            assert_eq!(
+                (m.uid(), m.gid(), m.mode() & 0o7777),
+                (uid, gid, mode),
+                "{mode:o}"
+            );
+            assert_eq!(std::fs::read(&target).unwrap(), b"new");
+        }
     }
 
     #[test]

@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .errors import CorruptCheckpointError, FastPersistError, SerializationError, UnsupportedDtypeError, WriteError
-from .options import EngineOptions, parent_exists
+from .options import EngineOptions, parent_exists, resolve_target
 from .reader import detect_format, read_state_dict
 from .torch_zip import STORAGE_ALIGNMENT
 from .writer import write_state_dict
@@ -149,7 +149,8 @@ def torch_save_route(save: Callable[..., Any], args: tuple, kwargs: dict) -> Tup
     the function it would run): ``((obj, path), "")`` when fastpersist
     writes what it would (a path in an existing directory; every other
     argument at torch's default: pickle module, protocol, zip format, byte
-    order record), else ``(None, why)``."""
+    order record; a file that replacing by rename leaves as torch's write
+    in place leaves it, :func:`_replacing_differs`), else ``(None, why)``."""
     ba = _bind(save, args, kwargs)
     if ba is None or "obj" not in ba.arguments or "f" not in ba.arguments:
         return None, "arguments torch.save does not take"
@@ -167,7 +168,41 @@ def torch_save_route(save: Callable[..., Any], args: tuple, kwargs: dict) -> Tup
         return None, f"storage_alignment={align!r}"
     if not parent_exists(path) or os.path.isdir(path):
         return None, "no such directory, or a directory"  # torch's own error
+    odd = _replacing_differs(path)
+    if odd is not None:
+        return None, odd
     return (ba.arguments["obj"], path), ""
+
+
+_EFFECTIVE = os.access in os.supports_effective_ids
+
+
+def _replacing_differs(path: str) -> Optional[str]:
+    """Why replacing the file at ``path`` by a new one (a temporary file in
+    its directory, renamed onto it, with its owner, group and mode) would
+    not end as torch.save's write in place does, None when it would."""
+    try:
+        directory = os.path.dirname(resolve_target(path))  # where fastpersist makes its file
+    except (OSError, ValueError) as e:
+        return f"the target cannot be inspected ({e})"
+    try:
+        st: Optional[os.stat_result] = os.stat(path)  # what torch's open() finds, links followed
+    except FileNotFoundError:
+        st = None  # torch.save creates it
+    except OSError as e:
+        return f"the target cannot be inspected ({e})"
+    if not os.access(directory, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE):
+        return "a directory no file can be made in (torch.save writes the file in place)"
+    if st is None or not stat.S_ISREG(st.st_mode):
+        return None
+    if st.st_nlink > 1:
+        return "a file with other hard links (torch.save's write is seen through all of them)"
+    if not os.access(path, os.W_OK, effective_ids=_EFFECTIVE):
+        return "a file that cannot be written (torch.save's error)"
+    euid = os.geteuid()
+    if euid != 0 and (st.st_uid != euid or st.st_gid not in (os.getegid(), *os.getgroups())):
+        return "a file of another owner or group (torch.save keeps them; a new file cannot have them)"
+    return None
 
 
 _ENV_WEIGHTS_ONLY = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")

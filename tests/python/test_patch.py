@@ -9,6 +9,7 @@ import os
 import pickle
 import struct
 import zipfile
+from pathlib import Path
 
 import fastpersist
 import pytest
@@ -487,3 +488,102 @@ def test_save_file_leaves_its_path_as_safetensors_leaves_it(tmp_path, umask):
         assert trees["patched"] == trees["original"]
     finally:
         os.umask(old)
+
+
+def test_torch_save_keeps_what_torchs_in_place_write_keeps(tmp_path):
+    """Regression: the patched torch.save replaced the file by rename where
+    torch.save writes it in place: a hard link to it kept the old content
+    (torch's write is seen through every name), and the file's owner, group
+    and setuid/setgid/sticky bits were lost. A file with other links goes
+    to torch.save; the owner, group and mode are kept."""
+    import stat
+
+    results = {}
+    for mode in ("original", "patched"):
+        d = tmp_path / mode
+        d.mkdir()
+        linked, owned = d / "linked.pt", d / "owned.pt"
+        for p in (linked, owned):
+            p.write_text("old")
+        os.link(linked, d / "latest.pt")
+        os.chmod(owned, 0o2664 if os.geteuid() == 0 else 0o640)
+        if os.geteuid() == 0:
+            os.chown(owned, 1234, 4321)
+            os.chmod(owned, 0o6664)  # chown clears setuid and setgid
+        with fastpersist.patch() as stats:
+            for p in (linked, owned):
+                (SAVE if mode == "original" else torch.save)({"w": torch.ones(2)}, p)
+        s = os.stat(owned)
+        results[mode] = (
+            LOAD(d / "latest.pt"),
+            os.stat(linked).st_nlink,
+            (s.st_uid, s.st_gid, stat.S_IMODE(s.st_mode)),
+            LOAD(owned),
+        )
+        if mode == "patched":
+            assert stats.fallback_calls["torch.save"] == 1 and stats.routed_calls["torch.save"] == 1, stats
+            assert ours_wrote(owned)
+    assert_same(results["patched"][0], results["original"][0])
+    assert results["patched"][1:3] == results["original"][1:3]
+    assert_same(results["patched"][3], results["original"][3])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops to another user: needs root")
+def test_torch_save_writes_in_place_where_no_file_can_be_made(tmp_path):
+    """Regression: a writable file in a directory the user cannot write:
+    torch.save writes it in place, the patched torch.save failed making its
+    temporary file there (WriteError). A file the user cannot write is
+    torch.save's error too, where the patched one replaced it."""
+    import shutil
+    import tempfile
+
+    tmp_path = tempfile.mkdtemp()  # pytest's own is root's alone (0700)
+    try:
+        _in_place_as_nobody(Path(tmp_path))
+    finally:
+        shutil.rmtree(tmp_path)
+
+
+def _in_place_as_nobody(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    os.chmod(tmp_path, 0o755)
+    for name in ("mine.pt", "root.pt"):
+        (tmp_path / name).write_text("old")
+        os.chmod(tmp_path / name, 0o644)
+    os.chown(tmp_path / "mine.pt", 65534, 65534)
+    script = textwrap.dedent(
+        f"""
+        import io, os, torch, fastpersist
+        SAVE = torch.save
+        warm = os.path.join({str(tmp_path)!r}, "warm", "x.pt")
+        os.mkdir(os.path.dirname(warm))
+        with fastpersist.patch():  # lazy imports, while the files (root's home) can be read
+            torch.save({{"w": torch.ones(2)}}, io.BytesIO())
+            torch.save({{"w": torch.ones(2)}}, warm)
+            torch.load(warm)
+        os.setgid(65534); os.setuid(65534)
+        out = []
+        for name in ("mine.pt", "root.pt"):
+            with fastpersist.patch() as stats:
+                try:
+                    torch.save({{"w": torch.ones(2)}}, os.path.join({str(tmp_path)!r}, name))
+                    out.append("ok")
+                except Exception as e:
+                    out.append(type(e).__name__)
+            out.append(stats.fallbacks)
+        try:
+            SAVE({{"w": torch.ones(2)}}, os.path.join({str(tmp_path)!r}, "root.pt"))
+        except Exception as e:
+            out.append(type(e).__name__)
+        print(out)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[-2] == "['ok', 1, 'RuntimeError', 1, 'RuntimeError']", run.stdout
+    assert_same(LOAD(tmp_path / "mine.pt"), {"w": torch.ones(2)})
+    assert (tmp_path / "root.pt").read_text() == "old"
+    assert os.stat(tmp_path / "mine.pt").st_uid == 65534
