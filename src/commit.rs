@@ -293,6 +293,9 @@ pub struct TempFile {
     /// The process that created the file. A `fork()` child's copy is not
     /// its to write, commit or remove: the parent goes on writing it.
     pid: u32,
+    /// The mode the file is given, when not the replaced file's (see
+    /// [`TempFile::create_with_mode`]).
+    mode: Option<u32>,
 }
 
 /// Attempts at a fresh temporary name when a concurrent sweep removed the
@@ -305,6 +308,27 @@ impl TempFile {
     /// O_DIRECT when asked and the file system accepts it at open. Returns
     /// the file and, when O_DIRECT was asked for but refused, the reason.
     pub fn create(target: &Path, direct: bool) -> Result<(Self, Option<String>)> {
+        Self::create_with_mode(target, direct, None)
+    }
+
+    /// [`TempFile::create`], and with `mode` the file gets exactly those
+    /// mode bits and keeps the writer's owner, at its creation and at the
+    /// commit, whatever the target is: what a writer that makes a new file
+    /// and renames it onto the path leaves there (safetensors' own
+    /// `save_file`). A target that is no regular file is refused all the
+    /// same.
+    pub fn create_with_mode(
+        target: &Path,
+        direct: bool,
+        mode: Option<u32>,
+    ) -> Result<(Self, Option<String>)> {
+        if let Some(m) = mode {
+            if m & !0o7777 != 0 {
+                return Err(Error::option(format!(
+                    "file mode {m:#o} has bits outside 0o7777"
+                )));
+            }
+        }
         let (dir_path, name) = split_target(target)?;
         let dir = OpenOptions::new()
             .read(true)
@@ -319,14 +343,19 @@ impl TempFile {
                 Error::from_io(&e, what, Some(&dir_path))
             })?;
         let target_name = c_name(name.as_os_str(), target)?;
-        let keep = target_attrs(&dir, &target_name, target)?;
+        let keep = target_attrs(&dir, &target_name, target)?.filter(|_| mode.is_none());
         let mut last_err = None;
         for _ in 0..CREATE_TRIES {
             let n = COUNTER.fetch_add(1, Ordering::Relaxed);
             let tname = temp_name(name.as_os_str().as_bytes(), std::process::id(), n);
             let tmp = dir_path.join(OsStr::from_bytes(&tname));
             let cname = c_name(OsStr::from_bytes(&tname), &tmp)?;
-            let (fd, is_direct) = create_at(&dir, &cname, keep.map_or(0o666, |_| 0o600), direct)
+            let initial = if keep.is_some() || mode.is_some() {
+                0o600
+            } else {
+                0o666
+            };
+            let (fd, is_direct) = create_at(&dir, &cname, initial, direct)
                 .map_err(|e| Error::from_io(&e, "cannot create the temporary file", Some(&tmp)))?;
             let file = File::from(fd);
             match lock_and_check(&dir, &cname, &file, &tmp) {
@@ -354,10 +383,16 @@ impl TempFile {
                 direct: is_direct,
                 dir_fsync_fault: None,
                 pid: std::process::id(),
+                mode,
             };
             if let Some(keep) = keep {
                 // On failure, dropping `t` removes the file.
                 t.keep(keep)?;
+            }
+            if let Some(m) = mode {
+                t.open_file()?
+                    .set_permissions(Permissions::from_mode(m))
+                    .map_err(|e| Error::from_io(&e, "cannot set the file's mode", Some(&t.tmp)))?;
             }
             let note = (direct && !is_direct)
                 .then(|| "the file system refused O_DIRECT at open (EINVAL)".to_string());
@@ -552,10 +587,18 @@ impl TempFile {
                 Error::from_io(&e, "cannot truncate to the true length", Some(&self.tmp))
             })?;
         }
-        if let Some(keep) = target_attrs(&self.dir, &self.target_name, &self.target)? {
+        let keep = target_attrs(&self.dir, &self.target_name, &self.target)?;
+        if let (Some(keep), None) = (keep, self.mode) {
             // Again: the target may have changed, and a write by another
             // user than root clears the setuid and setgid bits.
             self.keep(keep)?;
+        } else if let Some(m) = self
+            .mode
+            .filter(|m| m & (libc::S_ISUID | libc::S_ISGID) != 0)
+        {
+            // A write by another user than root cleared them.
+            file.set_permissions(Permissions::from_mode(m))
+                .map_err(|e| Error::from_io(&e, "cannot set the file's mode", Some(&self.tmp)))?;
         }
         let file = self.open_file()?;
         if durable {
@@ -1158,6 +1201,41 @@ mod tests {
         let fresh = d.path().join("fresh");
         atomic_write(&fresh, b"x", true).unwrap();
         assert_eq!(mode_of(&fresh), 0o666 & !umask());
+    }
+
+    #[test]
+    fn a_given_mode_is_the_files_whatever_the_target_and_umask() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let d = tempfile::tempdir().unwrap();
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        for (old, mode) in [
+            (None, 0o600),
+            (Some(0o644), 0o600),
+            (Some(0o600), 0o640),
+            (Some(0o4755), 0o2700),
+        ] {
+            let target = d.path().join(format!("g{mode:o}-{old:?}"));
+            if let Some(old) = old {
+                std::fs::write(&target, b"old").unwrap();
+                if me == 0 {
+                    std::os::unix::fs::chown(&target, Some(1234), Some(4321)).unwrap();
+                }
+                std::fs::set_permissions(&target, std::fs::Permissions::from_mode(old)).unwrap();
+            }
+            let (t, _) = TempFile::create_with_mode(&target, false, Some(mode)).unwrap();
+            assert_eq!(mode_of(t.temp_path()), mode, "{mode:o} {old:?}");
+            t.write_all_at(b"new", 0).unwrap();
+            t.commit(Some(3), true).unwrap();
+            let m = std::fs::metadata(&target).unwrap();
+            assert_eq!((m.uid(), m.mode() & 0o7777), (me, mode), "{mode:o} {old:?}");
+            assert_eq!(std::fs::read(&target).unwrap(), b"new");
+        }
+        let e = TempFile::create_with_mode(&d.path().join("x"), false, Some(0o10000))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("outside 0o7777"), "{e}");
+        assert!(!d.path().join("x").exists());
     }
 
     #[test]

@@ -165,6 +165,8 @@ pub struct Engine {
     /// Test hook: sessions use at least this O_DIRECT block (as a file
     /// system with a larger alignment would ask for).
     pub(crate) min_block: Option<usize>,
+    /// The mode of the files begun (see [`Engine::set_file_mode`]).
+    pub(crate) file_mode: Option<u32>,
     /// The process that made the engine. After `fork()` a child has a copy
     /// of it whose ring is shared with this process (same submission and
     /// completion queues), whose pool threads do not exist and whose
@@ -226,6 +228,7 @@ impl Engine {
             lost: Vec::new(),
             dir_fsync_fault: None,
             min_block: None,
+            file_mode: None,
             pid: std::process::id(),
         })
     }
@@ -274,6 +277,26 @@ impl Engine {
     pub fn set_gather_threads(&mut self, threads: usize) -> Result<()> {
         check_gather_threads(threads)?;
         self.opts.gather_threads = threads;
+        Ok(())
+    }
+
+    /// Files begun from now on are made with exactly these mode bits and
+    /// the writer's owner, whatever the target was (as a writer that makes
+    /// a new file and renames it onto the path leaves it); `None`, the
+    /// default: a replaced file's owner, group and mode are kept, a new
+    /// file gets `0o666` less the umask.
+    ///
+    /// # Errors
+    /// When `mode` has bits outside `0o7777`.
+    pub fn set_file_mode(&mut self, mode: Option<u32>) -> Result<()> {
+        if let Some(m) = mode {
+            if m & !0o7777 != 0 {
+                return Err(Error::option(format!(
+                    "file mode {m:#o} has bits outside 0o7777"
+                )));
+            }
+        }
+        self.file_mode = mode;
         Ok(())
     }
 

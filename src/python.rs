@@ -519,6 +519,15 @@ impl PyEngine {
             .map_err(to_py)
     }
 
+    /// Files begun from the next call on get exactly `mode` (and the
+    /// writer's owner) whatever the target was; None: a replaced file's
+    /// owner, group and mode are kept, a new one follows the umask.
+    #[pyo3(signature = (mode))]
+    fn set_file_mode(&self, py: Python<'_>, mode: Option<u32>) -> PyResult<()> {
+        py.allow_threads(|| self.engine()?.set_file_mode(mode))
+            .map_err(to_py)
+    }
+
     /// Test hooks: make the write that covers `offset` fail with `errno`;
     /// with `refuse_direct`, act as if the file system refused O_DIRECT.
     /// With `dir_fsync_errno`, the directory fsync after each commit's

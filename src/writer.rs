@@ -199,7 +199,8 @@ impl Engine {
         self.check_process()?;
         self.settle(None);
         let t0 = Instant::now();
-        let (mut tmp, mut direct_note) = TempFile::create(path, self.opts.direct)?;
+        let (mut tmp, mut direct_note) =
+            TempFile::create_with_mode(path, self.opts.direct, self.file_mode)?;
         let mut dio = if self.opts.direct {
             align::probe_fd(tmp.fd())
         } else {

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import ctypes
 import dataclasses
 import errno
@@ -313,18 +314,41 @@ def get_engine(opts: EngineOptions, index: int = 0) -> EngineEntry:
         return hit
 
 
+#: The mode of the files this thread's saves make, when not the replaced
+#: file's (see :func:`file_mode`).
+_FILE_MODE: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("fastpersist_file_mode", default=None)
+
+
+@contextlib.contextmanager
+def file_mode(mode: Optional[int]) -> Iterator[None]:
+    """Within the block, the files this thread's saves commit get exactly
+    ``mode`` and the writer's owner, whatever was at the path (what a writer
+    that makes a new file and renames it onto the path leaves: the patched
+    ``save_file``); None, the default: a replaced file's owner, group and
+    mode are kept, a new file follows the umask."""
+    token = _FILE_MODE.set(mode)
+    try:
+        yield
+    finally:
+        _FILE_MODE.reset(token)
+
+
 @contextlib.contextmanager
 def use_engine(opts: EngineOptions, index: int = 0) -> Iterator[_core.Engine]:
     """The engine for ``opts``, held for this thread for the block (one
     file at a time per engine). A call made while this very thread already
     holds it (a save from a signal handler that interrupted a save) gets an
-    engine of its own instead of waiting for itself forever."""
+    engine of its own instead of waiting for itself forever. The files it
+    begins get the mode :func:`file_mode` gives."""
     lock, eng = get_engine(opts, index)
     if lock.owner == threading.get_ident():
-        yield _new_engine(opts)
+        own = _new_engine(opts)
+        own.set_file_mode(_FILE_MODE.get())
+        yield own
         return
     with lock:
         eng.set_gather_threads(opts.gather_threads)
+        eng.set_file_mode(_FILE_MODE.get())
         yield eng
 
 

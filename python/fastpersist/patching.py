@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .errors import CorruptCheckpointError, FastPersistError, SerializationError, UnsupportedDtypeError, WriteError
-from .options import EngineOptions, parent_exists, resolve_target
+from .options import EngineOptions, file_mode, parent_exists, resolve_target
 from .reader import detect_format, read_state_dict
 from .torch_zip import STORAGE_ALIGNMENT
 from .writer import write_state_dict
@@ -283,10 +283,10 @@ def _save_file_route(save_file: Callable[..., Any], args: tuple, kwargs: dict) -
             return None, "a value safetensors refuses"
     if not parent_exists(path) or os.path.isdir(path):
         return None, "no such directory, or a directory"
-    odd = _save_file_target(save_file, path)
-    if odd is not None:
+    mode, odd = _save_file_target(save_file, path)
+    if mode is None:
         return None, odd
-    return {"obj": tensors, "path": path, "metadata": ba.arguments.get("metadata")}, ""
+    return {"obj": tensors, "path": path, "metadata": ba.arguments.get("metadata"), "mode": mode}, ""
 
 
 def _umask() -> Optional[int]:
@@ -329,39 +329,31 @@ def _save_file_mode(save_file: Callable[..., Any], umask: int) -> Optional[int]:
     return mode
 
 
-def _save_file_target(save_file: Callable[..., Any], path: str) -> Optional[str]:
-    """Why fastpersist would not leave at ``path`` what ``save_file`` leaves
-    there, None when it would. save_file makes a new file of its own mode
-    and owner and renames it onto the path (a symlink there is replaced,
-    not followed; hard links to an old file keep it); fastpersist replaces
-    a regular file by rename too, with the old file's mode and owner, or
-    makes a new one with the umask's mode."""
+def _save_file_target(save_file: Callable[..., Any], path: str) -> Tuple[Optional[int], str]:
+    """The mode of the file ``save_file`` leaves at ``path``, where
+    fastpersist can leave the same there (its commit given that mode:
+    :func:`~fastpersist.options.file_mode`), else None and why not.
+    save_file makes a new file of its own mode and owner and renames it onto
+    the path (a symlink there is replaced, not followed; hard links to an
+    old file keep it): so does fastpersist's commit, onto a regular file or
+    no file; a link or a special file it would follow or write into."""
     umask = _umask()
     if umask is None:
-        return "the process umask is unknown"
+        return None, "the process umask is unknown"
     mode = _save_file_mode(save_file, umask)
     if mode is None:
-        return "this safetensors does not replace the file with a new one"
+        return None, "this safetensors does not replace the file with a new one"
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        if 0o666 & ~umask != mode:
-            return f"a new file of mode {mode:#o} (fastpersist's would be {0o666 & ~umask:#o})"
-        return None
+        return mode, ""
     except OSError as e:
-        return f"the path cannot be inspected ({e.strerror})"
+        return None, f"the path cannot be inspected ({e.strerror})"
     if stat.S_ISLNK(st.st_mode):
-        return "a symbolic link (safetensors replaces it)"
+        return None, "a symbolic link (safetensors replaces it)"
     if not stat.S_ISREG(st.st_mode):
-        return "not a regular file (safetensors replaces it)"
-    try:
-        directory = os.stat(os.path.dirname(path) or ".")
-    except OSError as e:
-        return f"the directory cannot be inspected ({e.strerror})"
-    gid = directory.st_gid if directory.st_mode & stat.S_ISGID else os.getegid()
-    if stat.S_IMODE(st.st_mode) != mode or (st.st_uid, st.st_gid) != (os.geteuid(), gid):
-        return f"a file of another mode or owner (safetensors makes a new one of mode {mode:#o})"
-    return None
+        return None, "not a regular file (safetensors replaces it)"
+    return mode, ""
 
 
 #: A CUDA device index as safetensors spells it and torch writes it back (ASCII, no sign or zeros in front).
@@ -486,7 +478,8 @@ def _save_file(original: Callable[..., Any], args: tuple, kwargs: dict, options:
     if call is None:
         raise _Fallback(why)
     try:
-        write_state_dict(call["obj"], call["path"], format="safetensors", metadata=call["metadata"], **options)
+        with file_mode(call["mode"]):
+            write_state_dict(call["obj"], call["path"], format="safetensors", metadata=call["metadata"], **options)
     except (SerializationError, UnicodeEncodeError) as e:  # safetensors gives its own refusal
         raise _Fallback(f"fastpersist cannot write it ({type(e).__name__})") from None
     except WriteError as e:  # safetensors' I/O failures are SafetensorErrors

@@ -922,3 +922,42 @@ def test_a_survey_stopped_early_still_records_every_version_at_the_call(tmp_path
     with pytest.raises(fastpersist.TensorChangedError, match="t17"):
         fastpersist.write_state_dict(sd, p)
     assert not p.exists()
+
+
+def test_file_mode_gives_the_files_committed_in_the_block_that_mode(tmp_path):
+    """options.file_mode(mode): the files this thread's saves commit in the
+    block get exactly ``mode`` and the writer's owner, new or replacing a
+    file of another mode (and owner); other threads' saves, and saves after
+    the block, keep the replaced file's mode or follow the umask."""
+    import stat
+    import threading
+
+    from fastpersist.options import file_mode
+
+    def mode_of(p):
+        return stat.S_IMODE(os.stat(p).st_mode)
+
+    old = tmp_path / "old.pt"
+    fastpersist.write_state_dict({"a": torch.ones(2)}, old)
+    os.chmod(old, 0o644)
+    if os.geteuid() == 0:
+        os.chown(old, 1234, 4321)
+    other = tmp_path / "other.pt"
+    fastpersist.write_state_dict({"a": torch.ones(2)}, other)
+    os.chmod(other, 0o640)
+    seen = []
+    with file_mode(0o600):
+        fastpersist.write_state_dict({"a": torch.zeros(2)}, tmp_path / "new.pt")
+        fastpersist.write_state_dict({"a": torch.zeros(2)}, old, format="safetensors")
+        t = threading.Thread(target=lambda: seen.append(fastpersist.write_state_dict({"b": torch.ones(1)}, other)))
+        t.start()
+        t.join()
+    assert mode_of(tmp_path / "new.pt") == 0o600
+    assert mode_of(old) == 0o600 and os.stat(old).st_uid == os.geteuid()
+    assert seen and mode_of(other) == 0o640  # another thread: the replaced file's mode
+    fastpersist.write_state_dict({"a": torch.ones(2)}, old)
+    assert mode_of(old) == 0o600  # after the block: the replaced file's, as always
+    with pytest.raises(ValueError, match="outside 0o7777"):
+        with file_mode(0o10000):
+            fastpersist.write_state_dict({"a": torch.ones(2)}, tmp_path / "bad.pt")
+    assert not (tmp_path / "bad.pt").exists()
