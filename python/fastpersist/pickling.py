@@ -957,12 +957,16 @@ class _Anything:
 
 
 _storage_stand_ins: Dict[str, type] = {}
+_STORAGE_MODULES = ("torch", "torch.cuda", "torch.storage")
 
 
 def _stand_in(module: str, name: str) -> type:
-    """``_Anything``, or for torch's storage classes a subclass that
-    remembers the class name (so a scan knows each storage's dtype)."""
-    if module != "torch" or not name.endswith("Storage") or not name.isidentifier():
+    """``_Anything``, or for torch's storage classes (``torch.FloatStorage``;
+    ``torch.cuda.FloatStorage`` in files of torch before 1.x saved from the
+    GPU; ``torch.storage.UntypedStorage``, as torch.save names it) a
+    subclass that remembers the class name (so a scan knows each storage's
+    dtype)."""
+    if module not in _STORAGE_MODULES or not name.endswith("Storage") or not name.isidentifier():
         return _Anything
     cls = _storage_stand_ins.get(name)
     if cls is None:
@@ -1076,10 +1080,13 @@ class LocationScan(pickle.Unpickler):
         if isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage":
             key = str(pid[2])
             self.locations[key] = str(pid[3])
-            type_name = getattr(pid[1], "storage_name", "UntypedStorage")
+            type_name = getattr(pid[1], "storage_name", None)
+            if not isinstance(type_name, str):
+                raise TypeError(f"storage {key!r} is of type {pid[1]!r}, not one of torch's storage classes")
+            itemsize = storage_element_size(type_name)  # ValueError: a class torch does not have
             numel = pid[4] if isinstance(pid[4], int) and not isinstance(pid[4], bool) else 0
             prev = self.storages.get(key)
-            if prev is None or numel * storage_element_size(type_name) > prev[1] * storage_element_size(prev[0]):
+            if prev is None or numel * itemsize > prev[1] * storage_element_size(prev[0]):
                 self.storages[key] = (type_name, numel)
             return _ScannedStorage(key)
         return _Anything()

@@ -168,3 +168,18 @@ def test_files_that_cannot_be_read_are_a_usage_error_with_their_name(tmp_path, k
         with pytest.raises(IsADirectoryError) as ei:
             fastpersist.read_state_dict(p)
         assert ei.value.filename == str(p)
+
+
+def test_verify_reports_a_damaged_pickle_and_goes_on(ckpt, tmp_path):
+    """Regression: a legacy file naming a storage class torch does not have
+    (``FloapStorage``) made ``verify`` die with a traceback, leaving the
+    paths after it unchecked. It is reported CORRUPT, and the next path is
+    checked."""
+    bad = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(4)}, bad, _use_new_zipfile_serialization=False)
+    bad.write_bytes(bad.read_bytes().replace(b"FloatStorage", b"FloapStorage"))
+    r = run("verify", bad, ckpt)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("CORRUPT") and "FloapStorage" in lines[0], r.stdout
+    assert lines[1].startswith("OK") and str(ckpt) in lines[1], r.stdout

@@ -943,3 +943,38 @@ def test_an_io_error_writing_a_special_file_is_a_write_error(tmp_path, fmt):
         fastpersist.write_state_dict({"a": torch.ones(300_000)}, full, format=fmt)
     assert ei.value.errno == errno.ENOSPC and ei.value.filename == full
     assert stat.S_ISCHR(os.stat(full).st_mode)  # written into, never replaced
+
+
+def _legacy_file(path, obj) -> bytes:
+    torch.save(obj, path, _use_new_zipfile_serialization=False)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "zip"])
+def test_an_unknown_storage_class_is_corrupt_for_verify(tmp_path, fmt):
+    """Regression: a storage class name torch does not have (one bit
+    flipped: ``FloatStorage`` -> ``FloapStorage``) made verify_file raise a
+    bare ValueError, and ``fastpersist verify`` die with a traceback
+    without checking the paths after it. It is CorruptCheckpointError."""
+    from fastpersist.verify import verify_file
+
+    src, bad = tmp_path / "src.pt", tmp_path / "bad.pt"
+    sd = {"w": torch.ones(4), "v": torch.arange(3)}
+    if fmt == "legacy":
+        bad.write_bytes(_legacy_file(src, sd).replace(b"FloatStorage", b"FloapStorage"))
+    else:
+        torch.save(sd, src)
+        _rezip(src, bad, lambda n, d: d.replace(b"FloatStorage", b"FloapStorage") if n.endswith("data.pkl") else d)
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="FloapStorage"):
+        verify_file(bad)
+
+
+def test_verify_takes_every_storage_class_torch_writes(tmp_path):
+    """What torch.save names a storage's class in each format
+    (``torch.storage.UntypedStorage`` for an untyped storage, the typed
+    classes for tensors) verifies."""
+    from fastpersist.verify import verify_file
+
+    p = tmp_path / "s.pt"
+    torch.save({"s": torch.arange(5.0).untyped_storage(), "t": torch.ones(2, dtype=torch.bfloat16)}, p)
+    assert verify_file(p).format == "torch"
