@@ -1040,38 +1040,70 @@ _TENSOR_REBUILDS = frozenset(("torch._utils", n) for n in _REBUILD_ARGS)
 
 
 class _ScannedStorage(_Anything):
-    """What a scan's ``persistent_load`` gives for a storage: its key."""
+    """What a scan's ``persistent_load`` gives for a storage: its key and
+    the bytes of one element of the type this reference names."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, itemsize: int) -> None:
         self.key = key
+        self.itemsize = itemsize
+
+
+def _checked_span(offset: Any, size: Any, stride: Any) -> int:
+    """:func:`tensor_span` of arguments a tensor rebuild hands torch's
+    ``set_``, raising ValueError for those it refuses: an offset that is
+    not a non-negative int, a size or stride that is not a tuple (or list)
+    of as many non-negative ints."""
+    if type(offset) is not int or offset < 0:
+        raise ValueError(f"a tensor's storage offset is {offset!r}, not a non-negative int")
+    for what, v in (("size", size), ("stride", stride)):
+        if not isinstance(v, (tuple, list)) or not all(type(n) is int and n >= 0 for n in v):
+            raise ValueError(f"a tensor's {what} is {v!r}, not a tuple of non-negative ints")
+    if len(size) != len(stride):
+        raise ValueError(f"a tensor's size {tuple(size)} and stride {tuple(stride)} differ in length")
+    span = tensor_span(offset, size, stride)
+    assert span is not None  # (ints, checked above)
+    return span
 
 
 class LocationScan(pickle.Unpickler):
     """Replays a pickle's opcodes with every global replaced by a stand-in,
     so nothing is constructed or imported, and notes each storage's
-    location and its (storage type name, element count) (torch writes one
-    persistent id per storage), and (:attr:`spans`) the most elements of
-    each storage a tensor laid over it reaches."""
+    location, (:attr:`storages`) the (storage type name, element count)
+    of its reference that needs the most bytes and (:attr:`first`) of its
+    first reference (torch writes one persistent id per reference; its
+    loaders allocate, or check the record, by the first), and
+    (:attr:`reach`) the most bytes of each storage a tensor laid over it
+    reaches. What torch's loaders refuse raises (a damaged pickle): a
+    storage type that is not one of torch's storage classes, a location
+    that is not a string or an element count that is not a non-negative
+    int, a tensor rebuild given too few arguments or an offset, size or
+    stride ``set_`` refuses."""
 
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data), encoding="utf-8")
         self.locations: Dict[str, str] = {}
         self.storages: Dict[str, Tuple[str, int]] = {}
-        self.spans: Dict[str, int] = {}
+        self.first: Dict[str, Tuple[str, int]] = {}
+        self.reach: Dict[str, int] = {}
+        self._others: Dict[Tuple[str, str], type] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _TENSOR_REBUILDS:
             return functools.partial(self._tensor, name)
-        return _stand_in(module, name)
+        cls = _stand_in(module, name)
+        if cls is _Anything:  # named, for messages
+            cls = self._others.get((module, name)) or self._others.setdefault(
+                (module, name), type("_Anything", (_Anything,), {"global_name": f"{module}.{name}"})
+            )
+        return cls
 
     def _tensor(self, name: str, *args: Any) -> Any:
         if len(args) < _REBUILD_ARGS[name]:
             raise TypeError(f"{name} is given {len(args)} arguments, it takes {_REBUILD_ARGS[name]}")
         storage, offset, size, stride = args[:4]
         if isinstance(storage, _ScannedStorage):
-            span = tensor_span(offset, size, stride)
-            if span is not None:
-                self.spans[storage.key] = max(self.spans.get(storage.key, 0), span)
+            reach = _checked_span(offset, size, stride) * storage.itemsize
+            self.reach[storage.key] = max(self.reach.get(storage.key, 0), reach)
         return _Anything()
 
     def persistent_load(self, pid: Any) -> Any:
@@ -1079,16 +1111,22 @@ class LocationScan(pickle.Unpickler):
         # add view metadata (the view's own storage is its root's).
         if isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage":
             key = str(pid[2])
-            self.locations[key] = str(pid[3])
             type_name = getattr(pid[1], "storage_name", None)
             if not isinstance(type_name, str):
-                raise TypeError(f"storage {key!r} is of type {pid[1]!r}, not one of torch's storage classes")
+                what = getattr(pid[1], "global_name", None) or type(pid[1]).__name__
+                raise TypeError(f"storage {key!r} is of type {what}, not one of torch's storage classes")
             itemsize = storage_element_size(type_name)  # ValueError: a class torch does not have
-            numel = pid[4] if isinstance(pid[4], int) and not isinstance(pid[4], bool) else 0
+            location, numel = pid[3], pid[4]
+            if not isinstance(location, str):
+                raise TypeError(f"storage {key!r} has the location {location!r}, not a string")
+            if type(numel) is not int or numel < 0:
+                raise ValueError(f"storage {key!r} has {numel!r} elements, not a non-negative int")
+            self.locations[key] = location
+            self.first.setdefault(key, (type_name, numel))
             prev = self.storages.get(key)
             if prev is None or numel * itemsize > prev[1] * storage_element_size(prev[0]):
                 self.storages[key] = (type_name, numel)
-            return _ScannedStorage(key)
+            return _ScannedStorage(key, itemsize)
         return _Anything()
 
 

@@ -431,45 +431,64 @@ def check_legacy(fd: int, size: int, path: str) -> int:
     """torch's legacy format, without loading it: five pickles (magic
     number, protocol, system info, the object, the storage keys), then
     each storage as its element count and its bytes, ending at the end of
-    the file; the object's pickle names only storages the file holds, of
-    the size it says. Returns the number of storages. No checksums exist."""
+    the file; the object's pickle names exactly the storages the file
+    holds (torch's loader would hand out one it names and the file does
+    not hold without ever filling it), each of the size its first
+    reference says, every tensor within its storage and given the
+    arguments torch's ``set_`` takes. Returns the number of storages. No
+    checksums exist."""
     if os.pread(fd, 262, 0)[257:262] == b"ustar":
         raise UnsupportedFormatError(
             f"{path}: torch's oldest (tar) format: verify cannot check it; torch.load reads it"
         )
     with os.fdopen(os.dup(fd), "rb") as f:
-        try:
-            magic, protocol = load_plain(f), load_plain(f)
-            if magic != LEGACY_MAGIC or protocol != LEGACY_PROTOCOL:
-                raise ValueError(f"magic number {magic!r} and protocol {protocol!r} are not torch's")
-            load_plain(f)  # system info
-            start = f.tell()
-            for _ in pickletools.genops(f):
-                pass
-            end = f.tell()
-            keys = load_plain(f)
-            if not isinstance(keys, list):
-                raise ValueError(f"the storage keys are a {type(keys).__name__}")
-            scan = LocationScan(os.pread(fd, end - start, start))
-            scan.load()
-        except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
-            raise CorruptCheckpointError(
-                f"{path}: not a well-formed legacy torch file: {type(e).__name__}: {e}"
-            ) from None
+        scan, keys = _scan_legacy(f, fd, path)
+        held = set(keys)
+        for key in scan.first:
+            if key not in held:
+                raise CorruptCheckpointError(f"{path}: the pickle names storage {key!r}, which the file does not hold")
         for key in keys:
-            if str(key) not in scan.storages:
+            if key not in scan.first:
                 raise CorruptCheckpointError(f"{path}: storage {key!r} is not named by the pickle")
-            type_name, numel = scan.storages[str(key)]
+            type_name, numel = scan.first[key]
             raw = f.read(8)
             if len(raw) != 8:
                 raise CorruptCheckpointError(f"{path}: the legacy torch file is truncated (storage {key!r})")
             (n,) = struct.unpack("<q", raw)
             if n != numel:
                 raise CorruptCheckpointError(f"{path}: storage {key!r} holds {n} elements, the pickle needs {numel}")
-            f.seek(n * storage_element_size(type_name), os.SEEK_CUR)
+            nbytes = n * storage_element_size(type_name)
+            if scan.reach.get(key, 0) > nbytes:
+                raise CorruptCheckpointError(
+                    f"{path}: a tensor in the pickle reaches {scan.reach[key]} bytes into storage {key!r}, "
+                    f"which holds {nbytes}"
+                )
+            f.seek(nbytes, os.SEEK_CUR)
         if f.tell() != size:
             raise CorruptCheckpointError(f"{path}: the storages end at byte {f.tell()}, the file at {size}")
     return len(keys)
+
+
+def _scan_legacy(f: Any, fd: int, path: str) -> Tuple[LocationScan, List[str]]:
+    """The pickles of a legacy file (``f``, at its start): the object's
+    scanned and the storage keys, ``f`` left at the first storage."""
+    try:
+        magic, protocol = load_plain(f), load_plain(f)
+        if magic != LEGACY_MAGIC or protocol != LEGACY_PROTOCOL:
+            raise ValueError(f"magic number {magic!r} and protocol {protocol!r} are not torch's")
+        load_plain(f)  # system info
+        start = f.tell()
+        for _ in pickletools.genops(f):
+            pass
+        end = f.tell()
+        keys = load_plain(f)
+        if not isinstance(keys, list):
+            raise ValueError(f"the storage keys are a {type(keys).__name__}")
+        scan = LocationScan(os.pread(fd, end - start, start))
+        scan.load()
+    except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
+        raise CorruptCheckpointError(f"{path}: not a well-formed legacy torch file: {type(e).__name__}: {e}") from None
+    return scan, [str(key) for key in keys]
 
 
 def _truncated(e: BaseException) -> bool:

@@ -132,7 +132,7 @@ def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
         need = numel * storage_element_size(type_name)
         if need > sizes[key]:
             raise CorruptCheckpointError(f"{path}: storage {key!r} holds {sizes[key]} bytes, the pickle needs {need}")
-        reach = scan.spans.get(key, 0) * storage_element_size(type_name)
+        reach = scan.reach.get(key, 0)
         if reach > sizes[key]:
             raise CorruptCheckpointError(
                 f"{path}: a tensor in the pickle reaches {reach} bytes into storage {key!r}, which holds {sizes[key]}"

@@ -978,3 +978,82 @@ def test_verify_takes_every_storage_class_torch_writes(tmp_path):
     p = tmp_path / "s.pt"
     torch.save({"s": torch.arange(5.0).untyped_storage(), "t": torch.ones(2, dtype=torch.bfloat16)}, p)
     assert verify_file(p).format == "torch"
+
+
+def _one_digit_changed(raw: bytes) -> bytes:
+    """The first storage key of a legacy file's object pickle (a
+    BINUNICODE of digits: an address) with its last digit changed."""
+    m = next(m for m in re.finditer(rb"X([\x08-\x18])\x00\x00\x00(\d+)", raw) if len(m[2]) == m[1][0])
+    b = bytearray(raw)
+    i = m.end(2) - 1
+    b[i] = ord("0") if b[i] != ord("0") else ord("1")
+    return bytes(b)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "storage key",  # the pickle names a storage the file does not hold
+        "offset",  # a tensor reaching past its storage (offset 0 -> 64)
+        "size tuple",  # a size given as an int (its TUPLE1 gone)
+    ],
+)
+def test_a_damaged_legacy_pickle_fails_verify(tmp_path, damage):
+    """Regression: verify called legacy files OK whose object pickle names
+    a storage the file does not hold (torch.load then hands out a storage
+    it never fills: uninitialized memory), lays a tensor past its storage,
+    or gives a tensor a size that is not a tuple (torch.load refuses
+    both); the structure check now refuses all three."""
+    from fastpersist.verify import verify_file
+
+    src, bad = tmp_path / "src.pt", tmp_path / "bad.pt"
+    w = torch.arange(64, dtype=torch.float32)
+    raw = _legacy_file(src, {"w": w, "v": w[8:16], "b": torch.arange(10)})
+    assert verify_file(src) == ("torch-legacy", 2)
+    pat = b"QK\x00K\x0a\x85"  # BINPERSID, offset 0, size (10,) of "b"
+    assert raw.count(pat) == 1
+    if damage == "storage key":
+        out = _one_digit_changed(raw)
+    elif damage == "offset":
+        out = raw.replace(pat, b"QK\x40K\x0a\x85")
+    else:
+        out = raw.replace(pat, pat[:-1])
+    bad.write_bytes(out)
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        verify_file(bad)
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [
+        (b"K\x04", b"K\x01\x85"),  # size 4, an int
+        (b"K\x04\x85", b"J\xff\xff\xff\xff\x85"),  # stride (-1,)
+        (b"J\xfc\xff\xff\xff\x85", b"K\x01\x85"),  # size (-4,)
+        (b"K\x04\x85", b"K\x01K\x01\x86"),  # size and stride of different lengths
+    ],
+    ids=["size-int", "stride-negative", "size-negative", "lengths"],
+)
+def test_a_zip_pickle_with_rebuild_arguments_torch_refuses_fails_verify(tmp_path, claim):
+    """Regression: verify called a zip checkpoint OK (CRCs consistent: a
+    crafted pickle) whose tensor rebuild gives a size as an int, a
+    negative size or stride, or sizes and strides of different lengths;
+    torch.load refuses each."""
+    from fastpersist.verify import verify_file
+
+    src, bad = tmp_path / "a.pt", tmp_path / "bad.pt"
+    torch.save({"a": torch.arange(4, dtype=torch.float32)}, src)
+
+    def edit(name, data):
+        if name.endswith("data.pkl"):
+            out, n = re.subn(rb"K\x04\x85(q.)K\x01\x85", lambda m: claim[0] + m[1] + claim[1], data, flags=re.DOTALL)
+            assert n == 1
+            return out
+        return data
+
+    _rezip(src, bad, edit)
+    with pytest.raises(Exception):  # noqa: B017 - whatever torch raises
+        torch.load(bad, weights_only=True)
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        verify_file(bad)
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        fastpersist.read_state_dict(bad)
