@@ -1127,6 +1127,8 @@ class LocationScan(pickle.Unpickler):
             if prev is None or numel * itemsize > prev[1] * storage_element_size(prev[0]):
                 self.storages[key] = (type_name, numel)
             return _ScannedStorage(key, itemsize)
+        if isinstance(pid, tuple) and len(pid) == 4 and pid[0] == "module" and isinstance(pid[1], type):
+            return pid[1]  # a legacy save of a module object: its class (and its source, to compare)
         return _Anything()
 
 

@@ -400,7 +400,9 @@ def _read_torch(
 def _read_legacy(fd: int, size: int, path: str, map_location: MapLocation, weights_only: bool) -> Tuple[Any, int, int]:
     """torch's format before 1.6 (``_use_new_zipfile_serialization=False``):
     read by torch.load itself (its legacy path, same ``weights_only`` rules
-    and messages), from the file already open. It has no checksums."""
+    and messages), from the file already open. It has no checksums: the
+    structure check runs after a load too (torch.load hands out a storage
+    the pickle names and the file does not hold without filling it)."""
     with os.fdopen(os.dup(fd), "rb") as f:
         try:
             obj = torch.load(f, map_location=map_location, weights_only=weights_only)
@@ -420,6 +422,10 @@ def _read_legacy(fd: int, size: int, path: str, map_location: MapLocation, weigh
             except UnsupportedFormatError:
                 pass  # torch's tar format: the check cannot tell, torch's error stands
             raise
+    try:
+        check_legacy(fd, size, path)
+    except UnsupportedFormatError:
+        pass  # torch's tar format: what torch.load made of it
     return obj, size, 0
 
 
@@ -442,6 +448,9 @@ def check_legacy(fd: int, size: int, path: str) -> int:
             f"{path}: torch's oldest (tar) format: verify cannot check it; torch.load reads it"
         )
     with os.fdopen(os.dup(fd), "rb") as f:
+        # From the start: a duplicate shares the descriptor's offset, which
+        # a torch.load through another duplicate may have left anywhere.
+        f.seek(0)
         scan, keys = _scan_legacy(f, fd, path)
         held = set(keys)
         for key in scan.first:
