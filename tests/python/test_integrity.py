@@ -1113,3 +1113,66 @@ def test_a_legacy_save_of_a_module_object_reads_and_verifies(tmp_path):
     assert verify_file(p) == ("torch-legacy", 2)
     got = fastpersist.read_state_dict(p, weights_only=False)
     assert_same(got.state_dict(), m.state_dict())
+
+
+def _with_memo_put(pkl: bytes, index: int) -> bytes:
+    """A protocol-2 pickle with one LONG_BINPUT of ``index`` after its
+    first opcode after PROTO (the object it memoizes is never fetched)."""
+    import pickletools
+
+    ops = [pos for _, _, pos in pickletools.genops(pkl)]
+    assert pkl[:1] == b"\x80" and len(ops) > 2
+    return pkl[: ops[2]] + b"r" + index.to_bytes(4, "little") + pkl[ops[2] :]
+
+
+def test_a_huge_memo_index_costs_no_memory(tmp_path):
+    """Regression: a pickle with one LONG_BINPUT of a large index (valid,
+    CRCs consistent; torch.load loads it in a few MB) made the scans of
+    verify, of a legacy file's structure check and of a read whose pickle
+    mentions "cuda" grow memory by 16 bytes per index (CPython's C
+    unpickler sizes its memo array by the index: 2**27, 2 GiB); near
+    2**31 verify failed with MemoryError and called the file corrupt. The
+    scans keep their memo in a dict; checked under a 4 GiB address-space
+    limit with an index of 2**30 (16 GiB)."""
+    import io
+    import pickletools
+
+    index = 1 << 30
+    src, zp, lp = tmp_path / "src.pt", tmp_path / "memo.pt", tmp_path / "legacy.pt"
+    sd = {"cuda_w": torch.arange(6.0), "n": [torch.ones(2, dtype=torch.int64)]}
+    torch.save(sd, src)
+    _rezip(src, zp, lambda n, d: _with_memo_put(d, index) if n.endswith("data.pkl") else d)
+    # legacy: the magic number's, the object's and the storage keys' pickles
+    f = io.BytesIO(_legacy_file(tmp_path / "l0.pt", sd))
+    pickles = []
+    for _ in range(5):
+        start = f.tell()
+        for _ in pickletools.genops(f):
+            pass
+        pickles.append(f.getvalue()[start : f.tell()])
+    for i in (0, 3, 4):
+        pickles[i] = _with_memo_put(pickles[i], index)
+    lp.write_bytes(b"".join(pickles) + f.read())
+    for p in (zp, lp):
+        assert_same(torch.load(p), sd)
+    code = textwrap.dedent(
+        f"""
+        import resource, zipfile, fastpersist, torch
+        from fastpersist.pickling import LocationScan
+        from fastpersist.verify import verify_file
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+        z = zipfile.ZipFile({str(zp)!r})
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+        scan = LocationScan(pkl)
+        scan.load()
+        assert sorted(scan.locations.values()) == ["cpu", "cpu"], scan.locations
+        assert fastpersist.detect_format({str(lp)!r}) == "torch-legacy"
+        for p in ({str(zp)!r}, {str(lp)!r}):
+            print(verify_file(p))
+            sd = fastpersist.read_state_dict(p)
+            assert torch.equal(sd["cuda_w"], torch.arange(6.0)), sd
+        print("ALL")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ALL" in r.stdout, (r.stdout, r.stderr[-3000:])
