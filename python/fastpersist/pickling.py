@@ -1211,9 +1211,12 @@ class _StorageLoader:
         dtype = _storage_dtype(storage_type)
         st = self.storages[key]
         need = int(numel) * element_size(dtype)
-        if need > st.nbytes():
+        if need > st.nbytes() or (kept is None and need != st.nbytes()):
+            # A storage made from the record (torch.load: one whose record
+            # holds exactly its bytes) or one a later reference shares.
             raise CorruptCheckpointError(
-                f"{self.path}: storage {key!r} holds {st.nbytes()} bytes, the pickle needs {need}"
+                f"{self.path}: record 'data/{key}' holds {st.nbytes()} bytes, the pickle needs {need} for storage "
+                f"{key!r}" + ("" if need > st.nbytes() else " (a record holds exactly its storage's bytes)")
             )
         if kept is not None and kept._untyped_storage.nbytes() == need:
             # torch keeps every storage; this reference asks for another dtype

@@ -109,18 +109,19 @@ def inspect_file(path: PathLike) -> Tuple[str, List[RecordInfo]]:
 
 def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
     """The pickle is well formed, and every storage it names is a record
-    of the file holding at least the bytes the pickle needs, and the bytes
-    every tensor laid over it reaches."""
+    of the file holding exactly the bytes of the storage its first
+    reference describes (as torch.load wants), at least those every other
+    reference needs, and the bytes every tensor laid over it reaches."""
     try:
         for _ in pickletools.genops(data):
             pass
     except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
         raise CorruptCheckpointError(f"{path}: data.pkl is not a well-formed pickle: {e}") from None
-    sizes = {}
+    sizes, names = {}, {}
     for r in recs:
         head, sep, key = r.name.rpartition("data/")
         if sep and "/" not in key and head.count("/") <= 1:
-            sizes[key] = r.bytes
+            sizes[key], names[key] = r.bytes, r.name
     scan = LocationScan(data)
     try:
         scan.load()
@@ -131,7 +132,16 @@ def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
             raise CorruptCheckpointError(f"{path}: the pickle refers to storage {key!r}, which the file does not hold")
         need = numel * storage_element_size(type_name)
         if need > sizes[key]:
-            raise CorruptCheckpointError(f"{path}: storage {key!r} holds {sizes[key]} bytes, the pickle needs {need}")
+            raise CorruptCheckpointError(
+                f"{path}: record {names[key]!r} holds {sizes[key]} bytes, the pickle needs {need} for storage {key!r}"
+            )
+        first_type, first_numel = scan.first[key]
+        first = first_numel * storage_element_size(first_type)
+        if first != sizes[key]:  # the storage torch.load makes of the record: exactly its bytes
+            raise CorruptCheckpointError(
+                f"{path}: record {names[key]!r} holds {sizes[key]} bytes, the pickle needs {first} for storage "
+                f"{key!r} (a record holds exactly its storage's bytes)"
+            )
         reach = scan.reach.get(key, 0)
         if reach > sizes[key]:
             raise CorruptCheckpointError(

@@ -1176,3 +1176,39 @@ def test_a_huge_memo_index_costs_no_memory(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ALL" in r.stdout, (r.stdout, r.stderr[-3000:])
+
+
+@pytest.mark.parametrize("edit", ["retyped", "fewer-elements"])
+def test_a_record_longer_than_its_storage_is_corrupt(tmp_path, edit):
+    """Regression: a data record longer than the storage the pickle
+    describes (CRCs consistent: the storage class changed from
+    ``FloatStorage`` to ``ByteStorage``, or its element count made
+    smaller) was loaded, its bytes reinterpreted, and verify called it
+    OK; torch.load refuses every such file (a record must hold exactly
+    the storage's bytes). Both now name the record."""
+    from fastpersist.verify import verify_file
+
+    src, bad = tmp_path / "a.pt", tmp_path / "bad.pt"
+    torch.save({"w": torch.arange(8, dtype=torch.float32)}, src)
+
+    def change(name, data):
+        if not name.endswith("data.pkl"):
+            return data
+        if edit == "retyped":  # 8 elements, 1 byte each
+            assert data.count(b"torch\nFloatStorage") == 1
+            return data.replace(b"torch\nFloatStorage", b"torch\nByteStorage")
+        # the storage's element count 8 -> 6 (the tensor: 4 elements)
+        out, n = re.subn(
+            rb"K\x08t(q.)QK\x00K\x08\x85", lambda m: b"K\x06t" + m[1] + b"QK\x00K\x04\x85", data, flags=re.DOTALL
+        )
+        assert n == 1
+        return out
+
+    _rezip(src, bad, change)
+    with pytest.raises(RuntimeError, match="record size"):
+        torch.load(bad, weights_only=True)
+    for kw in ({}, {"weights_only": False}, {"map_location": "cpu"}, {"verify": False}):
+        with pytest.raises(fastpersist.CorruptCheckpointError, match="data/0"):
+            fastpersist.read_state_dict(bad, **kw)
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="data/0"):
+        verify_file(bad)
