@@ -239,6 +239,12 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed in a safetensors header")
 
 
+def _json_int(text: str) -> Any:
+    """A JSON integer as safetensors' parser (serde) reads it: ``-0`` is
+    the float -0.0 (no integer where one is wanted), others ints."""
+    return -0.0 if text == "-0" else int(text)
+
+
 def _int(x: Any, what: str) -> int:
     if type(x) is not int or not 0 <= x <= _MAX_DIM:
         raise ValueError(f"{what} {x!r} is not a non-negative 64-bit integer")
@@ -399,7 +405,8 @@ def parse_header(raw: bytes, file_len: int, path: str = "") -> Tuple[int, List[E
     if n > MAX_HEADER or 8 + n > file_len or len(raw) < 8 + n:
         raise CorruptCheckpointError(f"{where}safetensors header length {n} does not fit the file")
     try:
-        header = json.loads(raw[8 : 8 + n], parse_constant=_no_constant)
+        # UTF-8 only (json.loads of bytes would guess UTF-16 or UTF-32 too)
+        header = json.loads(raw[8 : 8 + n].decode("utf-8"), parse_constant=_no_constant, parse_int=_json_int)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}safetensors header is not valid JSON: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):

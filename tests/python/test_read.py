@@ -659,3 +659,33 @@ def test_a_torchscript_or_corrupt_directory_is_named_by_the_python_reader(tmp_pa
     path.write_bytes(bytes(raw))
     with pytest.raises(fastpersist.CorruptCheckpointError, match="compressed"):
         fastpersist.read_state_dict(path)
+
+
+def _safetensors_file(path, header: bytes, data: bytes) -> None:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+@pytest.mark.parametrize("case", ["utf-16", "-0 offset", "-0 dimension"])
+def test_safetensors_headers_safetensors_refuses_are_corrupt(tmp_path, case):
+    """Regression: a header encoded as UTF-16 (``json.loads`` of bytes
+    guesses the encoding) and a ``-0`` integer were accepted; safetensors
+    refuses both (a header is UTF-8, and serde reads ``-0`` as the float
+    -0.0)."""
+    from fastpersist.verify import verify_file
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    good = '{"a":{"dtype":"U8","shape":[4,4],"data_offsets":[0,16]}}'
+    header = {
+        "utf-16": good.encode("utf-16-le"),
+        "-0 offset": good.replace("[0,16]", "[-0,16]").encode(),
+        "-0 dimension": good.replace("[4,4]", "[4,4,1,-0]").replace("[0,16]", "[0,0]").encode(),
+    }[case]
+    p = tmp_path / "h.safetensors"
+    _safetensors_file(p, header, bytes(range(16)) if case != "-0 dimension" else b"")
+    with pytest.raises(SafetensorError):
+        load_file(p)
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        fastpersist.read_state_dict(p)
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        verify_file(p)
