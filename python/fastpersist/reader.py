@@ -95,11 +95,14 @@ def detect_format(path: PathLike) -> str:
 
 
 def detect(head: bytes, size: int, path: str) -> str:
-    """The format of a file from its first :data:`HEAD_BYTES` bytes and its size."""
-    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
-        return "torch"
+    """The format of a file from its first :data:`HEAD_BYTES` bytes and its
+    size. safetensors first: a header length can read as a zip signature
+    (0x04034B50 bytes), where a zip's bytes from 8 on (a local header's
+    compression method, or an end record's counts) never start JSON."""
     if is_safetensors(head, size):
         return "safetensors"
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+        return "torch"
     if is_legacy_torch(head):
         return "torch-legacy"
     raise CorruptCheckpointError(f"{path}: neither a torch checkpoint (zip or legacy) nor a safetensors file")

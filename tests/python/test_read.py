@@ -689,3 +689,23 @@ def test_safetensors_headers_safetensors_refuses_are_corrupt(tmp_path, case):
         fastpersist.read_state_dict(p)
     with pytest.raises(fastpersist.CorruptCheckpointError):
         verify_file(p)
+
+
+def test_a_safetensors_header_whose_length_reads_as_a_zip_signature_is_safetensors(tmp_path):
+    """Regression: a valid safetensors file whose header is 0x04034B50
+    bytes long (its length field reads ``PK\\x03\\x04\\0\\0\\0\\0``) was
+    taken for a torch zip and called corrupt; safetensors loads it. The
+    format is told by the safetensors test first (a zip's bytes 8..
+    never start a JSON object)."""
+    from fastpersist.reader import HEAD_BYTES, detect
+
+    body = b'{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}'
+    n = 0x04034B50
+    head = (struct.pack("<Q", n) + body + b" " * (n - len(body)))[:HEAD_BYTES]
+    assert head[:4] == b"PK\x03\x04"
+    assert detect(head, 8 + n + 4, "h.safetensors") == "safetensors"
+    p = tmp_path / "z.pt"
+    fastpersist.write_state_dict({"a": torch.ones(3)}, p)
+    torch.save({"a": torch.ones(3)}, tmp_path / "t.pt")
+    for q in (p, tmp_path / "t.pt"):
+        assert fastpersist.detect_format(q) == "torch"
