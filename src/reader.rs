@@ -168,10 +168,26 @@ impl Engine {
         t0: Instant,
         merge_gap: u64,
     ) -> Result<ReadStats> {
-        let file_len = file
-            .metadata()
-            .map_err(|e| Error::from_io(&e, "cannot stat the checkpoint", None))?
-            .len();
+        let file_len = stat_len(file)?;
+        self.read_file_of_len(file, file_len, direct, reqs, t0, merge_gap)
+    }
+
+    /// [`Engine::read_file`] of a file `file_len` bytes long when stat'ed:
+    /// the requests are checked against that length, the reads planned by
+    /// it. A read comes back short only at the end of the file (the rest
+    /// of its buffer is zeroed: the block padding past the end), so a file
+    /// that shrank meanwhile would give zeros for bytes it no longer holds:
+    /// the length is taken again once every read is done, and a file now
+    /// shorter than the requests reach is an EIO error, not zeros.
+    fn read_file_of_len(
+        &mut self,
+        file: &File,
+        file_len: u64,
+        direct: bool,
+        reqs: &[ReadReq],
+        t0: Instant,
+        merge_gap: u64,
+    ) -> Result<ReadStats> {
         let block = if direct {
             align::probe_fd(file.as_raw_fd()).block
         } else {
@@ -183,6 +199,22 @@ impl Engine {
         let piece = align_down((buf_size / TAIL_PIECES) as u64, block).max(block);
         split_tail(&mut extents, self.opts.queue_depth, piece as usize);
         let crcs = self.read_extents(file.as_raw_fd(), extents, reqs, &order)?;
+        let reach = reqs
+            .iter()
+            .map(|r| r.offset + r.dst.len as u64)
+            .max()
+            .unwrap_or(0);
+        let now = stat_len(file)?;
+        if now < reach {
+            return Err(Error::os(
+                libc::EIO,
+                format!(
+                    "the file shrank during the read: {now} bytes now, {file_len} when the read \
+                     began; the records read reach byte {reach}"
+                ),
+                fd_path(file.as_raw_fd()).as_deref(),
+            ));
+        }
         Ok(ReadStats {
             bytes: reqs.iter().map(|r| r.dst.len as u64).sum(),
             seconds: t0.elapsed().as_secs_f64(),
@@ -228,6 +260,19 @@ impl Engine {
         })?;
         Ok(hashers.into_iter().map(Hasher::finalize).collect())
     }
+}
+
+/// The length of the open `file`.
+fn stat_len(file: &File) -> Result<u64> {
+    Ok(file
+        .metadata()
+        .map_err(|e| Error::from_io(&e, "cannot stat the checkpoint", None))?
+        .len())
+}
+
+/// The path `fd` was opened by (for messages), where `/proc` says.
+fn fd_path(fd: RawFd) -> Option<std::path::PathBuf> {
+    std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()
 }
 
 /// One read, planned: the extents (file order) and, for each, the span of
@@ -754,6 +799,54 @@ fn scatter(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_that_shrank_during_the_read_is_an_error_not_zeros() {
+        // The file is stat'ed at 64 KiB and holds 24 KiB when it is read
+        // (truncated between the stat and the reads): every back end
+        // reads short there, and the read fails with EIO naming the file
+        // instead of handing the zeroed tail back as its bytes.
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f.bin");
+        let data: Vec<u8> = (0..64u32 << 10).map(|i| (i * 7 + 1) as u8).collect();
+        std::fs::write(&p, &data[..24 << 10]).unwrap();
+        for io_uring in [true, false] {
+            {
+                let opts = crate::engine::Options {
+                    io_uring,
+                    block_size: 16 << 10,
+                    arena_bytes: 64 << 10,
+                    queue_depth: 2,
+                    gather_threads: 1,
+                    ..crate::engine::Options::default()
+                };
+                let mut eng = Engine::new(opts).unwrap();
+                let file = File::open(&p).unwrap();
+                let mut dst = vec![0xEEu8; 48 << 10];
+                // SAFETY: `dst` outlives the read and nothing else uses it.
+                let r = unsafe { MutMemRef::new(dst.as_mut_ptr(), dst.len()) };
+                let reqs = [ReadReq {
+                    offset: 8 << 10,
+                    dst: r,
+                }];
+                let e = eng
+                    .read_file_of_len(&file, 64 << 10, false, &reqs, Instant::now(), MERGE_GAP)
+                    .unwrap_err();
+                assert_eq!(e.errno, Some(libc::EIO), "io_uring {io_uring}: {e}");
+                assert!(e.context.contains("shrank during the read"), "{e}");
+                assert_eq!(e.path.as_deref(), Some(p.canonicalize().unwrap().as_path()));
+                // Read within what it still holds: its bytes.
+                let reqs = [ReadReq {
+                    offset: 8 << 10,
+                    // SAFETY: as above.
+                    dst: unsafe { MutMemRef::new(dst.as_mut_ptr(), 16 << 10) },
+                }];
+                eng.read_file_of_len(&file, 64 << 10, false, &reqs, Instant::now(), MERGE_GAP)
+                    .unwrap();
+                assert!(dst[..16 << 10] == data[8 << 10..24 << 10]);
+            }
+        }
+    }
 
     fn reqs(ranges: &[(u64, usize)]) -> Vec<ReadReq> {
         ranges

@@ -24,7 +24,9 @@ pub struct Job {
     pub len: usize,
     pub offset: u64,
     /// A read: a short read means end of file, and the rest of the buffer
-    /// is zero-filled.
+    /// is zero-filled (the block padding past the end; the reader takes
+    /// the file's length again after its reads, so a file that shrank
+    /// meanwhile is an error, not zeros).
     pub read: bool,
 }
 
@@ -272,7 +274,8 @@ impl Sink for UringSink {
             // A negative result is -errno; a non-negative one a byte count.
             let done = usize::try_from(res).map_err(|_| -res);
             if let (true, Ok(n)) = (job.read, done) {
-                // Reads are short only at end of file.
+                // Reads are short only at end of file (the reader checks
+                // that the file did not shrink past its requests).
                 zero_tail(&job, n);
                 self.inflight -= 1;
                 free.push(buf);
