@@ -1232,9 +1232,13 @@ class _StorageLoader:
         if key not in self.placed:
             try:
                 st = self.restore(st, location)
+                # What a map_location callable returned: no storage is its
+                # error (torch.load's TypeError), not the file's.
+                ts = torch.storage.TypedStorage(wrap_storage=st, dtype=dtype, _internal=True)
             except Exception as e:
                 raise _RestoreError(e) from e
-        ts = torch.storage.TypedStorage(wrap_storage=st, dtype=dtype, _internal=True)
+        else:
+            ts = torch.storage.TypedStorage(wrap_storage=st, dtype=dtype, _internal=True)
         self.given.append((st, key, st.nbytes()))
         if kept is None:
             if ts._data_ptr() != 0 or load_keeps_every_storage():
@@ -1470,6 +1474,17 @@ def _unpickler(pkl: bytes, weights_only: bool) -> Any:
     return _Unpickler(io.BytesIO(pkl), encoding="utf-8")
 
 
+def _well_formed(pkl: bytes) -> bool:
+    """Whether the pickle replays as torch's loaders want it (the scan:
+    nothing constructed): an error loading a well-formed pickle is its
+    objects' own, one of an ill-formed pickle is damage."""
+    try:
+        LocationScan(pkl).load()
+    except Exception:  # noqa: BLE001 - whatever the scan refuses
+        return False
+    return True
+
+
 def unpickle_before_data(pkl: bytes, storages: Dict[str, Any], path: str, weights_only: bool) -> Tuple[Any, bool]:
     """:func:`unpickle`'s object for ``map_location=None``, made while the
     storages' bytes are still being read (the caller waits for the read
@@ -1498,10 +1513,15 @@ def unpickle(
     weights_only: bool,
     placed: Optional[set] = None,
     fast: bool = True,
+    intact: bool = False,
 ) -> Any:
     """Replay the pickle with ``storages``; those in ``placed`` are already
     where ``map_location`` sends them (torch's restore is skipped).
     ``fast=False``: the fast path already declined this pickle.
+    ``intact``: the pickle's bytes are those written (their CRC32 checked):
+    an error it raises is the saved objects' own (a ``__setstate__``, a
+    ``map_location`` that returns no storage), raised as torch.load raises
+    it, not as damage.
 
     Pickles of plain state dicts (dicts, lists, tuples, strings, numbers,
     OrderedDicts, plain tensors, as torch.save and :func:`pickle_obj` write
@@ -1535,7 +1555,9 @@ def unpickle(
         if weights_only:  # torch.load's words, exactly
             raise pickle.UnpicklingError(weights_only_message(str(e))) from None
         raise pickle.UnpicklingError(f"{path}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
+    except Exception as e:  # a damaged pickle can raise anything (unless intact: see above)
+        if intact and _well_formed(pkl):
+            raise  # the saved objects' own error (a __setstate__), as torch.load raises it
         raise CorruptCheckpointError(
             f"{path}: the pickle (data.pkl) cannot be loaded: {type(e).__name__}: {e}"
         ) from None

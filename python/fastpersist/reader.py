@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import pickletools
+import re
 import struct
 import sys
 import threading
@@ -375,7 +376,12 @@ def _read_torch(
         first_checks = [(pkl_rec, zlib.crc32(pkl))] + ([(order_rec, zlib.crc32(order))] if order_rec and order else [])
         unchecked += check_crcs(first_checks, unrecorded, path)
     if order is not None and order.decode(errors="replace") != sys.byteorder:
-        raise CorruptCheckpointError(f"{path}: written on a {order!r}-endian machine; use torch.load, which byte-swaps")
+        # Saved on a machine of the other byte order (torch.load swaps the
+        # bytes), or a value torch refuses in its own words.
+        return _read_by_torch(fd, size, path, map_location, weights_only, len(records))
+    if not _readable_version(fd, by_name, prefix, path):
+        # A format version torch may not read: its answer, either way.
+        return _read_by_torch(fd, size, path, map_location, weights_only, len(records))
     keyed = [(r.name[len(data_prefix) :], r) for r in data_recs]
     targets = read_targets(pkl, map_location, [k for k, _ in keyed])
     # Plain state dicts for the host: their objects are made while the
@@ -396,8 +402,34 @@ def _read_torch(
     nbytes = sum(r.size for _, r in keyed) + len(pkl)
     obj, fast = early if early is not None else (None, True)
     if obj is None:
-        obj = unpickle(pkl, storages, path, map_location, weights_only, placed, fast)
+        intact = verify and pkl_rec.name not in unrecorded
+        obj = unpickle(pkl, storages, path, map_location, weights_only, placed, fast, intact)
     return obj, nbytes, len(records)
+
+
+#: The zip format versions (the ``version`` record) read here: those torch
+#: reads (``kMinSupportedFileFormatVersion`` to ``kMaxSupportedFileFormatVersion``).
+_VERSIONS = range(1, 11)
+
+
+def _readable_version(fd: int, by_name: Dict[str, ZipRecord], prefix: str, path: str) -> bool:
+    """Whether the file's format version (``.data/version``, else
+    ``version``, as torch's reader looks for it) is a number torch reads;
+    a missing, odd or other one is torch.load's to answer."""
+    rec = by_name.get(prefix + ".data/version") or by_name.get(prefix + "version")
+    raw = _small_record(fd, rec, path) if rec is not None and rec.size <= 32 else None
+    m = re.fullmatch(rb"([0-9]{1,3})\n?", raw) if raw is not None else None
+    return m is not None and int(m.group(1)) in _VERSIONS
+
+
+def _read_by_torch(
+    fd: int, size: int, path: str, map_location: MapLocation, weights_only: bool, records: int
+) -> Tuple[Any, int, int]:
+    """A zip file read by torch.load itself, from the file already open
+    (what it reads, fastpersist reads; what it refuses, in its words)."""
+    with os.fdopen(os.dup(fd), "rb") as f:
+        f.seek(0)
+        return torch.load(f, map_location=map_location, weights_only=weights_only), size, records
 
 
 def _read_legacy(fd: int, size: int, path: str, map_location: MapLocation, weights_only: bool) -> Tuple[Any, int, int]:
