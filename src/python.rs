@@ -2044,6 +2044,13 @@ fn tensor_has_data<'py>(
     ctx.4.call1((t,))?.is_truthy()
 }
 
+/// How large a memo the pickle in `data` can ask of an unpickler (see
+/// `crate::unpickle::memo_bound`); None when it is not a complete pickle.
+#[pyfunction]
+fn pickle_memo_bound(py: Python<'_>, data: &[u8]) -> Option<u64> {
+    py.allow_threads(|| crate::unpickle::memo_bound(data))
+}
+
 /// What a survey has found so far: the storages with data, keyed by
 /// `_cdata`, as `(key, storage)` with keys "0", "1", ... in the order met;
 /// their bytes; those not on the CPU; and where the first object the walk
@@ -3272,6 +3279,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prepare_memory, m)?)?;
     m.add_function(wrap_pyfunction!(fast_pickle, m)?)?;
     m.add_function(wrap_pyfunction!(survey, m)?)?;
+    m.add_function(wrap_pyfunction!(pickle_memo_bound, m)?)?;
     m.add_class::<SurveyRest>()?;
     m.add_function(wrap_pyfunction!(fast_unpickle, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;

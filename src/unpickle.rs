@@ -355,6 +355,96 @@ pub fn run<B: Builder>(data: &[u8], b: &mut B) -> Result<B::Obj, Stop<B::Err>> {
     }
 }
 
+/// How large a memo the pickle in `data` (up to its `STOP`) can ask of an
+/// unpickler: one more than the largest index a `PUT`, `BINPUT` or
+/// `LONG_BINPUT` names, or the number of entries put, whichever is more
+/// (`MEMOIZE` puts at the memo's length). CPython's C unpickler sizes its
+/// memo array by the largest index it is given, so a few bytes naming
+/// index 2**27 cost it gigabytes; a caller asks this first. Any opcode of
+/// protocols 0 to 5 is walked over (its argument skipped, nothing made);
+/// `None` when the data is not a complete pickle (truncated, an unknown
+/// opcode, a text argument that is not one).
+pub fn memo_bound(data: &[u8]) -> Option<u64> {
+    let mut at = 0usize;
+    let mut most = 0u64;
+    let mut puts = 0u64;
+    let take = |at: &mut usize, n: usize| -> Option<&[u8]> {
+        let end = at.checked_add(n)?;
+        let s = data.get(*at..end)?;
+        *at = end;
+        Some(s)
+    };
+    let uint = |b: &[u8]| b.iter().rev().fold(0u64, |v, &x| (v << 8) | u64::from(x));
+    loop {
+        let op = *take(&mut at, 1)?.first()?;
+        match op {
+            // No argument.
+            b'(' | b'0' | b'1' | b'2' | b'N' | b']' | b'a' | b'e' | b'l' | b')' | b't' | b'}'
+            | b'd' | b's' | b'u' | b'b' | b'R' | b'o' | b'Q' | 0x81 | 0x85 | 0x86 | 0x87 | 0x88
+            | 0x89 | 0x8f | 0x90 | 0x91 | 0x92 | 0x93 | 0x97 | 0x98 => {}
+            b'.' => return Some(most.max(puts)),
+            0x94 => puts += 1, // MEMOIZE
+            // Fixed-size arguments; the memo indices among them.
+            b'q' => {
+                most = most.max(uint(take(&mut at, 1)?) + 1);
+                puts += 1;
+            }
+            b'r' => {
+                most = most.max(uint(take(&mut at, 4)?) + 1);
+                puts += 1;
+            }
+            b'K' | b'h' | 0x80 | 0x82 => {
+                take(&mut at, 1)?;
+            }
+            b'M' | 0x83 => {
+                take(&mut at, 2)?;
+            }
+            b'J' | b'j' | 0x84 => {
+                take(&mut at, 4)?;
+            }
+            b'G' | 0x95 => {
+                take(&mut at, 8)?;
+            }
+            // A length, then that many bytes.
+            b'U' | b'C' | 0x8c | 0x8a => {
+                let n = uint(take(&mut at, 1)?);
+                take(&mut at, usize::try_from(n).ok()?)?;
+            }
+            b'T' | b'B' | b'X' | 0x8b => {
+                let n = uint(take(&mut at, 4)?);
+                take(&mut at, usize::try_from(n).ok()?)?;
+            }
+            0x8d | 0x8e | 0x96 => {
+                let n = uint(take(&mut at, 8)?);
+                take(&mut at, usize::try_from(n).ok()?)?;
+            }
+            // Text arguments, each ending with a newline.
+            b'p' => {
+                let line = text_line(data, &mut at)?;
+                let idx: u64 = std::str::from_utf8(line).ok()?.trim().parse().ok()?;
+                most = most.max(idx.checked_add(1)?);
+                puts += 1;
+            }
+            b'I' | b'L' | b'F' | b'S' | b'V' | b'P' | b'g' => {
+                text_line(data, &mut at)?;
+            }
+            b'c' | b'i' => {
+                text_line(data, &mut at)?;
+                text_line(data, &mut at)?;
+            }
+            _ => return None,
+        }
+    }
+}
+
+/// The bytes from `*at` to the next newline, and `*at` past it.
+fn text_line<'a>(data: &'a [u8], at: &mut usize) -> Option<&'a [u8]> {
+    let rest = data.get(*at..)?;
+    let n = rest.iter().position(|&b| b == b'\n')?;
+    *at += n + 1;
+    Some(&rest[..n])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -701,5 +791,41 @@ mod tests {
             }
             let _ = load(&data);
         }
+    }
+
+    #[test]
+    fn memo_bound_walks_every_protocol_and_names_the_largest_index() {
+        use super::memo_bound;
+        // protocol 2: BINPUT 0, two ints, APPENDS
+        assert_eq!(memo_bound(b"\x80\x02]q\x00(K\x01K\x02e."), Some(1));
+        // one LONG_BINPUT of a large index in a tiny pickle
+        assert_eq!(
+            memo_bound(b"\x80\x02]r\x00\x00\x00\x08."),
+            Some((1 << 27) + 1)
+        );
+        // protocol 0: PUT as text
+        assert_eq!(memo_bound(b"(lp0\nI1\naI2\na."), Some(1));
+        assert_eq!(memo_bound(b"(lp70000\nI1\na."), Some(70001));
+        // protocol 4: a frame, MEMOIZE, a short string
+        assert_eq!(
+            memo_bound(b"\x80\x04\x95\x08\x00\x00\x00\x00\x00\x00\x00]\x94\x8c\x01a\x94a."),
+            Some(2)
+        );
+        // GLOBAL's two lines, BINUNICODE's length, BINFLOAT's 8 bytes
+        assert_eq!(memo_bound(b"ccollections\nOrderedDict\nq\x05X\x01\x00\x00\x00xG\x00\x00\x00\x00\x00\x00\x00\x000."), Some(6));
+        // not a complete pickle
+        for bad in [
+            &b""[..],
+            b"\x80\x02]",
+            b"\x80\x02]r\x00\x00",
+            b"\xff.",
+            b"X\xff\xff\xff\xff.",
+            b"p-1\n.",
+            b"cmod.",
+        ] {
+            assert_eq!(memo_bound(bad), None, "{bad:?}");
+        }
+        // bytes after STOP are not read
+        assert_eq!(memo_bound(b"N.\xff\xff"), Some(0));
     }
 }

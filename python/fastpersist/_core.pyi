@@ -73,6 +73,7 @@ __all__ = [
     "fast_pickle",
     "survey",
     "SurveyRest",
+    "pickle_memo_bound",
     "fast_unpickle",
     "TEMP_MARKER",
     "TEMP_NAME_PART_MAX",
@@ -361,6 +362,7 @@ class SurveyRest:
     def finish(self, ctx: _SurveyContext) -> _SurveyFound: ...
     def __len__(self) -> int: ...
 
+def pickle_memo_bound(data: bytes) -> int | None: ...
 def survey(
     obj: object,
     ctx: _SurveyContext,

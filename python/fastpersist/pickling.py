@@ -1068,7 +1068,7 @@ def _checked_span(offset: Any, size: Any, stride: Any) -> int:
     return span
 
 
-class LocationScan(pickle._Unpickler):
+class LocationScan:
     """Replays a pickle's opcodes with every global replaced by a stand-in,
     so nothing is constructed or imported, and notes each storage's
     location, (:attr:`storages`) the (storage type name, element count)
@@ -1082,14 +1082,26 @@ class LocationScan(pickle._Unpickler):
     int, a tensor rebuild given too few arguments or an offset, size or
     stride ``set_`` refuses.
 
-    Python's unpickler, as torch's ``weights_only`` loader: its memo is a
-    dict. C's sizes an array by the largest index a PUT names, so one
-    LONG_BINPUT in a small valid file could take gigabytes (2**27: 2 GiB)
-    where torch.load takes none; the scan is slower per opcode (10,000
-    tensors: some 0.1 s more)."""
+    An unpickler of CPython's: the C one where the pickle's memo is
+    bounded (``_core.pickle_memo_bound``: no index past a few per byte of
+    pickle), else Python's, whose memo is a dict, as torch's
+    ``weights_only`` loader's. C's sizes an array by the largest index a
+    PUT names, so one LONG_BINPUT in a small valid file could take
+    gigabytes (2**27: 2 GiB) where torch.load takes none; Python's is
+    several times slower (10,000 tensors: some 0.3 s)."""
+
+    load: Callable[[], Any]
+
+    def __new__(cls, data: bytes) -> LocationScan:
+        kind = cls
+        if cls is LocationScan:
+            bound = _core.pickle_memo_bound(data)
+            fits = bound is not None and bound <= max(MEMO_BOUND, 2 * len(data))
+            kind = _CScan if fits else _PyScan
+        return super(LocationScan, kind).__new__(kind)  # the unpickler of its kind
 
     def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data), encoding="utf-8")
+        super().__init__(io.BytesIO(data), encoding="utf-8")  # type: ignore[call-arg]  # the unpickler's
         self.locations: Dict[str, str] = {}
         self.storages: Dict[str, Tuple[str, int]] = {}
         self.first: Dict[str, Tuple[str, int]] = {}
@@ -1139,6 +1151,19 @@ class LocationScan(pickle._Unpickler):
         if isinstance(pid, tuple) and len(pid) == 4 and pid[0] == "module" and isinstance(pid[1], type):
             return pid[1]  # a legacy save of a module object: its class (and its source, to compare)
         return _Anything()
+
+
+#: Memo entries a scan by the C unpickler may ask for whatever the pickle's
+#: size (16 bytes each).
+MEMO_BOUND = 1 << 16
+
+
+class _CScan(LocationScan, pickle.Unpickler):
+    """:class:`LocationScan` on the C unpickler."""
+
+
+class _PyScan(LocationScan, pickle._Unpickler):
+    """:class:`LocationScan` on Python's unpickler."""
 
 
 class _RestoreError(Exception):
