@@ -368,19 +368,26 @@ def _read_torch(
             f"{path}: no data.pkl record: not a torch.save checkpoint (TorchScript archives are read by torch.jit.load)"
         )
     order = _small_record(fd, order_rec, path)
+    # The format version, where torch's reader looks for it.
+    version_rec = by_name.get(prefix + ".data/version") or by_name.get(prefix + "version")
+    if version_rec is None:
+        raise CorruptCheckpointError(f"{path}: no version record (torch.load refuses such a file too)")
+    version = _small_record(fd, version_rec, path) if version_rec.size <= 4096 else None
     unrecorded: Set[str] = set()
     if verify:
         sid = _small_record(fd, by_name.get(prefix + ".data/serialization_id"), path)
         own = written_by_fastpersist(sid, pkl, records)
         unrecorded = unrecorded_crcs(records, own)
-        first_checks = [(pkl_rec, zlib.crc32(pkl))] + ([(order_rec, zlib.crc32(order))] if order_rec and order else [])
+        first_checks = [(pkl_rec, zlib.crc32(pkl))]
+        first_checks += [(r, zlib.crc32(b)) for r, b in ((order_rec, order), (version_rec, version)) if r and b]
         unchecked += check_crcs(first_checks, unrecorded, path)
     if order is not None and order.decode(errors="replace") != sys.byteorder:
         # Saved on a machine of the other byte order (torch.load swaps the
         # bytes), or a value torch refuses in its own words.
         return _read_by_torch(fd, size, path, map_location, weights_only, len(records))
-    if not _readable_version(fd, by_name, prefix, path):
-        # A format version torch may not read: its answer, either way.
+    if not _readable_version(version):
+        # A format version torch may not read (the record as written): its
+        # answer, either way.
         return _read_by_torch(fd, size, path, map_location, weights_only, len(records))
     keyed = [(r.name[len(data_prefix) :], r) for r in data_recs]
     targets = read_targets(pkl, map_location, [k for k, _ in keyed])
@@ -412,12 +419,10 @@ def _read_torch(
 _VERSIONS = range(1, 11)
 
 
-def _readable_version(fd: int, by_name: Dict[str, ZipRecord], prefix: str, path: str) -> bool:
-    """Whether the file's format version (``.data/version``, else
-    ``version``, as torch's reader looks for it) is a number torch reads;
-    a missing, odd or other one is torch.load's to answer."""
-    rec = by_name.get(prefix + ".data/version") or by_name.get(prefix + "version")
-    raw = _small_record(fd, rec, path) if rec is not None and rec.size <= 32 else None
+def _readable_version(raw: Optional[bytes]) -> bool:
+    """Whether the file's format version record (its bytes; None: too long
+    to be one) is a number torch reads; an odd or other one is torch.load's
+    to answer."""
     m = re.fullmatch(rb"([0-9]{1,3})\n?", raw) if raw is not None else None
     return m is not None and int(m.group(1)) in _VERSIONS
 

@@ -224,6 +224,11 @@ class ObjectStore:
         object, renamed over it once complete and durable (opening the object
         to write would truncate the committed copy of a name uploaded again,
         and a failed upload would leave it cut short)."""
+        parent = posixpath.dirname(dst)
+        if getattr(self.fs, "auto_mkdir", False):
+            self.fs.makedirs(parent, exist_ok=True)  # as fsspec's own writer makes it
+        elif not os.path.isdir(parent):
+            raise FileNotFoundError(errno.ENOENT, "no such directory in the store", parent)
         with _core.TempFile(dst) as tmp:
             for off, n in self._parts(size):
                 _pwrite_all(tmp.fd, self._read_part(fd, off, n, whole), off)

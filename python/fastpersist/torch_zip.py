@@ -69,13 +69,6 @@ ARCHIVE_NAME = "archive"
 #: part holds twice as many, up to HEAD_PART_MAX.
 HEAD_FIRST_PART = 8 << 20
 HEAD_PART_MAX = 512 << 20
-
-#: A save of many storages finds, at the call, only the first ones (at
-#: least this many bytes in at least this many storages); the layout finds
-#: the rest while the first are written (10,000 storages: about 10 ms of
-#: the call otherwise spent before the first write). Every tensor's version
-#: is still recorded at the call.
-SURVEY_FIRST = (32 << 20, 1024)
 #: Records of storages in host memory laid out between two chances for an
 #: engine thread waiting for the GIL (a chunk costs about what
 #: HANDOFF_RECORDS records laid out one by one do).
@@ -202,7 +195,7 @@ class TorchZipLayout:
             yield part
 
     def _rest_of_survey(self) -> Tuple[List[Tuple[str, Any]], int]:
-        """For a survey stopped early (``SURVEY_FIRST``), once the storages
+        """For a survey stopped early (``writer.SURVEY_FIRST``), once the storages
         found at the call are laid out: the rest of the storages the pickler
         meets first, in order, and where the head will end at most (the
         space to reserve before they are written). None to add when those

@@ -40,7 +40,15 @@ from .options import (
 from .pickling import TensorVersions
 from .plan import Batch, MemoryGuard, Plan, split_regions
 from .safetensors_format import plan_safetensors
-from .torch_zip import SURVEY_FIRST, TorchZipLayout, plan_torch_save
+from .torch_zip import TorchZipLayout, plan_torch_save
+
+#: A save of many storages finds, at the call, only the first ones (at
+#: least this many bytes in at least this many storages); the layout finds
+#: the rest while the first are written (10,000 storages: about 10 ms of
+#: the call otherwise spent before the first write). Every tensor's version
+#: is still recorded at the call.
+SURVEY_FIRST: Optional[Tuple[int, int]] = (32 << 20, 1024)
+
 
 __all__ = [
     "WriteStats",

@@ -159,7 +159,7 @@ def test_17_2_torch_file_without_crcs_is_read(tmp_path, no_crc):
     assert_same(fastpersist.read_state_dict(p, stats=stats), torch.load(p))
     assert not stats[0].verified
     assert set(stats[0].unchecked) == {
-        n for n in zipfile.ZipFile(p).namelist() if n.split("/", 1)[1] in ("data.pkl", "byteorder", "data/0", "data/1")
+        n for n in zipfile.ZipFile(p).namelist() if n.split("/", 1)[1] in ("data.pkl", "byteorder", "version", "data/0", "data/1")
     }
     res = verify_file(p)
     assert res.format == "torch" and res.records == 0
@@ -843,7 +843,9 @@ def test_a_big_endian_file_reads_as_torch_load_reads_it(tmp_path):
 def test_the_format_version_is_read_as_torch_reads_it(tmp_path, version):
     """Regression: the zip's version record was not read, so files torch
     refuses (a version past what it reads, 0, not a number, no record) were
-    loaded; now those are torch.load's to answer, in its words."""
+    loaded; now a version record as written (its CRC32 checked) that is not
+    one torch reads is torch.load's to answer, in its words, and a missing
+    one is damage."""
     src, dst = tmp_path / "a.pt", tmp_path / "b.pt"
     torch.save({"w": torch.arange(3.0)}, src)
     _rewritten(src, dst, lambda n, d: version if n.endswith("/version") else d)
@@ -851,7 +853,10 @@ def test_the_format_version_is_read_as_torch_reads_it(tmp_path, version):
     ours = _outcome(lambda: fastpersist.read_state_dict(dst))
     if theirs[0] == "ok":
         assert ours[0] == "ok" and torch.equal(ours[1]["w"], theirs[1]["w"])
-    else:
+    elif version is None:  # no record: damage, named (a RuntimeError, as torch's)
+        assert ours[0] is fastpersist.CorruptCheckpointError and "no version record" in ours[1]
+        assert issubclass(ours[0], theirs[0]) and theirs[0] is RuntimeError
+    else:  # the record as written: torch.load's answer
         assert ours == theirs and theirs[0] is RuntimeError
 
 

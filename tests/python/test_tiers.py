@@ -468,3 +468,21 @@ def test_a_failed_upload_to_a_local_store_keeps_the_committed_copy(tmp_path, mon
     back = tmp_path / "back.pt"
     store.download("ck.pt", str(back))
     assert back.read_bytes() == p.read_bytes()
+
+
+def test_a_local_store_makes_its_folder_as_fsspec_does(tmp_path):
+    """Regression: uploads to a store on the local file system went through
+    fsspec's writer, which makes missing folders with ``auto_mkdir=True``;
+    the rename beside the object (since a failed re-upload cut the committed
+    copy short) did not, and raised a TierError. The folder is made where
+    fsspec would make it; elsewhere a missing one is FileNotFoundError, as
+    before."""
+    p = tmp_path / "x.pt"
+    fastpersist.write_state_dict({"w": torch.ones(3)}, p)
+    made = fastpersist.tiers.ObjectStore(str(tmp_path / "new" / "store"), {"auto_mkdir": True})
+    made.upload(str(p))
+    assert sorted(os.listdir(tmp_path / "new" / "store")) == ["x.pt", "x.pt.fpcommit"]
+    missing = fastpersist.tiers.ObjectStore(str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError):
+        missing.upload(str(p))
+    assert not (tmp_path / "nowhere").exists()
