@@ -159,7 +159,9 @@ def test_17_2_torch_file_without_crcs_is_read(tmp_path, no_crc):
     assert_same(fastpersist.read_state_dict(p, stats=stats), torch.load(p))
     assert not stats[0].verified
     assert set(stats[0].unchecked) == {
-        n for n in zipfile.ZipFile(p).namelist() if n.split("/", 1)[1] in ("data.pkl", "byteorder", "version", "data/0", "data/1")
+        n
+        for n in zipfile.ZipFile(p).namelist()
+        if n.split("/", 1)[1] in ("data.pkl", "byteorder", "version", "data/0", "data/1")
     }
     res = verify_file(p)
     assert res.format == "torch" and res.records == 0
