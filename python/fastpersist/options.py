@@ -493,11 +493,21 @@ def check_path(path: Any) -> str:
 def open_for_read(path: str) -> int:
     """An fd of the checkpoint file ``path``, opened for reading; a
     directory is an ``IsADirectoryError`` naming it (``open`` takes a
-    directory, and the first read would fail without its name)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    if stat.S_ISDIR(os.fstat(fd).st_mode):
+    directory, and the first read would fail without its name); a FIFO or
+    a socket (no checkpoint can be read at offsets from one) is an OSError
+    naming it, at once: the open does not wait for a writer."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+            raise OSError(errno.ESPIPE, f"{kind}, not a checkpoint file (it cannot be read at offsets)", path)
+        os.set_blocking(fd, True)
+    except BaseException:
         os.close(fd)
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        raise
     return fd
 
 

@@ -89,7 +89,7 @@ class ReadStats:
 def detect_format(path: PathLike) -> str:
     """``"torch"`` (zip), ``"torch-legacy"``, ``"safetensors"``, or raises CorruptCheckpointError."""
     p = check_path(path)
-    with open(p, "rb") as f:
+    with os.fdopen(open_for_read(p), "rb") as f:
         head = f.read(HEAD_BYTES)
         size = os.fstat(f.fileno()).st_size
     return detect(head, size, p)

@@ -6,6 +6,7 @@ import json
 import os
 import struct
 import subprocess
+import sys
 
 import fastpersist
 import pytest
@@ -183,3 +184,19 @@ def test_verify_reports_a_damaged_pickle_and_goes_on(ckpt, tmp_path):
     lines = r.stdout.splitlines()
     assert lines[0].startswith("CORRUPT") and "FloapStorage" in lines[0], r.stdout
     assert lines[1].startswith("OK") and str(ckpt) in lines[1], r.stdout
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_fifo_is_refused_at_once_not_waited_on(tmp_path, command):
+    """Regression: ``verify`` (and ``read_state_dict``) of a FIFO with no
+    writer hung in ``open``, waiting for one; with a writer it failed on
+    the first seek. A FIFO is refused at once (no checkpoint can be read at
+    offsets from one), a usage error naming it."""
+    p = tmp_path / "pipe"
+    os.mkfifo(p)
+    r = subprocess.run([EXE, command, str(p)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr + r.stdout and "pipe" in r.stderr + r.stdout
+    code = f"import fastpersist\ntry:\n    fastpersist.read_state_dict({str(p)!r})\nexcept OSError as e:\n    print('OSError', e.filename)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == f"OSError {p}", out.stdout + out.stderr
