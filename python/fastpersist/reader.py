@@ -372,14 +372,17 @@ def _read_torch(
     version_rec = by_name.get(prefix + ".data/version") or by_name.get(prefix + "version")
     if version_rec is None:
         raise CorruptCheckpointError(f"{path}: no version record (torch.load refuses such a file too)")
-    version = _small_record(fd, version_rec, path) if version_rec.size <= 4096 else None
+    if version_rec.size > 4096:
+        raise CorruptCheckpointError(f"{path}: a version record of {version_rec.size} bytes")
+    version = _small_record(fd, version_rec, path)
     unrecorded: Set[str] = set()
     if verify:
         sid = _small_record(fd, by_name.get(prefix + ".data/serialization_id"), path)
         own = written_by_fastpersist(sid, pkl, records)
         unrecorded = unrecorded_crcs(records, own)
         first_checks = [(pkl_rec, zlib.crc32(pkl))]
-        first_checks += [(r, zlib.crc32(b)) for r, b in ((order_rec, order), (version_rec, version)) if r and b]
+        few = ((order_rec, order), (version_rec, version))
+        first_checks += [(r, zlib.crc32(b)) for r, b in few if r is not None and b is not None]
         unchecked += check_crcs(first_checks, unrecorded, path)
     if order is not None and order.decode(errors="replace") != sys.byteorder:
         # Saved on a machine of the other byte order (torch.load swaps the
@@ -420,9 +423,8 @@ _VERSIONS = range(1, 11)
 
 
 def _readable_version(raw: Optional[bytes]) -> bool:
-    """Whether the file's format version record (its bytes; None: too long
-    to be one) is a number torch reads; an odd or other one is torch.load's
-    to answer."""
+    """Whether the file's format version record (its bytes) is a number
+    torch reads; an odd or other one is torch.load's to answer."""
     m = re.fullmatch(rb"([0-9]{1,3})\n?", raw) if raw is not None else None
     return m is not None and int(m.group(1)) in _VERSIONS
 
