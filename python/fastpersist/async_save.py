@@ -725,46 +725,52 @@ class AsyncSaver:
         if prev is not None:
             prev._snapshot.wait()  # its errors surface from its own future
         self._slots.acquire()
-        # On the caller's thread, now: device copies made later in the
-        # background are ordered after the work queued on its streams so far,
-        # and the tensors' version counters are taken (an in-place update
-        # issued before the save has gathered a tensor fails the save).
+        # From here to the submission an interrupt (Ctrl-C) must not keep the
+        # slot: before the future is registered the slot is given back; once
+        # it is, the future is cancelled (its callbacks give it back).
+        fut: Optional[CheckpointFuture] = None
         try:
+            # On the caller's thread, now: device copies made later in the
+            # background are ordered after the work queued on its streams so
+            # far, and the tensors' version counters are taken (an in-place
+            # update issued before the save has gathered a tensor fails it).
             versions = TensorVersions(obj, on_change)
             devices = active_devices(obj)
             ready = record_ready(devices)
             # The background threads work under the caller's device (one
             # with a context), never device 0 by default.
             home = home_device(devices)
+            held = _Held(obj, versions)
+            del obj, versions  # from here on only in the box
+            with self._lock:
+                if self._closed:
+                    # Closed by another thread since the check above: its
+                    # threads end once the saves registered before are done,
+                    # so this one would never run (its future never complete).
+                    held.versions.release()
+                    self._check_open()
+                made = CheckpointFuture(p, mode)
+                made._workers = (self._snap, self._write)
+                note_pending(p, made)
+                made.add_done_callback(self._finished)
+                fut = made
+                self._last = fut
+                self._inflight.append(fut)
+                if group is not None:
+                    self._write.submit(_on(home, self._distributed), held, p, opts, fut, group, sharded, ready)
+                elif mode == "snapshot":
+                    planner = _planner(fmt, metadata)
+                    self._snap.submit(_on(home, self._snapshot_then_write), held, p, opts, fut, ready, planner)
+                elif fmt == "safetensors":
+                    self._write.submit(_on(home, self._pipelined_safetensors), held, p, opts, fut, metadata)
+                else:
+                    self._write.submit(_on(home, self._pipelined), held, p, opts, fut, ready)
         except BaseException:
-            self._slots.release()
-            raise
-        held = _Held(obj, versions)
-        del obj  # from here on only in the box
-        with self._lock:
-            if self._closed:
-                # Closed by another thread since the check above: its threads
-                # end once the saves registered before are done, so this one
-                # would never run (its future never complete).
+            if fut is None:
                 self._slots.release()
-                versions.release()
-                self._check_open()
-            del versions
-            fut = CheckpointFuture(p, mode)
-            fut._workers = (self._snap, self._write)
-            note_pending(p, fut)
-            fut.add_done_callback(self._finished)
-            self._last = fut
-            self._inflight.append(fut)
-            if group is not None:
-                self._write.submit(_on(home, self._distributed), held, p, opts, fut, group, sharded, ready)
-            elif mode == "snapshot":
-                planner = _planner(fmt, metadata)
-                self._snap.submit(_on(home, self._snapshot_then_write), held, p, opts, fut, ready, planner)
-            elif fmt == "safetensors":
-                self._write.submit(_on(home, self._pipelined_safetensors), held, p, opts, fut, metadata)
             else:
-                self._write.submit(_on(home, self._pipelined), held, p, opts, fut, ready)
+                fut.cancel()  # not begun: nothing written; its callbacks free the slot
+            raise
         return fut
 
     def _after_fork_in_child(self) -> None:

@@ -243,25 +243,30 @@ ENGINE_OPTIONS = tuple(p for p in inspect.signature(EngineOptions.resolve).param
 
 
 class _OwnedLock:
-    """A lock that knows which thread holds it (to tell a re-entrant call,
-    e.g. from a signal handler, from contention)."""
+    """A lock that knows whether the calling thread holds it (to tell a
+    re-entrant call, e.g. from a signal handler, from contention). The
+    ownership is the C lock's own (an RLock), taken in the same step as the
+    lock: an interrupt (Ctrl-C) landing right after the acquire still
+    finds the lock owned, and the release in a ``finally`` frees it."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.owner: Optional[int] = None
+        self._lock = threading.RLock()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        ok = self._lock.acquire(blocking, timeout)
-        if ok:
-            self.owner = threading.get_ident()
-        return ok
+        return self._lock.acquire(blocking, timeout)
 
     def release(self) -> None:
-        self.owner = None
         self._lock.release()
 
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the lock."""
+        return bool(self._lock._is_owned())  # type: ignore[attr-defined]  # the C RLock's
+
     def locked(self) -> bool:
-        return self._lock.locked()
+        if self._lock.acquire(blocking=False):
+            self._lock.release()
+            return False
+        return True
 
     def __enter__(self) -> _OwnedLock:
         self.acquire()
@@ -341,15 +346,22 @@ def use_engine(opts: EngineOptions, index: int = 0) -> Iterator[_core.Engine]:
     engine of its own instead of waiting for itself forever. The files it
     begins get the mode :func:`file_mode` gives."""
     lock, eng = get_engine(opts, index)
-    if lock.owner == threading.get_ident():
+    if lock.held_here():
         own = _new_engine(opts)
         own.set_file_mode(_FILE_MODE.get())
         yield own
         return
-    with lock:
+    try:
+        # Inside the try: an interrupt landing as the lock is taken still
+        # lets it go (a lock kept by the main thread would hang every
+        # background save with these options, and the exit's drain).
+        lock.acquire()
         eng.set_gather_threads(opts.gather_threads)
         eng.set_file_mode(_FILE_MODE.get())
         yield eng
+    finally:
+        if lock.held_here():
+            lock.release()
 
 
 def _after_fork_in_child() -> None:

@@ -554,3 +554,76 @@ def test_the_step_hook_never_fails_an_optimizer_step(tmp_path, saver):
         opt.step()
     fut.result(timeout=60)
     assert_same(model.state_dict(), torch.load(tmp_path / "a.pt"))
+
+
+@pytest.mark.parametrize("where", ["versions", "note_pending", "submit"])
+def test_an_interrupt_inside_save_keeps_no_slot(tmp_path, monkeypatch, where):
+    """Regression: a KeyboardInterrupt (Ctrl-C) raised inside save() after
+    its slot was taken and before the save was handed to its thread (the
+    future made, registered, submitted) kept the slot: after max_pending
+    such interrupts every later save blocked forever. Now the slot is given
+    back (and a registered future cancelled: nothing is written)."""
+    from fastpersist import async_save
+
+    s = AsyncSaver(max_pending=1)
+    calls = []
+
+    def interrupt(real):
+        def f(*a, **k):
+            if not calls:
+                calls.append(1)
+                raise KeyboardInterrupt
+            return real(*a, **k)
+
+        return f
+
+    if where == "versions":
+        monkeypatch.setattr(async_save, "TensorVersions", interrupt(async_save.TensorVersions))
+    elif where == "note_pending":
+        monkeypatch.setattr(async_save, "note_pending", interrupt(async_save.note_pending))
+    else:
+        monkeypatch.setattr(s._write, "submit", interrupt(s._write.submit))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            s.save({"w": torch.ones(4)}, tmp_path / "a.pt")
+        assert not (tmp_path / "a.pt").exists()
+        done = threading.Event()
+        result = []
+
+        def again():
+            result.append(s.save({"w": torch.zeros(4)}, tmp_path / "b.pt").result(timeout=60))
+            done.set()
+
+        threading.Thread(target=again, daemon=True).start()
+        assert done.wait(60), "the next save waited for a slot nobody holds"
+        assert torch.equal(torch.load(tmp_path / "b.pt")["w"], torch.zeros(4))
+        s.wait_all()
+    finally:
+        s.close()
+
+
+def test_an_interrupt_as_a_save_takes_the_engine_lets_it_go(tmp_path, monkeypatch):
+    """Regression: a KeyboardInterrupt landing just after a synchronous save
+    took its engine's lock (inside the ``with``'s enter) kept the lock,
+    recorded as the main thread's: that thread's saves went on (on fresh
+    engines), but every background save with the same options, which share
+    the engine, and the exit's drain then waited forever."""
+    from fastpersist import options
+
+    real = options._OwnedLock.acquire
+    calls = []
+
+    def acquire(self, *a, **k):
+        got = real(self, *a, **k)
+        if not calls and threading.current_thread() is threading.main_thread():
+            calls.append(1)
+            raise KeyboardInterrupt
+        return got
+
+    monkeypatch.setattr(options._OwnedLock, "acquire", acquire)
+    with pytest.raises(KeyboardInterrupt):
+        fastpersist.write_state_dict({"w": torch.ones(4)}, tmp_path / "a.pt")
+    assert calls and not (tmp_path / "a.pt").exists()
+    fut = fastpersist.save_async({"w": torch.zeros(4)}, tmp_path / "b.pt")
+    fut.result(timeout=60)
+    assert torch.equal(torch.load(tmp_path / "b.pt")["w"], torch.zeros(4))
