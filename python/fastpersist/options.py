@@ -262,12 +262,6 @@ class _OwnedLock:
         """Whether the calling thread holds the lock."""
         return bool(self._lock._is_owned())  # type: ignore[attr-defined]  # the C RLock's
 
-    def locked(self) -> bool:
-        if self._lock.acquire(blocking=False):
-            self._lock.release()
-            return False
-        return True
-
     def __enter__(self) -> _OwnedLock:
         self.acquire()
         return self
@@ -442,6 +436,17 @@ class RangeBuffer:
             out.append(bytes(self._buf[at : at + n]))
             at += n
         return out
+
+
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """Write all of ``data`` (any buffer) at ``offset`` of the open file
+    (pwrite may write less than it is given)."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        view, offset = view[n:], offset + n
 
 
 def read_range(fd: int, offset: int, buf: Any, opts: Optional[EngineOptions] = None) -> int:

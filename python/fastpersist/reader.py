@@ -434,9 +434,14 @@ def _read_by_torch(
 ) -> Tuple[Any, int, int]:
     """A zip file read by torch.load itself, from the file already open
     (what it reads, fastpersist reads; what it refuses, in its words)."""
+    return _torch_load(fd, map_location, weights_only), size, records
+
+
+def _torch_load(fd: int, map_location: MapLocation, weights_only: bool) -> Any:
+    """torch.load of the open file, from its start."""
     with os.fdopen(os.dup(fd), "rb") as f:
         f.seek(0)
-        return torch.load(f, map_location=map_location, weights_only=weights_only), size, records
+        return torch.load(f, map_location=map_location, weights_only=weights_only)
 
 
 def _read_legacy(fd: int, size: int, path: str, map_location: MapLocation, weights_only: bool) -> Tuple[Any, int, int]:
@@ -445,25 +450,24 @@ def _read_legacy(fd: int, size: int, path: str, map_location: MapLocation, weigh
     and messages), from the file already open. It has no checksums: the
     structure check runs after a load too (torch.load hands out a storage
     the pickle names and the file does not hold without filling it)."""
-    with os.fdopen(os.dup(fd), "rb") as f:
+    try:
+        obj = _torch_load(fd, map_location, weights_only)
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}"
+        if _truncated(e):
+            raise CorruptCheckpointError(f"{path}: the legacy torch file is truncated ({why})") from None
+        if isinstance(e, pickle.UnpicklingError) and weights_only:
+            raise  # torch's refusal, in its words
+        # A damaged file raises anything from inside torch.load (a
+        # KeyError, an AssertionError, ...): the structure check names
+        # the damage; an intact file's error is torch's own.
         try:
-            obj = torch.load(f, map_location=map_location, weights_only=weights_only)
-        except Exception as e:
-            why = f"{type(e).__name__}: {e}"
-            if _truncated(e):
-                raise CorruptCheckpointError(f"{path}: the legacy torch file is truncated ({why})") from None
-            if isinstance(e, pickle.UnpicklingError) and weights_only:
-                raise  # torch's refusal, in its words
-            # A damaged file raises anything from inside torch.load (a
-            # KeyError, an AssertionError, ...): the structure check names
-            # the damage; an intact file's error is torch's own.
-            try:
-                check_legacy(fd, size, path)
-            except CorruptCheckpointError as c:
-                raise CorruptCheckpointError(f"{c} (torch.load: {why})") from None
-            except UnsupportedFormatError:
-                pass  # torch's tar format: the check cannot tell, torch's error stands
-            raise
+            check_legacy(fd, size, path)
+        except CorruptCheckpointError as c:
+            raise CorruptCheckpointError(f"{c} (torch.load: {why})") from None
+        except UnsupportedFormatError:
+            pass  # torch's tar format: the check cannot tell, torch's error stands
+        raise
     try:
         check_legacy(fd, size, path)
     except UnsupportedFormatError:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Hashable, List, Optional, Sequence, Tuple
 
 from . import _core
 from .errors import CorruptCheckpointError, FastPersistError
-from .options import read_range
+from .options import pwrite_all, read_range
 from .verify import verify_file
 
 __all__ = [
@@ -191,9 +191,7 @@ class Received:
 
 
 def _write_chunk(tmp: Any, data: memoryview, offset: int) -> None:
-    view = data
-    while view:
-        view = view[os.pwrite(tmp.fd, view, offset + len(data) - len(view)) :]
+    pwrite_all(tmp.fd, data, offset)
 
 
 def _post(group: Any, send: Optional[Tuple[Any, int]], recv: Optional[Tuple[Any, int]]) -> List[Any]:

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from . import _core
 from .errors import CorruptCheckpointError, FastPersistError
-from .options import read_range
+from .options import pwrite_all, read_range
 from .verify import verify_fd, verify_file
 
 __all__ = [
@@ -231,7 +231,7 @@ class ObjectStore:
             raise FileNotFoundError(errno.ENOENT, "no such directory in the store", parent)
         with _core.TempFile(dst) as tmp:
             for off, n in self._parts(size):
-                _pwrite_all(tmp.fd, self._read_part(fd, off, n, whole), off)
+                pwrite_all(tmp.fd, self._read_part(fd, off, n, whole), off)
             tmp.commit(size, durable=True)
 
     def _put_stream(self, fd: int, size: int, dst: str, whole: _Crc) -> None:
@@ -352,7 +352,7 @@ class ObjectStore:
                     chunk = self._call(f"download of {url}", f.read, 16 << 20)
                     if not chunk:
                         break
-                    _pwrite_all(tmp.fd, chunk, off)
+                    pwrite_all(tmp.fd, chunk, off)
                     whole.add(_core.crc32(chunk), len(chunk))
                     off += len(chunk)
             recorded = marker.get("crc32")
@@ -394,16 +394,6 @@ class _Crc:
 
     def add(self, crc: int, n: int) -> None:
         self.value = _core.crc32_combine(self.value, crc, n)
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    """Write all of ``data`` at ``offset`` (pwrite may write less)."""
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        view, offset = view[n:], offset + n
 
 
 def _json(obj: Any) -> bytes:
