@@ -17,6 +17,7 @@
 
 use crate::arena::Arena;
 use crate::error::{Error, Result};
+use crate::held::Held;
 use crate::lend::Lending;
 use crate::sink::{Fault, PoolSink, Sink, UringSink};
 
@@ -154,7 +155,10 @@ pub struct Engine {
     /// streamed file, writes stay in flight; every other use of the arena
     /// first waits for them ([`Engine::settle`]). When no session streams,
     /// this holds every buffer.
-    free: Vec<usize>,
+    pub(crate) free: Vec<usize>,
+    /// Buffers the callers hold ([`crate::held`]): in neither `free` nor
+    /// flight.
+    pub(crate) held: Held,
     /// The session whose writes are in flight, if any.
     pub(crate) streaming: Option<u64>,
     /// Failures of writes drained on behalf of another session, reported
@@ -224,6 +228,7 @@ impl Engine {
             opts,
             uring_note,
             free,
+            held: Held::default(),
             streaming: None,
             lost: Vec::new(),
             dir_fsync_fault: None,
@@ -370,8 +375,8 @@ impl Engine {
     /// Run `io` with the I/O back end, the arena and the list of free
     /// buffers, which `io` takes buffers from and gives them back to as
     /// their I/O completes. When `io` fails, every request in flight is
-    /// waited for (the kernel is done with every buffer), the whole arena is
-    /// free again and no session streams. This is the only way to the sink
+    /// waited for (the kernel is done with every buffer), the whole arena
+    /// but the buffers callers hold is free again and no session streams. This is the only way to the sink
     /// and the arena's buffers.
     pub(crate) fn with_buffers<T>(
         &mut self,
@@ -392,6 +397,7 @@ impl Engine {
     ) -> Result<T> {
         self.check_process()?;
         let mut free = std::mem::take(&mut self.free);
+        self.held.reclaim(&mut free);
         let ids = self.opts.queue_depth + 2 * self.opts.gather_threads + 1;
         let (sink, arena) = self.parts();
         let mut lending = Lending::new(sink, arena.nbufs(), ids, align);
@@ -404,10 +410,11 @@ impl Engine {
             lending.lent_in_flight() == 0 && free.len() <= arena.nbufs(),
             "a lent write outlived its call, or an I/O id came back twice"
         );
-        self.free = free;
         if res.is_err() {
+            free.retain(|&b| !self.held.holds(b));
             self.streaming = None;
         }
+        self.free = free;
         res
     }
 

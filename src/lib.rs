@@ -16,6 +16,8 @@
 //! - [`engine`]: [`Engine`] and [`Options`], the arena, sink and free-buffer
 //!   list that saves and reads share, and who owns the writes in flight;
 //! - [`writer`]: write sessions (`begin`/`write`/`finish`) and `write_part`;
+//! - [`held`]: arena buffers a session's caller fills itself (device-to-host
+//!   copies straight into the arena), checksummed and written where they lie;
 //! - [`reader`]: many records of one file into caller memory;
 //! - [`pickle`]: CPython's protocol-2 pickle opcodes, byte for byte (the
 //!   fast path of the Python side's torch.save pickle);
@@ -39,6 +41,7 @@ pub mod engine;
 pub mod error;
 pub mod gather;
 pub mod guard;
+pub mod held;
 pub mod layout;
 mod lend;
 pub mod pickle;

@@ -18,6 +18,7 @@ use crate::commit::TempFile;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::guard;
+use crate::held::SessionEnd;
 use crate::layout::{Extent, Layout, Segment, Source};
 use crate::lend::Lending;
 use crate::sink::{Job, Sink};
@@ -58,23 +59,23 @@ pub struct WriteStats {
 /// One file being written: see [`Engine::begin`].
 pub struct Session {
     /// Tells this session's writes in flight from another session's.
-    id: u64,
-    tmp: TempFile,
+    pub(crate) id: u64,
+    pub(crate) tmp: TempFile,
     target: std::path::PathBuf,
-    block: usize,
+    pub(crate) block: usize,
     /// Segments not yet wholly written, sorted by offset.
-    segments: Vec<Segment>,
+    pub(crate) segments: Vec<Segment>,
     /// End of the last segment given so far.
-    frontier: u64,
+    pub(crate) frontier: u64,
     /// Bytes `[0, written)` are written (a multiple of the block).
-    written: u64,
-    hashers: Vec<Hasher>,
+    pub(crate) written: u64,
+    pub(crate) hashers: Vec<Hasher>,
     direct_note: Option<String>,
     t0: Instant,
     open_seconds: f64,
-    io_seconds: f64,
+    pub(crate) io_seconds: f64,
     /// Bytes written since the last fdatasync was started.
-    unflushed: u64,
+    pub(crate) unflushed: u64,
     /// Memory alignment that writes straight from caller memory need
     /// (None: always gather).
     lend_align: Option<usize>,
@@ -85,6 +86,9 @@ pub struct Session {
     /// Checksum ids of the caller memory written from where it lies.
     lent_ids: BTreeSet<u32>,
     failed: bool,
+    /// Gives the buffers the session still holds back to the engine when
+    /// it is dropped ([`crate::held`]).
+    _end: SessionEnd,
 }
 
 static NEXT_SESSION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -166,6 +170,22 @@ impl Session {
         Ok(())
     }
 
+    /// An error once the session failed.
+    pub(crate) fn check_usable(&self) -> Result<()> {
+        if self.failed {
+            return Err(Error::option("this write session already failed"));
+        }
+        Ok(())
+    }
+
+    /// Mark the session failed by `e`, naming its temporary file.
+    pub(crate) fn fail(&mut self, mut e: Error) -> Error {
+        self.failed = true;
+        e.path
+            .get_or_insert_with(|| self.tmp.temp_path().to_path_buf());
+        e
+    }
+
     /// The O_DIRECT block size of this file.
     pub fn block(&self) -> usize {
         self.block
@@ -232,8 +252,9 @@ impl Engine {
         let lend_align = lend_align(zero_copy, tmp.is_direct(), &dio, || {
             self.probe_lend_align(&tmp, dio.block)
         })?;
+        let id = NEXT_SESSION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Session {
-            id: NEXT_SESSION.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            id,
             tmp,
             target: path.to_path_buf(),
             block: dio.block,
@@ -251,6 +272,7 @@ impl Engine {
             zero_copy_bytes: 0,
             lent_ids: BTreeSet::new(),
             failed: false,
+            _end: self.held.token(id),
         })
     }
 
@@ -269,6 +291,13 @@ impl Engine {
         let upto = align::align_down(session.frontier, session.block as u64);
         self.run(session, upto, session.frontier, &mut || Ok(()), true)?;
         session.own_rest().inspect_err(|_| session.failed = true)
+    }
+
+    /// Write the blocks before `offset` (a block boundary at or after
+    /// everything given; the bytes between are zeros), leaving the writes
+    /// in flight as [`Engine::write`] does.
+    pub(crate) fn write_upto(&mut self, session: &mut Session, offset: u64) -> Result<()> {
+        self.run(session, offset, offset, &mut || Ok(()), true)
     }
 
     /// Give up on `session`: wait for its writes in flight (their results
