@@ -146,16 +146,14 @@ impl Engine {
         }
         self.settle(Some(session.id));
         self.reported(session)?;
-        let taken = self.with_buffers(|sink, _, free| {
-            loop {
-                if let Some(b) = free.pop() {
-                    return Ok(b);
-                }
-                if sink.pending() == 0 {
-                    return Err(Error::option("no arena buffer is free or in flight"));
-                }
-                sink.reap(free, true)?;
+        let taken = self.with_buffers(|sink, _, free| loop {
+            if let Some(b) = free.pop() {
+                return Ok(b);
             }
+            if sink.pending() == 0 {
+                return Err(Error::option("no arena buffer is free or in flight"));
+            }
+            sink.reap(free, true)?;
         });
         match taken {
             Ok(b) => {

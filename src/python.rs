@@ -426,6 +426,36 @@ struct PyEngine {
     arena_ptr: usize,
     arena_bytes: usize,
     block_size: usize,
+    /// Called before the arena is unmapped (`at_close`).
+    at_close: Mutex<Vec<PyObject>>,
+}
+
+impl Drop for PyEngine {
+    /// The `at_close` callbacks run (with the GIL, as the engine is freed)
+    /// before the arena is unmapped: memory registered with CUDA is
+    /// unregistered while it is still mapped. A fork child's copy runs
+    /// none (its arena is not the one registered, and CUDA does not work
+    /// there).
+    fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            return;
+        }
+        let calls = self
+            .at_close
+            .get_mut()
+            .map(std::mem::take)
+            .unwrap_or_default();
+        if calls.is_empty() {
+            return;
+        }
+        Python::with_gil(|py| {
+            for cb in calls {
+                if let Err(e) = cb.call0(py) {
+                    e.write_unraisable(py, None);
+                }
+            }
+        });
+    }
 }
 
 #[pymethods]
@@ -476,6 +506,7 @@ impl PyEngine {
             arena_ptr: eng.arena().as_ptr() as usize,
             arena_bytes: eng.arena().len(),
             block_size,
+            at_close: Mutex::new(Vec::new()),
             pid: eng.owner_pid(),
             inner: Mutex::new(eng),
         })
@@ -490,6 +521,16 @@ impl PyEngine {
     #[getter]
     fn arena_bytes(&self) -> usize {
         self.arena_bytes
+    }
+
+    /// Call `callback()` once, when the engine is freed, before its arena
+    /// is unmapped (to unregister it from CUDA). Not in a fork child.
+    fn at_close(&self, callback: PyObject) -> PyResult<()> {
+        self.at_close
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("engine poisoned"))?
+            .push(callback);
+        Ok(())
     }
 
     #[getter]
@@ -1106,6 +1147,68 @@ impl PySession {
     #[getter]
     fn block(&self) -> usize {
         self.block
+    }
+
+    /// Take a free arena buffer for the caller to fill (a device-to-host
+    /// copy straight into the arena): `(index, address)`, `Engine.block_size`
+    /// bytes at `address`. Waits for a write in flight when none is free.
+    /// Hand it to `write_buffer` or `give_back`; a session that ends gives
+    /// back what it still holds. After the parts given to `write_behind`.
+    fn take_buffer(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        let engine = self.engine.get();
+        let b = self.with_session(py, Engine::take_buffer)?;
+        Ok((b, engine.arena_ptr + b * engine.block_size))
+    }
+
+    /// Write buffer `index` (from `take_buffer`), which holds the file's
+    /// `nbytes` bytes at `offset` (at or after everything given so far),
+    /// placed in the buffer at `offset % block`; their CRC32 goes into
+    /// checksum `crc_id`. The engine fills the buffer's head with the rest
+    /// of that block, checksums the bytes where they lie and writes the
+    /// whole blocks from there (in flight on return, as `write` leaves
+    /// them). The buffer is no longer the caller's, whatever the outcome.
+    #[pyo3(signature = (index, offset, nbytes, crc_id=None))]
+    fn write_buffer(
+        &self,
+        py: Python<'_>,
+        index: usize,
+        offset: IntArg,
+        nbytes: IntArg,
+        crc_id: Option<u32>,
+    ) -> PyResult<()> {
+        let offset: u64 = offset.get("offset")?;
+        let nbytes: usize = nbytes.get("nbytes")?;
+        self.with_session(py, |e, s| e.write_buffer(s, index, offset, nbytes, crc_id))
+    }
+
+    /// Give back buffer `index`, taken and not written.
+    fn give_back(&self, py: Python<'_>, index: usize) -> PyResult<()> {
+        self.with_session(py, |e, s| e.give_back(s, index))
+    }
+}
+
+impl PySession {
+    /// Run `f` on the engine and the unfinished session, without the GIL,
+    /// after the parts given to `write_behind`.
+    fn with_session<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Engine, &mut Session) -> Result<T, Error> + Send,
+    ) -> PyResult<T> {
+        self.check_mine()?;
+        PySession::join_behind(self, py)?;
+        let engine = self.engine.get();
+        py.allow_threads(|| {
+            let mut lock = self
+                .session
+                .lock()
+                .map_err(|_| Error::option("session poisoned"))?;
+            let s = lock
+                .as_mut()
+                .ok_or_else(|| Error::option("this write session is already finished"))?;
+            f(&mut *engine.engine()?, s)
+        })
+        .map_err(to_py)
     }
 }
 

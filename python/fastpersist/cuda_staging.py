@@ -2,22 +2,25 @@
 on a dedicated CUDA stream with non-blocking copies through page-locked host
 memory (a Rust mapping registered with ``cudaHostRegister``).
 
-Writing (device to host): each chunk is handed to the write session as soon
-as its copy's event has fired. While chunk k is being written to disk (the
-session call releases the GIL), chunk k+1 is already being copied; three
-staging slots are enough for that (the session may hold on to the unaligned
-end of chunk k until the next call has consumed it).
-
-The session's write returns once the chunk is in the engine's arena, with
-the disk writes still in flight, so the disk never idles between chunks.
+Writing (device to host): each chunk is copied straight into a buffer of
+the engine's own arena (registered with CUDA once per engine), which the
+write session lends (``WriteSession.take_buffer``) and then writes from
+where it lies (``write_buffer``: the engine checksums it in place and puts
+the rest of its first block in front of it), so no byte is copied again on
+the CPU. While chunk k is being written (the session call releases the
+GIL), chunk k+1 is already being copied into the next buffer; the writes
+stay in flight across calls, so the disk never idles between chunks.
+Without the arena (``FASTPERSIST_STAGE_INTO_ARENA=0``, an arena of fewer
+than four buffers, or CUDA refusing to register it) chunks go through three
+staging slots instead, each gathered into the arena by the session's write.
 
 Reading (host to device): an engine reads a slot's worth of records into a
 slot (O_DIRECT, CRC32 on the way), then a non-blocking host-to-device copy
 empties it. Two engines on two worker threads read consecutive slots, so
 two reads are always in flight while the third slot is being copied.
 
-Staging memory is ``3 * chunk`` bytes, whatever the model. It is made once
-per process (registering memory with CUDA is slow) and reused by every save
+Staging memory (reads, and writes not into the arena) is ``3 * chunk``
+bytes, whatever the model. It is made once per process (registering memory with CUDA is slow) and reused by every save
 and load; :func:`release_staging` frees it.
 
 The copy stream first waits on an event recorded on the caller's current
@@ -65,6 +68,10 @@ __all__ = [
     "DEFAULT_CHUNK",
     "SLOTS",
     "stream_device_region",
+    "stream_into_arena",
+    "arena_pieces",
+    "ArenaSlots",
+    "arena_slots",
     "read_to_device",
     "record_ready",
     "cuda_devices",
@@ -104,6 +111,11 @@ _HOST_REGISTER_PORTABLE = 1
 #: Registered mappings whose unregistration failed: never unmapped (CUDA may
 #: still treat the range as pinned), kept until the process ends.
 _leaked: List[Any] = []
+
+#: Engines whose arena was offered to CUDA, by ``id``: whether it was
+#: registered. An entry goes when its engine is freed (``Engine.at_close``).
+_arenas: Dict[int, bool] = {}
+_arenas_lock = threading.RLock()  # re-entrant: signal handlers
 
 
 @contextlib.contextmanager
@@ -230,10 +242,14 @@ _inherited: List[Staging] = []
 
 
 def _after_fork_in_child() -> None:
-    global _idle, _idle_lock, _inherited
+    global _idle, _idle_lock, _inherited, _arenas, _arenas_lock
     _inherited = [st for free in _idle.values() for st in free]
     _idle = {}
     _idle_lock = threading.RLock()
+    # The parent's engines are not used here (a child makes its own, whose
+    # ids may be those of the parent's copies once those are freed).
+    _arenas = {}
+    _arenas_lock = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -519,6 +535,129 @@ def stream_device_region(write: Any, region: DeviceRegion, staging: Staging, cop
             copier.wait(pending)
 
 
+def stage_into_arena() -> bool:
+    """Whether device storages are copied straight into the engine's arena
+    (``FASTPERSIST_STAGE_INTO_ARENA``, default on) rather than through the
+    staging slots."""
+    return env_flag("FASTPERSIST_STAGE_INTO_ARENA", True)
+
+
+#: Arena buffers an engine needs for copies straight into it: two lent (one
+#: being written while the next is filled) plus the two it keeps.
+MIN_ARENA_BUFFERS = 4
+
+
+class ArenaSlots:
+    """An engine's arena as the destination of device-to-host copies: a
+    uint8 tensor over the whole mapping, cut into ``size``-byte buffers
+    that a write session lends one at a time."""
+
+    def __init__(self, engine: _core.Engine) -> None:
+        n = engine.arena_bytes
+        raw = (ctypes.c_uint8 * n).from_address(engine.arena_ptr)
+        self.tensor = torch.frombuffer(raw, dtype=torch.uint8)
+        self.size: int = engine.block_size
+        self.base: int = engine.arena_ptr
+
+    def take(self, session: Any) -> Tuple[int, torch.Tensor]:
+        """A buffer the session lends: its index and a tensor over it."""
+        k, addr = session.take_buffer()
+        off = addr - self.base
+        return k, self.tensor[off : off + self.size]
+
+
+def _register_arena(engine: _core.Engine, device: Optional[torch.device]) -> bool:
+    """Register ``engine``'s arena with CUDA (portable, under ``device``)
+    and have it unregistered when the engine is freed, before the arena is
+    unmapped. False (and a debug log) when CUDA refuses."""
+    key = id(engine)
+    ptr, n = engine.arena_ptr, engine.arena_bytes
+    with device_scope(device):
+        rc = int(torch.cuda.cudart().cudaHostRegister(ptr, n, _HOST_REGISTER_PORTABLE))
+    ok = rc == 0
+    if not ok:
+        log.debug("fastpersist: cudaHostRegister of a %d-byte arena failed (error %d): staging slots instead", n, rc)
+
+    def closed() -> None:
+        with _arenas_lock:
+            _arenas.pop(key, None)
+        if not ok:
+            return
+        with device_scope(device):
+            rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if rc != 0:
+            log.warning("fastpersist: cudaHostUnregister of a %d-byte engine arena failed (error %d)", n, rc)
+
+    engine.at_close(closed)
+    return ok
+
+
+def arena_slots(engine: _core.Engine, test_on_cpu: bool, device: Optional[torch.device]) -> Optional[ArenaSlots]:
+    """The arena of ``engine`` as the destination of this call's copies
+    (registered with CUDA under ``device`` on first use), or None: staging
+    slots instead (turned off, too few buffers, CUDA refused it)."""
+    if not stage_into_arena() or engine.arena_bytes // engine.block_size < MIN_ARENA_BUFFERS:
+        return None
+    if not test_on_cpu:
+        with _arenas_lock:
+            ok = _arenas.get(id(engine))
+            if ok is None:
+                ok = _arenas[id(engine)] = _register_arena(engine, device)
+        if not ok:
+            return None
+    return ArenaSlots(engine)
+
+
+def arena_pieces(file_off: int, n: int, size: int, block: int) -> List[Tuple[int, int, int]]:
+    """How a record of ``n`` bytes at ``file_off`` goes through arena
+    buffers of ``size`` bytes for a file of ``block``-byte blocks: ``(at,
+    a, b)`` for each buffer, its bytes ``a:b`` of the record, placed at
+    ``at``, where their file offset falls in its block (the engine puts the
+    rest of that block in front). Only the first piece can start inside a
+    block; every buffer is filled to its end but the last."""
+    out: List[Tuple[int, int, int]] = []
+    a = 0
+    while a < n:
+        at = (file_off + a) % block
+        b = min(n, a + size - at)
+        out.append((at, a, b))
+        a = b
+    return out
+
+
+def stream_into_arena(session: Any, region: DeviceRegion, arena: ArenaSlots, copier: Any) -> None:
+    """Write one device storage (file offset, storage, length, checksum id)
+    by copying it straight into arena buffers the session lends; the copy
+    into buffer k+1 runs while buffer k is written."""
+    file_off, storage, n, crc_id = region
+    pieces = arena_pieces(file_off, n, arena.size, session.block)
+    taken: List[int] = []  # buffers lent and not yet handed back
+    pending: Optional[Any] = None
+
+    def fill(j: int) -> Any:
+        at, a, b = pieces[j]
+        k, dst = arena.take(session)
+        taken.append(k)
+        return copier.copy(dst[at:], storage, a, b)
+
+    try:
+        for j, (_, a, b) in enumerate(pieces):
+            if j == 0:
+                pending = fill(0)
+            copier.wait(pending)
+            pending = None
+            if j + 1 < len(pieces):
+                pending = fill(j + 1)  # overlaps this buffer's write
+            # The engine's once handed over, whatever the write's outcome.
+            session.write_buffer(taken.pop(0), file_off + a, b - a, crc_id)
+    finally:
+        # No copy may still be filling a buffer that goes back to the engine.
+        if pending is not None:
+            copier.wait(pending)
+        for k in taken:
+            session.give_back(k)
+
+
 #: A record read to a device: (file offset, device storage, bytes).
 DeviceRead = Tuple[int, Any, int]
 
@@ -648,8 +787,13 @@ class DeviceContext:
         #: The device this call's own threads work under (None: no CUDA
         #: device); the caller's thread is left on its device.
         self.home: Optional[torch.device] = None if test_on_cpu or not cuda else cuda[0]
-        #: None once closed.
-        self.staging: Optional[Staging] = acquire_staging(chunk, not test_on_cpu, self.home)
+        self.chunk = chunk
+        #: Staging slots, made on first use (``live_staging``); None until
+        #: then and once closed.
+        self.staging: Optional[Staging] = None
+        self._closed = False
+        #: The engine's arena, when copies go straight into it (``bind``).
+        self.arena: Optional[ArenaSlots] = None
         self.copiers: Dict[str, Any] = {}
         for d in devices:
             self.copier(d)
@@ -660,10 +804,21 @@ class DeviceContext:
         use_device(self.home)
 
     def live_staging(self) -> Staging:
-        """The call's staging buffer (an error once the context is closed)."""
-        if self.staging is None:
+        """The call's staging buffer, made (or taken from the idle ones) on
+        first use; an error once the context is closed."""
+        if self._closed:
             raise RuntimeError("fastpersist: a device context was used after it was closed")
+        if self.staging is None:
+            self.staging = acquire_staging(self.chunk, not self.test_on_cpu, self.home)
         return self.staging
+
+    def bind(self, engine: _core.Engine) -> None:
+        """Copy device storages straight into ``engine``'s arena, where it
+        can be (see :func:`arena_slots`), for the writes of this call; else
+        take the staging slots now (before the save's work begins)."""
+        self.arena = arena_slots(engine, self.test_on_cpu, self.home)
+        if self.arena is None:
+            self.live_staging()
 
     def copier(self, device: torch.device) -> Any:
         key = str(device)
@@ -681,6 +836,8 @@ class DeviceContext:
                 # they are handed to the next call.
                 c.drain()
         self.copiers.clear()
+        self._closed = True
+        self.arena = None
         st, self.staging = self.staging, None
         if st is not None:
             return_staging(st)
@@ -708,20 +865,25 @@ def send(
     g = guard if guard else None
     rest = batch
     for region in sorted(batch.device, key=lambda r: r.offset):
-        assert ctx is not None and ctx.staging is not None
+        assert ctx is not None
         before, rest = rest.split_at(region.offset)
         if before.blobs or before.regions or before.slots:
             session.write(before.blobs, before.regions, before.slots, g)
         if g is not None:
             g.check([region.crc_id])
-        # Gathered, not lent: a lent write ends with its call, so the disk
-        # would drain after every chunk; the arena's writes stay in flight.
-        stream_device_region(
-            lambda regs: session.write([], regs, [], lend=False),
-            region,
-            ctx.staging,
-            ctx.copier(region.storage.device),
-        )
+        copier = ctx.copier(region.storage.device)
+        if ctx.arena is not None:
+            stream_into_arena(session, region, ctx.arena, copier)
+        else:
+            # Gathered, not lent: a lent write ends with its call, so the
+            # disk would drain after every chunk; the arena's writes stay in
+            # flight.
+            stream_device_region(
+                lambda regs: session.write([], regs, [], lend=False),
+                region,
+                ctx.live_staging(),
+                copier,
+            )
         _, rest = rest.split_at(region.offset + region.length)
         rest.device = []
     if file_len is None:

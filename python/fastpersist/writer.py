@@ -190,6 +190,8 @@ def write_torch_zip(
         ctx = DeviceContext(sorted(head_devices, key=str), test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)
     try:
         with use_engine(opts) as eng:
+            if ctx is not None:
+                ctx.bind(eng)
             session = eng.begin(path, head_end)
             try:
                 head = PartWriter(session, ctx, layout.guard)
@@ -211,6 +213,7 @@ def write_torch_zip(
                 if tail.device and ctx is None:
                     devices = sorted({r.storage.device for r in tail.device}, key=str)
                     ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk(), ready=ready)
+                    ctx.bind(eng)
                 raw = send(session, tail, ctx, layout.file_len, gathered, layout.guard)
             except BaseException:
                 session.abort()
@@ -326,6 +329,7 @@ def write_streamed(
                     _, kind = staging_setup()
                     devices = sorted({r.storage.device for r in plan.device}, key=str)
                     ctx = DeviceContext(devices, test_on_cpu=kind == "cpu", chunk=stage_chunk())
+                    ctx.bind(eng)
                 raw = send(session, plan, ctx, plan.file_len, on_gathered, plan.guard if plan.guard else None)
             except BaseException:
                 session.abort()

@@ -32,12 +32,20 @@ def test_import_does_not_initialise_cuda():
     assert out.strip() == "False"
 
 
-@pytest.fixture
-def staged_on_cpu(monkeypatch):
-    """Every storage goes through the staging pipeline, in 3-block chunks,
-    so chunks, slot reuse across storages and partial blocks all happen."""
+@pytest.fixture(params=["arena", "slots"])
+def staged_on_cpu(request, monkeypatch):
+    """Every storage goes through the device pipeline: copied straight into
+    the engine's arena (buffers of 4 blocks, 16 of them: records cross
+    buffers, buffers are reused across storages), or through staging slots
+    in 3-block chunks, so chunks, slot reuse across storages and partial
+    blocks all happen."""
     monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")
     monkeypatch.setenv("FASTPERSIST_STAGE_CHUNK", str(3 * 4096))
+    monkeypatch.setenv("FASTPERSIST_STAGE_INTO_ARENA", "1" if request.param == "arena" else "0")
+    if request.param == "arena":
+        monkeypatch.setenv("FASTPERSIST_BLOCK_SIZE", str(4 * 4096))
+        monkeypatch.setenv("FASTPERSIST_ARENA_BYTES", str(16 * 4 * 4096))
+    return request.param
 
 
 def test_staged_file_is_byte_identical(tmp_path, staged_on_cpu, monkeypatch):
@@ -68,6 +76,7 @@ def test_staged_chunks_are_gathered_into_the_arena_not_lent(tmp_path, monkeypatc
     stands in for the copy engine; the chunk is 16 blocks."""
     monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")
     monkeypatch.setenv("FASTPERSIST_STAGE_CHUNK", str(16 * 4096))
+    monkeypatch.setenv("FASTPERSIST_STAGE_INTO_ARENA", "0")
     sd = {f"w{i}": make((5 << 16,), torch.float32, i) for i in range(4)}
     sd["odd"] = make((70_001,), torch.float32, 9)  # a partial last block
     st = fastpersist.write_state_dict(sd, tmp_path / "staged.pt", zero_copy=True)
@@ -212,12 +221,110 @@ def test_staging_memory_is_reused_and_released(tmp_path, staged_on_cpu):
     release_staging()
     sd = {"a": make((40_000,), torch.float32, 1)}
     fastpersist.write_state_dict(sd, tmp_path / "1.pt")
+    # A write into the arena needs no staging slots at all.
+    assert staging_bytes() == (0 if staged_on_cpu == "arena" else 3 * 3 * 4096)
+    fastpersist.read_state_dict(tmp_path / "1.pt")
     held = staging_bytes()
     assert held >= 3 * 3 * 4096  # three slots of the fixture's chunk size, kept for the next call
-    fastpersist.read_state_dict(tmp_path / "1.pt")
     fastpersist.write_state_dict(sd, tmp_path / "2.pt")
+    fastpersist.read_state_dict(tmp_path / "2.pt")
     assert staging_bytes() == held  # no new buffer per call
     assert fastpersist.release_staging() == held and staging_bytes() == 0
+
+
+def _arena_copies(monkeypatch):
+    """Record the destination address of every copy the stand-in copier
+    makes (device to host)."""
+    from fastpersist.cuda_staging import ThreadCopier
+
+    dsts = []
+    real = ThreadCopier.copy
+
+    def copy(self, dst, storage, start, end):
+        dsts.append((dst.data_ptr(), end - start))
+        return real(self, dst, storage, start, end)
+
+    monkeypatch.setattr(ThreadCopier, "copy", copy)
+    return dsts
+
+
+def test_device_copies_land_in_the_engines_arena(tmp_path, monkeypatch):
+    """Issue 21, item 4: device-to-host copies go straight into buffers of
+    the engine's arena (which the session then writes from where they lie),
+    not into staging slots copied again into the arena. Nothing is lent
+    from caller memory, no staging memory is made, and the file is the one
+    a host save makes."""
+    from fastpersist.options import EngineOptions, get_engine
+
+    monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")
+    monkeypatch.setenv("FASTPERSIST_BLOCK_SIZE", str(64 << 10))
+    monkeypatch.setenv("FASTPERSIST_ARENA_BYTES", str(8 * (64 << 10)))
+    dsts = _arena_copies(monkeypatch)
+    release_staging()
+    sd = {f"w{i}": make((5 << 16,), torch.float32, i) for i in range(4)}
+    sd["odd"] = make((70_001,), torch.float32, 9)
+    sd["tiny"] = make((3,), torch.int8)
+    st = fastpersist.write_state_dict(sd, tmp_path / "arena.pt", zero_copy=True)
+    _, eng = get_engine(EngineOptions.resolve())
+    lo, hi = eng.arena_ptr, eng.arena_ptr + eng.arena_bytes
+    assert len(dsts) >= sum(s.numel() * s.element_size() for s in sd.values()) // (64 << 10)
+    assert all(lo <= p and p + n <= hi for p, n in dsts), "a copy missed the arena"
+    assert st.zero_copy_bytes == 0 and staging_bytes() == 0
+    monkeypatch.delenv("FASTPERSIST_TEST_STAGE_CPU")
+    fastpersist.write_state_dict(sd, tmp_path / "host.pt")
+    assert (tmp_path / "arena.pt").read_bytes() == (tmp_path / "host.pt").read_bytes()
+
+
+@pytest.mark.parametrize("raise_as", [RuntimeError, KeyboardInterrupt])
+def test_a_failed_copy_into_the_arena_loses_no_buffer(tmp_path, monkeypatch, raise_as):
+    """A copy (or an interrupt) failing half way through a storage gives the
+    buffers it holds back: twenty failed saves on an arena of eight buffers,
+    then saves go on as before, and the old file is kept each time."""
+    from fastpersist.cuda_staging import ThreadCopier
+
+    monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")
+    monkeypatch.setenv("FASTPERSIST_BLOCK_SIZE", str(64 << 10))
+    monkeypatch.setenv("FASTPERSIST_ARENA_BYTES", str(8 * (64 << 10)))
+    sd = {"a": make((1 << 18,), torch.float32, 1), "b": make((1 << 17,), torch.float32, 2)}
+    p = tmp_path / "c.pt"
+    fastpersist.write_state_dict(sd, p)
+    good = p.read_bytes()
+    real = ThreadCopier.copy
+    calls = [0]
+
+    def copy(self, dst, storage, start, end):
+        calls[0] += 1
+        if calls[0] % 5 == 0:
+            raise raise_as("the copy failed")
+        return real(self, dst, storage, start, end)
+
+    monkeypatch.setattr(ThreadCopier, "copy", copy)
+    for _ in range(20):
+        calls[0] = 0
+        with pytest.raises(raise_as, match="copy failed"):
+            fastpersist.write_state_dict({"x": make((1 << 18,), torch.float32, 3)}, p)
+        assert p.read_bytes() == good
+        assert sorted(os.listdir(tmp_path)) == ["c.pt"]
+    monkeypatch.setattr(ThreadCopier, "copy", real)
+    for i in range(3):
+        fastpersist.write_state_dict(sd, tmp_path / f"ok{i}.pt")
+        assert_same(sd, fastpersist.read_state_dict(tmp_path / f"ok{i}.pt"))
+
+
+@given(hst.integers(0, 1 << 22), hst.integers(1, 1 << 22), hst.sampled_from([512, 4096, 16384]), hst.integers(1, 64))
+def test_a_record_is_cut_into_arena_buffers_where_its_blocks_fall(file_off, n, block, bufs):
+    from fastpersist.cuda_staging import arena_pieces
+
+    size = bufs * max(block, 4096)
+    pieces = arena_pieces(file_off, n, size, block)
+    # They tile the record; each fits its buffer where its offset falls in a block.
+    assert [a for _, a, _ in pieces] == [0] + [b for _, _, b in pieces[:-1]]
+    assert pieces[-1][2] == n
+    for at, a, b in pieces:
+        assert a < b and at == (file_off + a) % block and at + (b - a) <= size
+    # Every buffer but the last is full, so only the first starts inside a block.
+    assert all(at + (b - a) == size for at, a, b in pieces[:-1])
+    assert all(at == 0 for at, _, _ in pieces[1:])
 
 
 def test_location_scan_finds_every_storage_and_builds_nothing(tmp_path):

@@ -639,6 +639,7 @@ def test_15_19_release_staging_during_a_save_frees_its_buffer_afterwards(tmp_pat
     from fastpersist.cuda_staging import staging_bytes
 
     monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")  # CPU storages take the staging path
+    monkeypatch.setenv("FASTPERSIST_STAGE_INTO_ARENA", "0")  # through the staging slots
     fastpersist.release_staging()
 
     class ReleaseNow:
