@@ -24,11 +24,18 @@ read, H2D). A virtual disk's speed drifts from minute to minute, so besides
 the ratio of medians, the median of each round's own ratio (fastpersist
 right after fio, on the same directory) is printed. ``--variants`` adds
 fastpersist writes with other settings (``block``, ``arena``, ``qd``,
-``chunk``: e.g. ``block=4MiB:arena=64MiB,chunk=64MiB``). DeepSpeed's
-FastFileWriter is measured when ``deepspeed`` imports. Needs a CUDA device;
-exits with a message otherwise.
+``chunk``, ``into``: e.g. ``block=4MiB:arena=64MiB,chunk=64MiB,into=slots``;
+``into=slots`` stages through the staging slots instead of copying straight
+into the engine's arena). DeepSpeed's FastFileWriter is measured when
+``deepspeed`` imports. Needs a CUDA device; exits with a message otherwise.
 
-    python benches/gpu_bench.py [--sizes 2GiB,8GiB] [--rounds 3] [--dir DIR] [--variants V,...]
+``--stand-in`` runs the device write path on the CPU instead (host tensors
+staged as device ones, a thread standing in for the copy engine), timing
+only the fastpersist writers against the disk: the data path's own cost
+without a GPU, e.g. ``--stand-in --variants into=slots`` for arena copies
+against staging slots.
+
+    python benches/gpu_bench.py [--sizes 2GiB,8GiB] [--rounds 3] [--dir DIR] [--variants V,...] [--stand-in]
 """
 
 from __future__ import annotations
@@ -68,18 +75,21 @@ def fresh(path: str) -> None:
 
 
 def parse_variant(spec: str) -> tuple:
-    """``block=4MiB:arena=64MiB:qd=32:chunk=64MiB`` -> (name, write options, stage chunk)."""
+    """``block=4MiB:arena=64MiB:qd=32:chunk=64MiB:into=slots`` -> (name,
+    write options, environment)."""
     keys = {"block": "block_size", "arena": "arena_bytes", "qd": "queue_depth"}
-    kw, chunk = {}, None
+    kw, env = {}, {}
     for part in spec.split(":"):
         k, _, v = part.partition("=")
         if k == "chunk":
-            chunk = parse_size(v)
+            env["FASTPERSIST_STAGE_CHUNK"] = str(parse_size(v))
+        elif k == "into" and v in ("arena", "slots"):
+            env["FASTPERSIST_STAGE_INTO_ARENA"] = "1" if v == "arena" else "0"
         elif k in keys:
             kw[keys[k]] = int(v) if k == "qd" else parse_size(v)
         else:
             raise SystemExit(f"gpu_bench: unknown variant setting {k!r} in {spec!r}")
-    return spec, kw, chunk
+    return spec, kw, env
 
 
 _DS: list = []  # write_bench's DeepSpeed writer (or None), made on first use
@@ -105,22 +115,22 @@ def gpu_state(nbytes: int) -> dict:
     return {f"layer{i}.weight": torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) for i in range(count)}
 
 
-def timed_write(sd: dict, path: str, kw: dict, chunk) -> float:
-    """GB/s of one fastpersist write of ``sd`` (a fresh file), with the
-    staging chunk ``chunk`` when given."""
+def timed_write(sd: dict, path: str, kw: dict, env: dict) -> float:
+    """Seconds of one fastpersist write of ``sd`` (a fresh file), with the
+    environment variables ``env`` set for it."""
     fresh(path)
-    old = os.environ.get("FASTPERSIST_STAGE_CHUNK")
-    if chunk:
-        os.environ["FASTPERSIST_STAGE_CHUNK"] = str(chunk)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         t0 = time.perf_counter()
         fastpersist.write_state_dict(sd, path, **kw)
         return time.perf_counter() - t0
     finally:
-        if chunk:
-            os.environ.pop("FASTPERSIST_STAGE_CHUNK")
-            if old is not None:
-                os.environ["FASTPERSIST_STAGE_CHUNK"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def torch_write(sd: dict, path: str) -> float:
@@ -167,11 +177,10 @@ def bench_size(size: int, d: str, variants: list, rounds: int) -> None:
 
     # Writers: (result key, call returning seconds or None).
     writers = [
-        (f"fp_w {name}", lambda kw=kw, chunk=chunk: timed_write(sd, path["fp"], kw, chunk))
-        for name, kw, chunk in variants
+        (f"fp_w {name}", lambda kw=kw, env=env: timed_write(sd, path["fp"], kw, env)) for name, kw, env in variants
     ]
     writers += [
-        ("host_w", lambda: timed_write(host, path["host"], {}, None)),
+        ("host_w", lambda: timed_write(host, path["host"], {}, {})),
         ("ts_w", lambda: torch_write(sd, path["ts"])),
         ("ds_w", lambda: (fresh(path["ds"]), deepspeed_write(sd, path["ds"]))[1]),
     ]
@@ -194,7 +203,7 @@ def bench_size(size: int, d: str, variants: list, rounds: int) -> None:
         # The default variant writes path["fp"] last when there are
         # variants: rewrite it so the GPU read reads the default file.
         if len(variants) > 1:
-            timed_write(sd, path["fp"], {}, None)
+            timed_write(sd, path["fp"], {}, {})
         fio_r = rlim.measure(d, nbytes, "read")
         for key, read in rotated(readers, r):
             add(key, read())
@@ -240,14 +249,46 @@ def bench_size(size: int, d: str, variants: list, rounds: int) -> None:
     )
 
 
+def bench_stand_in(size: int, d: str, variants: list, rounds: int) -> None:
+    """The device write path on the CPU: each variant against the disk."""
+    n = 4096 * 4096
+    sd = {f"layer{i}.weight": torch.randn(4096, 4096).to(torch.bfloat16) for i in range(max(1, size // (2 * n)))}
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    path = os.path.join(d, "fp.pt")
+    wlim = Limit()
+    res: dict = {}
+    staged = {"FASTPERSIST_TEST_STAGE_CPU": "1"}
+    writers = [(name, kw, {**staged, **env}) for name, kw, env in variants] + [("host memory", {}, {})]
+    for r in range(rounds):
+        fio = max(wlim.measure(d, nbytes).values(), default=float("nan"))
+        for name, kw, env in rotated(writers, r):
+            gbps = nbytes / timed_write(sd, path, kw, env) / 1e9
+            res.setdefault(name, []).append(gbps)
+            res.setdefault("ratio " + name, []).append(gbps / fio)
+    print(f"\n{nbytes / 2**30:.1f} GiB bf16, device path on the CPU (stand-in copier): disk write {wlim.gbps:.2f} GB/s")
+    print(f"  write {wlim.note()}")
+    for name, _, _ in writers:
+        print(
+            f"  write: fastpersist[{name}] {median(res[name]):.2f} GB/s ({median(res[name]) / wlim.gbps:.2f} of "
+            f"the disk; median of per-round ratios {median(res['ratio ' + name]):.2f})"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="2GiB,8GiB")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--variants", default="", help="extra fastpersist settings to time, comma-separated")
+    ap.add_argument("--stand-in", action="store_true", help="the device write path on the CPU (no GPU needed)")
     args = ap.parse_args()
-    variants = [("default", {}, None)] + [parse_variant(v) for v in args.variants.split(",") if v]
+    variants = [("default", {}, {})] + [parse_variant(v) for v in args.variants.split(",") if v]
+    if args.stand_in:
+        print(f"stand-in for a GPU, torch {torch.__version__}, fastpersist {fastpersist.__version__}")
+        with tempfile.TemporaryDirectory(prefix="fastpersist-gpu-", dir=args.dir or os.getcwd()) as d:
+            for size in (parse_size(s) for s in args.sizes.split(",")):
+                bench_stand_in(size, d, variants, args.rounds)
+        return
     if not torch.cuda.is_available():
         print("gpu_bench: no CUDA device here; nothing measured")
         sys.exit(0)

@@ -583,8 +583,11 @@ def _register_arena(engine: _core.Engine, device: Optional[torch.device]) -> boo
             _arenas.pop(key, None)
         if not ok:
             return
-        with device_scope(device):
-            rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        try:
+            with device_scope(device):
+                rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the process's end frees it
+            return
         if rc != 0:
             log.warning("fastpersist: cudaHostUnregister of a %d-byte engine arena failed (error %d)", n, rc)
 
