@@ -565,3 +565,64 @@ def test_copy_stream_is_dedicated_and_non_blocking():
     cu = ctypes.CDLL("libcuda.so.1")
     assert cu.cuStreamGetFlags(ctypes.c_void_p(s.cuda_stream), ctypes.byref(flags)) == 0
     assert flags.value & 1  # CU_STREAM_NON_BLOCKING
+
+
+def test_engine_at_close_runs_once_before_the_arena_goes_and_not_in_a_fork_child():
+    from fastpersist import _core
+
+    calls = []
+    eng = _core.Engine(block_size=1 << 16, arena_bytes=1 << 18)
+    eng.at_close(lambda: calls.append("parent"))
+    pid = os.fork()
+    if pid == 0:  # the child's copy is freed without calling it
+        del eng
+        os._exit(3 if calls else 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert calls == []
+    del eng
+    assert calls == ["parent"]
+
+
+class _FakeCudart:
+    """Stands in for torch.cuda.cudart(): records (un)registrations."""
+
+    def __init__(self, rc: int = 0) -> None:
+        self.rc = rc
+        self.log: list = []
+
+    def cudaHostRegister(self, ptr, n, flags):
+        self.log.append(("register", ptr, n, flags))
+        return self.rc
+
+    def cudaHostUnregister(self, ptr):
+        self.log.append(("unregister", ptr))
+        return 0
+
+
+@pytest.mark.parametrize("rc", [0, 1])
+def test_an_engines_arena_is_registered_once_and_unregistered_as_it_goes(monkeypatch, rc):
+    """The arena is registered with CUDA (portable) at its first device
+    save and unregistered when the engine is freed, before the core unmaps
+    it; a refused registration is asked once, and the copies go through
+    the staging slots."""
+    from fastpersist import _core, cuda_staging
+
+    fake = _FakeCudart(rc)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    eng = _core.Engine(block_size=1 << 16, arena_bytes=1 << 20)
+    ptr, n = eng.arena_ptr, eng.arena_bytes
+    first = cuda_staging.arena_slots(eng, test_on_cpu=False, device=None)
+    again = cuda_staging.arena_slots(eng, test_on_cpu=False, device=None)
+    assert fake.log == [("register", ptr, n, 1)]
+    assert (first is None, again is None) == ((True, True) if rc else (False, False))
+    del first, again, eng
+    assert fake.log[1:] == ([] if rc else [("unregister", ptr)])
+    assert cuda_staging._arenas == {}
+    # Too few buffers to lend, or turned off: not even asked.
+    small = _core.Engine(block_size=1 << 16, arena_bytes=3 << 16)
+    assert cuda_staging.arena_slots(small, test_on_cpu=False, device=None) is None
+    monkeypatch.setenv("FASTPERSIST_STAGE_INTO_ARENA", "0")
+    big = _core.Engine(block_size=1 << 16, arena_bytes=1 << 20)
+    assert cuda_staging.arena_slots(big, test_on_cpu=False, device=None) is None
+    assert len(fake.log) == (1 if rc else 2)
