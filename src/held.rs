@@ -245,8 +245,13 @@ impl Engine {
         let whole = filled - filled % session.block;
         // What lies before the caller's bytes in their block: the bytes
         // given last (less than a block, all before `offset`), zeros between.
-        let head = Layout::new(std::mem::take(&mut session.segments), offset, session.block)
-            .map_err(|e| session.fail(e))?;
+        let head = match Layout::new(std::mem::take(&mut session.segments), offset, session.block) {
+            Ok(head) => head,
+            Err(e) => {
+                self.free.push(buf);
+                return Err(session.fail(e));
+            }
+        };
         let ids = (head.crc_ids() as usize).max(crc_id.map_or(0, |c| c as usize + 1));
         if session.hashers.len() < ids {
             session.hashers.resize(ids, Hasher::new());
