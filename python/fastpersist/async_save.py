@@ -57,6 +57,7 @@ from .options import (
     note_pending,
     resolve_target,
     wait_for_earlier,
+    with_file_mode,
 )
 from .pickling import ON_CHANGE, TensorVersions
 from .plan import MemoryGuard, Plan, Region
@@ -712,7 +713,9 @@ class AsyncSaver:
         """:meth:`save`, its errors naming ``what`` (the call the user made)."""
         self._check_open()
         p = resolve_target(path, directory=bool(options.get("sharded")))
-        opts = check_save_options(mode, options, what)
+        # The files get the mode of the caller's file_mode() block, if any,
+        # though the save runs on other threads.
+        opts = with_file_mode(check_save_options(mode, options, what))
         group = options.pop("group", None)
         on_change = options.pop("on_change", "error")
         sharded = options.pop("sharded", False)

@@ -177,6 +177,10 @@ class EngineOptions:
     durable: bool
     gather_threads: int = 1
     zero_copy: bool = True
+    #: The mode of the files committed, where a :func:`file_mode` block gave
+    #: one when the save was called (carried to a background save's
+    #: threads); None: the running thread's block, if any.
+    file_mode: Optional[int] = None
 
     @classmethod
     def resolve(
@@ -297,7 +301,7 @@ def get_engine(opts: EngineOptions, index: int = 0) -> EngineEntry:
     to a GPU uses two)."""
     # One engine (and arena) whatever the gather threads, which each use
     # sets (use_engine): background saves gather on fewer.
-    key = dataclasses.replace(opts, gather_threads=1)
+    key = dataclasses.replace(opts, gather_threads=1, file_mode=None)
     with _engines_lock:
         byidx = _engines.get(key)
         if byidx is None:
@@ -332,17 +336,26 @@ def file_mode(mode: Optional[int]) -> Iterator[None]:
         _FILE_MODE.reset(token)
 
 
+def with_file_mode(opts: EngineOptions) -> EngineOptions:
+    """``opts`` carrying the calling thread's :func:`file_mode`, for a save
+    that another thread runs."""
+    mode = _FILE_MODE.get()
+    return opts if mode is None else dataclasses.replace(opts, file_mode=mode)
+
+
 @contextlib.contextmanager
 def use_engine(opts: EngineOptions, index: int = 0) -> Iterator[_core.Engine]:
     """The engine for ``opts``, held for this thread for the block (one
     file at a time per engine). A call made while this very thread already
     holds it (a save from a signal handler that interrupted a save) gets an
     engine of its own instead of waiting for itself forever. The files it
-    begins get the mode :func:`file_mode` gives."""
+    begins get ``opts.file_mode``, else the mode :func:`file_mode` gives
+    this thread."""
     lock, eng = get_engine(opts, index)
+    mode = opts.file_mode if opts.file_mode is not None else _FILE_MODE.get()
     if lock.held_here():
         own = _new_engine(opts)
-        own.set_file_mode(_FILE_MODE.get())
+        own.set_file_mode(mode)
         yield own
         return
     try:
@@ -351,7 +364,7 @@ def use_engine(opts: EngineOptions, index: int = 0) -> Iterator[_core.Engine]:
         # background save with these options, and the exit's drain).
         lock.acquire()
         eng.set_gather_threads(opts.gather_threads)
-        eng.set_file_mode(_FILE_MODE.get())
+        eng.set_file_mode(mode)
         yield eng
     finally:
         if lock.held_here():

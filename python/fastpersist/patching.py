@@ -264,7 +264,12 @@ def _is_torchscript(path: str) -> bool:
         return False
 
 
-def _save_file_route(save_file: Callable[..., Any], args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, Any]], str]:
+def save_file_route(save_file: Callable[..., Any], args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, Any]], str]:
+    """For a call ``save_file(*args, **kwargs)`` of safetensors'
+    ``save_file``: ``({"obj", "path", "metadata", "mode"}, "")`` when
+    fastpersist leaves at the path what it would (written in safetensors
+    format, committed with ``mode`` through :func:`~fastpersist.options.file_mode`),
+    else ``(None, why)``: the call goes to ``save_file``."""
     ba = _bind(save_file, args, kwargs)
     if ba is None or "tensors" not in ba.arguments or "filename" not in ba.arguments:
         return None, "arguments save_file does not take"
@@ -474,7 +479,7 @@ def _torch_load(original: Callable[..., Any], args: tuple, kwargs: dict, options
 
 
 def _save_file(original: Callable[..., Any], args: tuple, kwargs: dict, options: Dict[str, Any]) -> None:
-    call, why = _save_file_route(original, args, kwargs)
+    call, why = save_file_route(original, args, kwargs)
     if call is None:
         raise _Fallback(why)
     try:

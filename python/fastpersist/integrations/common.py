@@ -47,8 +47,8 @@ import torch
 from .. import _core
 from ..async_save import MODES, AsyncSaver, CheckpointFuture, check_max_pending, future_error
 from ..errors import CorruptCheckpointError
-from ..options import EngineOptions, WriteStats
-from ..patching import load_file_route, torch_load_route, torch_save_route
+from ..options import EngineOptions, WriteStats, file_mode
+from ..patching import load_file_route, save_file_route, torch_load_route, torch_save_route
 from ..reader import detect_format, read_state_dict
 from ..writer import write_state_dict
 
@@ -481,10 +481,23 @@ def torch_save_via(saves: BackgroundSaves) -> Callable[..., None]:
 
 
 def safe_save_file_via(saves: BackgroundSaves) -> Callable[..., None]:
-    """A ``safetensors.torch.save_file`` that writes through ``saves``."""
+    """A ``safetensors.torch.save_file`` that writes paths through ``saves``,
+    leaving what safetensors leaves (a new file of its mode: the decision
+    :func:`fastpersist.patching.save_file_route` makes); anything else (a
+    link or special file at the path, tensors safetensors refuses) goes to
+    the real ``save_file`` (counted in ``saves.fallbacks``)."""
+    import safetensors.torch
+
+    real = safetensors.torch.save_file
 
     def save_file(tensors: Dict[str, torch.Tensor], filename: Any, metadata: Optional[Dict[str, str]] = None) -> None:
-        saves.save(tensors, os.fspath(filename), format="safetensors", metadata=metadata)
+        call, _ = save_file_route(real, (tensors, filename), {"metadata": metadata})
+        if call is None:
+            saves.fallbacks += 1
+            real(tensors, filename, metadata=metadata)
+            return
+        with file_mode(call["mode"]):  # carried to the background save's threads
+            saves.save(call["obj"], call["path"], format="safetensors", metadata=call["metadata"])
 
     return save_file
 
