@@ -42,6 +42,35 @@ create_exception!(
      its durability is not confirmed. Carries errno and filename (the target)."
 );
 
+create_exception!(
+    fastpersist._core,
+    ReadError,
+    WriteError,
+    "An I/O error while reading a checkpoint; carries errno and filename. A \
+     WriteError too, the class such errors had before."
+);
+
+/// `e`, naming the file `fd` is open on when it names none.
+fn fd_named(mut e: Error, fd: RawFd) -> Error {
+    if e.path.is_none() {
+        e.path = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok();
+    }
+    e
+}
+
+/// [`to_py`] for a read: an OS error is a `ReadError`.
+fn to_py_read(e: Error) -> PyErr {
+    if e.kind != ErrorKind::Os {
+        return to_py(e);
+    }
+    let errno = e.errno.unwrap_or(libc::EIO);
+    let msg = format!("{} ({})", e.strerror(), e.context);
+    match e.path {
+        Some(p) => ReadError::new_err((errno, msg, p.display().to_string())),
+        None => ReadError::new_err((errno, msg)),
+    }
+}
+
 fn to_py(e: Error) -> PyErr {
     match e.kind {
         ErrorKind::NotDurable => {
@@ -636,7 +665,7 @@ impl PyEngine {
     ) -> PyResult<Bound<'py, PyDict>> {
         let rs = read_requests(reqs)?;
         let st = py.allow_threads(move || self.engine()?.read_into(&path, &rs));
-        read_stats_dict(py, &st.map_err(to_py)?)
+        read_stats_dict(py, &st.map_err(to_py_read)?)
     }
 
     /// `read_into` through an open descriptor: reads the file `fd` refers
@@ -662,7 +691,7 @@ impl PyEngine {
                 None => eng.read_into_fd(fd, &rs),
             }
         });
-        read_stats_dict(py, &st.map_err(to_py)?)
+        read_stats_dict(py, &st.map_err(|e| to_py_read(fd_named(e, fd)))?)
     }
 
     /// `crc_ranges` through an open descriptor (see `read_into_fd`).
@@ -675,7 +704,7 @@ impl PyEngine {
         let fd: RawFd = fd.get("fd")?;
         let rs = discard_requests(ranges);
         let st = py.allow_threads(move || self.engine()?.read_into_fd(fd, &rs));
-        Ok(st.map_err(to_py)?.crcs)
+        Ok(st.map_err(|e| to_py_read(fd_named(e, fd)))?.crcs)
     }
 
     /// CRC32 of each `(offset, length)` range of `path`, read with the
@@ -688,7 +717,7 @@ impl PyEngine {
     ) -> PyResult<Vec<u32>> {
         let rs = discard_requests(ranges);
         let st = py.allow_threads(move || self.engine()?.read_into(&path, &rs));
-        Ok(st.map_err(to_py)?.crcs)
+        Ok(st.map_err(to_py_read)?.crcs)
     }
 
     /// Write part `index` of `parts` of a file into the existing file `path`
@@ -3355,6 +3384,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHostBuffer>()?;
     m.add_class::<PyTempFile>()?;
     m.add("WriteError", m.py().get_type::<WriteError>())?;
+    m.add("ReadError", m.py().get_type::<ReadError>())?;
     m.add("DurabilityError", m.py().get_type::<DurabilityError>())?;
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;

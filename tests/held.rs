@@ -254,12 +254,12 @@ fn misuse_is_refused_and_loses_no_buffer() {
         );
         eng.abort(s);
     }
-    let mut t = eng.begin(&d.path().join("j"), 0).unwrap();
-    let mut n = 0;
-    while eng.take_buffer(&mut t).is_ok() {
-        n += 1;
+    let mut fresh = eng.begin(&d.path().join("j"), 0).unwrap();
+    let mut lent = 0;
+    while eng.take_buffer(&mut fresh).is_ok() {
+        lent += 1;
     }
-    assert_eq!(n, NBUFS - 2, "the failed write's buffer was lost");
+    assert_eq!(lent, NBUFS - 2, "the failed write's buffer was lost");
 }
 
 #[test]

@@ -113,6 +113,10 @@ class RawReadStats(TypedDict):
 class WriteError(OSError):
     """An I/O error while writing a checkpoint (errno, strerror, filename)."""
 
+class ReadError(WriteError):
+    """An I/O error while reading a checkpoint (errno, strerror, filename);
+    a ``WriteError`` too, the class such errors had before."""
+
 class DurabilityError(WriteError):
     """The commit renamed the new file onto the target, but the directory
     fsync that makes the rename durable failed: the new file IS in place at

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 import traceback
 
-from ._core import WriteError
+from ._core import ReadError, WriteError
 
 __all__ = [
     "FastPersistError",
@@ -19,6 +19,7 @@ __all__ = [
     "TensorChangedWarning",
     "InheritedSaveError",
     "WriteError",
+    "ReadError",
     "FallbackWarning",
     "drop_frames",
 ]

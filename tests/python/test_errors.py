@@ -78,6 +78,21 @@ def test_bad_options(tmp_path):
     assert listing(tmp_path) == []
 
 
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_an_io_error_reading_is_a_read_error_naming_the_file(tmp_path, engine_fault, fmt):
+    """A read that meets EIO raises ReadError (still a WriteError, the class
+    it had, and an OSError) with the errno and the checkpoint's name, also
+    where the engine reads through an open descriptor."""
+    p = tmp_path / "ckpt"
+    fastpersist.write_state_dict({"t": make((4 << 20,), torch.float32)}, p, format=fmt)
+    engine_fault(8 << 20, errno.EIO)
+    for read in (fastpersist.read_state_dict, fastpersist.verify.verify_file):
+        with pytest.raises(fastpersist.ReadError) as ei:
+            read(p)
+        assert isinstance(ei.value, fastpersist.WriteError) and isinstance(ei.value, OSError)
+        assert ei.value.errno == errno.EIO and ei.value.filename == str(p), ei.value
+
+
 @pytest.mark.parametrize("uring", [True, False])
 @pytest.mark.parametrize("direct", [True, False])
 def test_injected_eio_surfaces_and_keeps_previous(tmp_path, engine_fault, uring, direct):
