@@ -45,6 +45,7 @@ __all__ = [
     "HostBuffer",
     "TempFile",
     "WriteError",
+    "ReadError",
     "DurabilityError",
     "partition",
     "dio_alignment",
