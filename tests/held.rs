@@ -310,3 +310,81 @@ fn a_failed_buffer_write_keeps_the_old_file() {
         assert_eq!(only(d.path()), vec!["ckpt"]);
     }
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
+
+    /// Any mix of records written through held buffers (pieces of any size,
+    /// any offset) and records written as bytes, with gaps between them and
+    /// each record's CRC32 slot after it, makes the file a one-shot write of
+    /// the same bytes makes, whatever the back end and O_DIRECT block.
+    #[test]
+    fn any_mix_of_held_and_given_records_makes_the_same_file(
+        recs in proptest::collection::vec(
+            (0u64..10_000, 1usize..200_000, proptest::bool::weighted(0.7), 1usize..100_000),
+            1..8,
+        ),
+        seed in 0u8..255,
+        io_uring in proptest::bool::ANY,
+        direct in proptest::bool::ANY,
+        big_block in proptest::bool::ANY,
+    ) {
+        let d = tempfile::tempdir().unwrap();
+        let mut eng = Engine::new(Options {
+            io_uring,
+            direct,
+            block_size: BUF,
+            arena_bytes: BUF * NBUFS,
+            queue_depth: 3,
+            ..Options::default()
+        })
+        .unwrap();
+        if big_block {
+            eng.set_min_block(Some(16384)).unwrap();
+        }
+        let mut s = eng.begin(&d.path().join("f"), 0).unwrap();
+        let mut expect = vec![];
+        let mut segs = vec![];
+        for (i, &(gap, n, held, piece)) in recs.iter().enumerate() {
+            let id = i as u32;
+            let off = expect.len() as u64 + gap;
+            let data = pattern(n, seed.wrapping_add(i as u8));
+            expect.resize(off as usize, 0);
+            expect.extend_from_slice(&data);
+            expect.extend_from_slice(&crc32fast::hash(&data).to_le_bytes());
+            let end = off + n as u64;
+            let slot = Segment { offset: end, source: Source::Crc32(id), crc_id: None };
+            if held {
+                stream_id(&mut eng, &mut s, off, &data, piece, id);
+                eng.write(&mut s, vec![slot.clone()]).unwrap();
+            } else {
+                eng.write(&mut s, vec![bytes(off, &data, Some(id)), slot.clone()]).unwrap();
+            }
+            segs.push(bytes(off, &data, Some(id)));
+            segs.push(slot);
+        }
+        let len = expect.len() as u64;
+        let st = eng.finish(s, vec![], len).unwrap();
+        proptest::prop_assert!(std::fs::read(d.path().join("f")).unwrap() == expect);
+        // The same bytes written in one shot.
+        let one = eng.write_file(&d.path().join("g"), segs, len).unwrap();
+        proptest::prop_assert_eq!(st.crcs, one.crcs);
+        proptest::prop_assert!(std::fs::read(d.path().join("g")).unwrap() == expect);
+        proptest::prop_assert_eq!(lendable(&mut eng, &d.path().join("h")), NBUFS - 2);
+    }
+}
+
+/// [`stream`] into checksum `id`.
+fn stream_id(eng: &mut Engine, s: &mut Session, offset: u64, data: &[u8], piece: usize, id: u32) {
+    let block = s.block() as u64;
+    let mut at = 0;
+    while at < data.len() {
+        let off = offset + at as u64;
+        let into = (off % block) as usize;
+        let n = piece.min(BUF - into).min(data.len() - at);
+        let b = eng.take_buffer(s).unwrap();
+        eng.held_buffer(s, b).unwrap()[into..into + n].copy_from_slice(&data[at..at + n]);
+        eng.write_buffer(s, b, off, n, Some(id)).unwrap();
+        at += n;
+    }
+}
