@@ -221,13 +221,7 @@ impl Engine {
         let base = offset - offset % block;
         // The blocks before `base` go first (the buffer still held: no
         // gather takes it meanwhile).
-        let before = self.check_buffer(session, offset, len).and_then(|()| {
-            if session.written < base {
-                self.write_upto(session, base)
-            } else {
-                Ok(())
-            }
-        });
+        let before = self.before_buffer(session, offset, len, base);
         // From here on the buffer is the engine's again, whatever happens.
         self.held.take(session.id, buf);
         if let Err(e) = before {
@@ -324,6 +318,26 @@ impl Engine {
                 source: Source::Bytes(tail),
                 crc_id: None,
             });
+        }
+        Ok(())
+    }
+
+    /// What a buffer's write needs first: that it fits where the session
+    /// is, that another session's writes in flight are settled (their
+    /// completions are theirs, not this session's) and this session's
+    /// failure among them reported, and the blocks before `base` written.
+    fn before_buffer(
+        &mut self,
+        session: &mut Session,
+        offset: u64,
+        len: usize,
+        base: u64,
+    ) -> Result<()> {
+        self.check_buffer(session, offset, len)?;
+        self.settle(Some(session.id));
+        self.reported(session)?;
+        if session.written < base {
+            self.write_upto(session, base)?;
         }
         Ok(())
     }

@@ -388,3 +388,40 @@ fn stream_id(eng: &mut Engine, s: &mut Session, offset: u64, data: &[u8], piece:
         at += n;
     }
 }
+
+#[test]
+fn a_buffer_write_never_takes_another_sessions_writes_for_its_own() {
+    // Session A leaves a write in flight that fails (32 MiB: still in
+    // flight when its call returns); session B's buffer write (inside its
+    // first block: no earlier blocks to write) must not count A's write as
+    // its own. A fails, B commits.
+    const BIG: usize = 32 << 20;
+    let d = tempfile::tempdir().unwrap();
+    let mut eng = Engine::new(Options {
+        block_size: BIG,
+        arena_bytes: 4 * BIG,
+        ..Options::default()
+    })
+    .unwrap();
+    eng.set_fault(
+        Some(Fault {
+            offset: BIG as u64 / 2,
+            errno: libc::EIO,
+        }),
+        false,
+    );
+    let mut a = eng.begin(&d.path().join("a"), 0).unwrap();
+    let mut b = eng.begin(&d.path().join("b"), 0).unwrap();
+    let kb = eng.take_buffer(&mut b).unwrap();
+    let ka = eng.take_buffer(&mut a).unwrap();
+    eng.held_buffer(&a, ka).unwrap().fill(0x41);
+    eng.write_buffer(&mut a, ka, 0, BIG, Some(0)).unwrap();
+    let data = pattern(100, 2);
+    eng.held_buffer(&b, kb).unwrap()[..100].copy_from_slice(&data);
+    eng.write_buffer(&mut b, kb, 0, 100, Some(0)).unwrap();
+    let ea = eng.finish(a, vec![], BIG as u64);
+    assert_eq!(ea.map(drop).unwrap_err().errno, Some(libc::EIO));
+    eng.finish(b, vec![], 100).unwrap();
+    assert_eq!(std::fs::read(d.path().join("b")).unwrap(), data);
+    assert!(!d.path().join("a").exists());
+}

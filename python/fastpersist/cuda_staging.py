@@ -69,6 +69,7 @@ __all__ = [
     "SLOTS",
     "stream_device_region",
     "stream_into_arena",
+    "Stopped",
     "arena_pieces",
     "ArenaSlots",
     "arena_slots",
@@ -484,6 +485,10 @@ class ThreadCopier:
     def hand_over(self) -> None:
         self._pool.submit(lambda: None).result()
 
+    def drain(self) -> None:
+        """Wait for every copy submitted so far (one worker: in order)."""
+        self._pool.submit(lambda: None).result()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -579,11 +584,11 @@ def _register_arena(engine: _core.Engine, device: Optional[torch.device]) -> boo
         log.debug("fastpersist: cudaHostRegister of a %d-byte arena failed (error %d): staging slots instead", n, rc)
 
     def closed() -> None:
-        with _arenas_lock:
-            _arenas.pop(key, None)
-        if not ok:
-            return
         try:
+            with _arenas_lock:
+                _arenas.pop(key, None)
+            if not ok:
+                return
             with device_scope(device):
                 rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
         except Exception:  # noqa: BLE001 - interpreter shutdown: the process's end frees it
@@ -628,16 +633,25 @@ def arena_pieces(file_off: int, n: int, size: int, block: int) -> List[Tuple[int
     return out
 
 
-def stream_into_arena(session: Any, region: DeviceRegion, arena: ArenaSlots, copier: Any) -> None:
+class Stopped(RuntimeError):
+    """A device write found its call given up (:meth:`DeviceContext.quiesce`)."""
+
+
+def stream_into_arena(
+    session: Any, region: DeviceRegion, arena: ArenaSlots, copier: Any, stop: Optional[threading.Event] = None
+) -> None:
     """Write one device storage (file offset, storage, length, checksum id)
     by copying it straight into arena buffers the session lends; the copy
-    into buffer k+1 runs while buffer k is written."""
+    into buffer k+1 runs while buffer k is written. Once ``stop`` is set no
+    further copy is begun (:class:`Stopped`)."""
     file_off, storage, n, crc_id = region
     pieces = arena_pieces(file_off, n, arena.size, session.block)
     taken: List[int] = []  # buffers lent and not yet handed back
     pending: Optional[Any] = None
 
     def fill(j: int) -> Any:
+        if stop is not None and stop.is_set():
+            raise Stopped("the save was given up")
         at, a, b = pieces[j]
         k, dst = arena.take(session)
         taken.append(k)
@@ -797,6 +811,8 @@ class DeviceContext:
         self._closed = False
         #: The engine's arena, when copies go straight into it (``bind``).
         self.arena: Optional[ArenaSlots] = None
+        #: Set once the call is given up: no further copy into the arena.
+        self.stop = threading.Event()
         self.copiers: Dict[str, Any] = {}
         for d in devices:
             self.copier(d)
@@ -829,6 +845,16 @@ class DeviceContext:
         if c is None:
             c = self.copiers[key] = ThreadCopier() if self.test_on_cpu else CudaCopier(device, self.ready.get(key))
         return c
+
+    def quiesce(self) -> None:
+        """The call is given up: begin no further copy into the arena, and
+        wait until none is in flight (before its session gives the arena
+        buffers it lent back to the engine, where the next save takes them:
+        a copy landing late would overwrite that save's bytes after their
+        checksum was taken)."""
+        self.stop.set()
+        for c in list(self.copiers.values()):
+            c.drain()
 
     def close(self) -> None:
         for c in self.copiers.values():
@@ -876,7 +902,7 @@ def send(
             g.check([region.crc_id])
         copier = ctx.copier(region.storage.device)
         if ctx.arena is not None:
-            stream_into_arena(session, region, ctx.arena, copier)
+            stream_into_arena(session, region, ctx.arena, copier, ctx.stop)
         else:
             # Gathered, not lent: a lent write ends with its call, so the
             # disk would drain after every chunk; the arena's writes stay in

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import queue
 import struct
 import threading
@@ -63,6 +64,8 @@ __all__ = [
 ]
 
 FORMATS = ("torch", "safetensors")
+
+log = logging.getLogger("fastpersist")
 
 
 class PartWriter:
@@ -154,6 +157,38 @@ class PartWriter:
             raise self._failure[0]
 
 
+def abandon(session: Any, parts: Optional[PartWriter], ctx: Optional[DeviceContext]) -> None:
+    """Give a file up on an exception: the parts not begun are dropped,
+    the parts thread is joined and no device copy is left in flight before
+    the session is aborted. Aborting gives the arena buffers it lent back
+    to the engine, which the next save takes once this one lets the engine
+    go: a copy landing in one late would overwrite that save's bytes after
+    their checksum was taken. Each step runs to its end whatever Ctrl-C
+    does meanwhile (the interrupt is raised after them); any other failure
+    of a step is logged, and the session is aborted all the same."""
+    if ctx is not None:
+        ctx.stop.set()  # no further copy is begun
+    steps: List[Callable[[], None]] = []
+    if parts is not None:
+        steps.append(lambda: parts.join(cancel=True))
+    if ctx is not None:
+        steps.append(ctx.quiesce)
+    steps.append(session.abort)
+    interrupted: Optional[BaseException] = None
+    for step in steps:
+        while True:
+            try:
+                step()
+                break
+            except KeyboardInterrupt as e:  # each step may run again
+                interrupted = e
+            except Exception as e:  # noqa: BLE001 - giving up already; the caller's error propagates
+                log.warning("fastpersist: while giving up a save: %s", e)
+                break
+    if interrupted is not None:
+        raise interrupted
+
+
 @without_gc
 def write_torch_zip(
     obj: Any,
@@ -193,22 +228,19 @@ def write_torch_zip(
             if ctx is not None:
                 ctx.bind(eng)
             session = eng.begin(path, head_end)
+            head: Optional[PartWriter] = None
             try:
                 head = PartWriter(session, ctx, layout.guard)
-                try:
-                    tp = time.perf_counter()
-                    for part in layout.head_parts():
-                        head.put(part)
-                    tail = layout.tail()
-                    plan_seconds = time.perf_counter() - tp
-                    if not tail.device:
-                        # Gathered behind the head's last writes: the device
-                        # has them in flight while this thread joins.
-                        head.put(tail)
-                        tail = Batch()
-                except BaseException:
-                    head.join(cancel=True)  # the parts not begun are not written
-                    raise
+                tp = time.perf_counter()
+                for part in layout.head_parts():
+                    head.put(part)
+                tail = layout.tail()
+                plan_seconds = time.perf_counter() - tp
+                if not tail.device:
+                    # Gathered behind the head's last writes: the device
+                    # has them in flight while this thread joins.
+                    head.put(tail)
+                    tail = Batch()
                 head.join()
                 if tail.device and ctx is None:
                     devices = sorted({r.storage.device for r in tail.device}, key=str)
@@ -216,7 +248,7 @@ def write_torch_zip(
                     ctx.bind(eng)
                 raw = send(session, tail, ctx, layout.file_len, gathered, layout.guard)
             except BaseException:
-                session.abort()
+                abandon(session, head, ctx)  # the parts not begun are not written
                 raise
             finally:
                 del layout.keepalive[:]
@@ -316,14 +348,11 @@ def write_streamed(
     try:
         with use_engine(opts, index) as eng:
             session = eng.begin(path, size_hint)
+            writer: Optional[PartWriter] = None
             try:
                 writer = PartWriter(session, None, plan.guard)
-                try:
-                    for part in parts:
-                        writer.put(part)
-                except BaseException:
-                    writer.join(cancel=True)  # the parts not begun are not written
-                    raise
+                for part in parts:
+                    writer.put(part)
                 writer.join()
                 if plan.device:
                     _, kind = staging_setup()
@@ -332,7 +361,7 @@ def write_streamed(
                     ctx.bind(eng)
                 raw = send(session, plan, ctx, plan.file_len, on_gathered, plan.guard if plan.guard else None)
             except BaseException:
-                session.abort()
+                abandon(session, writer, ctx)  # the parts not begun are not written
                 raise
     finally:
         if ctx is not None:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 import zlib
 
@@ -626,3 +627,73 @@ def test_an_engines_arena_is_registered_once_and_unregistered_as_it_goes(monkeyp
     big = _core.Engine(block_size=1 << 16, arena_bytes=1 << 20)
     assert cuda_staging.arena_slots(big, test_on_cpu=False, device=None) is None
     assert len(fake.log) == (1 if rc else 2)
+
+
+def test_an_interrupted_save_lets_no_late_copy_into_the_next_saves_buffers(tmp_path, monkeypatch):
+    """Ctrl-C while the caller waits for the parts thread: the save is
+    given up, and the arena buffers it lent go back to the engine only once
+    the parts thread has stopped and no copy into them is in flight. Here
+    the first save's first copy is slow (a device-to-host copy queued behind
+    the caller's GPU work); before, the engine was let go at once, a second
+    save on another thread was lent the same buffer, and the late copy
+    overwrote its bytes after their CRC32 was taken: a wrong file that
+    verified."""
+    from fastpersist import writer
+    from fastpersist.cuda_staging import ThreadCopier, _bytes_view
+
+    monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")
+    monkeypatch.setenv("FASTPERSIST_BLOCK_SIZE", str(1 << 20))
+    monkeypatch.setenv("FASTPERSIST_ARENA_BYTES", str(4 << 20))
+    first = {f"a{i}": torch.full((1 << 20,), 0xAA, dtype=torch.uint8) for i in range(6)}
+    g = torch.Generator().manual_seed(0)
+    second = {f"b{i}": torch.randint(0, 255, (1 << 20,), generator=g, dtype=torch.uint8) for i in range(8)}
+    slow_started, second_copied = threading.Event(), threading.Event()
+    slow_ptr = first["a0"].untyped_storage().data_ptr()
+    second_ptrs = {t.untyped_storage().data_ptr() for t in second.values()}
+    real_copy = ThreadCopier.copy
+
+    def copy(self, dst, storage, start, end):
+        if storage.data_ptr() in second_ptrs:
+            src = _bytes_view(storage)[start:end]
+
+            def then_tell():
+                dst[: end - start].copy_(src)
+                second_copied.set()  # the second save's bytes are in its buffer
+
+            return self._pool.submit(then_tell)
+        if storage.data_ptr() != slow_ptr or start != 0:
+            return real_copy(self, dst, storage, start, end)
+        src = _bytes_view(storage)[start:end]
+
+        def late():
+            slow_started.set()
+            second_copied.wait(2)  # lands once the second save has filled a buffer (or after 2 s)
+            dst[: end - start].copy_(src)
+
+        return self._pool.submit(late)
+
+    monkeypatch.setattr(ThreadCopier, "copy", copy)
+    real_join = writer.PartWriter.join
+
+    def join(self, cancel=False):
+        if not cancel and not getattr(join, "done", False):
+            join.done = True
+            slow_started.wait(10)
+            raise KeyboardInterrupt  # Ctrl-C while the caller waits for the parts
+        return real_join(self, cancel)
+
+    monkeypatch.setattr(writer.PartWriter, "join", join)
+
+    def save_second():
+        slow_started.wait(10)
+        fastpersist.write_state_dict(second, tmp_path / "second.pt")
+
+    t = threading.Thread(target=save_second)
+    t.start()
+    with pytest.raises(KeyboardInterrupt):
+        fastpersist.write_state_dict(first, tmp_path / "first.pt")
+    t.join(30)
+    monkeypatch.delenv("FASTPERSIST_TEST_STAGE_CPU")
+    fastpersist.write_state_dict(second, tmp_path / "host.pt")
+    assert (tmp_path / "second.pt").read_bytes() == (tmp_path / "host.pt").read_bytes()
+    assert not (tmp_path / "first.pt").exists()
