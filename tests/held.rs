@@ -8,18 +8,23 @@ use std::path::Path;
 const BUF: usize = 64 << 10;
 const NBUFS: usize = 8;
 
+/// An arena of `NBUFS` buffers of `BUF` bytes, 3 writes in flight.
+fn opts(io_uring: bool, direct: bool) -> Options {
+    Options {
+        io_uring,
+        direct,
+        block_size: BUF,
+        arena_bytes: BUF * NBUFS,
+        queue_depth: 3,
+        ..Options::default()
+    }
+}
+
 fn combos() -> Vec<Options> {
     let mut v = vec![];
     for io_uring in [true, false] {
         for direct in [true, false] {
-            v.push(Options {
-                io_uring,
-                direct,
-                block_size: BUF,
-                arena_bytes: BUF * NBUFS,
-                queue_depth: 3,
-                ..Options::default()
-            });
+            v.push(opts(io_uring, direct));
         }
     }
     v
@@ -330,15 +335,7 @@ proptest::proptest! {
         big_block in proptest::bool::ANY,
     ) {
         let d = tempfile::tempdir().unwrap();
-        let mut eng = Engine::new(Options {
-            io_uring,
-            direct,
-            block_size: BUF,
-            arena_bytes: BUF * NBUFS,
-            queue_depth: 3,
-            ..Options::default()
-        })
-        .unwrap();
+        let mut eng = Engine::new(opts(io_uring, direct)).unwrap();
         if big_block {
             eng.set_min_block(Some(16384)).unwrap();
         }
