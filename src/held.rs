@@ -251,11 +251,7 @@ impl Engine {
             session.hashers.resize(ids, Hasher::new());
         }
         let fd = session.tmp.fd();
-        let flush_every = if self.opts.durable {
-            self.opts.flush_every
-        } else {
-            0
-        };
+        let flush_every = self.flush_every();
         let qd = self.opts.queue_depth;
         let keep = self.uring.is_some();
         let hashers = &mut session.hashers;
@@ -367,14 +363,6 @@ impl Engine {
             Error::layout(format!("a buffer's write at offset {offset} overflows"))
         })?;
         Ok(())
-    }
-
-    /// The session's error from a write another user of the arena drained.
-    fn reported(&mut self, session: &mut Session) -> Result<()> {
-        match self.take_lost(session.id) {
-            Some(e) => Err(session.fail(e)),
-            None => Ok(()),
-        }
     }
 }
 

@@ -58,37 +58,29 @@ fn fd_named(mut e: Error, fd: RawFd) -> Error {
     e
 }
 
-/// [`to_py`] for a read: an OS error is a `ReadError`.
-fn to_py_read(e: Error) -> PyErr {
-    if e.kind != ErrorKind::Os {
-        return to_py(e);
-    }
+/// `e` as the OSError subclass `T`: errno, message and, where `e` names
+/// one, the file.
+fn os_error<T: pyo3::PyTypeInfo>(e: Error) -> PyErr {
     let errno = e.errno.unwrap_or(libc::EIO);
     let msg = format!("{} ({})", e.strerror(), e.context);
     match e.path {
-        Some(p) => ReadError::new_err((errno, msg, p.display().to_string())),
-        None => ReadError::new_err((errno, msg)),
+        Some(p) => PyErr::new::<T, _>((errno, msg, p.display().to_string())),
+        None => PyErr::new::<T, _>((errno, msg)),
+    }
+}
+
+/// [`to_py`] for a read: an OS error is a `ReadError`.
+fn to_py_read(e: Error) -> PyErr {
+    match e.kind {
+        ErrorKind::Os => os_error::<ReadError>(e),
+        _ => to_py(e),
     }
 }
 
 fn to_py(e: Error) -> PyErr {
     match e.kind {
-        ErrorKind::NotDurable => {
-            let errno = e.errno.unwrap_or(libc::EIO);
-            let msg = format!("{} ({})", e.strerror(), e.context);
-            match e.path {
-                Some(p) => DurabilityError::new_err((errno, msg, p.display().to_string())),
-                None => DurabilityError::new_err((errno, msg)),
-            }
-        }
-        ErrorKind::Os => {
-            let errno = e.errno.unwrap_or(libc::EIO);
-            let msg = format!("{} ({})", e.strerror(), e.context);
-            match e.path {
-                Some(p) => WriteError::new_err((errno, msg, p.display().to_string())),
-                None => WriteError::new_err((errno, msg)),
-            }
-        }
+        ErrorKind::NotDurable => os_error::<DurabilityError>(e),
+        ErrorKind::Os => os_error::<WriteError>(e),
         ErrorKind::InvalidLayout | ErrorKind::InvalidOption => PyValueError::new_err(e.to_string()),
         // The callback's own exception is raised instead (see `finish`).
         ErrorKind::Cancelled | ErrorKind::Forked => PyRuntimeError::new_err(e.to_string()),

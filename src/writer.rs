@@ -293,6 +293,25 @@ impl Engine {
         session.own_rest().inspect_err(|_| session.failed = true)
     }
 
+    /// Bytes between the fdatasyncs a durable save starts while it writes
+    /// (0: none, for a save that is not durable).
+    pub(crate) fn flush_every(&self) -> u64 {
+        if self.opts.durable {
+            self.opts.flush_every
+        } else {
+            0
+        }
+    }
+
+    /// The session's error from a write another user of the arena
+    /// drained, if any: the session fails with it.
+    pub(crate) fn reported(&mut self, session: &mut Session) -> Result<()> {
+        match self.take_lost(session.id) {
+            Some(e) => Err(session.fail(e)),
+            None => Ok(()),
+        }
+    }
+
     /// Write the blocks before `offset` (a block boundary at or after
     /// everything given; the bytes between are zeros), leaving the writes
     /// in flight as [`Engine::write`] does.
@@ -398,16 +417,9 @@ impl Engine {
         on_gathered: &mut dyn FnMut() -> Result<()>,
         keep_in_flight: bool,
     ) -> Result<()> {
-        if session.failed {
-            return Err(Error::option("this write session already failed"));
-        }
+        session.check_usable()?;
         self.settle(Some(session.id));
-        if let Some(mut e) = self.take_lost(session.id) {
-            session.failed = true;
-            e.path
-                .get_or_insert_with(|| session.tmp.temp_path().to_path_buf());
-            return Err(e);
-        }
+        self.reported(session)?;
         if upto <= session.written {
             if let Err(e) = on_gathered() {
                 session.failed = true;
@@ -421,13 +433,7 @@ impl Engine {
                 return Ok(());
             }
             // Nothing new to write, but this session's writes are in flight.
-            if let Err(mut e) = self.drain_in_flight() {
-                session.failed = true;
-                e.path
-                    .get_or_insert_with(|| session.tmp.temp_path().to_path_buf());
-                return Err(e);
-            }
-            return Ok(());
+            return self.drain_in_flight().map_err(|e| session.fail(e));
         }
         let t = Instant::now();
         let layout = Layout::new(std::mem::take(&mut session.segments), known, session.block)?;
@@ -435,11 +441,7 @@ impl Engine {
         if session.hashers.len() < ids {
             session.hashers.resize(ids, Hasher::new());
         }
-        let flush_every = if self.opts.durable {
-            self.opts.flush_every
-        } else {
-            0
-        };
+        let flush_every = self.flush_every();
         let qd = self.opts.queue_depth;
         let threads = self.opts.gather_threads;
         // Only io_uring keeps writes in flight past the call: it holds its
@@ -471,15 +473,7 @@ impl Engine {
         });
         session.segments = layout.into_segments();
         session.io_seconds += t.elapsed().as_secs_f64();
-        let still = match res {
-            Ok(still) => still,
-            Err(mut e) => {
-                session.failed = true;
-                e.path
-                    .get_or_insert_with(|| session.tmp.temp_path().to_path_buf());
-                return Err(e);
-            }
-        };
+        let still = res.map_err(|e| session.fail(e))?;
         self.streaming = still.then_some(session.id);
         session.written = upto;
         // Segments wholly written are no longer needed (their checksums live
