@@ -19,6 +19,8 @@
 //! - [`held`]: arena buffers a session's caller fills itself (device-to-host
 //!   copies straight into the arena), checksummed and written where they lie;
 //! - [`reader`]: many records of one file into caller memory;
+//! - [`handoff`]: reads handed over in the arena buffers they land in (to a
+//!   consumer that copies them on, e.g. to a GPU), checksummed in place;
 //! - [`pickle`]: CPython's protocol-2 pickle opcodes, byte for byte (the
 //!   fast path of the Python side's torch.save pickle);
 //! - [`unpickle`]: a reader of those opcodes (the fast path of the Python
@@ -41,6 +43,7 @@ pub mod engine;
 pub mod error;
 pub mod gather;
 pub mod guard;
+pub mod handoff;
 pub mod held;
 pub mod layout;
 mod lend;
@@ -58,6 +61,6 @@ pub use engine::{Engine, Options};
 pub use error::{Error, ErrorKind, Result};
 pub use guard::{with_guard, GatherGuard};
 pub use layout::{Extent, Layout, MemRef, Piece, Segment, Source};
-pub use reader::{MutMemRef, ReadReq, ReadStats};
+pub use reader::{MutMemRef, ReadPiece, ReadReq, ReadStats};
 pub use sink::Fault;
 pub use writer::{Session, WriteStats};

@@ -11,8 +11,9 @@ use crate::commit::TempFile;
 use crate::engine::{Engine, Options};
 use crate::error::{Error, ErrorKind};
 use crate::guard::{with_guard, GatherGuard};
+use crate::handoff::Consumer;
 use crate::layout::{Layout, MemRef, Segment, Source};
-use crate::reader::{MutMemRef, ReadReq, ReadStats};
+use crate::reader::{MutMemRef, ReadPiece, ReadReq, ReadStats};
 use crate::sink::Fault;
 use crate::writer::{Session, WriteStats};
 use pyo3::create_exception;
@@ -401,9 +402,57 @@ fn read_stats_dict<'py>(py: Python<'py>, s: &ReadStats) -> PyResult<Bound<'py, P
     Ok(d)
 }
 
+/// A Python object as the consumer of a handed read: its exception is kept
+/// and raised as it is once the read has stopped.
+struct PyConsumer {
+    obj: PyObject,
+    err: Option<PyErr>,
+}
+
+impl PyConsumer {
+    fn call<T>(
+        &mut self,
+        f: impl FnOnce(Python<'_>, &PyObject) -> PyResult<T>,
+    ) -> crate::error::Result<T> {
+        Python::with_gil(|py| f(py, &self.obj)).map_err(|e| {
+            self.err.get_or_insert(e);
+            Error::cancelled("the read's consumer raised")
+        })
+    }
+}
+
+impl Consumer for PyConsumer {
+    fn filled(
+        &mut self,
+        buf: usize,
+        addr: usize,
+        len: usize,
+        pieces: &[ReadPiece],
+    ) -> crate::error::Result<()> {
+        let pieces: Vec<(usize, usize, usize, usize)> = pieces
+            .iter()
+            .map(|p| (p.req, p.start, p.len, p.at))
+            .collect();
+        self.call(|py, obj| {
+            obj.call_method1(py, "filled", (buf, addr, len, pieces))
+                .map(drop)
+        })
+    }
+
+    fn released(&mut self, out: &mut Vec<usize>, wait: bool) -> crate::error::Result<()> {
+        let got = self.call(|py, obj| {
+            obj.call_method1(py, "released", (wait,))?
+                .extract::<Vec<usize>>(py)
+        })?;
+        out.extend(got);
+        Ok(())
+    }
+}
+
 /// Page-aligned, locked host memory for CUDA staging: the Python layer
 /// registers it with `cudaHostRegister` (and unregisters it before it is
-/// freed); the engine's own arena is never shared with the device copies.
+/// freed). Used where an engine's own arena cannot be (see
+/// `Engine.at_close`, `WriteSession.take_buffer`, `Engine.read_handed`).
 #[pyclass(module = "fastpersist._core", name = "HostBuffer", frozen)]
 struct PyHostBuffer {
     arena: crate::arena::Arena,
@@ -683,6 +732,42 @@ impl PyEngine {
                 None => eng.read_into_fd(fd, &rs),
             }
         });
+        read_stats_dict(py, &st.map_err(|e| to_py_read(fd_named(e, fd)))?)
+    }
+
+    /// Read `(file offset, length)` ranges of the open file `fd` (as
+    /// `read_into_fd` does) into the engine's arena buffers and hand each
+    /// completed one to `consumer` where it lies, instead of copying it:
+    /// `consumer.filled(buf, addr, length, pieces)` (pieces: (range index,
+    /// start within the range, length, offset in the buffer)), which may
+    /// read the buffer until `consumer.released(wait)` returns its index
+    /// (a list of buffers it is done with; with `wait`, at least one while
+    /// it holds any). Returns the read's stats with each range's CRC32.
+    /// On an error the consumer must be done with every buffer it holds
+    /// before the engine is used again. The caller holds the engine (one
+    /// file at a time) for the call.
+    #[pyo3(signature = (fd, ranges, consumer, merge_gap=None))]
+    fn read_handed<'py>(
+        &self,
+        py: Python<'py>,
+        fd: IntArg,
+        ranges: Vec<(u64, usize)>,
+        consumer: PyObject,
+        merge_gap: Option<IntArg>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let fd: RawFd = fd.get("fd")?;
+        let gap: u64 = match merge_gap {
+            Some(g) => g.get("merge_gap")?,
+            None => crate::reader::MERGE_GAP,
+        };
+        let mut c = PyConsumer {
+            obj: consumer,
+            err: None,
+        };
+        let st = py.allow_threads(|| self.engine()?.read_handed(fd, &ranges, gap, &mut c));
+        if let Some(e) = c.err {
+            return Err(e);
+        }
         read_stats_dict(py, &st.map_err(|e| to_py_read(fd_named(e, fd)))?)
     }
 

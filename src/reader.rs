@@ -99,7 +99,7 @@ pub struct ReadStats {
 
 /// Gaps smaller than this between records are read through rather than
 /// skipped (one larger read beats two small ones).
-const MERGE_GAP: u64 = 256 << 10;
+pub(crate) const MERGE_GAP: u64 = 256 << 10;
 
 impl Engine {
     /// Read every request from `path`. Requests must not overlap and must lie
@@ -145,11 +145,29 @@ impl Engine {
         reqs: &[ReadReq],
         merge_gap: u64,
     ) -> Result<ReadStats> {
+        self.read_fd_planned(fd, reqs, merge_gap, |eng, fd, extents, order| {
+            eng.read_extents(fd, &extents, reqs, order)
+        })
+    }
+
+    /// The open file `fd` reopened for reading (see
+    /// [`Engine::read_into_fd`]), its requests checked and planned as
+    /// extents, then `run(engine, fd, extents, order)` reading them and
+    /// returning each request's CRC32; the file's length is checked again
+    /// after (see [`Engine::read_planned`]).
+    pub(crate) fn read_fd_planned(
+        &mut self,
+        fd: RawFd,
+        reqs: &[ReadReq],
+        merge_gap: u64,
+        run: impl FnOnce(&mut Self, RawFd, Vec<(u64, usize)>, &[usize]) -> Result<Vec<u32>>,
+    ) -> Result<ReadStats> {
         self.check_process()?;
         self.settle(None);
         let t0 = Instant::now();
         let (file, direct) = reopen_for_read(fd, self.opts.direct)?;
-        self.read_file(&file, direct, reqs, t0, merge_gap)
+        let file_len = stat_len(&file)?;
+        self.read_planned(&file, file_len, direct, reqs, t0, merge_gap, run)
             .map_err(|mut e| {
                 if e.path.is_none() {
                     e.context = format!("{} (fd {fd})", e.context);
@@ -188,6 +206,31 @@ impl Engine {
         t0: Instant,
         merge_gap: u64,
     ) -> Result<ReadStats> {
+        self.read_planned(
+            file,
+            file_len,
+            direct,
+            reqs,
+            t0,
+            merge_gap,
+            |eng, fd, extents, order| eng.read_extents(fd, &extents, reqs, order),
+        )
+    }
+
+    /// [`Engine::read_file_of_len`] with `run(engine, fd, extents, order)`
+    /// doing the reads of the planned extents (file order) and returning
+    /// each request's CRC32.
+    #[allow(clippy::too_many_arguments)] // private; the read's parts
+    pub(crate) fn read_planned(
+        &mut self,
+        file: &File,
+        file_len: u64,
+        direct: bool,
+        reqs: &[ReadReq],
+        t0: Instant,
+        merge_gap: u64,
+        run: impl FnOnce(&mut Self, RawFd, Vec<(u64, usize)>, &[usize]) -> Result<Vec<u32>>,
+    ) -> Result<ReadStats> {
         let block = if direct {
             align::probe_fd(file.as_raw_fd()).block
         } else {
@@ -198,7 +241,7 @@ impl Engine {
         let mut extents = plan_extents(reqs, &order, block, buf_size as u64, merge_gap)?;
         let piece = align_down((buf_size / TAIL_PIECES) as u64, block).max(block);
         split_tail(&mut extents, self.opts.queue_depth, piece as usize);
-        let crcs = self.read_extents(file.as_raw_fd(), extents, reqs, &order)?;
+        let crcs = run(self, file.as_raw_fd(), extents.into(), &order)?;
         let reach = reqs
             .iter()
             .map(|r| r.offset + r.dst.len as u64)
@@ -234,18 +277,17 @@ impl Engine {
     fn read_extents(
         &mut self,
         fd: RawFd,
-        extents: VecDeque<(u64, usize)>,
+        extents: &[(u64, usize)],
         reqs: &[ReadReq],
         order: &[usize],
     ) -> Result<Vec<u32>> {
         let qd = self.opts.queue_depth;
         let threads = self.opts.gather_threads;
-        let extents: Vec<(u64, usize)> = extents.into();
-        let spans = extent_spans(reqs, order, &extents);
+        let spans = extent_spans(reqs, order, extents);
         let plan = ReadPlan {
             fd,
             qd,
-            extents: &extents,
+            extents,
             spans: &spans,
             reqs,
             order,
@@ -277,18 +319,24 @@ fn fd_path(fd: RawFd) -> Option<std::path::PathBuf> {
 
 /// One read, planned: the extents (file order) and, for each, the span of
 /// `order` whose requests it overlaps.
-struct ReadPlan<'a> {
-    fd: RawFd,
-    qd: usize,
-    extents: &'a [(u64, usize)],
-    spans: &'a [(usize, usize)],
-    reqs: &'a [ReadReq],
-    order: &'a [usize],
+pub(crate) struct ReadPlan<'a> {
+    pub(crate) fd: RawFd,
+    pub(crate) qd: usize,
+    pub(crate) extents: &'a [(u64, usize)],
+    pub(crate) spans: &'a [(usize, usize)],
+    pub(crate) reqs: &'a [ReadReq],
+    pub(crate) order: &'a [usize],
 }
 
 impl ReadPlan<'_> {
     /// Start the read of extent `seq` into arena buffer `b`.
-    fn submit(&self, sink: &mut dyn Sink, arena: &Arena, seq: usize, b: usize) -> Result<()> {
+    pub(crate) fn submit(
+        &self,
+        sink: &mut dyn Sink,
+        arena: &Arena,
+        seq: usize,
+        b: usize,
+    ) -> Result<()> {
         let (offset, len) = self.extents[seq];
         let job = Job {
             buf: b,
@@ -306,7 +354,7 @@ impl ReadPlan<'_> {
     }
 
     /// Scatter extent `seq`, read into `data`.
-    fn scatter(&self, seq: usize, data: &[u8]) -> Vec<(usize, Hasher)> {
+    pub(crate) fn scatter(&self, seq: usize, data: &[u8]) -> Vec<(usize, Hasher)> {
         scatter(
             self.reqs,
             self.order,
@@ -569,7 +617,7 @@ fn coordinate_reads(
 }
 
 /// Fold one extent's partial checksums (file order) into the requests'.
-fn fold(hashers: &mut [Hasher], partials: Vec<(usize, Hasher)>) {
+pub(crate) fn fold(hashers: &mut [Hasher], partials: Vec<(usize, Hasher)>) {
     for (i, h) in partials {
         hashers[i].combine(&h);
     }
@@ -728,7 +776,7 @@ fn split_tail(extents: &mut VecDeque<(u64, usize)>, qd: usize, piece: usize) {
 
 /// For each extent (file order), the span `[k0, k1)` of `order` whose
 /// requests it overlaps (requests are in file order and do not overlap).
-fn extent_spans(
+pub(crate) fn extent_spans(
     reqs: &[ReadReq],
     order: &[usize],
     extents: &[(u64, usize)],
@@ -752,46 +800,77 @@ fn extent_spans(
     spans
 }
 
-/// Copy the part of `data` (file bytes at `off`) that each request of
-/// `span` needs to its destination; returns the CRC32 of each piece, with
-/// its request's index, in file order.
-fn scatter(
-    reqs: &[ReadReq],
-    order: &[usize],
+/// Where the bytes of an extent go: one piece per request it overlaps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadPiece {
+    /// The request (its index in the order given).
+    pub req: usize,
+    /// Where the piece starts within the request.
+    pub start: usize,
+    /// Its length.
+    pub len: usize,
+    /// Where it lies in the extent's buffer.
+    pub at: usize,
+}
+
+/// The pieces of the extent of `len` bytes at file offset `off` that the
+/// requests of `span` (of `order`) need, in file order.
+pub(crate) fn extent_pieces<'a>(
+    reqs: &'a [ReadReq],
+    order: &'a [usize],
     (k0, k1): (usize, usize),
     off: u64,
-    data: &[u8],
-) -> Vec<(usize, Hasher)> {
-    let end = off + data.len() as u64;
-    let mut out = Vec::with_capacity(k1 - k0);
-    for &i in &order[k0..k1] {
+    len: usize,
+) -> impl Iterator<Item = ReadPiece> + 'a {
+    let end = off + len as u64;
+    order[k0..k1].iter().filter_map(move |&i| {
         let r = &reqs[i];
         let lo = r.offset.max(off);
         let hi = (r.offset + r.dst.len as u64).min(end);
-        if lo >= hi {
-            continue;
-        }
-        let src = &data[(lo - off) as usize..(hi - off) as usize];
+        (lo < hi).then(|| ReadPiece {
+            req: i,
+            start: (lo - r.offset) as usize,
+            len: (hi - lo) as usize,
+            at: (lo - off) as usize,
+        })
+    })
+}
+
+/// Copy the part of `data` (file bytes at `off`) that each request of
+/// `span` needs to its destination (a discarded one: checksum it in
+/// place); returns the CRC32 of each piece, with its request's index, in
+/// file order.
+pub(crate) fn scatter(
+    reqs: &[ReadReq],
+    order: &[usize],
+    span: (usize, usize),
+    off: u64,
+    data: &[u8],
+) -> Vec<(usize, Hasher)> {
+    let mut out = Vec::with_capacity(span.1 - span.0);
+    for p in extent_pieces(reqs, order, span, off, data.len()) {
+        let r = &reqs[p.req];
+        let src = &data[p.at..p.at + p.len];
         let mut h = Hasher::new();
         if r.dst.ptr.is_null() {
             h.update(src);
         } else {
-            // SAFETY: `lo - r.offset + src.len() <= r.dst.len`: inside the
-            // destination.
-            let dst = unsafe { r.dst.ptr.add((lo - r.offset) as usize) };
+            // SAFETY: `p.start + p.len <= r.dst.len` (`extent_pieces`):
+            // inside the destination.
+            let dst = unsafe { r.dst.ptr.add(p.start) };
             if src.len() >= POPULATE_MIN {
                 // SAFETY: the destination bytes this piece is about to
                 // write (caller memory, valid for writes by contract).
                 unsafe { crate::arena::populate(dst as usize, src.len()) };
             }
-            // SAFETY: `lo - r.offset + src.len() <= r.dst.len`: inside the
+            // SAFETY: `p.start + p.len <= r.dst.len`: inside the
             // destination; the caller guaranteed exclusive write access to
             // it, and no other extent (so no other scatter thread) covers
             // these bytes.
             let dst = unsafe { std::slice::from_raw_parts_mut(dst, src.len()) };
             copy_checksummed(dst, src, &mut h, STEP);
         }
-        out.push((i, h));
+        out.push((p.req, h));
     }
     out
 }
