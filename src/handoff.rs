@@ -206,7 +206,12 @@ impl Handing<'_, '_> {
                     progressed = true;
                 }
             }
-            if held > 0 {
+            // The consumer is asked for buffers back only when a read
+            // waits for one (or at the end): each question is a call into
+            // Python, and the arena has buffers to spare beyond the reads
+            // in flight.
+            let starved = next < n && self.sink.inflight() < plan.qd && self.free.is_empty();
+            if held > 0 && starved {
                 self.consumer.released(&mut released, false)?;
                 progressed |= self.take_released(&mut busy, &mut released, &mut held)?;
             }
@@ -219,7 +224,6 @@ impl Handing<'_, '_> {
             }
             // Nothing moved: wait for the checksum threads, the device or
             // the consumer, whichever the read waits on.
-            let starved = next < n && self.sink.inflight() < plan.qd && self.free.is_empty();
             if summing > 0 {
                 let rx = workers.map(|(_, rx)| rx).ok_or_else(lost)?;
                 let got = if self.sink.inflight() == 0 && held == 0 {

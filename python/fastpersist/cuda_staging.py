@@ -74,6 +74,8 @@ __all__ = [
     "ArenaSlots",
     "arena_slots",
     "read_to_device",
+    "HandedCopies",
+    "read_handed",
     "record_ready",
     "cuda_devices",
     "active_devices",
@@ -447,6 +449,10 @@ class CudaCopier:
     def wait(self, handle: Any) -> None:
         handle.synchronize()
 
+    def done(self, handle: Any) -> bool:
+        """Whether the copy ``handle`` stands for has ended (no wait)."""
+        return bool(handle.query())
+
     def drain(self) -> None:
         """Wait (sleeping, not spinning) for every copy queued so far."""
         with device_scope(self.device):
@@ -481,6 +487,9 @@ class ThreadCopier:
 
     def wait(self, handle: Future) -> None:
         handle.result()
+
+    def done(self, handle: Future) -> bool:
+        return handle.done()
 
     def hand_over(self) -> None:
         self._pool.submit(lambda: None).result()
@@ -940,10 +949,76 @@ def staging_setup() -> Tuple[Any, str]:
     return None, "cuda"
 
 
+class HandedCopies:
+    """The consumer of a read handed over in the arena
+    (``Engine.read_handed``): each completed buffer's pieces are copied
+    from where they lie to their storages (host-to-device), and the buffer
+    is released once those copies have ended."""
+
+    def __init__(self, arena: ArenaSlots, items: Sequence[DeviceRead], copier_for: Callable[[torch.device], Any]):
+        self.arena = arena
+        self.items = items
+        self.copier_for = copier_for
+        #: Buffers held, oldest first: their copies (copier, handle).
+        self.held: Dict[int, List[Tuple[Any, Any]]] = {}
+        self.copiers: Dict[int, Any] = {}
+
+    def filled(self, buf: int, addr: int, n: int, pieces: List[Tuple[int, int, int, int]]) -> None:
+        off = addr - self.arena.base
+        view = self.arena.tensor[off : off + n]
+        # Held before the first copy is begun: whatever raises part-way,
+        # every copy begun is waited for before the buffer is read into.
+        copies = self.held[buf] = []
+        for i, start, length, at in pieces:
+            storage = self.items[i][1]
+            c = self.copier_for(storage.device)
+            self.copiers[id(c)] = c
+            copies.append((c, c.copy_in(storage, start, view[at : at + length])))
+
+    def released(self, wait: bool) -> List[int]:
+        out = [b for b, copies in self.held.items() if all(c.done(h) for c, h in copies)]
+        if not out and wait and self.held:
+            b = next(iter(self.held))
+            for c, h in self.held[b]:
+                c.wait(h)
+            out = [b]
+        for b in out:
+            del self.held[b]
+        return out
+
+    def quiesce(self) -> None:
+        """Wait for every copy out of a buffer still held (after a read
+        that failed: before the engine reads into them again)."""
+        while self.held:
+            _, copies = self.held.popitem()
+            for c, h in copies:
+                c.wait(h)
+
+
+def read_handed(
+    eng: _core.Engine, fd: int, items: Sequence[DeviceRead], arena: ArenaSlots, copier_for: Any
+) -> List[int]:
+    """Read records (file offset, storage, bytes) of ``fd`` with ``eng``
+    (held by the caller) straight out of its arena into the storages: the
+    reads stay ``queue_depth`` deep and no byte is copied on the CPU.
+    Returns each record's CRC32; the copies are handed over to the caller's
+    streams (see :meth:`CudaCopier.hand_over`)."""
+    consumer = HandedCopies(arena, items, copier_for)
+    try:
+        crcs = list(eng.read_handed(fd, [(off, n) for off, _, n in items], consumer)["crcs"])
+    finally:
+        # Even on Ctrl-C: no copy may still read a buffer the engine reuses.
+        consumer.quiesce()
+    for c in consumer.copiers.values():
+        c.hand_over()
+    return crcs
+
+
 def read_staged(fd: int, items: List[DeviceRead], opts: EngineOptions) -> List[int]:
     """Read records (file offset, device storage, bytes) of the open file
-    ``fd`` into device storages through the staging slots; returns their
-    CRC32s."""
+    ``fd`` into device storages: out of the engine's arena where it can be
+    registered with CUDA (:func:`read_handed`), else through the staging
+    slots; returns their CRC32s."""
     _, kind = staging_setup()
     # Staging is registered under a target device (which has a context).
     devices = sorted({st.device for _, st, _ in items}, key=str)
@@ -957,6 +1032,10 @@ def read_staged(fd: int, items: List[DeviceRead], opts: EngineOptions) -> List[i
         return read
 
     try:
+        with use_engine(opts) as eng:
+            arena = arena_slots(eng, ctx.test_on_cpu, ctx.home)
+            if arena is not None:
+                return read_handed(eng, fd, items, arena, ctx.copier)
         # Two engines, so slot k+1 is being read while slot k's read ends:
         # the device never waits between slots.
         return read_to_device([reader(0), reader(1)], items, ctx.live_staging(), ctx.copier)

@@ -226,7 +226,10 @@ def test_staging_memory_is_reused_and_released(tmp_path, staged_on_cpu):
     assert staging_bytes() == (0 if staged_on_cpu == "arena" else 3 * 3 * 4096)
     fastpersist.read_state_dict(tmp_path / "1.pt")
     held = staging_bytes()
-    assert held >= 3 * 3 * 4096  # three slots of the fixture's chunk size, kept for the next call
+    if staged_on_cpu == "arena":
+        assert held == 0  # reads are copied out of the arena as well
+    else:
+        assert held >= 3 * 3 * 4096  # three slots of the fixture's chunk size, kept for the next call
     fastpersist.write_state_dict(sd, tmp_path / "2.pt")
     fastpersist.read_state_dict(tmp_path / "2.pt")
     assert staging_bytes() == held  # no new buffer per call
@@ -310,6 +313,170 @@ def test_a_failed_copy_into_the_arena_loses_no_buffer(tmp_path, monkeypatch, rai
     for i in range(3):
         fastpersist.write_state_dict(sd, tmp_path / f"ok{i}.pt")
         assert_same(sd, fastpersist.read_state_dict(tmp_path / f"ok{i}.pt"))
+
+
+def _arena_reads(monkeypatch, fail_at=None, raise_as=RuntimeError, delay=0.0):
+    """Record the source of every host-to-device copy the stand-in copier
+    makes and the futures of those begun; with ``fail_at``, the copy of
+    that number (from 1) raises ``raise_as``; each copy takes ``delay``."""
+    import time
+
+    from fastpersist.cuda_staging import ThreadCopier, _bytes_view
+
+    srcs, futures, calls = [], [], [0]
+
+    def copy_in(self, storage, start, src):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise raise_as("the copy failed")
+        srcs.append((src.data_ptr(), src.numel()))
+
+        def slow():
+            time.sleep(delay)
+            _bytes_view(storage)[start : start + src.numel()].copy_(src)
+
+        fut = self._pool.submit(slow)
+        futures.append(fut)
+        return fut
+
+    monkeypatch.setattr(ThreadCopier, "copy_in", copy_in)
+    return srcs, futures, calls
+
+
+def _small_arena(monkeypatch):
+    monkeypatch.setenv("FASTPERSIST_TEST_STAGE_CPU", "1")
+    monkeypatch.setenv("FASTPERSIST_BLOCK_SIZE", str(64 << 10))
+    monkeypatch.setenv("FASTPERSIST_ARENA_BYTES", str(8 * (64 << 10)))
+    monkeypatch.setenv("FASTPERSIST_QUEUE_DEPTH", "4")
+
+
+def test_device_reads_are_copied_out_of_the_engines_arena(tmp_path, monkeypatch):
+    """Issue 21: a read to the device copies each record's bytes out of the
+    arena buffer the engine read them into (no staging slots, no copy on
+    the CPU in between), and reads one file queue-depth deep in one call."""
+    from fastpersist import cuda_staging
+    from fastpersist.options import EngineOptions, get_engine
+
+    sd = {f"w{i}": make((5 << 16,), torch.float32, i) for i in range(4)}
+    sd["odd"] = make((70_001,), torch.float32, 9)
+    sd["tiny"] = make((3,), torch.int8)
+    sd["none"] = torch.empty(0)
+    fastpersist.write_state_dict(sd, tmp_path / "a.pt")
+    _small_arena(monkeypatch)
+    release_staging()
+    srcs, _, _ = _arena_reads(monkeypatch)
+    handed = []
+    real = cuda_staging.read_handed
+    monkeypatch.setattr(cuda_staging, "read_handed", lambda *a: handed.append(1) or real(*a))
+    assert_same(sd, fastpersist.read_state_dict(tmp_path / "a.pt"))
+    _, eng = get_engine(EngineOptions.resolve())
+    lo, hi = eng.arena_ptr, eng.arena_ptr + eng.arena_bytes
+    assert handed == [1]  # one engine call for every record
+    assert sum(n for _, n in srcs) == sum(t.numel() * t.element_size() for t in sd.values())
+    assert all(lo <= p and p + n <= hi for p, n in srcs), "a copy did not come from the arena"
+    assert staging_bytes() == 0
+
+
+@pytest.mark.parametrize("raise_as", [RuntimeError, KeyboardInterrupt])
+def test_a_failed_copy_out_of_the_arena_leaves_no_copy_running_and_reads_go_on(tmp_path, monkeypatch, raise_as):
+    """A copy (or an interrupt) failing part-way through a read: the error
+    is the caller's, every copy begun has ended before it leaves (none
+    still reads a buffer the engine reads into next), and reads go on."""
+    sd = {"a": make((1 << 18,), torch.float32, 1), "b": make((1 << 17,), torch.float32, 2)}
+    p = tmp_path / "c.pt"
+    fastpersist.write_state_dict(sd, p)
+    _small_arena(monkeypatch)
+    for fail_at in (1, 3, 7):
+        _, futures, _ = _arena_reads(monkeypatch, fail_at=fail_at, raise_as=raise_as, delay=0.01)
+        with pytest.raises(raise_as, match="copy failed"):
+            fastpersist.read_state_dict(p)
+        assert all(f.done() for f in futures), "a copy out of the arena outlived the failed read"
+    _arena_reads(monkeypatch)
+    for _ in range(3):
+        assert_same(sd, fastpersist.read_state_dict(p))
+
+
+def test_handed_copies_release_finished_buffers_and_wait_for_the_oldest():
+    from concurrent.futures import Future
+
+    from fastpersist.cuda_staging import HandedCopies
+
+    class Copier:
+        def __init__(self):
+            self.futures = []
+
+        def copy_in(self, storage, start, src):
+            f = Future()
+            self.futures.append(f)
+            return f
+
+        def done(self, h):
+            return h.done()
+
+        def wait(self, h):
+            if not h.done():
+                h.set_result(None)
+
+    class Arena:
+        base = 1000
+        tensor = torch.zeros(4096, dtype=torch.uint8)
+
+    c = Copier()
+    st = torch.zeros(64, dtype=torch.uint8).untyped_storage()
+    hc = HandedCopies(Arena(), [(0, st, 64)], lambda d: c)
+    hc.filled(5, 1000, 64, [(0, 0, 32, 0)])
+    hc.filled(2, 1064, 64, [(0, 32, 16, 0), (0, 48, 16, 16)])
+    assert hc.released(False) == []
+    c.futures[2].set_result(None)
+    assert hc.released(False) == []  # buffer 2 has a copy still running
+    c.futures[1].set_result(None)
+    assert hc.released(False) == [2]
+    assert hc.released(True) == [5] and c.futures[0].done()  # waited for the oldest
+    assert hc.released(True) == []
+    hc.filled(7, 1000, 64, [(0, 0, 64, 0)])
+    hc.quiesce()
+    assert c.futures[3].done() and hc.held == {}
+
+
+def test_engine_read_handed_raises_the_consumers_own_error(tmp_path):
+    """Engine.read_handed: what the consumer raises comes out as it is; a
+    consumer that hands back what it was never given is refused."""
+    from fastpersist.options import EngineOptions, use_engine
+
+    p = tmp_path / "f.bin"
+    data = os.urandom(3 << 20)
+    p.write_bytes(data)
+
+    class Consumer:
+        def __init__(self, fail=None, stray=False):
+            self.fail, self.stray, self.held = fail, stray, []
+
+        def filled(self, buf, addr, n, pieces):
+            if self.fail == "filled":
+                raise ValueError("boom in filled")
+            self.held.append(buf)
+
+        def released(self, wait):
+            if self.fail == "released":
+                raise ZeroDivisionError("boom in released")
+            if self.stray:
+                return [10_000]
+            out, self.held = self.held, []
+            return out
+
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        with use_engine(EngineOptions.resolve()) as eng:
+            with pytest.raises(ValueError, match="boom in filled"):
+                eng.read_handed(fd, [(0, len(data))], Consumer("filled"))
+            with pytest.raises(ZeroDivisionError, match="boom in released"):
+                eng.read_handed(fd, [(0, len(data))], Consumer("released"))
+            with pytest.raises(ValueError, match="does not hold"):
+                eng.read_handed(fd, [(0, len(data))], Consumer(stray=True))
+            st = eng.read_handed(fd, [(0, 1 << 20), ((1 << 20) + 5, 0), (2 << 20, 7)], Consumer())
+            assert st["crcs"] == [zlib.crc32(data[: 1 << 20]), 0, zlib.crc32(data[2 << 20 : (2 << 20) + 7])]
+    finally:
+        os.close(fd)
 
 
 @given(hst.integers(0, 1 << 22), hst.integers(1, 1 << 22), hst.sampled_from([512, 4096, 16384]), hst.integers(1, 64))
