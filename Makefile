@@ -94,6 +94,8 @@ bench-smoke: install
 	$(PY) benches/dcp_bench.py --size 64MiB --small-count 200 --small-size 16MiB --ranks 1,2 --rounds 1 --settle 0 --no-fio --async
 	$(PY) benches/tiers_bench.py --size 16MiB --rounds 1 --iters 4 --every 2 --dim 64
 	$(PY) benches/sweep_bench.py --size 16MiB --rounds 1 --blocks 1MiB,4MiB --depths 8 --arenas 32MiB --threads 1,2 --settle 0 --no-fio
+	$(PY) benches/gpu_bench.py --stand-in --sizes 32MiB --rounds 1 --variants into=slots
+	$(PY) benches/gpu_bench.py --stand-in --copy-rate 25 --sizes 32MiB --rounds 1
 
 clean:
 	cargo clean

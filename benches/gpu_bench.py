@@ -29,13 +29,27 @@ fastpersist writes with other settings (``block``, ``arena``, ``qd``,
 into the engine's arena). DeepSpeed's FastFileWriter is measured when
 ``deepspeed`` imports. Needs a CUDA device; exits with a message otherwise.
 
-``--stand-in`` runs the device write path on the CPU instead (host tensors
-staged as device ones, a thread standing in for the copy engine), timing
-only the fastpersist writers against the disk: the data path's own cost
-without a GPU, e.g. ``--stand-in --variants into=slots`` for arena copies
-against staging slots.
+Reads run once per variant, with the variant's environment (``into`` and
+``chunk`` apply; write options do not), all reading the default variant's
+file: ``into=slots`` reads through the staging slots instead of copying
+straight out of the engine's arena.
 
-    python benches/gpu_bench.py [--sizes 2GiB,8GiB] [--rounds 3] [--dir DIR] [--variants V,...] [--stand-in]
+``--stand-in`` runs the device write and read paths on the CPU instead
+(host tensors staged as device ones, a thread standing in for the copy
+engine, whose copies then cost CPU time a GPU's do not), timing only the
+fastpersist writers and readers against the disk: the data path's own cost
+without a GPU, e.g. ``--stand-in --variants into=slots`` for arena copies
+against staging slots. ``--copy-rate GBPS`` makes the stand-in's copies
+take the time a copy engine of that speed would, sleeping instead of
+copying (no CPU time, as DMA; the bytes then are not the tensors': timing
+only), so the data path is timed without the stand-in's own memcpy.
+
+As root the run turns the kernel's free page reporting off (and back on
+after), as ``read_bench.py`` does: otherwise memory one reader frees goes
+back to a virtual machine's host, and the next reader waits for it.
+
+    python benches/gpu_bench.py [--sizes 2GiB,8GiB] [--rounds 3] [--dir DIR] [--variants V,...]
+                                [--stand-in [--copy-rate GBPS]]
 """
 
 from __future__ import annotations
@@ -48,7 +62,7 @@ import time
 
 import fastpersist
 import torch
-from fastpersist.bench import Limit, drop_cache, median, parse_size
+from fastpersist.bench import Limit, drop_cache, freed_memory, median, parse_size
 
 
 def copy_limit(nbytes: int, d2h: bool) -> float:
@@ -115,22 +129,31 @@ def gpu_state(nbytes: int) -> dict:
     return {f"layer{i}.weight": torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) for i in range(count)}
 
 
-def timed_write(sd: dict, path: str, kw: dict, env: dict) -> float:
-    """Seconds of one fastpersist write of ``sd`` (a fresh file), with the
-    environment variables ``env`` set for it."""
-    fresh(path)
+def with_env(env: dict, call):
+    """``call()`` with the environment variables ``env`` set for it."""
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        t0 = time.perf_counter()
-        fastpersist.write_state_dict(sd, path, **kw)
-        return time.perf_counter() - t0
+        return call()
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def timed_write(sd: dict, path: str, kw: dict, env: dict) -> float:
+    """Seconds of one fastpersist write of ``sd`` (a fresh file), with the
+    environment variables ``env`` set for it."""
+    fresh(path)
+
+    def write() -> float:
+        t0 = time.perf_counter()
+        fastpersist.write_state_dict(sd, path, **kw)
+        return time.perf_counter() - t0
+
+    return with_env(env, write)
 
 
 def torch_write(sd: dict, path: str) -> float:
@@ -149,7 +172,8 @@ def cold_read(path: str, read) -> float:
     drop_cache(path)
     t0 = time.perf_counter()
     out = read(path)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t = time.perf_counter() - t0
     del out  # freed after the clock stops, as bench.timed does
     return t
@@ -184,8 +208,18 @@ def bench_size(size: int, d: str, variants: list, rounds: int) -> None:
         ("ts_w", lambda: torch_write(sd, path["ts"])),
         ("ds_w", lambda: (fresh(path["ds"]), deepspeed_write(sd, path["ds"]))[1]),
     ]
+    # Readers: every variant's environment (its write options do not apply)
+    # reading the default variant's file to the GPU.
     readers = [
-        ("fp_r", lambda: cold_read(path["fp"], lambda p: fastpersist.read_state_dict(p, map_location="cuda"))),
+        (
+            f"fp_r {name}",
+            lambda env=env: with_env(
+                env, lambda: cold_read(path["fp"], lambda p: fastpersist.read_state_dict(p, map_location="cuda"))
+            ),
+        )
+        for name, _, env in variants
+    ]
+    readers += [
         ("host_r", lambda: cold_read(path["host"], lambda p: fastpersist.read_state_dict(p))),
         (
             "ts_r",
@@ -213,7 +247,8 @@ def bench_size(size: int, d: str, variants: list, rounds: int) -> None:
         for name, _, _ in variants:
             res.setdefault("ratio " + name, []).append(res["fp_w " + name][-1] / wl)
         res.setdefault("ratio host_w", []).append(res["host_w"][-1] / max(fio_w.values(), default=float("nan")))
-        res.setdefault("ratio read", []).append(res["fp_r"][-1] / rl)
+        for name, _, _ in variants:
+            res.setdefault("ratio r " + name, []).append(res["fp_r " + name][-1] / rl)
         res.setdefault("ratio host_r", []).append(res["host_r"][-1] / max(fio_r.values(), default=float("nan")))
     m = {k: median(v) if v else float("nan") for k, v in res.items()}
     dw, dr = wlim.gbps, rlim.gbps
@@ -239,39 +274,66 @@ def bench_size(size: int, d: str, variants: list, rounds: int) -> None:
         print(f"  write: DeepSpeed FastFileWriter {m['ds_w']:.2f} ({m['ds_w'] / wl:.2f})")
     else:
         print("  write: DeepSpeed FastFileWriter not measured (deepspeed does not import here)")
-    print(
-        f"  read:  fastpersist to GPU {m['fp_r']:.2f} GB/s ({m['fp_r'] / rl:.2f} of min(disk, H2D); median "
-        f"of per-round ratios {m['ratio read']:.2f}), torch.load {m['ts_r']:.2f} ({m['ts_r'] / rl:.2f})"
-    )
+    for name, _, _ in variants:
+        print(
+            f"  read:  fastpersist[{name}] to GPU {m['fp_r ' + name]:.2f} GB/s ({m['fp_r ' + name] / rl:.2f} of "
+            f"min(disk, H2D); median of per-round ratios {m['ratio r ' + name]:.2f})"
+        )
+    print(f"  read:  torch.load {m['ts_r']:.2f} ({m['ts_r'] / rl:.2f})")
     print(
         f"  read:  fastpersist to host memory {m['host_r']:.2f} GB/s ({m['host_r'] / dr:.2f} of the disk; "
         f"median of per-round ratios {m['ratio host_r']:.2f})"
     )
 
 
+def dma_stand_in(gbps: float) -> None:
+    """The stand-in copier's copies sleep as long as a copy engine of
+    ``gbps`` GB/s would take, copying nothing (timing only)."""
+    from fastpersist.cuda_staging import ThreadCopier
+
+    def later(self, n: int):
+        return self._pool.submit(time.sleep, n / (gbps * 1e9))
+
+    ThreadCopier.copy = lambda self, dst, storage, start, end: later(self, end - start)
+    ThreadCopier.copy_in = lambda self, storage, start, src: later(self, src.numel())
+
+
 def bench_stand_in(size: int, d: str, variants: list, rounds: int) -> None:
-    """The device write path on the CPU: each variant against the disk."""
+    """The device write and read paths on the CPU: each variant against the
+    disk (the stand-in copier's copies take CPU time a GPU's would not)."""
     n = 4096 * 4096
     sd = {f"layer{i}.weight": torch.randn(4096, 4096).to(torch.bfloat16) for i in range(max(1, size // (2 * n)))}
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     path = os.path.join(d, "fp.pt")
-    wlim = Limit()
+    wlim, rlim = Limit(), Limit()
     res: dict = {}
     staged = {"FASTPERSIST_TEST_STAGE_CPU": "1"}
     writers = [(name, kw, {**staged, **env}) for name, kw, env in variants] + [("host memory", {}, {})]
+    readers = [(name, {**staged, **env}) for name, _, env in variants] + [("host memory", {})]
     for r in range(rounds):
         fio = max(wlim.measure(d, nbytes).values(), default=float("nan"))
         for name, kw, env in rotated(writers, r):
             gbps = nbytes / timed_write(sd, path, kw, env) / 1e9
-            res.setdefault(name, []).append(gbps)
-            res.setdefault("ratio " + name, []).append(gbps / fio)
-    print(f"\n{nbytes / 2**30:.1f} GiB bf16, device path on the CPU (stand-in copier): disk write {wlim.gbps:.2f} GB/s")
+            res.setdefault("w " + name, []).append(gbps)
+            res.setdefault("w ratio " + name, []).append(gbps / fio)
+        fio = max(rlim.measure(d, nbytes, "read").values(), default=float("nan"))
+        for name, env in rotated(readers, r):
+            gbps = nbytes / with_env(env, lambda: cold_read(path, fastpersist.read_state_dict)) / 1e9
+            res.setdefault("r " + name, []).append(gbps)
+            res.setdefault("r ratio " + name, []).append(gbps / fio)
+    print(
+        f"\n{nbytes / 2**30:.1f} GiB bf16, device paths on the CPU (stand-in copier): disk write {wlim.gbps:.2f}, "
+        f"read {rlim.gbps:.2f} GB/s"
+    )
     print(f"  write {wlim.note()}")
-    for name, _, _ in writers:
-        print(
-            f"  write: fastpersist[{name}] {median(res[name]):.2f} GB/s ({median(res[name]) / wlim.gbps:.2f} of "
-            f"the disk; median of per-round ratios {median(res['ratio ' + name]):.2f})"
-        )
+    print(f"  read  {rlim.note()}")
+    for op, lim, names in (("write", wlim, [w[0] for w in writers]), ("read", rlim, [x[0] for x in readers])):
+        for name in names:
+            got = median(res[f"{op[0]} {name}"])
+            print(
+                f"  {op}: fastpersist[{name}] {got:.2f} GB/s ({got / lim.gbps:.2f} of the disk; "
+                f"median of per-round ratios {median(res[f'{op[0]} ratio {name}']):.2f})"
+            )
 
 
 def main() -> None:
@@ -280,23 +342,36 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--variants", default="", help="extra fastpersist settings to time, comma-separated")
-    ap.add_argument("--stand-in", action="store_true", help="the device write path on the CPU (no GPU needed)")
+    ap.add_argument("--stand-in", action="store_true", help="the device paths on the CPU (no GPU needed)")
+    ap.add_argument(
+        "--copy-rate", type=float, default=None, help="with --stand-in: copies sleep as a copy engine of GBPS would"
+    )
     args = ap.parse_args()
+    if args.copy_rate is not None:
+        if not args.stand_in or args.copy_rate <= 0:
+            raise SystemExit("gpu_bench: --copy-rate needs --stand-in and a positive rate")
+        dma_stand_in(args.copy_rate)
     variants = [("default", {}, {})] + [parse_variant(v) for v in args.variants.split(",") if v]
     if args.stand_in:
-        print(f"stand-in for a GPU, torch {torch.__version__}, fastpersist {fastpersist.__version__}")
-        with tempfile.TemporaryDirectory(prefix="fastpersist-gpu-", dir=args.dir or os.getcwd()) as d:
-            for size in (parse_size(s) for s in args.sizes.split(",")):
-                bench_stand_in(size, d, variants, args.rounds)
-        return
-    if not torch.cuda.is_available():
+        how = f"copies sleeping as at {args.copy_rate:g} GB/s" if args.copy_rate else "copies by a CPU thread"
+        print(f"stand-in for a GPU ({how}), torch {torch.__version__}, fastpersist {fastpersist.__version__}")
+    elif not torch.cuda.is_available():
         print("gpu_bench: no CUDA device here; nothing measured")
         sys.exit(0)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, fastpersist {fastpersist.__version__}")
-    with tempfile.TemporaryDirectory(prefix="fastpersist-gpu-", dir=args.dir or os.getcwd()) as d:
+    else:
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, fastpersist {fastpersist.__version__}")
+    with (
+        freed_memory(None) as kept,
+        tempfile.TemporaryDirectory(prefix="fastpersist-gpu-", dir=args.dir or os.getcwd()) as d,
+    ):
+        if kept.note:
+            print(f"memory: {kept.note}")
         for size in (parse_size(s) for s in args.sizes.split(",")):
-            bench_size(size, d, variants, args.rounds)
-            torch.cuda.empty_cache()
+            if args.stand_in:
+                bench_stand_in(size, d, variants, args.rounds)
+            else:
+                bench_size(size, d, variants, args.rounds)
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
