@@ -76,6 +76,7 @@ __all__ = [
     "read_to_device",
     "HandedCopies",
     "read_handed",
+    "wait_copies",
     "record_ready",
     "cuda_devices",
     "active_devices",
@@ -714,6 +715,23 @@ def pack_pieces(records: Sequence[Tuple[int, int]], chunk: int) -> List[List[Tup
 Read = Callable[[List[Tuple[int, int, int]]], List[int]]
 
 
+def wait_copies(copies: Iterable[Tuple[Any, Any]]) -> None:
+    """Wait for each copy (copier, handle) to end, whatever Ctrl-C does
+    meanwhile (an interrupt is raised once all have ended): a copy left
+    running after its call gave up would write device memory the caching
+    allocator hands to the next tensor."""
+    interrupted: Optional[BaseException] = None
+    for c, h in copies:
+        while True:
+            try:
+                c.wait(h)
+                break
+            except KeyboardInterrupt as e:  # wait again
+                interrupted = e
+    if interrupted is not None:
+        raise interrupted
+
+
 def _quiesce(
     reading: Dict[int, Tuple[int, Future]],
     pool: Optional[ThreadPoolExecutor],
@@ -728,9 +746,7 @@ def _quiesce(
             pass
     if pool is not None:
         pool.shutdown(wait=True)
-    for copies in in_flight.values():
-        for c, h in copies:
-            c.wait(h)
+    wait_copies(c for copies in in_flight.values() for c in copies)
 
 
 def read_to_device(
@@ -988,11 +1004,12 @@ class HandedCopies:
 
     def quiesce(self) -> None:
         """Wait for every copy out of a buffer still held (after a read
-        that failed: before the engine reads into them again)."""
-        while self.held:
-            _, copies = self.held.popitem()
-            for c, h in copies:
-                c.wait(h)
+        that failed: before the engine, and the storages' memory, go to
+        anyone else), whatever Ctrl-C does meanwhile."""
+        try:
+            wait_copies(c for copies in self.held.values() for c in copies)
+        finally:
+            self.held.clear()
 
 
 def read_handed(

@@ -438,6 +438,42 @@ def test_handed_copies_release_finished_buffers_and_wait_for_the_oldest():
     assert c.futures[3].done() and hc.held == {}
 
 
+def test_copies_are_waited_for_through_ctrl_c():
+    """An interrupt while a failed read waits for its copies: every copy
+    still ends before the interrupt leaves (a copy left running would
+    write device memory the allocator hands out next)."""
+    from concurrent.futures import Future
+
+    from fastpersist.cuda_staging import HandedCopies
+
+    class Copier:
+        def __init__(self):
+            self.futures, self.interrupts = [], 2
+
+        def copy_in(self, storage, start, src):
+            self.futures.append(Future())
+            return self.futures[-1]
+
+        def wait(self, h):
+            if self.interrupts:
+                self.interrupts -= 1
+                raise KeyboardInterrupt
+            h.set_result(None)
+
+    class Arena:
+        base = 0
+        tensor = torch.zeros(4096, dtype=torch.uint8)
+
+    c = Copier()
+    st = torch.zeros(64, dtype=torch.uint8).untyped_storage()
+    hc = HandedCopies(Arena(), [(0, st, 64)], lambda d: c)
+    hc.filled(1, 0, 64, [(0, 0, 32, 0), (0, 32, 32, 32)])
+    hc.filled(2, 64, 64, [(0, 0, 64, 0)])
+    with pytest.raises(KeyboardInterrupt):
+        hc.quiesce()
+    assert all(f.done() for f in c.futures) and hc.held == {}
+
+
 def test_engine_read_handed_raises_the_consumers_own_error(tmp_path):
     """Engine.read_handed: what the consumer raises comes out as it is; a
     consumer that hands back what it was never given is refused."""
