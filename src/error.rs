@@ -26,6 +26,10 @@ pub enum ErrorKind {
     /// `fork()` child of it) was used: its ring, threads, locks and file
     /// belong to that process, which goes on using them.
     Forked,
+    /// fastpersist itself went wrong, not the file, the options or the
+    /// system: a worker thread ended early, or a consumer of a handed read
+    /// broke its contract.
+    Internal,
 }
 
 #[derive(Debug)]
@@ -103,6 +107,16 @@ impl Error {
                  and cannot use it (it makes its own)",
                 std::process::id()
             ),
+        }
+    }
+
+    /// See [`ErrorKind::Internal`].
+    pub fn internal(msg: impl Into<String>) -> Self {
+        Error {
+            kind: ErrorKind::Internal,
+            errno: None,
+            path: None,
+            context: msg.into(),
         }
     }
 

@@ -297,7 +297,7 @@ fn coordinate(
     let (mut next, mut fin, mut outstanding) = (0usize, 0usize, 0usize);
     let mut at_workers = 0usize;
     let mut ready: BTreeMap<usize, Gathered> = BTreeMap::new();
-    let lost = || Error::layout("a gather thread ended early");
+    let lost = || Error::internal("a gather thread ended early");
     // Before this thread blocks on the device: under a guard, first take
     // back every extent from the workers (holding the guard meanwhile),
     // then give the guard back.

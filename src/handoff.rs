@@ -167,7 +167,7 @@ impl Handing<'_, '_> {
         let mut ready: BTreeMap<usize, Vec<(usize, Hasher)>> = BTreeMap::new();
         let (mut next, mut fin, mut summing, mut held) = (0usize, 0usize, 0usize, 0usize);
         let (mut completed, mut released) = (Vec::new(), Vec::new());
-        let lost = || Error::layout("a checksum thread ended early");
+        let lost = || Error::internal("a checksum thread ended early");
         while fin < n || held > 0 {
             while self.sink.inflight() < plan.qd && next < n {
                 let Some(b) = self.free.pop() else {
@@ -243,7 +243,7 @@ impl Handing<'_, '_> {
                 // reads in flight go on meanwhile).
                 self.consumer.released(&mut released, true)?;
                 if !self.take_released(&mut busy, &mut released, &mut held)? {
-                    return Err(Error::option(format!(
+                    return Err(Error::internal(format!(
                         "the consumer holds {held} arena buffers and released none when the \
                          read waited for one"
                     )));
@@ -251,7 +251,7 @@ impl Handing<'_, '_> {
             } else if self.sink.inflight() > 0 {
                 self.sink.reap(&mut completed, true)?;
             } else if fin < n {
-                return Err(Error::layout(
+                return Err(Error::internal(
                     "a handed read stalled: nothing in flight, held or being summed",
                 ));
             }
@@ -277,7 +277,7 @@ impl Handing<'_, '_> {
         let any = !released.is_empty();
         for b in released.drain(..) {
             if busy.get(b).is_none_or(|s| s & HELD == 0) {
-                return Err(Error::option(format!(
+                return Err(Error::internal(format!(
                     "the consumer released arena buffer {b}, which it does not hold"
                 )));
             }

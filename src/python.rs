@@ -84,7 +84,9 @@ fn to_py(e: Error) -> PyErr {
         ErrorKind::Os => os_error::<WriteError>(e),
         ErrorKind::InvalidLayout | ErrorKind::InvalidOption => PyValueError::new_err(e.to_string()),
         // The callback's own exception is raised instead (see `finish`).
-        ErrorKind::Cancelled | ErrorKind::Forked => PyRuntimeError::new_err(e.to_string()),
+        ErrorKind::Cancelled | ErrorKind::Forked | ErrorKind::Internal => {
+            PyRuntimeError::new_err(e.to_string())
+        }
     }
 }
 

@@ -539,7 +539,7 @@ fn coordinate_reads(
     // in the file): only the checksums wait for file order.
     let mut ready: BTreeMap<usize, Vec<(usize, Hasher)>> = BTreeMap::new();
     let mut completed = Vec::new();
-    let lost = || Error::layout("a scatter thread ended early");
+    let lost = || Error::internal("a scatter thread ended early");
     let take = |d: Option<Scattered>,
                 free: &mut Vec<usize>,
                 ready: &mut BTreeMap<usize, Vec<(usize, Hasher)>>,

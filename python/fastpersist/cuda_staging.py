@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -77,6 +78,7 @@ __all__ = [
     "HandedCopies",
     "read_handed",
     "wait_copies",
+    "to_the_end",
     "record_ready",
     "cuda_devices",
     "active_devices",
@@ -715,21 +717,37 @@ def pack_pieces(records: Sequence[Tuple[int, int]], chunk: int) -> List[List[Tup
 Read = Callable[[List[Tuple[int, int, int]]], List[int]]
 
 
-def wait_copies(copies: Iterable[Tuple[Any, Any]]) -> None:
-    """Wait for each copy (copier, handle) to end, whatever Ctrl-C does
-    meanwhile (an interrupt is raised once all have ended): a copy left
-    running after its call gave up would write device memory the caching
-    allocator hands to the next tensor."""
+def to_the_end(steps: Iterable[Callable[[], None]], on_error: Callable[[BaseException], None]) -> None:
+    """Run each step to its end, whatever Ctrl-C does meanwhile (a step
+    interrupted runs again; the interrupt is raised once all have run) and
+    whatever another step raised (``on_error`` gets each such error)."""
     interrupted: Optional[BaseException] = None
-    for c, h in copies:
+    for step in steps:
         while True:
             try:
-                c.wait(h)
+                step()
                 break
-            except KeyboardInterrupt as e:  # wait again
+            except KeyboardInterrupt as e:  # run it again
                 interrupted = e
+            except BaseException as e:  # noqa: BLE001 - handed to on_error; the other steps still run
+                on_error(e)
+                break
     if interrupted is not None:
         raise interrupted
+
+
+def wait_copies(copies: Iterable[Tuple[Any, Any]], drain: Iterable[Any] = ()) -> None:
+    """Wait for each copy (copier, handle) to end, then for everything the
+    copiers ``drain`` were given, whatever Ctrl-C or a failed copy does
+    meanwhile (then the interrupt, else the first error, is raised): a
+    copy left running after its call gave up would write device memory the
+    caching allocator hands to the next tensor."""
+    errors: List[BaseException] = []
+    steps: List[Callable[[], None]] = [functools.partial(c.wait, h) for c, h in copies]
+    steps += [c.drain for c in drain]
+    to_the_end(steps, errors.append)
+    if errors:
+        raise errors[0]
 
 
 def _quiesce(
@@ -992,22 +1010,26 @@ class HandedCopies:
             copies.append((c, c.copy_in(storage, start, view[at : at + length])))
 
     def released(self, wait: bool) -> List[int]:
+        """The buffers whose copies have all ended (with ``wait``: the
+        oldest, once they have). A copy that failed raises here, as it
+        would have on a wait."""
         out = [b for b, copies in self.held.items() if all(c.done(h) for c, h in copies)]
         if not out and wait and self.held:
-            b = next(iter(self.held))
-            for c, h in self.held[b]:
-                c.wait(h)
-            out = [b]
+            out = [next(iter(self.held))]
         for b in out:
+            for c, h in self.held[b]:
+                c.wait(h)  # at once where done; raises the copy's error
             del self.held[b]
         return out
 
     def quiesce(self) -> None:
-        """Wait for every copy out of a buffer still held (after a read
-        that failed: before the engine, and the storages' memory, go to
-        anyone else), whatever Ctrl-C does meanwhile."""
+        """Wait for every copy out of a buffer still held, and for anything
+        else the copiers were given (a copy begun whose handle an interrupt
+        lost), whatever Ctrl-C or a failed copy does meanwhile: after a
+        read that failed, before the engine, and the storages' memory, go
+        to anyone else. Raises the first copy's error, once all ended."""
         try:
-            wait_copies(c for copies in self.held.values() for c in copies)
+            wait_copies([c for copies in self.held.values() for c in copies], list(self.copiers.values()))
         finally:
             self.held.clear()
 
@@ -1023,9 +1045,15 @@ def read_handed(
     consumer = HandedCopies(arena, items, copier_for)
     try:
         crcs = list(eng.read_handed(fd, [(off, n) for off, _, n in items], consumer)["crcs"])
-    finally:
-        # Even on Ctrl-C: no copy may still read a buffer the engine reuses.
-        consumer.quiesce()
+    except BaseException:
+        # Even on Ctrl-C: no copy may still read a buffer the engine reuses
+        # or write a storage freed as this error leaves. The read's own
+        # error is the one raised (a copy's error on the way is logged).
+        try:
+            consumer.quiesce()
+        except Exception as e:  # noqa: BLE001 - the read's error propagates
+            log.debug("fastpersist: a copy failed as a read to the device gave up: %s", e)
+        raise
     for c in consumer.copiers.values():
         c.hand_over()
     return crcs
@@ -1052,7 +1080,13 @@ def read_staged(fd: int, items: List[DeviceRead], opts: EngineOptions) -> List[i
         with use_engine(opts) as eng:
             arena = arena_slots(eng, ctx.test_on_cpu, ctx.home)
             if arena is not None:
-                return read_handed(eng, fd, items, arena, ctx.copier)
+                try:
+                    return read_handed(eng, fd, items, arena, ctx.copier)
+                except BaseException:
+                    # Before the engine goes to anyone else, also where an
+                    # interrupt cut read_handed's own wait short.
+                    to_the_end([c.drain for c in ctx.copiers.values()], lambda e: None)
+                    raise
         # Two engines, so slot k+1 is being read while slot k's read ends:
         # the device never waits between slots.
         return read_to_device([reader(0), reader(1)], items, ctx.live_staging(), ctx.copier)

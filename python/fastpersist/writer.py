@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import _core, distributed
 from .collectives import check_group
-from .cuda_staging import DeviceContext, ReadyEvents, send, stage_chunk, staging_setup
+from .cuda_staging import DeviceContext, ReadyEvents, send, stage_chunk, staging_setup, to_the_end
 from .errors import WriteError
 from .options import (
     EngineOptions,
@@ -174,19 +174,8 @@ def abandon(session: Any, parts: Optional[PartWriter], ctx: Optional[DeviceConte
     if ctx is not None:
         steps.append(ctx.quiesce)
     steps.append(session.abort)
-    interrupted: Optional[BaseException] = None
-    for step in steps:
-        while True:
-            try:
-                step()
-                break
-            except KeyboardInterrupt as e:  # each step may run again
-                interrupted = e
-            except Exception as e:  # noqa: BLE001 - giving up already; the caller's error propagates
-                log.warning("fastpersist: while giving up a save: %s", e)
-                break
-    if interrupted is not None:
-        raise interrupted
+    # Giving up already: the caller's error propagates, the steps' are logged.
+    to_the_end(steps, lambda e: log.warning("fastpersist: while giving up a save: %s", e))
 
 
 @without_gc

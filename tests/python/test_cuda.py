@@ -396,6 +396,88 @@ def test_a_failed_copy_out_of_the_arena_leaves_no_copy_running_and_reads_go_on(t
         assert_same(sd, fastpersist.read_state_dict(p))
 
 
+@pytest.mark.parametrize("into", ["arena", "slots"])
+def test_a_copy_that_fails_in_the_background_fails_the_read(tmp_path, monkeypatch, into):
+    """A host-to-device copy that fails after it was begun (its handle
+    reports the failure): the read raises it, it does not return a storage
+    the copy never filled."""
+    from fastpersist.cuda_staging import ThreadCopier
+
+    sd = {"a": make((1 << 18,), torch.float32, 1)}
+    fastpersist.write_state_dict(sd, tmp_path / "c.pt")
+    _small_arena(monkeypatch)
+    monkeypatch.setenv("FASTPERSIST_STAGE_INTO_ARENA", "1" if into == "arena" else "0")
+    monkeypatch.setenv("FASTPERSIST_STAGE_CHUNK", str(64 << 10))
+    real, calls = ThreadCopier.copy_in, [0]
+
+    def copy_in(self, storage, start, src):
+        calls[0] += 1
+        if calls[0] == 2:
+            return self._pool.submit(lambda: (_ for _ in ()).throw(RuntimeError("the copy failed late")))
+        return real(self, storage, start, src)
+
+    monkeypatch.setattr(ThreadCopier, "copy_in", copy_in)
+    with pytest.raises(RuntimeError, match="the copy failed late"):
+        fastpersist.read_state_dict(tmp_path / "c.pt")
+
+
+def test_a_read_that_fails_waits_for_every_copy_and_raises_its_own_error(tmp_path):
+    """The engine's read fails while copies out of the arena run, one of
+    which fails too: every copy has ended when the read's error (not the
+    copy's) leaves."""
+    import errno
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastpersist import ReadError, cuda_staging
+    from fastpersist.options import EngineOptions, use_engine
+
+    p = tmp_path / "f.bin"
+    p.write_bytes(os.urandom(1 << 20))
+    pool = ThreadPoolExecutor(4)
+    futures = []
+
+    class Copier:
+        def copy_in(self, storage, start, src):
+            k = len(futures)
+
+            def job():
+                if k == 0:
+                    raise RuntimeError("copy 0 failed")
+                time.sleep(0.2)
+
+            futures.append(pool.submit(job))
+            return futures[-1]
+
+        def wait(self, h):
+            h.result()
+
+        def done(self, h):
+            return h.done()
+
+        def drain(self):
+            for f in list(futures):
+                f.exception()
+
+    c = Copier()
+    st = torch.zeros(1 << 20, dtype=torch.uint8).untyped_storage()
+    opts = EngineOptions.resolve(block_size=64 << 10, arena_bytes=8 * (64 << 10), queue_depth=2)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        with use_engine(opts) as eng:
+            eng.set_fault(200_000, errno.EIO)
+            try:
+                arena = cuda_staging.arena_slots(eng, True, None)
+                with pytest.raises(ReadError):
+                    cuda_staging.read_handed(eng, fd, [(0, st, 1 << 20)], arena, lambda d: c)
+                assert len(futures) >= 2 and all(f.done() for f in futures), "a copy outlived the failed read"
+            finally:
+                eng.set_fault(None)
+    finally:
+        os.close(fd)
+        pool.shutdown()
+
+
 def test_handed_copies_release_finished_buffers_and_wait_for_the_oldest():
     from concurrent.futures import Future
 
@@ -416,6 +498,10 @@ def test_handed_copies_release_finished_buffers_and_wait_for_the_oldest():
         def wait(self, h):
             if not h.done():
                 h.set_result(None)
+
+        def drain(self):
+            for f in self.futures:
+                self.wait(f)
 
     class Arena:
         base = 1000
@@ -458,7 +544,12 @@ def test_copies_are_waited_for_through_ctrl_c():
             if self.interrupts:
                 self.interrupts -= 1
                 raise KeyboardInterrupt
-            h.set_result(None)
+            if not h.done():
+                h.set_result(None)
+
+        def drain(self):
+            for f in self.futures:
+                self.wait(f)
 
     class Arena:
         base = 0
@@ -507,7 +598,7 @@ def test_engine_read_handed_raises_the_consumers_own_error(tmp_path):
                 eng.read_handed(fd, [(0, len(data))], Consumer("filled"))
             with pytest.raises(ZeroDivisionError, match="boom in released"):
                 eng.read_handed(fd, [(0, len(data))], Consumer("released"))
-            with pytest.raises(ValueError, match="does not hold"):
+            with pytest.raises(RuntimeError, match="does not hold"):
                 eng.read_handed(fd, [(0, len(data))], Consumer(stray=True))
             st = eng.read_handed(fd, [(0, 1 << 20), ((1 << 20) + 5, 0), (2 << 20, 7)], Consumer())
             assert st["crcs"] == [zlib.crc32(data[: 1 << 20]), 0, zlib.crc32(data[2 << 20 : (2 << 20) + 7])]
