@@ -225,6 +225,7 @@ fn a_consumer_that_breaks_the_contract_gets_an_error_not_a_hang() {
             )
             .unwrap_err();
         assert!(e.to_string().contains("which it does not hold"), "{e}");
+        assert_eq!(e.kind, fastpersist::ErrorKind::Internal);
         let e = eng
             .read_handed(
                 f.as_raw_fd(),
@@ -234,6 +235,7 @@ fn a_consumer_that_breaks_the_contract_gets_an_error_not_a_hang() {
             )
             .unwrap_err();
         assert!(e.to_string().contains("released none"), "{e}");
+        assert_eq!(e.kind, fastpersist::ErrorKind::Internal);
     }
 }
 
