@@ -254,7 +254,7 @@ def bench_size(size: int, d: str, variants: list, rounds: int) -> None:
     dw, dr = wlim.gbps, rlim.gbps
     wl, rl = min(m["d2h"], dw), min(m["h2d"], dr)
     print(
-        f"\n{nbytes / 2**30:.1f} GiB bf16 on the GPU: D2H {m['d2h']:.1f}, H2D {m['h2d']:.1f}, "
+        f"\n{nbytes / 2**20:.0f} MiB bf16 on the GPU: D2H {m['d2h']:.1f}, H2D {m['h2d']:.1f}, "
         f"disk write {dw:.2f}, disk read {dr:.2f} GB/s"
     )
     print(f"  write {wlim.note()}")
@@ -322,7 +322,7 @@ def bench_stand_in(size: int, d: str, variants: list, rounds: int) -> None:
             res.setdefault("r " + name, []).append(gbps)
             res.setdefault("r ratio " + name, []).append(gbps / fio)
     print(
-        f"\n{nbytes / 2**30:.1f} GiB bf16, device paths on the CPU (stand-in copier): disk write {wlim.gbps:.2f}, "
+        f"\n{nbytes / 2**20:.0f} MiB bf16, device paths on the CPU (stand-in copier): disk write {wlim.gbps:.2f}, "
         f"read {rlim.gbps:.2f} GB/s"
     )
     print(f"  write {wlim.note()}")

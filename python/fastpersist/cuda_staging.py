@@ -823,8 +823,14 @@ def read_to_device(
                 copies.append((c, c.copy_in(storage, a, view[so : so + n])))
             if j + ahead < len(loads):
                 start(j + ahead)
-    finally:
-        _quiesce(reading, pool, in_flight)
+    except BaseException:
+        # The read's own error is the one raised (a copy's on the way is logged).
+        try:
+            _quiesce(reading, pool, in_flight)
+        except Exception as e:  # noqa: BLE001 - the read's error propagates
+            log.debug("fastpersist: a copy failed as a read to the device gave up: %s", e)
+        raise
+    _quiesce(reading, pool, in_flight)
     for c in copiers.values():
         c.hand_over()
     return crcs

@@ -820,6 +820,38 @@ def test_read_error_waits_for_the_other_read():
         st.close()
 
 
+def test_a_read_error_is_raised_even_when_a_copy_failed_too():
+    """Through the staging slots: the reads of the second load fail while
+    the first load's copy has failed in the background; the read's error
+    is the one raised, and no copy is left running."""
+    from concurrent.futures import Future
+
+    st = Staging(4096, register_cuda=False)
+    dst = torch.zeros(8 * 4096, dtype=torch.uint8)
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("the copy failed"))
+    calls = [0]
+
+    def reader(reqs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(5, "read failed")
+        return [0] * len(reqs)
+
+    class Copier(_CountingCopier):
+        def copy_in(self, storage, start, src):
+            return self._track(failed)
+
+    copier = Copier()
+    try:
+        with pytest.raises(OSError, match="read failed"):
+            read_to_device([reader], [(0, dst.untyped_storage(), dst.numel())], st, lambda d: copier)
+        assert all(f.done() for f in copier.open)
+    finally:
+        copier.close()
+        st.close()
+
+
 # --- Issue 16: devices and streams in real training loops -------------------
 
 needs_2_gpus = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
