@@ -238,8 +238,9 @@ def _read_data_records(
     while_reading: Optional[Callable[[Dict[str, Any]], Any]] = None,
 ) -> Tuple[Dict[str, Any], set, List[Tuple[ZipRecord, int]], List[bytes], Any]:
     """Every data record into a fresh storage on the device it will end up
-    on: host records all in one engine call; device records through the
-    registered staging slots with host-to-device copies (pipelined).
+    on: host records all in one engine call; device records by
+    host-to-device copies out of the engine's arena as each read lands
+    there (or through the staging slots: ``cuda_staging.read_staged``).
     ``headers``: (offset, length) ranges read in the host call too (the
     local headers of predicted records). ``while_reading(storages)``: run
     on this thread while an engine thread reads the host records (where
