@@ -13,9 +13,7 @@ use crate::arena::Arena;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::gather::{with_workers, MIN_PARALLEL_EXTENTS};
-use crate::reader::{
-    extent_pieces, extent_spans, fold, MutMemRef, ReadPiece, ReadPlan, ReadReq, ReadStats,
-};
+use crate::reader::{extent_pieces, fold, MutMemRef, ReadPiece, ReadPlan, ReadReq, ReadStats};
 use crate::sink::Sink;
 use crc32fast::Hasher;
 use std::collections::BTreeMap;
@@ -91,15 +89,7 @@ impl Engine {
         consumer: &mut dyn Consumer,
     ) -> Result<Vec<u32>> {
         let threads = self.opts.gather_threads;
-        let spans = extent_spans(reqs, order, extents);
-        let plan = ReadPlan {
-            fd,
-            qd: self.opts.queue_depth,
-            extents,
-            spans: &spans,
-            reqs,
-            order,
-        };
+        let plan = ReadPlan::new(fd, self.opts.queue_depth, extents, reqs, order);
         let mut hashers = vec![Hasher::new(); reqs.len()];
         self.with_buffers(|sink, arena, free| {
             let mut hand = Handing {

@@ -283,15 +283,7 @@ impl Engine {
     ) -> Result<Vec<u32>> {
         let qd = self.opts.queue_depth;
         let threads = self.opts.gather_threads;
-        let spans = extent_spans(reqs, order, extents);
-        let plan = ReadPlan {
-            fd,
-            qd,
-            extents,
-            spans: &spans,
-            reqs,
-            order,
-        };
+        let plan = ReadPlan::new(fd, qd, extents, reqs, order);
         let mut hashers = vec![Hasher::new(); reqs.len()];
         self.with_buffers(|sink, arena, free| {
             if threads > 1 && extents.len() >= MIN_PARALLEL_EXTENTS {
@@ -323,9 +315,30 @@ pub(crate) struct ReadPlan<'a> {
     pub(crate) fd: RawFd,
     pub(crate) qd: usize,
     pub(crate) extents: &'a [(u64, usize)],
-    pub(crate) spans: &'a [(usize, usize)],
+    pub(crate) spans: Vec<(usize, usize)>,
     pub(crate) reqs: &'a [ReadReq],
     pub(crate) order: &'a [usize],
+}
+
+impl<'a> ReadPlan<'a> {
+    /// The plan of reading `extents` (file order) of `fd`, `qd` in flight,
+    /// for `reqs` (`order`: their indices in file order).
+    pub(crate) fn new(
+        fd: RawFd,
+        qd: usize,
+        extents: &'a [(u64, usize)],
+        reqs: &'a [ReadReq],
+        order: &'a [usize],
+    ) -> Self {
+        ReadPlan {
+            fd,
+            qd,
+            extents,
+            spans: extent_spans(reqs, order, extents),
+            reqs,
+            order,
+        }
+    }
 }
 
 impl ReadPlan<'_> {
@@ -776,7 +789,7 @@ fn split_tail(extents: &mut VecDeque<(u64, usize)>, qd: usize, piece: usize) {
 
 /// For each extent (file order), the span `[k0, k1)` of `order` whose
 /// requests it overlaps (requests are in file order and do not overlap).
-pub(crate) fn extent_spans(
+fn extent_spans(
     reqs: &[ReadReq],
     order: &[usize],
     extents: &[(u64, usize)],
@@ -1068,14 +1081,7 @@ mod tests {
             },
         ];
         let order: Vec<usize> = (0..rs.len()).collect();
-        let plan = ReadPlan {
-            fd: -1,
-            qd: 4,
-            extents: &[],
-            spans: &[],
-            reqs: &rs,
-            order: &order,
-        };
+        let plan = ReadPlan::new(-1, 4, &[], &rs, &order);
         let chunks = tail_chunks(&plan, 4 * MIB);
         let (pa, pb) = (a.as_ptr() as usize, b.as_ptr() as usize);
         let want = vec![
