@@ -478,38 +478,47 @@ def test_a_read_that_fails_waits_for_every_copy_and_raises_its_own_error(tmp_pat
         pool.shutdown()
 
 
-def test_handed_copies_release_finished_buffers_and_wait_for_the_oldest():
-    from concurrent.futures import Future
+class _PendingCopier:
+    """Copies that end when waited for (or when a test ends them); the
+    first ``interrupts`` waits raise KeyboardInterrupt instead."""
 
+    def __init__(self, interrupts: int = 0) -> None:
+        self.futures: list = []
+        self.interrupts = interrupts
+
+    def copy_in(self, storage, start, src):
+        from concurrent.futures import Future
+
+        self.futures.append(Future())
+        return self.futures[-1]
+
+    def done(self, h):
+        return h.done()
+
+    def wait(self, h):
+        if self.interrupts:
+            self.interrupts -= 1
+            raise KeyboardInterrupt
+        if not h.done():
+            h.set_result(None)
+
+    def drain(self):
+        for f in self.futures:
+            self.wait(f)
+
+
+class _FakeArena:
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.tensor = torch.zeros(4096, dtype=torch.uint8)
+
+
+def test_handed_copies_release_finished_buffers_and_wait_for_the_oldest():
     from fastpersist.cuda_staging import HandedCopies
 
-    class Copier:
-        def __init__(self):
-            self.futures = []
-
-        def copy_in(self, storage, start, src):
-            f = Future()
-            self.futures.append(f)
-            return f
-
-        def done(self, h):
-            return h.done()
-
-        def wait(self, h):
-            if not h.done():
-                h.set_result(None)
-
-        def drain(self):
-            for f in self.futures:
-                self.wait(f)
-
-    class Arena:
-        base = 1000
-        tensor = torch.zeros(4096, dtype=torch.uint8)
-
-    c = Copier()
+    c = _PendingCopier()
     st = torch.zeros(64, dtype=torch.uint8).untyped_storage()
-    hc = HandedCopies(Arena(), [(0, st, 64)], lambda d: c)
+    hc = HandedCopies(_FakeArena(1000), [(0, st, 64)], lambda d: c)
     hc.filled(5, 1000, 64, [(0, 0, 32, 0)])
     hc.filled(2, 1064, 64, [(0, 32, 16, 0), (0, 48, 16, 16)])
     assert hc.released(False) == []
@@ -528,36 +537,11 @@ def test_copies_are_waited_for_through_ctrl_c():
     """An interrupt while a failed read waits for its copies: every copy
     still ends before the interrupt leaves (a copy left running would
     write device memory the allocator hands out next)."""
-    from concurrent.futures import Future
-
     from fastpersist.cuda_staging import HandedCopies
 
-    class Copier:
-        def __init__(self):
-            self.futures, self.interrupts = [], 2
-
-        def copy_in(self, storage, start, src):
-            self.futures.append(Future())
-            return self.futures[-1]
-
-        def wait(self, h):
-            if self.interrupts:
-                self.interrupts -= 1
-                raise KeyboardInterrupt
-            if not h.done():
-                h.set_result(None)
-
-        def drain(self):
-            for f in self.futures:
-                self.wait(f)
-
-    class Arena:
-        base = 0
-        tensor = torch.zeros(4096, dtype=torch.uint8)
-
-    c = Copier()
+    c = _PendingCopier(interrupts=2)
     st = torch.zeros(64, dtype=torch.uint8).untyped_storage()
-    hc = HandedCopies(Arena(), [(0, st, 64)], lambda d: c)
+    hc = HandedCopies(_FakeArena(0), [(0, st, 64)], lambda d: c)
     hc.filled(1, 0, 64, [(0, 0, 32, 0), (0, 32, 32, 32)])
     hc.filled(2, 64, 64, [(0, 0, 64, 0)])
     with pytest.raises(KeyboardInterrupt):
