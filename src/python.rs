@@ -2302,12 +2302,17 @@ impl<'py> Found<'py> {
             }
             return Ok(());
         }
-        if !exact && self.ordered.is_none() {
-            // A subclass's reduction is its own: it may meet other
-            // storages before (or instead of) its own.
+        // A (strided) nested tensor's layout is `strided` too.
+        let strided = o.getattr(pyo3::intern!(py, "layout"))?.is(&ctx.3)
+            && !o.getattr(pyo3::intern!(py, "is_nested"))?.is_truthy()?;
+        if (!exact || !strided) && self.ordered.is_none() {
+            // A subclass's reduction is its own, and a sparse or nested
+            // tensor's pickles the tensors it is made of (indices and
+            // values, buffer and sizes), which the walk does not enter:
+            // the pickler meets other storages here.
             self.ordered = Some(self.storages.len());
         }
-        if o.getattr(pyo3::intern!(py, "layout"))?.is(&ctx.3) && tensor_has_data(ctx, o, exact)? {
+        if strided && tensor_has_data(ctx, o, exact)? {
             let st = o.call_method0(pyo3::intern!(py, "untyped_storage"))?;
             let cdata = st.getattr(pyo3::intern!(py, "_cdata"))?;
             if !self.storages.contains(&cdata)? {
@@ -2327,8 +2332,12 @@ impl<'py> Found<'py> {
                 self.storages.set_item(cdata, (key, st))?;
             }
         }
-        if exact && self.ordered.is_none() && has_attributes(o)? {
-            // torch pickles a tensor's attributes after its storage.
+        if exact
+            && self.ordered.is_none()
+            && (has_attributes(o)? || o.getattr(pyo3::intern!(py, "is_quantized"))?.is_truthy()?)
+        {
+            // torch pickles a tensor's attributes after its storage, and a
+            // quantized tensor's per-channel scales and zero points.
             self.ordered = Some(self.storages.len());
         }
         Ok(())

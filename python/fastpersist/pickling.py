@@ -598,19 +598,24 @@ class _SurveyWalk:
 
     def tensor(self, o: torch.Tensor, versions: Optional[TensorVersions]) -> None:
         exact = type(o) is torch.Tensor or type(o) is torch.nn.Parameter
-        if not exact:
-            self.end_order()  # a subclass's reduction is its own
+        strided = o.layout is torch.strided and not o.is_nested  # a nested tensor's layout is strided too
+        if not exact or not strided:
+            # A subclass's reduction is its own; a sparse or nested tensor's
+            # pickles the tensors it is made of, which this walk does not enter.
+            self.end_order()
         if versions is not None:
             versions.add(o)
-        if o.layout is torch.strided and _has_data(o):
+        if strided and _has_data(o):
             st = o.untyped_storage()
             if st._cdata not in self.found:
                 self.nbytes += st.nbytes()
                 if st.device != CPU_DEVICE:
                     self.off_cpu.append(st)
                 self.found[st._cdata] = (str(len(self.found)), st)
-        if exact and o.__dict__:
-            self.end_order()  # torch pickles its attributes after its storage
+        if exact and (o.__dict__ or o.is_quantized):
+            # torch pickles a tensor's attributes after its storage, and a
+            # quantized tensor's per-channel scales and zero points.
+            self.end_order()
 
     def survey(self) -> Survey:
         n = len(self.found)

@@ -478,6 +478,9 @@ def _odd_tensors() -> List[Any]:
         torch.empty(0),
         torch.zeros(4)[4:],
         torch.ones(2, 2).to_sparse(),
+        torch.eye(3).to_sparse_csr(),
+        torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        torch.quantize_per_channel(torch.ones(2, 2), torch.tensor([0.1, 0.2]), torch.tensor([0, 0]), 0, torch.quint8),
         inference,
         torch.nn.Parameter(torch.ones(3)),
         torch.arange(4.0).as_subclass(Sub),
@@ -575,6 +578,16 @@ def test_the_survey_says_which_storages_the_pickler_meets_first() -> None:
         ({"a": a, "s": stated, "b": b}, 2),  # its own storage, then its attributes
         ({"a": a, "sub": torch.ones(2).as_subclass(_Tensor), "b": b}, 1),
         ({"a": a, "d": _Dict(x=b), "c": c}, 1),  # a dict subclass is not entered
+        # Reductions that pickle other tensors: a sparse tensor's indices and
+        # values, a nested tensor's buffer and sizes (before the next
+        # storage); a quantized tensor's per-channel scales (after its own).
+        ({"a": a, "s": torch.eye(2).to_sparse(), "b": b}, 1),
+        ({"s": torch.eye(2).to_sparse_csr(), "a": a}, 0),
+        ({"a": a, "n": torch.nested.nested_tensor([b, c]), "c": c}, 1),
+        (
+            {"a": a, "q": torch.quantize_per_channel(c.view(2, 2), b[:2] + 0.5, b[:2].long(), 0, torch.quint8), "b": b},
+            2,
+        ),
     ]
     for obj, ordered in cases:
         for fast in (True, False):

@@ -627,6 +627,24 @@ def _offset_cases() -> dict:
             "t": make((3,), torch.float32, 2),
         },  # fmt: skip
     }
+    # Tensors whose reduction pickles other tensors (a sparse tensor's
+    # indices and values, a nested tensor's buffer and sizes, a quantized
+    # tensor's per-channel scales) before or after their own storage.
+    eye = torch.eye(4) * 3
+    cases["sparse coo first"] = {"s": eye.to_sparse(), "t": make((3,), torch.float32, 1)}
+    cases["sparse csr between"] = {
+        "t": make((3,), torch.float32, 1),
+        "s": eye.to_sparse_csr(),
+        "u": make((2,), torch.int64, 2),
+    }  # fmt: skip
+    cases["sparse bsr first"] = {"s": eye.to_sparse_bsr((2, 2)), "t": make((3,), torch.float32, 1)}
+    cases["nested first"] = {
+        "n": torch.nested.nested_tensor([make((3,), torch.float32, 1), make((5,), torch.float32, 2)]),
+        "t": make((2,), torch.float32, 3),
+    }  # fmt: skip
+    scales, zeros = torch.tensor([0.1, 0.2], dtype=torch.float64), torch.tensor([0, 1])
+    qc = torch.quantize_per_channel(make((2, 3), torch.float32, 4), scales, zeros, 0, torch.quint8)
+    cases["quantized per channel first"] = {"q": qc, "t": make((4,), torch.float32, 5)}
     two = _two_tensor_or_none()
     if two is not None:
         cases["two tensor first"] = {"t": two(a, b), "c": make((5,), torch.int64, 3)}
@@ -670,14 +688,27 @@ def _offset_loads(p, monkeypatch) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils import serialization as ser_config
 
+    def plain(t):  # a tensor of the same bits that bits() takes
+        if t.is_quantized:
+            return t.int_repr()
+        if t.is_nested:
+            return torch.cat([x.flatten() for x in t.unbind()])
+        return t if t.layout is torch.strided else t.to_dense()
+
     def bits_of(ts):
         return [
-            (t.shape, t.dtype, t.device.type, None if t.is_meta or not t.device.type == "cpu" else bits(t)) for t in ts
+            (
+                t._nested_tensor_size().tolist() if t.is_nested else t.shape,
+                t.dtype,
+                t.device.type,
+                None if t.is_meta or not t.device.type == "cpu" else bits(plain(t)),
+            )
+            for t in ts
         ]
 
     def fake():
         with FakeTensorMode():
-            return [(t.shape, t.dtype) for t in _leaves(torch.load(p, weights_only=False))]
+            return [(t.dtype, t.is_nested or t.shape) for t in _leaves(torch.load(p, weights_only=False))]
 
     def debug():
         with monkeypatch.context() as m:
@@ -726,6 +757,22 @@ def test_17_7_torch_computes_the_offsets_of_fastpersists_records(tmp_path, monke
     want = _offset_loads(theirs, monkeypatch)
     assert not isinstance(want["plain"], type), want["plain"]
     assert _offset_loads(ours, monkeypatch) == want
+
+
+@pytest.mark.parametrize("case", sorted(_offset_cases()))
+def test_17_7_data_pkl_is_torchs_byte_for_byte(tmp_path, case):
+    """The pickle fastpersist writes is torch.save's, byte for byte: the
+    same storages, numbered in the order torch meets them."""
+    obj = _offset_cases()[case]
+    ours, theirs = tmp_path / "ours.pt", tmp_path / "theirs.pt"
+    fastpersist.write_state_dict(obj, ours)
+    torch.save(obj, theirs)
+
+    def pickle_of(p):
+        with zipfile.ZipFile(p) as z:
+            return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+
+    assert pickle_of(ours) == pickle_of(theirs)
 
 
 @pytest.mark.parametrize("gone", ["class", "module"])
