@@ -1,11 +1,15 @@
 """Checkpoint tiers beyond the node: object storage through fsspec.
 
 A checkpoint is uploaded data first, then a small *commit marker* next to it
-(``<name>.fpcommit``, JSON: size, format and the number of records that
-verified before the upload): a listing takes only checkpoints whose marker exists and
-whose object has the recorded size, so an upload cut short (a killed
-process, a lost connection) is never taken for a whole checkpoint. Deletion
-goes the other way: marker first, then data. Downloads land in the local
+(``<name>.fpcommit``, JSON: size, CRC32, format, the number of records that
+verified before the upload, and the identity the store gives the object it
+made: its ETag, generation, or inode and mtime): a listing takes only
+checkpoints whose marker exists and whose object has the recorded size and
+identity, so an upload cut short (a killed process, a lost connection) is
+never taken for a whole checkpoint, nor is an object replaced after its
+marker was written (a name uploaded again whose new marker never came, two
+uploads of one name racing). Deletion goes the other way: marker first,
+then data. Downloads land in the local
 directory through the core's durable commit, after the CRCs are verified.
 
 The local file is opened once: verified through that descriptor, then read
@@ -63,6 +67,10 @@ PART_BYTES = 32 << 20
 CONCURRENCY = 4
 _S3_MIN_PART = 5 << 20
 _S3_MAX_PARTS = 10_000
+#: What a store's listing says of an object that changes whenever the object
+#: is written again (S3's ETag, GCS's generation, a local file's inode and
+#: mtime); a marker records those its object had.
+_IDENTITY = ("ETag", "etag", "generation", "ino", "mtime")
 
 
 class TierError(FastPersistError, OSError):
@@ -135,9 +143,17 @@ class ObjectStore:
         self.concurrency = concurrency
 
     def _path(self, name: str) -> str:
-        if not name or "/" in name or name in (".", ".."):
+        if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
             raise ValueError(f"{name!r} is not a checkpoint file name")
-        return posixpath.join(self.root, name)
+        p = posixpath.join(self.root, name)
+        if self.multipart:
+            # s3fs reads "?versionId=..." in a path as a version: the object
+            # (and its marker) would land under another key.
+            for q in (p, p + MARKER_SUFFIX):
+                _, key, version = self.fs.split_path(q)
+                if version is not None or posixpath.basename(key) != posixpath.basename(q):
+                    raise ValueError(f"{name!r} cannot name an object on S3 (s3fs reads it as {key!r})")
+        return p
 
     def url_of(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -174,13 +190,16 @@ class ObjectStore:
             else:
                 put = self._put_stream
             whole = _Crc()
-            self._call(f"upload of {local} to {self.url_of(name)}", put, fd, size, dst, whole)
+            made = self._call(f"upload of {local} to {self.url_of(name)}", put, fd, size, dst, whole)
+            if made is None:
+                made = _identity(self._call(f"upload of {local} to {self.url_of(name)}", self.fs.info, dst))
         finally:
             os.close(fd)
         fmt, records = info
         marker = {
             "size": size,
             "crc32": whole.value,
+            "identity": made,
             "time": time.time(),
             "fastpersist": _core.__version__,
             "format": fmt,
@@ -219,7 +238,7 @@ class ObjectStore:
         whole.add(read_range(fd, offset, buf), n)
         return buf
 
-    def _put_local(self, fd: int, size: int, dst: str, whole: _Crc) -> None:
+    def _put_local(self, fd: int, size: int, dst: str, whole: _Crc) -> Optional[Dict[str, Any]]:
         """A store on the local file system: a temporary file beside the
         object, renamed over it once complete and durable (opening the object
         to write would truncate the committed copy of a name uploaded again,
@@ -233,8 +252,9 @@ class ObjectStore:
             for off, n in self._parts(size):
                 pwrite_all(tmp.fd, self._read_part(fd, off, n, whole), off)
             tmp.commit(size, durable=True)
+        return None  # the object's identity is read back from the store
 
-    def _put_stream(self, fd: int, size: int, dst: str, whole: _Crc) -> None:
+    def _put_stream(self, fd: int, size: int, dst: str, whole: _Crc) -> Optional[Dict[str, Any]]:
         """Any other fsspec store: the parts, one at a time, through its
         writer, which publishes the object when it is closed."""
         f = self.fs.open(dst, "wb")
@@ -252,16 +272,17 @@ class ObjectStore:
                         discard()
                 except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
                     log.warning("fastpersist: could not discard the failed upload of %s: %s", dst, e)
+        return None
 
-    def _put_multipart(self, fd: int, size: int, dst: str, whole: _Crc) -> None:
+    def _put_multipart(self, fd: int, size: int, dst: str, whole: _Crc) -> Optional[Dict[str, Any]]:
         """S3: one multipart upload, at most ``concurrency`` parts read and
         in flight at once; aborted on any failure."""
         bucket, key, _ = self.fs.split_path(dst)
         call = self.fs.call_s3
         parts = self._parts(size)
         if len(parts) == 1:
-            call("put_object", Bucket=bucket, Key=key, Body=bytes(self._read_part(fd, *parts[0], whole)))
-            return
+            r = call("put_object", Bucket=bucket, Key=key, Body=bytes(self._read_part(fd, *parts[0], whole)))
+            return _identity(r)  # the object this call made, whoever writes the key next
         upload_id = call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
         room = threading.Semaphore(self.concurrency)
         failed = threading.Event()
@@ -287,7 +308,7 @@ class ObjectStore:
                     fut.add_done_callback(done)
                     futures.append(fut)
             etags = [f.result() for f in futures]  # the first failure raises here
-            call(
+            r = call(
                 "complete_multipart_upload",
                 Bucket=bucket,
                 Key=key,
@@ -300,6 +321,7 @@ class ObjectStore:
             except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
                 log.warning("fastpersist: could not abort the multipart upload of %s: %s", dst, e)
             raise
+        return _identity(r)
 
     def committed(self) -> Dict[str, int]:
         """Names of the checkpoints whose upload completed -> their sizes
@@ -309,22 +331,20 @@ class ObjectStore:
             entries = self._call(f"listing of {self.url}", self.fs.ls, self.root, True)
         except FileNotFoundError:
             return {}
-        sizes = {
-            posixpath.basename(e["name"].rstrip("/")): e.get("size") for e in entries if e.get("type") != "directory"
-        }
+        objects = {posixpath.basename(e["name"].rstrip("/")): e for e in entries if e.get("type") != "directory"}
         out: Dict[str, int] = {}
-        for name in sizes:
+        for name in objects:
             if not name.endswith(MARKER_SUFFIX):
                 continue
             data = name[: -len(MARKER_SUFFIX)]
-            if data not in sizes:
+            if data not in objects:
                 continue
             try:
                 marker = json.loads(self._call("marker read", self.fs.cat_file, self._path(name)))
             except (FileNotFoundError, ValueError):
                 continue
-            if isinstance(marker, dict) and marker.get("size") == sizes[data]:
-                out[data] = int(sizes[data])
+            if _commits(marker, objects[data]):
+                out[data] = int(objects[data]["size"])
         return out
 
     def download(self, name: str, local: str) -> TransferStats:
@@ -344,6 +364,13 @@ class ObjectStore:
             raise CorruptCheckpointError(f"{url}: damaged commit marker ({e})") from None
         if not isinstance(marker, dict) or not isinstance(marker.get("size"), int):
             raise CorruptCheckpointError(f"{url}: damaged commit marker (no size)")
+        if not _commits(marker, self._call(f"download of {url}", self.fs.info, src)):
+            raise FileNotFoundError(
+                errno.ENOENT,
+                "no committed checkpoint (the object was written again after its commit marker: an upload of this "
+                "name did not complete, or two raced)",
+                url,
+            )
         with _core.TempFile(local) as tmp:
             whole = _Crc()
             with self._call(f"download of {url}", self.fs.open, src, "rb") as f:
@@ -378,6 +405,27 @@ class ObjectStore:
                 self._call(f"delete of {p}", self.fs.rm_file, p)
             except FileNotFoundError:
                 pass
+
+
+def _identity(info: Mapping[str, Any]) -> Dict[str, Any]:
+    """What ``info`` (a store's description of an object, or S3's answer to
+    the call that made it) says that changes whenever the object is written
+    again."""
+    return {
+        k: info[k] for k in _IDENTITY if isinstance(info.get(k), (str, int, float)) and not isinstance(info[k], bool)
+    }
+
+
+def _commits(marker: Any, info: Mapping[str, Any]) -> bool:
+    """Whether ``marker`` commits the object the store describes as
+    ``info``: the size it recorded, and the identity (where both say one;
+    markers from before identities were recorded have none)."""
+    if not isinstance(marker, dict) or not isinstance(marker.get("size"), int) or marker["size"] != info.get("size"):
+        return False
+    made = marker.get("identity")
+    if not isinstance(made, dict):
+        return True
+    return all(info[k] == v for k, v in made.items() if k in info)
 
 
 def _is_s3(fs: Any) -> bool:

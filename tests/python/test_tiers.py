@@ -5,6 +5,7 @@ mocked fsspec."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import socket
@@ -86,6 +87,16 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _rotted(store, name: str, data: bytes, marker_of: str = "") -> None:
+    """Put ``data`` as ``name`` with the marker of ``marker_of`` (default:
+    its own), its identity rewritten to the new object's: damage the store
+    does not see (bit rot under the same ETag)."""
+    store.fs.pipe_file(store._path(name), data)
+    marker = json.loads(store.fs.cat_file(store._path(marker_of or name) + ".fpcommit"))
+    marker["identity"] = fastpersist.tiers._identity(store.fs.info(store._path(name)))
+    store.fs.pipe_file(store._path(name) + ".fpcommit", json.dumps(marker).encode())
+
+
 def test_upload_marker_last_and_listing(tmp_path, s3):
     p = tmp_path / "ckpt-000000000001.pt"
     fastpersist.write_state_dict({"step": 1, "state": _state(1)}, p)
@@ -107,10 +118,7 @@ def test_upload_marker_last_and_listing(tmp_path, s3):
     # A damaged object is refused and nothing is left locally.
     bad = bytearray(p.read_bytes())
     bad[len(bad) // 2] ^= 0xFF
-    store.fs.pipe_file(store.root + "/ckpt-000000000004.pt", bytes(bad))
-    store.fs.pipe_file(
-        store.root + "/ckpt-000000000004.pt.fpcommit", store.fs.cat_file(store._path(p.name) + ".fpcommit")
-    )
+    _rotted(store, "ckpt-000000000004.pt", bytes(bad), marker_of=p.name)
     with pytest.raises(fastpersist.CorruptCheckpointError, match="downloaded"):
         store.download("ckpt-000000000004.pt", str(tmp_path / "back" / "x.pt"))
     # One without its marker is not offered (its upload did not complete).
@@ -422,7 +430,7 @@ def test_a_damaged_object_without_crcs_of_its_own_is_refused(tmp_path, s3, fmt):
     store.upload(str(p))
     bad = bytearray(p.read_bytes())
     bad[-1000] ^= 0x10  # in the tensor data, the same size
-    store.fs.pipe_file(store._path(p.name), bytes(bad))
+    _rotted(store, p.name, bytes(bad))
     assert list(store.committed()) == [p.name]  # listed by its size: the download finds the damage
     local = tmp_path / "local" / p.name
     local.parent.mkdir()
@@ -486,3 +494,66 @@ def test_a_local_store_makes_its_folder_as_fsspec_does(tmp_path):
     with pytest.raises(FileNotFoundError):
         missing.upload(str(p))
     assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_a_name_uploaded_again_whose_marker_never_came_is_not_listed(tmp_path, s3, monkeypatch, where):
+    """Regression: uploading a committed name again replaced its object
+    before its marker; when the new marker never came (the process killed,
+    the connection lost) the old marker still listed the name, and its
+    download failed its CRC32: a good checkpoint at that name listed as
+    committed but lost. A marker now records the identity of the object it
+    commits (S3's ETag, a local file's inode and mtime), and a name whose
+    object was written again after its marker is neither listed nor
+    downloaded; uploading it again commits it."""
+    if where == "s3":
+        store = fastpersist.tiers.ObjectStore(f"s3://ckpts/again-{os.getpid()}", s3["opts"])
+    else:
+        (tmp_path / "store").mkdir()
+        store = fastpersist.tiers.ObjectStore(str(tmp_path / "store"))
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    fastpersist.write_state_dict({"w": torch.zeros(1000)}, a)
+    fastpersist.write_state_dict({"w": torch.ones(1000)}, b)
+    assert a.stat().st_size == b.stat().st_size
+    name = ckpt_name(10)
+    store.upload(str(a), name)
+    first = json.loads(store.fs.cat_file(store._path(name) + ".fpcommit"))
+    real = store.fs.pipe_file
+
+    def lost(*args, **kwargs):
+        raise ConnectionError("connection lost")
+
+    monkeypatch.setattr(store.fs, "pipe_file", lost)
+    with pytest.raises(fastpersist.tiers.TierError, match="commit marker"):
+        store.upload(str(b), name)
+    monkeypatch.setattr(store.fs, "pipe_file", real)
+    assert json.loads(store.fs.cat_file(store._path(name) + ".fpcommit")) == first  # the old marker is left
+    assert store.committed() == {}
+    other = tmp_path / "other.pt"
+    with pytest.raises(FileNotFoundError, match="written again"):
+        store.download(name, str(other))
+    assert not other.exists()
+    store.upload(str(b), name)
+    assert store.committed() == {name: b.stat().st_size}
+    store.download(name, str(other))
+    assert other.read_bytes() == b.read_bytes()
+    assert first["identity"], first  # the store said what the object is
+
+
+def test_a_name_s3fs_reads_as_another_key_is_refused(s3, tmp_path):
+    """Regression: s3fs reads "?versionId=" in a path as a version, so the
+    object and its marker of ``a?versionId=3.pt`` both went to the key
+    ``a``: the marker overwrote the data (and any object called ``a``)."""
+    store = fastpersist.tiers.ObjectStore(f"s3://ckpts/odd-{os.getpid()}", s3["opts"])
+    p = tmp_path / "a.pt"
+    fastpersist.write_state_dict({"w": torch.arange(10.0)}, p)
+    store.fs.pipe_file(store.root + "/a", b"theirs")
+    for name in ("a?versionId=3.pt", "a.pt?versionId=x"):
+        with pytest.raises(ValueError, match="cannot name an object on S3"):
+            store.upload(str(p), name)
+        with pytest.raises(ValueError, match="cannot name an object on S3"):
+            store.download(name, str(tmp_path / "x.pt"))
+    assert store.fs.cat_file(store.root + "/a") == b"theirs"
+    for name in ("q?x.pt", "sp ace.pt", "hash#1.pt", "pct%20.pt"):  # odd, but stored under their own key
+        store.upload(str(p), name)
+        assert name in store.committed()
