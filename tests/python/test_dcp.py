@@ -1360,3 +1360,65 @@ def test_an_overwrite_removes_only_data_files_the_old_metadata_names(tmp_path):
     # this module's own data files of another save are found by name all the same
     assert ours and not set(ours) & set(os.listdir(d))
     assert_equal(load(d, FastPersistReader(d), sd), sd)
+
+
+def _stack_global_call(module: str, name: str, *args: str) -> bytes:
+    """A protocol-4 pickle that calls ``module.name(*args)`` (a dotted
+    ``name`` reaches what the module imports)."""
+
+    def s(b: str) -> bytes:
+        raw = b.encode()
+        return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
+
+    assert len(args) == 2
+    return b"\x80\x04" + s(module) + s(name) + b"\x93" + s(args[0]) + s(args[1]) + b"\x86R."
+
+
+@pytest.mark.parametrize(
+    "module,name",
+    [
+        ("torch.distributed.checkpoint.filesystem", "io.FileIO"),  # a dotted name: any class the module imports
+        ("torch.distributed.checkpoint.filesystem", "Path"),  # a class imported there, not DCP's own
+        ("torch", "serialization.io.FileIO"),
+    ],
+)
+def test_the_replaced_metadata_never_reaches_other_classes(tmp_path, module, name):
+    """Regression: the old .metadata of a directory saved into again is read
+    to learn which files it used, without running code; but any class
+    reachable from a DCP module passed, dotted names (protocol 4) included:
+    ``io.FileIO(path, "w")`` through DCP's filesystem module truncated any
+    file the process could write. Only DCP's own records of data (its
+    dataclasses and enums) and torch's dtypes pass now."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious user data\n")
+    d = tmp_path / "ck"
+    d.mkdir()
+    (d / ".metadata").write_bytes(_stack_global_call(module, name, str(victim), "w"))
+    sd = {"a": torch.randn(4)}
+    dcp.save(sd, storage_writer=FastPersistWriter(d))
+    assert victim.read_text() == "precious user data\n"
+    assert_equal(load(d, FastPersistReader(d), sd), sd)
+
+
+def test_the_replaced_metadata_names_only_this_modules_sidecars(tmp_path):
+    """Regression: the sidecar of the replaced checkpoint was named from its
+    .metadata's save_id, whatever it held, and removed: a save_id of
+    ``notes`` removed the user's ``.fastpersist-notes.crc32``, and ``x/victim``
+    with a link ``.fastpersist-x`` removed a file outside the checkpoint.
+    Only names this module gives its sidecars are removed (or read)."""
+    d, outside = tmp_path / "ck", tmp_path / "elsewhere"
+    outside.mkdir()
+    sd = {"a": torch.randn(8, 8)}
+    dcp.save(sd, storage_writer=FastPersistWriter(d))
+    (d / ".fastpersist-notes.crc32").write_text("user notes")
+    (outside / "victim.crc32").write_text("precious")
+    os.symlink(outside, d / ".fastpersist-x")
+    for save_id in ("notes", "x/victim"):
+        md = pickle.load(open(d / ".metadata", "rb"))
+        md.storage_meta.save_id = save_id
+        (d / ".metadata").write_bytes(pickle.dumps(md))
+        assert_equal(load(d, FastPersistReader(d), sd), sd)  # no sidecar of ours: read unverified
+        dcp.save(sd, storage_writer=FastPersistWriter(d))
+    assert (d / ".fastpersist-notes.crc32").read_text() == "user notes"
+    assert (outside / "victim.crc32").read_text() == "precious"
+    assert_equal(load(d, FastPersistReader(d), sd), sd)

@@ -44,6 +44,7 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import enum
 import io
 import json
 import logging
@@ -473,11 +474,19 @@ class _MetadataUnpickler(pickle.Unpickler):
             return torch.serialization._get_layout
         if module == "pathlib" and name in ("Path", "PosixPath", "PurePath", "PurePosixPath"):
             return getattr(pathlib, name)  # a checkpoint_id given as a path
-        obj = super().find_class(module, name) if module == "torch" or module.startswith("torch.") else None
-        if module == "torch" and isinstance(obj, self._TORCH):
-            return obj
-        if module.startswith("torch.distributed.checkpoint.") and isinstance(obj, type):
-            return obj
+        # A dotted name (protocol 4) reaches anything a module imports:
+        # ``io.FileIO`` through DCP's filesystem module opens any file.
+        if "." not in name and (module == "torch" or module.startswith("torch.distributed.checkpoint.")):
+            obj = super().find_class(module, name)
+            if module == "torch" and isinstance(obj, self._TORCH):
+                return obj
+            if (
+                module != "torch"
+                and isinstance(obj, type)
+                and obj.__module__ == module  # defined there, not imported
+                and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))  # DCP's records of data
+            ):
+                return obj
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
 
@@ -491,6 +500,8 @@ def _referenced(directory: str, metadata_file: str) -> Tuple[set, Optional[str]]
         files = {getattr(v, "relative_path", None) for v in (getattr(md, "storage_data", None) or {}).values()}
         save_id = getattr(getattr(md, "storage_meta", None), "save_id", None)
         sidecar = sidecar_name(save_id) if isinstance(save_id, str) and save_id else None
+        if sidecar is not None and not _OWN_SIDECAR.fullmatch(sidecar):
+            sidecar = None  # not a name this module gives its sidecars: not ours to remove
         return {f for f in files if isinstance(f, str) and _DATA_FILE.fullmatch(f)}, sidecar
     except Exception:  # noqa: BLE001 - no usable previous checkpoint: nothing is removed on its account
         return set(), None
@@ -1099,8 +1110,8 @@ class FastPersistReader(StorageReader):
         self.verified = self.verify and bool(self.crcs)
 
     def _load_sidecar(self, save_id: Optional[str]) -> Dict[Tuple[str, int], List[int]]:
-        if not save_id:
-            return {}
+        if not isinstance(save_id, str) or not save_id or not _OWN_SIDECAR.fullmatch(sidecar_name(save_id)):
+            return {}  # a save that never had one of this module's sidecars
         path = os.path.join(self.path, sidecar_name(save_id))
         try:
             with open(path, "rb") as f:
