@@ -686,7 +686,13 @@ fn lock_and_check(dir: &File, name: &CStr, file: &File, tmp: &Path) -> Result<()
 }
 
 /// Create `name` in `dir` exclusively with `mode` (less the umask), with
-/// O_DIRECT when `direct` and the file system accepts it (EINVAL: without).
+/// O_DIRECT when `direct` and the file system accepts it (else without).
+///
+/// The file is created without O_DIRECT, which is then turned on with
+/// `F_SETFL` (the kernel makes the same check as at open): a file system
+/// that refuses O_DIRECT at open (ramfs, tmpfs before Linux 6.6) creates the
+/// file and only then fails `openat(O_CREAT | O_EXCL | O_DIRECT)` with
+/// EINVAL, and a retry would find its own name taken.
 fn create_at(
     dir: &File,
     name: &CStr,
@@ -694,26 +700,29 @@ fn create_at(
     direct: bool,
 ) -> std::io::Result<(OwnedFd, bool)> {
     let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
-    let open = |flags: i32| {
-        // SAFETY: `name` is NUL-terminated and relative to our open
-        // directory; openat has no other memory preconditions.
-        let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags, mode) };
-        if fd < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            // SAFETY: `fd` was just returned by openat and is owned by
-            // nobody else.
-            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-        }
-    };
-    if direct {
-        match open(flags | libc::O_DIRECT) {
-            Ok(fd) => return Ok((fd, true)),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
-            Err(e) => return Err(e),
-        }
+    // SAFETY: `name` is NUL-terminated and relative to our open directory;
+    // openat has no other memory preconditions.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags, mode) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
     }
-    open(flags).map(|fd| (fd, false))
+    // SAFETY: `fd` was just returned by openat and is owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(if direct && set_direct(fd.as_raw_fd()) {
+        (fd, true)
+    } else {
+        (fd, false)
+    })
+}
+
+/// Turn O_DIRECT on for the open file `fd`; false when the file system
+/// refuses it (the file stays open as it was).
+fn set_direct(fd: RawFd) -> bool {
+    // SAFETY: fcntl on a descriptor we own; F_GETFL/F_SETFL take no pointers.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_DIRECT) == 0
+    }
 }
 
 /// Write `data` to `path` atomically: a [`TempFile`] next to it, written,

@@ -141,6 +141,40 @@ def _small_fs(tmp_path, size="2m"):
     return mnt
 
 
+@pytest.mark.skipif(not is_root(), reason="needs root to mount ramfs")
+@pytest.mark.parametrize("how", ["write", "pipelined", "snapshot", "safetensors"])
+def test_a_file_system_that_refuses_o_direct_at_open_gets_buffered_writes(tmp_path, how):
+    """Regression: ramfs (and tmpfs before Linux 6.6) creates the file of
+    ``openat(O_CREAT | O_EXCL | O_DIRECT)`` and only then refuses O_DIRECT
+    with EINVAL; the retry without O_DIRECT found its own temporary file
+    and failed with EEXIST, so every save failed and left an empty
+    temporary file. The file is now created without O_DIRECT and O_DIRECT
+    turned on after, where the file system takes it."""
+    mnt = tmp_path / "ram"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount ramfs: {r.stderr.decode().strip()}")
+    try:
+        p = mnt / ("ckpt.safetensors" if how == "safetensors" else "ckpt.pt")
+        for step in range(2):  # a new file, then one replaced
+            sd = {"w": make((70_000,), torch.float32, step), "b": make((3,), torch.int64, step)}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", fastpersist.FallbackWarning)
+                if how in ("write", "safetensors"):
+                    st = fastpersist.write_state_dict(sd, p, format="safetensors" if how == "safetensors" else "torch")
+                    assert not st.direct
+                else:
+                    fastpersist.save_async(sd, p, mode=how).result()
+            assert listing(mnt) == [p.name]
+            got = fastpersist.read_state_dict(p)
+            assert all(bits(got[k]) == bits(v) for k, v in sd.items())
+    finally:
+        fastpersist._core.wait_for_frees(30.0)
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
 @pytest.mark.skipif(not is_root(), reason="needs root to mount a small file system")
 @pytest.mark.parametrize("uring", [True, False])
 def test_disk_full_enospc(tmp_path, uring):
