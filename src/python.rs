@@ -24,7 +24,7 @@ use pyo3::types::{
 };
 use std::os::fd::RawFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 create_exception!(
@@ -492,6 +492,11 @@ impl PyHostBuffer {
 #[pyclass(module = "fastpersist._core", name = "Engine", frozen)]
 struct PyEngine {
     inner: Mutex<Engine>,
+    /// The [`thread_token`] of the thread holding `inner` (0: none). A call
+    /// from that thread (Python code it runs while it holds the engine: a
+    /// read's consumer, a save's callback) is refused, not left waiting on
+    /// itself for ever.
+    owner: AtomicU64,
     /// The process that made the engine, checked before `inner` is locked
     /// (in a fork child the lock may be held by a thread that is not there).
     pid: u32,
@@ -581,6 +586,7 @@ impl PyEngine {
             at_close: Mutex::new(Vec::new()),
             pid: eng.owner_pid(),
             inner: Mutex::new(eng),
+            owner: AtomicU64::new(0),
         })
     }
 
@@ -615,13 +621,15 @@ impl PyEngine {
     // gather.
 
     #[getter]
-    fn uses_io_uring(&self, py: Python<'_>) -> bool {
-        py.allow_threads(|| self.engine().is_ok_and(|e| e.uses_io_uring()))
+    fn uses_io_uring(&self, py: Python<'_>) -> PyResult<bool> {
+        self.refuse_reentry()?;
+        Ok(py.allow_threads(|| self.engine().is_ok_and(|e| e.uses_io_uring())))
     }
 
     #[getter]
-    fn locked(&self, py: Python<'_>) -> bool {
-        py.allow_threads(|| self.engine().is_ok_and(|e| e.arena().locked()))
+    fn locked(&self, py: Python<'_>) -> PyResult<bool> {
+        self.refuse_reentry()?;
+        Ok(py.allow_threads(|| self.engine().is_ok_and(|e| e.arena().locked())))
     }
 
     /// Gather and scatter on `threads` threads from the next call on (the
@@ -846,13 +854,72 @@ impl PyEngine {
 }
 
 impl PyEngine {
-    fn engine(&self) -> Result<std::sync::MutexGuard<'_, Engine>, Error> {
+    fn engine(&self) -> Result<EngineGuard<'_>, Error> {
         if std::process::id() != self.pid {
             return Err(Error::forked("this engine", self.pid, None));
         }
-        self.inner
+        if self.held_here() {
+            return Err(Error::internal(
+                "this engine is in use by this thread: it was called from code the engine runs \
+                 (a read's consumer or a save's callback); use another engine there",
+            ));
+        }
+        let guard = self
+            .inner
             .lock()
-            .map_err(|_| Error::option("engine poisoned by an earlier panic"))
+            .map_err(|_| Error::option("engine poisoned by an earlier panic"))?;
+        self.owner.store(thread_token(), Ordering::SeqCst);
+        Ok(EngineGuard {
+            guard,
+            owner: &self.owner,
+        })
+    }
+
+    /// Whether this thread holds the engine (and runs Python code under it).
+    fn held_here(&self) -> bool {
+        self.owner.load(Ordering::SeqCst) == thread_token()
+    }
+
+    fn refuse_reentry(&self) -> PyResult<()> {
+        if self.held_here() {
+            return Err(to_py(self.engine().err().unwrap_or_else(|| {
+                Error::internal("this engine is in use by this thread")
+            })));
+        }
+        Ok(())
+    }
+}
+
+/// A number for the calling thread, unique in the process (never 0).
+fn thread_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local!(static TOKEN: u64 = NEXT.fetch_add(1, Ordering::Relaxed));
+    TOKEN.with(|t| *t)
+}
+
+/// The engine, locked by the thread in `owner` until dropped.
+struct EngineGuard<'a> {
+    guard: std::sync::MutexGuard<'a, Engine>,
+    owner: &'a AtomicU64,
+}
+
+impl std::ops::Deref for EngineGuard<'_> {
+    type Target = Engine;
+    fn deref(&self) -> &Engine {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for EngineGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Engine {
+        &mut self.guard
+    }
+}
+
+impl Drop for EngineGuard<'_> {
+    fn drop(&mut self) {
+        // Before the lock is let go (the guard field drops after this).
+        self.owner.store(0, Ordering::SeqCst);
     }
 }
 
@@ -896,7 +963,11 @@ impl Drop for PySession {
         let mine = self.mine();
         let behind = self.behind.get_mut().ok().and_then(Option::take);
         if let Some(behind) = behind {
-            if mine {
+            // Dropped by code the engine runs (a read's consumer collecting
+            // garbage): the thread may wait for the engine this thread
+            // holds; it ends on its own, and the file goes with the session
+            // after its last write.
+            if mine && !self.engine.get().held_here() {
                 Python::with_gil(|py| py.allow_threads(|| drop(behind.join())));
             } else {
                 behind.forget();

@@ -590,6 +590,72 @@ def test_engine_read_handed_raises_the_consumers_own_error(tmp_path):
         os.close(fd)
 
 
+_REENTER = r"""
+import ctypes, os, sys, zlib
+from fastpersist import _core
+from fastpersist.options import EngineOptions, use_engine
+
+path = sys.argv[1]
+data = os.urandom(3 << 20)
+with open(path, "wb") as f:
+    f.write(data)
+fd = os.open(path, os.O_RDONLY)
+dest = ctypes.create_string_buffer(8)
+with use_engine(EngineOptions.resolve()) as eng:
+    calls = {
+        "uses_io_uring": lambda: eng.uses_io_uring,
+        "locked": lambda: eng.locked,
+        "set_gather_threads": lambda: eng.set_gather_threads(1),
+        "read_into_fd": lambda: eng.read_into_fd(fd, [(0, ctypes.addressof(dest), 8)]),
+        "read_handed": lambda: eng.read_handed(fd, [(0, 8)], Consumer(None)),
+    }
+
+    class Consumer:
+        def __init__(self, call):
+            self.call, self.held = call, []
+
+        def filled(self, buf, addr, n, pieces):
+            self.held.append(buf)
+            if self.call is not None:
+                calls[self.call]()
+
+        def released(self, wait):
+            out, self.held = self.held, []
+            return out
+
+    for name in calls:
+        try:
+            eng.read_handed(fd, [(0, len(data))], Consumer(name))
+        except RuntimeError as e:
+            assert "in use by this thread" in str(e), (name, e)
+            print(name, "refused")
+        else:
+            raise AssertionError(name + " was not refused")
+    # Not held any more: the engine serves its thread again.
+    assert isinstance(eng.uses_io_uring, bool)
+    st = eng.read_handed(fd, [(0, len(data))], Consumer(None))
+    assert st["crcs"] == [zlib.crc32(data)]
+print("ok")
+"""
+
+
+def test_an_engine_called_from_its_own_consumer_refuses_instead_of_hanging(tmp_path):
+    """Regression: a consumer of ``read_handed`` (Python code the engine runs
+    while it holds its lock) that used the same engine, even a getter such
+    as ``uses_io_uring``, waited on the lock its own thread held: the
+    process hung for ever, deaf to Ctrl-C. Such a call now raises
+    RuntimeError, which the read raises as the consumer's own error."""
+    r = subprocess.run(
+        [sys.executable, "-c", _REENTER, str(tmp_path / "f.bin")], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split() == [
+        w
+        for n in ("uses_io_uring", "locked", "set_gather_threads", "read_into_fd", "read_handed")
+        for w in (n, "refused")
+    ] + ["ok"]
+
+
 @given(hst.integers(0, 1 << 22), hst.integers(1, 1 << 22), hst.sampled_from([512, 4096, 16384]), hst.integers(1, 64))
 def test_a_record_is_cut_into_arena_buffers_where_its_blocks_fall(file_off, n, block, bufs):
     from fastpersist.cuda_staging import arena_pieces
