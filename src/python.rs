@@ -649,7 +649,9 @@ impl PyEngine {
             .map_err(to_py)
     }
 
-    /// Test hooks: make the write that covers `offset` fail with `errno`;
+    /// Test hooks: make the write (or read) that covers `offset` fail with
+    /// `errno`; with `errno` 0, one that covers it past its start stops
+    /// short there (the rest is for the engine to do);
     /// with `refuse_direct`, act as if the file system refused O_DIRECT.
     /// With `dir_fsync_errno`, the directory fsync after each commit's
     /// rename fails with it (DurabilityError).

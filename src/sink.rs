@@ -23,10 +23,10 @@ pub struct Job {
     pub ptr: *const u8,
     pub len: usize,
     pub offset: u64,
-    /// A read: a short read means end of file, and the rest of the buffer
-    /// is zero-filled (the block padding past the end; the reader takes
-    /// the file's length again after its reads, so a file that shrank
-    /// meanwhile is an error, not zeros).
+    /// A read: one that returns no bytes means end of file, and the rest of
+    /// the buffer is zero-filled (the block padding past the end; the
+    /// reader takes the file's length again after its reads, so a file that
+    /// shrank meanwhile is an error, not zeros); a short one goes on.
     pub read: bool,
 }
 
@@ -35,8 +35,10 @@ pub struct Job {
 // `Sink::submit` that handed it over.
 unsafe impl Send for Job {}
 
-/// A fault to inject for tests: the write that covers `offset` completes
-/// with `-errno` instead of its real result.
+/// A fault to inject for tests: the I/O that covers `offset` completes
+/// with `-errno` instead of its real result; with `errno` 0, one that
+/// covers it past its start stops short there (as a network or FUSE file
+/// system may), and the rest is for the sink to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
     pub offset: u64,
@@ -49,7 +51,32 @@ impl Fault {
             .filter(|f| {
                 f.offset >= job.offset && f.offset < job.offset.saturating_add(job.len as u64)
             })
+            .filter(|f| f.errno != 0)
             .map(|f| f.errno)
+    }
+
+    /// With a short-I/O fault (`errno` 0) inside `job` past its start: the
+    /// bytes before it.
+    fn short(fault: Option<Fault>, job: &Job) -> Option<usize> {
+        let f = fault.filter(|f| f.errno == 0)?;
+        let k = usize::try_from(f.offset.checked_sub(job.offset)?).ok()?;
+        (k > 0 && k < job.len).then_some(k)
+    }
+}
+
+impl Job {
+    /// What is left of this job once its first `n` bytes are done (`n`
+    /// below its length).
+    fn rest(&self, n: usize) -> Job {
+        debug_assert!(n < self.len);
+        Job {
+            buf: self.buf,
+            // SAFETY: n < len, so the pointer stays in the job's buffer.
+            ptr: unsafe { self.ptr.add(n) },
+            len: self.len - n,
+            offset: self.offset + n as u64,
+            read: self.read,
+        }
     }
 }
 
@@ -267,31 +294,36 @@ impl Sink for UringSink {
             let Some((fd, job)) = self.jobs.get_mut(buf).and_then(Option::take) else {
                 continue;
             };
-            let res = match Fault::hits(self.fault, &job) {
-                Some(errno) => -errno,
-                None => res,
+            let res = match (
+                Fault::hits(self.fault, &job),
+                Fault::short(self.fault, &job),
+            ) {
+                (Some(errno), _) => -errno,
+                (None, Some(k)) if res > 0 => res.min(i32::try_from(k).unwrap_or(i32::MAX)),
+                _ => res,
             };
             // A negative result is -errno; a non-negative one a byte count.
             let done = usize::try_from(res).map_err(|_| -res);
-            if let (true, Ok(n)) = (job.read, done) {
-                // Reads are short only at end of file (the reader checks
-                // that the file did not shrink past its requests).
-                zero_tail(&job, n);
-                self.inflight -= 1;
-                free.push(buf);
+            if let (true, Ok(n)) = (job.read, done.map(|n| n.min(job.len))) {
+                if n == 0 || n == job.len {
+                    // Nothing more (end of file: the tail reads as zeros;
+                    // the reader checks that the file did not shrink past
+                    // its requests), or all of it.
+                    zero_tail(&job, n);
+                    self.inflight -= 1;
+                    free.push(buf);
+                } else if let Err(e) = self.push(fd, job.rest(n)) {
+                    // Short before the end of file (a network or FUSE file
+                    // system): read the rest, as the pool's pread does.
+                    self.inflight -= 1;
+                    first_err.get_or_insert(e);
+                }
             } else if done.is_err() || (done == Ok(0) && job.len > 0) {
                 self.inflight -= 1;
                 first_err.get_or_insert(write_error(done.err().unwrap_or(libc::EIO), &job));
             } else if let Some(n) = done.ok().filter(|&n| n < job.len) {
                 // Short write: resubmit the rest.
-                let rest = Job {
-                    buf: job.buf,
-                    // SAFETY: n < job.len, so the pointer stays in the buffer.
-                    ptr: unsafe { job.ptr.add(n) },
-                    len: job.len - n,
-                    offset: job.offset + n as u64,
-                    read: false,
-                };
+                let rest = job.rest(n);
                 if let Err(e) = self.push(fd, rest) {
                     self.inflight -= 1;
                     first_err.get_or_insert(e);
@@ -376,10 +408,20 @@ impl PoolSink {
                         let res = if job.buf == SYNC_BUF {
                             datasync(fd)
                         } else {
-                            match Fault::hits(fault, &job) {
-                                Some(errno) => Err(write_error(errno, &job)),
-                                None if job.read => pread_all(fd, &job),
-                                None => pwrite_all(fd, &job),
+                            match (Fault::hits(fault, &job), Fault::short(fault, &job)) {
+                                (Some(errno), _) => Err(write_error(errno, &job)),
+                                (None, Some(k)) => {
+                                    // Stopped short at `k`: the loops go on
+                                    // from there.
+                                    let (head, rest) = (Job { len: k, ..job }, job.rest(k));
+                                    if job.read {
+                                        pread_all(fd, &head).and_then(|()| pread_all(fd, &rest))
+                                    } else {
+                                        pwrite_all(fd, &head).and_then(|()| pwrite_all(fd, &rest))
+                                    }
+                                }
+                                (None, None) if job.read => pread_all(fd, &job),
+                                (None, None) => pwrite_all(fd, &job),
                             }
                         };
                         if dtx.send((job.buf, res)).is_err() {
