@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import re
+import time
 import zipfile
 
 import fastpersist
@@ -529,3 +530,53 @@ def test_a_model_that_grows_after_prepare_is_saved_whole(tmp_path, monkeypatch):
     for k, v in t.model.state_dict().items():
         if k in got:
             assert bits(got[k]) == bits(v), k
+
+
+def _age(folder, seconds: float) -> None:
+    t = time.time() - seconds
+    os.utime(folder, (t, t))
+
+
+def test_a_rerun_into_the_same_output_dir_rotates_out_the_earlier_runs_checkpoints_first(tmp_path):
+    """Regression: rotation ordered checkpoints by step number, where the
+    Trainer orders them by modification time: a fresh run into an
+    ``output_dir`` holding an earlier, longer run's checkpoints deleted its
+    own new checkpoints and kept the earlier run's ``checkpoint-8``, which
+    ``resume_from_checkpoint=True`` then took. The folders left are now the
+    stock Trainer's."""
+    left = {}
+    for cls in (Trainer, FPTrainer):
+        out = tmp_path / cls.__name__
+        cls(model=model(), args=args(out), train_dataset=data()).train()
+        assert sorted(os.listdir(out)) == ["checkpoint-6", "checkpoint-8"]
+        for d in os.listdir(out):
+            _age(out / d, 3600)  # an earlier run's
+        t = cls(model=model(), args=args(out, max_steps=6), train_dataset=data())
+        t.train()
+        if cls is FPTrainer:
+            t.fastpersist_wait()
+        left[cls] = sorted(os.listdir(out))
+    assert left[FPTrainer] == left[Trainer] == ["checkpoint-4", "checkpoint-6"], left
+
+
+def test_rotation_never_enters_a_checkpoint_folder_that_is_a_link(tmp_path):
+    """Regression: a ``checkpoint-<n>`` that is a symbolic link to a folder
+    elsewhere (an archived checkpoint) was rotated through the link: its
+    ``trainer_state.json`` and CRC sidecar outside ``output_dir`` were
+    removed. As with the Trainer's own rotation (whose ``rmtree`` of a link
+    fails), the link is counted and left, and nothing behind it is touched."""
+    archive = tmp_path / "archive" / "checkpoint-1"
+    archive.mkdir(parents=True)
+    (archive / "trainer_state.json").write_text("{}")
+    (archive / CRC_SIDECAR).write_text("{}")
+    (archive / "model.safetensors").write_bytes(b"mine")
+    out = tmp_path / "run"
+    out.mkdir()
+    os.symlink(archive, out / "checkpoint-1")
+    _age(archive, 3600)
+    t = FPTrainer(model=model(), args=args(out, max_steps=4, save_total_limit=1), train_dataset=data())
+    t.train()
+    t.fastpersist_wait()
+    assert sorted(os.listdir(archive)) == sorted(["trainer_state.json", CRC_SIDECAR, "model.safetensors"])
+    assert (out / "checkpoint-1").is_symlink()
+    assert latest_complete_checkpoint(str(out)) == str(out / "checkpoint-4")

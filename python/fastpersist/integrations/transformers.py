@@ -159,14 +159,33 @@ def _make_incomplete(folder: str) -> None:
         fsync_dir(folder)
 
 
+def _by_age(folders: List[str]) -> List[str]:
+    """``folders`` (in step order) oldest first as the Trainer's rotation
+    orders them: by modification time, or by step where the times are
+    within a second of each other (a file system whose times cannot be
+    trusted, as ``trainer_utils.sort_checkpoints`` decides)."""
+    try:
+        timed = sorted((os.path.getmtime(p), p) for p in folders)
+    except OSError:  # one went away meanwhile: step order
+        return folders
+    if len(timed) > 1 and timed[-1][0] - timed[0][0] < 1.0:
+        return folders
+    return [p for _, p in timed]
+
+
 def _rotate(run_dir: str, limit: int, protected: List[Optional[str]]) -> None:
     """Delete the oldest complete checkpoints of ``run_dir`` until at most
     ``limit`` are left (or as many as are ``protected``: the one just
-    committed, the best model's), never a protected one; incomplete folders
-    are neither counted nor deleted. A checkpoint loses its
-    ``trainer_state.json`` (durably) before its files."""
-    keep = {os.path.abspath(p) for p in protected if p}
-    complete = _complete_checkpoints(run_dir)
+    committed, the best model's, the newest), never a protected one;
+    incomplete folders are neither counted nor deleted. Oldest is by
+    modification time, as the Trainer's own rotation has it (a rerun into
+    an ``output_dir`` with an earlier run's higher-numbered checkpoints
+    rotates those out first). A checkpoint loses its ``trainer_state.json``
+    (durably) before its files; a folder that is a symbolic link is counted
+    but never entered (the Trainer's ``rmtree`` of a link fails and leaves
+    it)."""
+    complete = _by_age(_complete_checkpoints(run_dir))
+    keep = {os.path.abspath(p) for p in protected + complete[-1:] if p}
     left = len(complete)
     room = max(limit, len([p for p in complete if os.path.abspath(p) in keep]))
     for p in complete:
@@ -174,10 +193,12 @@ def _rotate(run_dir: str, limit: int, protected: List[Optional[str]]) -> None:
             break
         if os.path.abspath(p) in keep:
             continue
+        left -= 1
+        if os.path.islink(p):
+            continue
         log.info("fastpersist: deleting older checkpoint %s (save_total_limit=%d)", p, limit)
         _make_incomplete(p)
         shutil.rmtree(p, ignore_errors=True)
-        left -= 1
 
 
 def _safetensors_via(save: Optional[BackgroundSaves] = None, load: bool = False) -> Any:
