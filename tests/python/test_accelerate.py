@@ -251,3 +251,51 @@ def test_load_state_passes_strict_to_the_weights_load(tmp_path):
         assert bits(model.state_dict()[k]) == bits(v), k
     assert not model.state_dict()["1.weight"].any()  # not in the checkpoint: left as it was
     fp.unregister()
+
+
+def test_hooks_the_user_registers_after_register_see_the_models_first(tmp_path):
+    """Regression: hooks registered after :func:`register` that save the
+    models their own way and pop them from ``weights`` (diffusers' training
+    scripts) failed with ``IndexError: pop from empty list``: the adapter's
+    hook had already saved every model and emptied the list; on load it had
+    emptied ``models`` before the user's hook. The adapter's hooks now run
+    last, and the folder holds what it holds without fastpersist."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    def run(fp: bool):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+        first, second, opt = acc.prepare(first, second, torch.optim.SGD(first.parameters(), lr=0.1))
+        handle = register(acc) if fp else None
+        out = tmp_path / ("fp" if fp else "stock")
+        loaded = []
+
+        def save_hook(models, weights, output_dir):
+            torch.save(acc.unwrap_model(models[0]).state_dict(), os.path.join(output_dir, "my_model.pt"))
+            weights.pop(0)  # saved here: Accelerate saves the rest (``models`` is the Accelerator's own list)
+
+        def load_hook(models, input_dir):
+            model = models.pop(0)
+            model.load_state_dict(torch.load(os.path.join(input_dir, "my_model.pt")))
+            loaded.append(model)
+
+        acc.register_save_state_pre_hook(save_hook)
+        acc.register_load_state_pre_hook(load_hook)
+        want = {k: v.clone() for k, v in second.state_dict().items()}
+        acc.save_state(str(out))
+        if handle is not None:
+            handle.wait()
+        with torch.no_grad():
+            for p in list(first.parameters()) + list(second.parameters()):
+                p.zero_()
+        acc.load_state(str(out))
+        assert loaded == [first] and first.weight.any()
+        assert all(bits(second.state_dict()[k]) == bits(v) for k, v in want.items())
+        if handle is not None:
+            handle.unregister()
+        return sorted(os.listdir(out))
+
+    assert run(True) == run(False)

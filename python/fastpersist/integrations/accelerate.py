@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional
 
 from ..reader import read_state_dict
@@ -155,8 +156,22 @@ class FastPersistAccelerate:
 
     # -- the wrapped methods -------------------------------------------------------
 
+    def _hooks_last(self) -> None:
+        """Put this adapter's save and load hooks after the user's: a hook
+        registered after :func:`register` that saves (or loads) some models
+        its own way and pops them from ``weights`` (``models``), as
+        diffusers' training scripts do, finds them there, and the adapter
+        takes what is left, as Accelerate itself would."""
+        acc = self.accelerator
+        for table, handle in zip(("_save_model_state_pre_hook", "_load_model_state_pre_hook"), self._handles):
+            hooks = getattr(acc, table, None)
+            key = getattr(handle, "id", None)
+            if isinstance(hooks, OrderedDict) and key in hooks:
+                hooks.move_to_end(key)
+
     def _save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
         self.saves.wait()  # the previous checkpoint is durable, or its failure is raised here
+        self._hooks_last()
         acc = self.accelerator
         cfg = acc.project_configuration
         limit = cfg.total_limit if cfg.automatic_checkpoint_naming else None
@@ -192,6 +207,7 @@ class FastPersistAccelerate:
         **load_model_func_kwargs: Any,
     ) -> Any:
         self.saves.wait()
+        self._hooks_last()
         self._load_kwargs = dict(load_model_func_kwargs)  # Accelerate hands the hooks only the models and folder
         try:
             return self._orig["load_state"](input_dir, load_kwargs, **load_model_func_kwargs)
