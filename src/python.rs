@@ -2301,6 +2301,14 @@ fn push_children<'py>(
             }
             stack.push(v);
         }
+        // Then its attributes (state_dict()'s `_metadata`), which its
+        // reduction pickles after the items: tensors there come before
+        // those of the containers that follow.
+        if let Ok(d) = o.getattr(pyo3::intern!(py, "__dict__")) {
+            if d.is_truthy()? {
+                stack.push(d);
+            }
+        }
     }
     // Reversed: popped (and met) in the container's order.
     stack[start..].reverse();

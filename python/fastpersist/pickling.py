@@ -571,6 +571,8 @@ def survey_storages(
             if t is list or t is tuple:
                 stack.extend(reversed(o))
             else:
+                if t is OrderedDict and o.__dict__:
+                    stack.append(o.__dict__)  # pickled after the items (state_dict()'s _metadata)
                 for k, v in reversed(list(o.items())):
                     stack.append(v)
                     stack.append(k)
@@ -797,6 +799,8 @@ class TensorVersions:
                 if id(o) in seen:
                     continue
                 seen.add(id(o))
+                if t is OrderedDict and o.__dict__:
+                    stack.append(o.__dict__)  # its attributes, after its items
                 # Reversed: popped (and recorded) in the order of the object.
                 stack.extend(reversed(list(o.values() if t is dict or t is OrderedDict else o)))
             elif isinstance(o, tensor):
@@ -1594,7 +1598,31 @@ def unpickle(
     finally:
         if state is not None:
             state.map_location = old
-    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
-    if validate is not None:
-        validate()
+    _validate_sparse(weights_only)
     return obj
+
+
+@functools.cache
+def _sparse_validator() -> Tuple[Optional[Callable[..., None]], bool]:
+    """torch's check of the sparse tensors a load made, and whether it takes
+    ``weights_only`` (newer torch checks them always under weights_only: an
+    index out of bounds reads out of bounds later)."""
+    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
+    if validate is None:
+        return None, False
+    try:
+        return validate, "weights_only" in inspect.signature(validate).parameters
+    except (TypeError, ValueError):
+        return validate, False
+
+
+def _validate_sparse(weights_only: bool) -> None:
+    """What torch.load does after the unpickle: the sparse tensors made are
+    checked (raising what torch raises)."""
+    validate, takes = _sparse_validator()
+    if validate is None:
+        return
+    if takes:
+        validate(weights_only=weights_only)
+    else:
+        validate()

@@ -189,6 +189,7 @@ def objects(draw: Any) -> Any:
                 st.one_of(
                     st.none(),
                     st.dictionaries(st.text(max_size=3), st.dictionaries(st.just("version"), st.integers(0, 2))),
+                    st.dictionaries(st.text(max_size=3), st.sampled_from(pool)),  # tensors in an attribute
                 ),
             ),
         )
@@ -549,6 +550,11 @@ def test_the_extensions_survey_is_the_python_walk(obj: Any, extra: List[int], sh
         assert _surveyed(obj, find, True) == _surveyed(obj, find, False)
 
 
+def _with_metadata(od: OrderedDict, metadata: Any) -> OrderedDict:
+    od._metadata = metadata  # type: ignore[attr-defined]
+    return od
+
+
 def test_the_survey_says_which_storages_the_pickler_meets_first() -> None:
     """``ordered``: the storages met before the first object the pickler
     may find other storages in; atoms (numbers, strings, dtypes, devices,
@@ -578,6 +584,7 @@ def test_the_survey_says_which_storages_the_pickler_meets_first() -> None:
         ({"a": a, "s": stated, "b": b}, 2),  # its own storage, then its attributes
         ({"a": a, "sub": torch.ones(2).as_subclass(_Tensor), "b": b}, 1),
         ({"a": a, "d": _Dict(x=b), "c": c}, 1),  # a dict subclass is not entered
+        ({"od": _with_metadata(OrderedDict(a=a), {"m": {"t": b}}), "c": c}, 3),  # its attributes after its items
         # Reductions that pickle other tensors: a sparse tensor's indices and
         # values, a nested tensor's buffer and sizes (before the next
         # storage); a quantized tensor's per-channel scales (after its own).

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import warnings
 import zipfile
 import zlib
 
@@ -645,6 +646,9 @@ def _offset_cases() -> dict:
     scales, zeros = torch.tensor([0.1, 0.2], dtype=torch.float64), torch.tensor([0, 1])
     qc = torch.quantize_per_channel(make((2, 3), torch.float32, 4), scales, zeros, 0, torch.quint8)
     cases["quantized per channel first"] = {"q": qc, "t": make((4,), torch.float32, 5)}
+    od = collections.OrderedDict(a=make((2,), torch.float32, 6))
+    od._metadata = {"a": {"t": make((3,), torch.float32, 7)}}  # pickled after the items
+    cases["ordered dict attribute holds a tensor"] = [od, make((4,), torch.float32, 8)]
     two = _two_tensor_or_none()
     if two is not None:
         cases["two tensor first"] = {"t": two(a, b), "c": make((5,), torch.int64, 3)}
@@ -948,3 +952,36 @@ def test_errors_of_the_saved_objects_are_raised_as_themselves(tmp_path):
     p.write_bytes(bytes(raw))
     with pytest.raises(fastpersist.CorruptCheckpointError):
         fastpersist.read_state_dict(p, weights_only=False)
+
+
+def _sparse_outcome(load):
+    """What ``load()`` gave: its sparse tensors' indices, or its error's
+    class and first words."""
+    try:
+        got = load()
+    except Exception as e:  # noqa: BLE001 - the error is what is compared
+        return (type(e), str(e).split("\n")[0][:60])
+    s = got["s"]
+    return ("loaded", s.device.type, None if s.is_meta else s._indices().tolist())
+
+
+@pytest.mark.parametrize("case", ["index out of bounds", "valid to meta", "valid"])
+def test_sparse_tensors_are_checked_as_torch_load_checks_them(tmp_path, case):
+    """Regression: torch.load(weights_only=True) checks every sparse tensor
+    it makes (a COO index past its size would read out of bounds later);
+    fastpersist's loads called torch's check without ``weights_only`` and
+    returned the malformed tensor (and sparse tensors on ``meta`` that
+    torch refuses). They now do what torch.load does."""
+    if case == "index out of bounds":
+        s = torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.tensor([1.0, 2.0]), (2,), check_invariants=False)
+    else:
+        s = torch.eye(3).to_sparse()
+    p = tmp_path / "s.pt"
+    torch.save({"s": s}, p)
+    kw = {"weights_only": True, **({"map_location": "meta"} if case == "valid to meta" else {})}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = _sparse_outcome(lambda: torch.load(p, **kw))
+        assert _sparse_outcome(lambda: fastpersist.read_state_dict(p, **kw)) == want
+        with fastpersist.patch():
+            assert _sparse_outcome(lambda: torch.load(p, **kw)) == want
