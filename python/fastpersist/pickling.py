@@ -437,9 +437,22 @@ def pickle_obj(
     except Exception as e:
         where = find_path(obj, _is_zero_tensor) if _is_zero_tensor_error(e) else None
         what = f"{where}: a zero tensor" if where is not None else _describe(obj)
+        if type(e) not in _REFUSALS:
+            # The saved objects' own error (a __getstate__ or __reduce__ that
+            # raises, a structure too deep): torch.save raises it as it is.
+            add_note = getattr(e, "add_note", None)
+            if add_note is not None:
+                add_note(f"fastpersist: while pickling {what}")
+            raise
         cls = UnpicklableError if isinstance(e, AttributeError) else SerializationError
         raise cls(f"cannot serialize {what}: {type(e).__name__}: {e}") from e
     return buf.getvalue(), pickler.storages
+
+
+#: The errors pickle and torch refuse an object with (exactly these classes,
+#: not the saved objects' own subclasses): raised as a SerializationError,
+#: which is each of them.
+_REFUSALS = (TypeError, AttributeError, ValueError, RuntimeError, pickle.PicklingError)
 
 
 def _is_zero_tensor_error(e: BaseException) -> bool:

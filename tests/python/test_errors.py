@@ -52,6 +52,62 @@ def test_unpicklable_object_leaves_nothing(tmp_path):
     assert (tmp_path / "x.pt").read_bytes() == b"previous"
 
 
+class _VersionError(Exception):
+    pass
+
+
+class _Raises:
+    """An object whose pickling raises ``error``."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __getstate__(self):
+        raise self.error
+
+
+def _deep(n: int) -> list:
+    out: list = []
+    cur = out
+    for _ in range(n):
+        cur.append([])
+        cur = cur[0]
+    return out
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        _Raises(_VersionError("config cannot be saved now")),
+        _Raises(KeyError("missing")),
+        _Raises(OSError(errno.EIO, "the device went away")),
+        _Raises(NotImplementedError("not yet")),
+        _deep(100_000),
+    ],
+    ids=["custom", "KeyError", "OSError", "NotImplementedError", "too deep"],
+)
+@pytest.mark.parametrize("how", ["write", "pipelined", "snapshot"])
+def test_an_objects_own_error_while_pickling_is_raised_as_itself(tmp_path, obj, how):
+    """Regression: an error the saved objects raise while pickled (a
+    ``__getstate__`` that raises, a structure too deep) came out of
+    write_state_dict and save_async as SerializationError, which is none of
+    them, where torch.save raises it as it is: ``except VersionError`` (or
+    ``RecursionError``) around a save missed it. pickle's own refusals stay
+    SerializationError (each of their classes)."""
+    state = {"t": torch.ones(3), "x": obj}
+    with pytest.raises(Exception) as want:
+        torch.save(state, tmp_path / "torch.pt")
+    (tmp_path / "x.pt").write_bytes(b"previous")
+    with pytest.raises(type(want.value)) as got:
+        if how == "write":
+            fastpersist.write_state_dict(state, tmp_path / "x.pt")
+        else:
+            fastpersist.save_async(state, tmp_path / "x.pt", mode=how).result()
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+    assert (tmp_path / "x.pt").read_bytes() == b"previous"
+    assert sorted(os.listdir(tmp_path)) == sorted(["x.pt", *(["torch.pt"] if (tmp_path / "torch.pt").exists() else [])])
+
+
 def test_meta_storage_is_named(tmp_path):
     # A meta *tensor* is saved as torch.save saves it (shape, no data:
     # test_fidelity_torch.py); a meta *storage* has nothing to save.
