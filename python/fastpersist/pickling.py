@@ -222,6 +222,7 @@ class _Pickler(pickle.Pickler):
             and not o.is_quantized
             and not o.is_nested  # strided nested tensors: torch's own reduction
             and not o.__dict__
+            and not (o.requires_grad and o._backward_hooks)  # torch's reduction warns they are not saved
             and not _zero(o)
         ):
             _check_extent(o)

@@ -985,3 +985,27 @@ def test_sparse_tensors_are_checked_as_torch_load_checks_them(tmp_path, case):
         assert _sparse_outcome(lambda: fastpersist.read_state_dict(p, **kw)) == want
         with fastpersist.patch():
             assert _sparse_outcome(lambda: torch.load(p, **kw)) == want
+
+
+@pytest.mark.parametrize("how", ["write", "pipelined", "snapshot"])
+def test_a_tensor_with_backward_hooks_warns_as_torch_save_warns(tmp_path, how):
+    """Regression: torch.save warns that a tensor's backward hooks are not
+    saved; fastpersist's fast tensor paths skipped torch's reduction and
+    its warning."""
+    t = torch.randn(3, requires_grad=True)
+    t.register_hook(lambda g: g)
+
+    def messages(save):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            save()
+        return [str(x.message) for x in w if "hook" in str(x.message)]
+
+    want = messages(lambda: torch.save({"t": t}, tmp_path / "t.pt"))
+    assert want
+    if how == "write":
+        got = messages(lambda: fastpersist.write_state_dict({"t": t}, tmp_path / "f.pt"))
+    else:
+        got = messages(lambda: fastpersist.save_async({"t": t}, tmp_path / "f.pt", mode=how).result())
+    assert got == want
+    assert torch.equal(torch.load(tmp_path / "f.pt")["t"], t.detach())
