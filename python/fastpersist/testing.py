@@ -118,19 +118,29 @@ def _wrapper_parts(t: torch.Tensor) -> Optional[Tuple[List[str], Any]]:
 
 #: Objects compared with ``==`` (after their types).
 _ATOMS = (bool, int, str, bytes, bytearray, range, torch.dtype, torch.device)
+#: Exactly these types are values, whose identity pickling does not keep
+#: (or that are one object per value): never compared by identity.
+_VALUES = (type(None), bool, int, float, complex, str, bytes, range, torch.dtype, torch.device, tuple)
+
+
+class _NoKey(Exception):
+    """A set member that is an object, not a value: matched by comparison."""
 
 
 def _member_key(x: Any) -> Any:
     """A set member as something that is equal only for
     a member of the same type and value: ``==`` makes ``1``, ``True`` and
-    ``1.0`` one member, and ``0.0`` and ``-0.0``; floats by their bits."""
-    if isinstance(x, (float, complex)):
+    ``1.0`` one member, and ``0.0`` and ``-0.0``; floats by their bits.
+    _NoKey for anything else (a tensor or a plain object, whose hash is its
+    identity, which a load does not keep)."""
+    if type(x) in (float, complex):
         return (type(x), _number_bits(x))
-    if isinstance(x, tuple):
-        return (type(x), tuple(_member_key(e) for e in x))
-    if isinstance(x, frozenset):
-        return (type(x), frozenset(_member_key(e) for e in x))
-    return (type(x), x)
+    if type(x) in (tuple, frozenset):
+        keys = [_member_key(e) for e in x]
+        return (type(x), tuple(keys) if type(x) is tuple else frozenset(keys))
+    if x is None or type(x) in _ATOMS:
+        return (type(x), x)
+    raise _NoKey
 
 
 #: The parts of a sparse tensor, by layout.
@@ -150,13 +160,37 @@ class _Comparison:
         self.check_device = check_device
         self.exp_to_got: Dict[int, int] = {}
         self.got_to_exp: Dict[int, int] = {}
+        #: Objects met so far (by id, each side to the other's), and the
+        #: objects themselves (so no id is reused by a later object).
+        self.met: Dict[int, Tuple[int, str]] = {}
+        self.met_got: Dict[int, int] = {}
+        self.keep: List[Any] = []
 
     def fail(self, where: str, what: str) -> None:
         raise AssertionError(f"{where or '<root>'}: {what}")
 
+    def _met(self, exp: Any, got: Any, where: str) -> bool:
+        """Whether this pair was compared already (a container inside
+        itself); fails where one side has one object twice and the other
+        two objects (torch.load keeps ``x[0] is x[1]``: tied weights)."""
+        e, g = id(exp), id(got)
+        first = self.met.get(e)
+        if first is not None:
+            if first[0] != g:
+                self.fail(where, f"a different object, expected the object at {first[1] or '<root>'} again")
+            return True
+        if self.met_got.get(g, e) != e:
+            self.fail(where, "the object at another place again, expected a different object")
+        self.met[e] = (g, where)
+        self.met_got[g] = e
+        self.keep.append((exp, got))
+        return False
+
     def same(self, exp: Any, got: Any, where: str) -> None:
         if type(exp) is not type(got):
             self.fail(where, f"type {type(got).__qualname__}, expected {type(exp).__qualname__}")
+        if type(exp) not in _VALUES and not _is_numpy(exp) and self._met(exp, got, where):
+            return
         if isinstance(exp, torch.Tensor):
             if exp.is_nested or got.is_nested:
                 self.nested(exp, got, where)
@@ -166,7 +200,16 @@ class _Comparison:
             self.container(exp, got, where)
         elif isinstance(exp, (set, frozenset)):
             self.members(exp, got, where)
-        elif isinstance(exp, (float, complex)):
+        elif not self.value(exp, got, where):
+            if _is_numpy(exp):
+                self.numpy(exp, got, where)
+            else:
+                self.state(exp, got, where)
+
+    def value(self, exp: Any, got: Any, where: str) -> bool:
+        """Numbers, atoms and storages (and their subclasses' attributes);
+        False for anything else."""
+        if isinstance(exp, (float, complex)):
             if _number_bits(exp) != _number_bits(got):
                 self.fail(
                     where, f"{got!r} (bits {_number_bits(got).hex()}), expected {exp!r} ({_number_bits(exp).hex()})"
@@ -174,10 +217,18 @@ class _Comparison:
         elif exp is None or isinstance(exp, _ATOMS):
             if exp != got:
                 self.fail(where, f"{got!r}, expected {exp!r}")
-        elif _is_numpy(exp):
-            self.numpy(exp, got, where)
+        elif isinstance(exp, torch.storage.TypedStorage):
+            if exp.dtype != got.dtype:
+                self.fail(where, f"storage of {got.dtype}, expected {exp.dtype}")
+            self.storage(exp._untyped_storage, got._untyped_storage, where)
+            return True
+        elif isinstance(exp, torch.UntypedStorage):
+            self.storage(exp, got, where)
+            return True
         else:
-            self.state(exp, got, where)
+            return False
+        self.attributes(exp, got, where)
+        return True
 
     def container(self, exp: Any, got: Any, where: str) -> None:
         if isinstance(exp, dict):
@@ -199,13 +250,45 @@ class _Comparison:
         if type(exp) not in (dict, OrderedDict, list, tuple):
             self.state(exp, got, where)  # a defaultdict's factory, a subclass's attributes
 
+    def attributes(self, exp: Any, got: Any, where: str) -> None:
+        """A subclass of a value type (an ``int`` or ``str`` subclass, say):
+        its attributes, which pickling keeps."""
+        a, b = getattr(exp, "__dict__", None), getattr(got, "__dict__", None)
+        if a or b:
+            self.same(dict(a or {}), dict(b or {}), f"{where}.__dict__")
+
     def members(self, exp: Any, got: Any, where: str) -> None:
-        """A set's members, by type and value (:func:`_member_key`)."""
-        a, b = Counter(map(_member_key, exp)), Counter(map(_member_key, got))
-        if a != b:
+        """A set's members: values by type and value (:func:`_member_key`),
+        objects (tensors, instances: hashed by identity, which a load does
+        not keep) each matched to one that compares the same."""
+        keyed: Tuple[List[Any], List[Any]] = ([], [])
+        objects: Tuple[List[Any], List[Any]] = ([], [])
+        for side, items in enumerate((exp, got)):
+            for x in items:
+                try:
+                    keyed[side].append(_member_key(x))
+                except _NoKey:
+                    objects[side].append(x)
+        if Counter(keyed[0]) != Counter(keyed[1]) or len(objects[0]) != len(objects[1]):
             self.fail(where, f"members {got!r}, expected {exp!r} (compared by type and value)")
+        left = list(objects[1])
+        for i, e in enumerate(objects[0]):
+            match = next((g for g in left if self._alike(e, g)), None)
+            if match is None:
+                self.fail(where, f"no member like the expected {e!r}")
+            left.remove(match)
+            self.same(e, match, f"{where}<member {i}>")
         if type(exp) not in (set, frozenset):
             self.state(exp, got, where)  # a subclass's attributes
+
+    def _alike(self, exp: Any, got: Any) -> bool:
+        """Whether ``got`` compares the same as ``exp`` on its own (a set's
+        members have no order to pair them by)."""
+        try:
+            _Comparison(self.check_device).same(exp, got, "")
+        except AssertionError:
+            return False
+        return True
 
     def state(self, exp: Any, got: Any, where: str) -> None:
         """Any other object: what pickling it keeps (``__reduce_ex__``'s
@@ -227,6 +310,12 @@ class _Comparison:
         self.same(a[1], b[1], f"{where}<args>")
         if len(a) > 2 or len(b) > 2:
             self.same(a[2] if len(a) > 2 else None, b[2] if len(b) > 2 else None, f"{where}<state>")
+        # The items a deque or another container subclass pickles (its
+        # listitems and dictitems iterators).
+        for i, what in ((3, "items"), (4, "dict items")):
+            x, y = a[i] if len(a) > i else None, b[i] if len(b) > i else None
+            if x is not None or y is not None:
+                self.same(list(x or ()), list(y or ()), f"{where}<{what}>")
 
     def numpy(self, exp: Any, got: Any, where: str) -> None:
         if exp.dtype != got.dtype or getattr(exp, "shape", None) != getattr(got, "shape", None):

@@ -236,3 +236,59 @@ def test_comparison_takes_nested_tensors_apart(tmp_path):
 def test_state_dicts_with_nested_tensors_roundtrip(sd):
     with tempfile.TemporaryDirectory() as d:
         assert_roundtrip(sd, f"{d}/ck.pt", write_kwargs=_FAST, weights_only=False)
+
+
+class _Step(int):
+    pass
+
+
+class _Plain:
+    """A hashable object (by identity) holding a tensor."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def test_comparison_follows_identity_cycles_storages_sets_and_container_items(tmp_path):
+    """Regression: assert_same_state raised RecursionError on a container
+    inside itself, failed a TypedStorage and a set of tensors or objects
+    against their exact torch.load, and passed objects that differ: deques
+    of other items, int subclasses with other attributes, and one tensor
+    twice against two tensors (torch.load keeps ``x[0] is x[1]``: tied
+    weights)."""
+    import collections
+
+    from fastpersist.testing import assert_roundtrip, assert_same_state
+
+    loop: list = [torch.ones(1)]
+    loop.append(loop)
+    own: dict = {"t": torch.ones(1)}
+    own["self"] = own
+    t = torch.arange(4.0)
+    for i, obj in enumerate(
+        [
+            loop,
+            own,
+            {"s": torch.arange(3.0).storage()},  # (an UntypedStorage loads as a TypedStorage of bytes)
+            {"set": {torch.ones(1), torch.zeros(2)}, "f": frozenset({_Plain(torch.ones(2)), 3})},
+            {"tied": [t, t, t[1:]], "q": collections.deque([t, 2])},
+        ]
+    ):
+        assert_roundtrip(obj, tmp_path / f"{i}.pt", weights_only=False)
+
+    def differ(a, b):
+        with pytest.raises(AssertionError):
+            assert_same_state({"x": a}, {"x": b})
+
+    differ(collections.deque([1, 2]), collections.deque([1, 3]))
+    differ(collections.deque([torch.zeros(1)]), collections.deque([torch.ones(1)]))
+    a, b = _Step(1), _Step(1)
+    a.note, b.note = "a", "b"
+    differ(a, b)
+    differ([t, t], [t, t.view(4)])
+    differ([t, t.view(4)], [t, t])
+    differ({torch.ones(1)}, {torch.zeros(1)})
+    differ(torch.arange(3.0).storage(), torch.arange(3).storage())
+    other: list = [torch.ones(1)]
+    other.append([torch.ones(1), []])
+    differ(loop, other)
