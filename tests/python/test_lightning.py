@@ -485,3 +485,35 @@ def test_remote_paths_are_refused_not_written_to_a_local_folder(tmp_path, monkey
     assert torch.equal(io.load_checkpoint(f"file://{tmp_path}/local.ckpt")["w"], torch.ones(4))
     io.remove_checkpoint(f"file://{tmp_path}/local.ckpt")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "pipelined"])
+def test_a_checkpoint_saved_after_fit_is_there_when_save_checkpoint_returns(tmp_path, mode, monkeypatch):
+    """Regression: ``trainer.save_checkpoint(p)`` after ``fit`` returned at
+    once with the save in flight, and nothing waited for it (no teardown
+    comes): the usual "save the final model, then reload it" with
+    ``load_from_checkpoint`` (which reads the file itself) or torch.load
+    failed with FileNotFoundError. Outside a stage the save is now durable
+    when the call returns; inside ``fit`` it stays in the background."""
+    io = FastPersistCheckpointIO(mode=mode)
+    in_fit = []
+    real = io.saves.wait
+
+    class Watch(pl.Callback):
+        def on_train_epoch_end(self, t, m):
+            waits = []
+            monkeypatch.setattr(io.saves, "wait", lambda: waits.append(1) or real())
+            t.save_checkpoint(tmp_path / "mid.ckpt")
+            in_fit.append(len(waits))
+            monkeypatch.setattr(io.saves, "wait", real)
+
+    m = Tiny()
+    t = trainer(tmp_path, io, [Watch()], max_epochs=1, enable_checkpointing=False)
+    t.fit(m)
+    assert in_fit == [0]  # not waited for inside fit
+    p = tmp_path / "final.ckpt"
+    t.save_checkpoint(p)
+    assert torch.load(p, weights_only=True)["global_step"] == BATCHES
+    again = Tiny.load_from_checkpoint(p, weights_only=True)
+    for k, v in m.state_dict().items():
+        assert bits(again.state_dict()[k]) == bits(v)

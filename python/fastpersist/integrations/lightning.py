@@ -60,6 +60,7 @@ use fastpersist's DeepSpeed checkpoint engine for the latter.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -325,6 +326,42 @@ def _see_pending_saves() -> None:
     _wrap_model_checkpoint("file_exists", wrap)
 
 
+def _running(trainer: Any) -> bool:
+    """Whether ``trainer`` is inside a stage (``fit``, ``validate``, ...)."""
+    status = getattr(getattr(trainer, "state", None), "status", None)
+    return getattr(status, "value", status) == "running"
+
+
+def _durable_outside_a_stage() -> None:
+    """``trainer.save_checkpoint(path)`` called outside a stage (after
+    ``fit`` returned, or before it) returns once the checkpoint is durable,
+    as with Lightning's own CheckpointIO: "save the final model, then
+    reload it" (``load_from_checkpoint`` reads the file itself, not through
+    the CheckpointIO, and no teardown comes to wait) finds the file. Inside
+    a stage, saves stay asynchronous and the stage's teardown waits."""
+    import importlib
+
+    for modname in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
+        try:
+            cls = importlib.import_module(modname).Trainer
+        except (ImportError, AttributeError):
+            continue
+        orig = cls.__dict__.get("save_checkpoint")
+        if orig is None or getattr(orig, "_fastpersist", False):
+            continue
+
+        def save_checkpoint(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+            out = _orig(self, *args, **kwargs)
+            io = getattr(getattr(self, "strategy", None), "checkpoint_io", None)
+            if isinstance(io, _FastPersistIO) and not _running(self):
+                io.wait()
+            return out
+
+        functools.update_wrapper(save_checkpoint, orig)
+        save_checkpoint._fastpersist = True  # type: ignore[attr-defined]
+        cls.save_checkpoint = save_checkpoint
+
+
 def _link_when_durable() -> None:
     """``ModelCheckpoint(save_last="link")`` moves ``last.ckpt`` to the
     checkpoint just saved as soon as ``save_checkpoint`` returns; the
@@ -398,3 +435,4 @@ class FastPersistCheckpointIO(_FastPersistIO, *_bases()):  # type: ignore[misc]
 _see_pending_saves()
 _prepare_at_train_start()
 _link_when_durable()
+_durable_outside_a_stage()
