@@ -20,6 +20,8 @@ use crate::error::{Error, Result};
 use crate::held::Held;
 use crate::lend::Lending;
 use crate::sink::{Fault, PoolSink, Sink, UringSink};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
 
 /// Tuning knobs. The defaults were chosen by measurement (see the README).
 #[derive(Debug, Clone)]
@@ -177,6 +179,11 @@ pub struct Engine {
     /// writes in flight are this process's: the child never uses it, and
     /// dropping it there leaves the ring and the pool alone.
     pid: u32,
+    /// Not 0 (the errno) once the ring could not be waited on while
+    /// requests were in flight: the kernel may still read or write the
+    /// arena's buffers, so the engine is used no more (shared with the
+    /// binding, which reads it without the engine's lock).
+    retired: Arc<AtomicI32>,
 }
 
 impl Drop for Engine {
@@ -235,17 +242,30 @@ impl Engine {
             min_block: None,
             file_mode: None,
             pid: std::process::id(),
+            retired: Arc::new(AtomicI32::new(0)),
         })
     }
 
     /// An error when this is a `fork()` child of the process that made the
     /// engine (see [`Engine::owner_pid`]).
     pub fn check_process(&self) -> Result<()> {
-        if std::process::id() == self.pid {
-            Ok(())
-        } else {
-            Err(Error::forked("this engine", self.pid, None))
+        if std::process::id() != self.pid {
+            return Err(Error::forked("this engine", self.pid, None));
         }
+        match self.retired.load(Ordering::SeqCst) {
+            0 => Ok(()),
+            errno => Err(Error::internal(format!(
+                "this engine's io_uring ring could not be waited on ({}) with requests in flight, \
+                 which may still use its buffers: it is retired (a new engine is made for the next call)",
+                std::io::Error::from_raw_os_error(errno)
+            ))),
+        }
+    }
+
+    /// The engine's retirement (see [`Engine::check_process`]), readable
+    /// without the engine: not 0 once retired.
+    pub fn retired(&self) -> Arc<AtomicI32> {
+        Arc::clone(&self.retired)
     }
 
     /// The process that made the engine: only it may use it.
@@ -410,6 +430,9 @@ impl Engine {
             lending.lent_in_flight() == 0 && free.len() <= arena.nbufs(),
             "a lent write outlived its call, or an I/O id came back twice"
         );
+        if let Some(errno) = self.uring.as_ref().and_then(UringSink::lost) {
+            self.retired.store(errno, Ordering::SeqCst);
+        }
         if res.is_err() {
             free.retain(|&b| !self.held.holds(b));
             self.streaming = None;

@@ -497,6 +497,8 @@ struct PyEngine {
     /// read's consumer, a save's callback) is refused, not left waiting on
     /// itself for ever.
     owner: AtomicU64,
+    /// [`Engine::retired`], read without the engine's lock.
+    retired: Arc<AtomicI32>,
     /// The process that made the engine, checked before `inner` is locked
     /// (in a fork child the lock may be held by a thread that is not there).
     pid: u32,
@@ -585,6 +587,7 @@ impl PyEngine {
             block_size,
             at_close: Mutex::new(Vec::new()),
             pid: eng.owner_pid(),
+            retired: eng.retired(),
             inner: Mutex::new(eng),
             owner: AtomicU64::new(0),
         })
@@ -619,6 +622,14 @@ impl PyEngine {
     // Every method takes the engine's lock without the GIL: a save's
     // write-behind thread may hold the lock while it waits for the GIL to
     // gather.
+
+    /// Whether the engine is retired: its io_uring ring could not be waited
+    /// on with requests in flight, which may still use its buffers. Every
+    /// call then raises; make a new engine.
+    #[getter]
+    fn retired(&self) -> bool {
+        self.retired.load(Ordering::SeqCst) != 0
+    }
 
     #[getter]
     fn uses_io_uring(&self, py: Python<'_>) -> PyResult<bool> {

@@ -46,6 +46,10 @@ pub struct Fault {
 }
 
 impl Fault {
+    /// The offset of a fault that makes every wait on the ring fail with
+    /// `errno` (io_uring only).
+    pub const WAIT: u64 = u64::MAX;
+
     fn hits(fault: Option<Fault>, job: &Job) -> Option<i32> {
         fault
             .filter(|f| {
@@ -151,6 +155,9 @@ pub struct UringSink {
     inflight: usize,
     syncs: usize,
     fault: Option<Fault>,
+    /// Set (the errno) when the ring could not be waited on with requests
+    /// in flight: they may still use their buffers (see [`UringSink::lost`]).
+    lost: Option<i32>,
 }
 
 /// user_data of datasync requests (write requests carry their buffer index).
@@ -168,6 +175,7 @@ impl UringSink {
             inflight: 0,
             syncs: 0,
             fault: None,
+            lost: None,
         })
     }
 
@@ -240,7 +248,17 @@ impl UringSink {
         Ok(())
     }
 
+    /// The errno with which the ring could not be waited on while requests
+    /// were in flight, if that happened: its requests may still use their
+    /// buffers, and the engine must not use them again.
+    pub fn lost(&self) -> Option<i32> {
+        self.lost
+    }
+
     fn wait_one(&mut self) -> Result<()> {
+        if let Some(f) = self.fault.filter(|f| f.offset == Fault::WAIT) {
+            return Err(Error::os(f.errno, "io_uring wait (injected)", None));
+        }
         loop {
             match self.ring.submit_and_wait(1) {
                 Ok(_) => return Ok(()),
@@ -345,10 +363,14 @@ impl Sink for UringSink {
 
     fn drain(&mut self) {
         while self.inflight + self.syncs > 0 {
-            if self.wait_one().is_err() {
-                // Cannot wait on the ring: nothing safe is left but to stop
-                // using it; the engine discards the ring and the arena is
-                // only freed after the ring (which cancels its requests).
+            if let Err(e) = self.wait_one() {
+                // Cannot wait on the ring: its requests may still use their
+                // buffers. Nothing safe is left but to stop using the
+                // ring and the arena: the engine retires (`lost`); its
+                // ring is closed (which cancels the requests) before the
+                // arena is unmapped, and the pages the kernel pinned stay
+                // until it lets them go.
+                self.lost = Some(e.errno.unwrap_or(libc::EIO));
                 self.inflight = 0;
                 self.syncs = 0;
                 break;

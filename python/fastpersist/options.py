@@ -308,7 +308,9 @@ def get_engine(opts: EngineOptions, index: int = 0) -> EngineEntry:
             byidx = _engines[key] = {}
         _engines.move_to_end(key)
         hit = byidx.get(index)
-        if hit is None:
+        if hit is None or hit[1].retired:
+            # A retired engine (its ring failed with I/O in flight) is used
+            # no more: a save still holding it lets go of it when it ends.
             hit = byidx[index] = (_OwnedLock(), _new_engine(opts))
         # Engines of option sets not used lately are dropped from the cache;
         # one still in use by a save is freed when that save lets go of it.

@@ -511,3 +511,30 @@ def test_a_file_path_ending_with_a_separator_is_refused(tmp_path, how):
     with pytest.raises(ValueError, match="ends with a path separator"):
         calls[how]()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(os.environ.get("FASTPERSIST_IO_URING") == "0", reason="needs io_uring")
+def test_a_ring_that_cannot_be_waited_on_retires_its_engine(tmp_path, engine_fault):
+    """Regression: when the io_uring ring could not be waited on with
+    requests in flight, the engine forgot them and went on using the ring
+    and the arena, whose buffers the kernel might still read or write: a
+    later save's bytes could be overwritten by a stale read. The engine is
+    now retired (every call raises), and the next save gets a new one."""
+    from fastpersist.options import EngineOptions, get_engine
+
+    opts = EngineOptions.resolve(io_uring=True)
+    _, eng = get_engine(opts)
+    if not eng.uses_io_uring:
+        pytest.skip("io_uring is not available here")
+    sd = {"w": make((600_000,), torch.float32, 1)}
+    p = tmp_path / "x.pt"
+    engine_fault((1 << 64) - 1, errno.EBADF, io_uring=True)  # every wait on the ring fails
+    with pytest.raises(OSError) as e:
+        fastpersist.write_state_dict(sd, p, io_uring=True)
+    assert e.value.errno == errno.EBADF
+    assert eng.retired and listing(tmp_path) == []
+    with pytest.raises(RuntimeError, match="retired"):
+        eng.read_into_fd(0, [])
+    st = fastpersist.write_state_dict(sd, p, io_uring=True)  # a new engine
+    assert st.io_uring and get_engine(opts)[1] is not eng
+    assert bits(fastpersist.read_state_dict(p)["w"]) == bits(sd["w"])
