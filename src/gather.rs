@@ -25,8 +25,10 @@
 //! before the call returns, also on an error.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use crc32fast::Hasher;
 
@@ -219,10 +221,11 @@ pub(crate) fn with_workers<T: Send, R: Send, O>(
     let (task_tx, task_rx) = mpsc::channel::<T>();
     let task_rx = Mutex::new(task_rx);
     let (done_tx, done_rx) = mpsc::channel::<R>();
+    let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
         for _ in 0..threads {
-            let (rx, tx, work) = (&task_rx, done_tx.clone(), &work);
-            scope.spawn(move || serve(rx, &tx, work));
+            let (rx, tx, work, stop) = (&task_rx, done_tx.clone(), &work, &stop);
+            scope.spawn(move || serve(rx, &tx, work, stop));
         }
         drop(done_tx);
         let out = coordinate(&task_tx, &done_rx);
@@ -233,17 +236,32 @@ pub(crate) fn with_workers<T: Send, R: Send, O>(
 
 /// A worker thread's loop: `work` on each task from `rx`, its result sent
 /// to `tx`, until the calling thread stops handing tasks out (or stops
-/// listening).
-fn serve<T, R>(rx: &Mutex<mpsc::Receiver<T>>, tx: &mpsc::Sender<R>, work: impl Fn(T) -> R) {
-    loop {
+/// listening). A task that panics (a bug) stops every worker (`stop`):
+/// once they have all ended, the calling thread's receiver is
+/// disconnected, which it reports as lost workers, instead of waiting for
+/// ever for the result that never comes.
+fn serve<T, R>(
+    rx: &Mutex<mpsc::Receiver<T>>,
+    tx: &mpsc::Sender<R>,
+    work: impl Fn(T) -> R,
+    stop: &AtomicBool,
+) {
+    while !stop.load(Ordering::SeqCst) {
         let task = match rx.lock() {
-            Ok(rx) => rx.recv(),
+            Ok(rx) => rx.recv_timeout(Duration::from_millis(10)),
             Err(_) => return,
         };
-        let Ok(t) = task else {
-            return; // the calling thread is done handing out work
+        let t = match task {
+            Ok(t) => t,
+            Err(mpsc::RecvTimeoutError::Timeout) => continue, // look at `stop` again
+            Err(mpsc::RecvTimeoutError::Disconnected) => return, // no more work
         };
-        if tx.send(work(t)).is_err() {
+        let Ok(r) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(t))) else {
+            // The panic hook has printed it.
+            stop.store(true, Ordering::SeqCst);
+            return;
+        };
+        if tx.send(r).is_err() {
             return;
         }
     }
@@ -451,6 +469,37 @@ mod tests {
     use super::*;
     use crate::layout::{MemRef, Segment};
     use proptest::prelude::*;
+
+    /// A task that panics (a bug) disconnects the caller's receiver once
+    /// every worker has stopped, instead of leaving it waiting for ever for
+    /// the result; the other tasks' results still come.
+    #[test]
+    fn a_panicking_task_ends_the_workers_instead_of_hanging_the_caller() {
+        for threads in [1, 2, 4] {
+            let got = with_workers(
+                threads,
+                |t: u32| {
+                    assert!(t != 3, "task 3 fails");
+                    t * 2
+                },
+                |tx, rx| {
+                    for t in 0..8 {
+                        tx.send(t).unwrap();
+                    }
+                    let mut out = Vec::new();
+                    while out.len() < 8 {
+                        match rx.recv() {
+                            Ok(r) => out.push(r),
+                            Err(_) => return Err(out),
+                        }
+                    }
+                    Ok(out)
+                },
+            );
+            let done = got.expect_err("one task never gives a result");
+            assert!(done.len() < 8 && !done.contains(&6), "{done:?}");
+        }
+    }
 
     /// Records of random sizes, each followed by its checksum slot (as in a
     /// torch zip's data descriptors), some from memory, some from bytes,
