@@ -299,3 +299,51 @@ def test_hooks_the_user_registers_after_register_see_the_models_first(tmp_path):
         return sorted(os.listdir(out))
 
     assert run(True) == run(False)
+
+
+def test_load_state_skips_a_folder_whose_save_did_not_finish(tmp_path):
+    """Regression: a save_state runs in the background; a process killed
+    meanwhile left a newest ``checkpoint_<n>`` with some of its files, which
+    ``load_state()`` (automatic naming: the newest folder) then took, and
+    failed on or loaded in part. A folder is now marked pending, durably,
+    before its first file, and unmarked once it is whole and durable:
+    ``load_state()`` takes the newest whole folder and refuses a pending
+    one by name."""
+    import shutil
+
+    PENDING = ".fastpersist-save-pending"
+    assert getattr(fastpersist.integrations.accelerate, "PENDING", PENDING) == PENDING
+    acc, model, opt, sched = setup(tmp_path, limit=5)
+    fp = register(acc)
+    seen = []
+    real = fp.saves.save
+
+    def spy(obj, f, **kw):
+        seen.append(os.path.isfile(os.path.join(os.path.dirname(os.fspath(f)), PENDING)))
+        return real(obj, f, **kw)
+
+    fp.saves.save = spy
+    states = []
+    for step in range(2):
+        train(acc, model, opt, sched, [step])
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+        acc.save_state()
+    fp.wait()
+    assert seen and all(seen)  # marked before every file
+    root = tmp_path / "checkpoints"
+    assert sorted(os.listdir(root)) == ["checkpoint_0", "checkpoint_1"]
+    assert not [p for p in root.rglob(PENDING)]
+    # What a process killed during the next save leaves: a newer folder, in part, still pending.
+    killed = root / "checkpoint_2"
+    shutil.copytree(root / "checkpoint_1", killed)
+    for n in os.listdir(killed):
+        if n.startswith("optimizer"):
+            os.unlink(killed / n)
+    (killed / PENDING).touch()
+    train(acc, model, opt, sched, [5])
+    acc.load_state()
+    for k, v in states[1].items():
+        assert bits(model.state_dict()[k]) == bits(v), k
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="did not finish"):
+        acc.load_state(str(killed))
+    fp.unregister()

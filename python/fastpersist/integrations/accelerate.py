@@ -24,7 +24,12 @@ after their first step), so it blocks no longer than later ones;
 ``register(accelerator, prepare=False)`` turns that off.
 
 A ``save_state`` folder is one checkpoint: once every file is durable the
-whole folder is fsynced, in the background. The next ``save_state``,
+whole folder is fsynced, in the background. Until then it holds a marker
+(``.fastpersist-save-pending``, made durably before any of its files): a
+folder whose save never finished (the process killed while it was in the
+background) keeps it, and ``load_state()`` with automatic naming takes the
+newest folder without it (a ``load_state(folder)`` of such a folder raises
+:class:`~fastpersist.CorruptCheckpointError`). The next ``save_state``,
 ``load_state`` and ``end_training`` first wait for it and raise a failed
 save's error. With ``ProjectConfiguration(automatic_checkpoint_naming=True,
 total_limit=n)`` old folders are deleted only after the new one is durable
@@ -35,17 +40,20 @@ Megatron-LM models are saved by their own code paths, not by these hooks
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional
 
+from ..errors import CorruptCheckpointError
 from ..reader import read_state_dict
 from .common import (
     BackgroundSaves,
     after_first_step,
     check_version,
+    fsync_dir,
     never_raises,
     optimizers_have_state,
     routed,
@@ -57,6 +65,10 @@ __all__ = ["register", "FastPersistAccelerate"]
 
 #: accelerate versions this adapter is tested with (the extra pins them).
 TESTED = ">=1.0,<2"
+#: In a ``save_state`` folder from before its first file until the whole
+#: folder is durable.
+PENDING = ".fastpersist-save-pending"
+log = logging.getLogger("fastpersist")
 
 
 def _framework() -> Any:
@@ -95,6 +107,8 @@ class FastPersistAccelerate:
         self.prepare_ahead = bool(prepare)
         self._disarm: Optional[Callable[[], None]] = None
         self._safe = True
+        #: Folders of the save_state running marked as pending (:data:`PENDING`).
+        self._marked: List[str] = []
         #: The model-load arguments of the ``load_state`` call running (for the load hook).
         self._load_kwargs: Dict[str, Any] = {}
         self._orig: Dict[str, Callable[..., Any]] = {
@@ -182,6 +196,7 @@ class FastPersistAccelerate:
             with routed(self.checkpointing, save=self._save_file, torch=torch_module_via(self.saves)):
                 location = self._orig["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
         except BaseException:
+            self._marked = []  # left pending: that save did not finish
             self.saves.commit(str(output_dir))
             raise
         finally:
@@ -190,10 +205,17 @@ class FastPersistAccelerate:
         folder = os.fspath(location)
         prune = acc.is_main_process and limit is not None
         parent = os.path.dirname(os.path.abspath(folder))
+        marked, self._marked = self._marked, []
 
         def finalize() -> None:
             if os.path.isdir(folder):
                 sync_tree(folder)
+            for d in marked:  # the folder is whole and durable: no longer pending
+                try:
+                    os.unlink(os.path.join(d, PENDING))
+                except FileNotFoundError:
+                    continue
+                fsync_dir(d)
             if prune and limit is not None:
                 _prune(parent, limit)
 
@@ -208,11 +230,44 @@ class FastPersistAccelerate:
     ) -> Any:
         self.saves.wait()
         self._hooks_last()
+        input_dir = self._whole_folder(input_dir)
         self._load_kwargs = dict(load_model_func_kwargs)  # Accelerate hands the hooks only the models and folder
         try:
             return self._orig["load_state"](input_dir, load_kwargs, **load_model_func_kwargs)
         finally:
             self._load_kwargs = {}
+
+    def _whole_folder(self, input_dir: Optional[str]) -> Optional[str]:
+        """The folder ``load_state`` reads: ``input_dir``, refused when its
+        save never finished; with none and automatic naming, the newest
+        ``checkpoint_<n>`` whose save finished (Accelerate would take the
+        newest, whole or not)."""
+        if input_dir is not None:
+            d = os.path.expanduser(os.fspath(input_dir))
+            if os.path.isfile(os.path.join(d, PENDING)):
+                raise CorruptCheckpointError(
+                    f"{d}: its save_state did not finish (the process ended while it was written in the "
+                    f"background: {PENDING} is still there)"
+                )
+            return input_dir
+        acc = self.accelerator
+        cfg = acc.project_configuration
+        root = os.path.join(acc.project_dir, "checkpoints") if cfg.automatic_checkpoint_naming else None
+        if root is None or not os.path.isdir(root):
+            return None  # Accelerate says what is missing
+        found = sorted(
+            (int(m.group(1)), os.path.join(root, name))
+            for name in os.listdir(root)
+            for m in [_NUMBERED.fullmatch(name)]
+            if m and os.path.isdir(os.path.join(root, name))
+        )
+        whole = [(n, p) for n, p in found if not os.path.isfile(os.path.join(p, PENDING))]
+        if not whole or whole[-1] == found[-1]:
+            return None  # the newest is whole (or none is): Accelerate finds it itself
+        for n, p in found:
+            if n > whole[-1][0]:
+                log.warning("fastpersist: %s is skipped: its save_state did not finish", p)
+        return whole[-1][1]
 
     def _end_training(self, *args: Any, **kwargs: Any) -> Any:
         self.saves.wait()
@@ -235,8 +290,21 @@ class FastPersistAccelerate:
         else:
             self.saves.save(obj, f)
 
+    def _mark_pending(self, folder: str, save_on_each_node: bool) -> None:
+        """Mark ``folder`` as a save in progress, durably, before any of its
+        files (see :data:`PENDING`); the save's finalize takes it away."""
+        if not self._writes_here(save_on_each_node) or folder in self._marked:
+            return
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(os.path.join(folder, PENDING), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        os.close(fd)
+        fsync_dir(folder)
+        self._marked.append(folder)
+
     def _save_weights(self, models: List[Any], weights: List[Any], output_dir: str) -> None:
         save_on_each_node = self.accelerator.project_configuration.save_on_each_node
+        # Accelerate runs the save hooks before it writes any file of the folder.
+        self._mark_pending(os.fspath(output_dir), save_on_each_node)
         for i, state in enumerate(weights):
             path = os.path.join(output_dir, _weights_name(i, self._safe))
             self._save_file(state, path, save_on_each_node, self._safe)
