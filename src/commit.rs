@@ -388,6 +388,7 @@ impl TempFile {
             if let Some(keep) = keep {
                 // On failure, dropping `t` removes the file.
                 t.keep(keep)?;
+                t.keep_xattrs();
             }
             if let Some(m) = mode {
                 t.open_file()?
@@ -426,6 +427,43 @@ impl TempFile {
         // After the chown, which clears the setuid and setgid bits.
         file.set_permissions(Permissions::from_mode(mode))
             .map_err(|e| Error::from_io(&e, "cannot set the target's mode", Some(&self.tmp)))
+    }
+
+    /// Give the file the replaced file's user extended attributes
+    /// (`user.*`) and access ACL, which a write in place (`torch.save`)
+    /// keeps: a teammate's access granted by an ACL is not lost. Where they
+    /// cannot be read or set (no permission, a file system without them),
+    /// the file goes without.
+    fn keep_xattrs(&self) {
+        let Ok(file) = self.open_file() else {
+            return;
+        };
+        let name = &self.target_name;
+        // The target through our open directory (not followed if a link).
+        let mut src = format!("/proc/self/fd/{}/", self.dir.as_raw_fd()).into_bytes();
+        src.extend_from_slice(name.to_bytes());
+        let Ok(src) = CString::new(src) else {
+            return;
+        };
+        for attr in list_xattrs(&src) {
+            let bytes = attr.to_bytes();
+            if !(bytes.starts_with(b"user.") || bytes == b"system.posix_acl_access") {
+                continue;
+            }
+            if let Some(value) = get_xattr(&src, &attr) {
+                // SAFETY: NUL-terminated name; `value` is a live buffer of
+                // its length; our own open descriptor.
+                unsafe {
+                    libc::fsetxattr(
+                        file.as_raw_fd(),
+                        attr.as_ptr(),
+                        value.as_ptr().cast(),
+                        value.len(),
+                        0,
+                    )
+                };
+            }
+        }
     }
 
     /// The open temporary file (`None` once committed).
@@ -682,6 +720,55 @@ fn lock_and_check(dir: &File, name: &CStr, file: &File, tmp: &Path) -> Result<()
             "the temporary file was removed as soon as it was created",
             Some(tmp),
         ))
+    }
+}
+
+/// The names of the extended attributes of `path` (not followed if a
+/// link); none where they cannot be listed.
+fn list_xattrs(path: &CStr) -> Vec<CString> {
+    // SAFETY: NUL-terminated path; `buf` is writable for its length.
+    let names = sized_read(|buf| unsafe {
+        libc::llistxattr(path.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+    });
+    names
+        .unwrap_or_default()
+        .split(|&b| b == 0)
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| CString::new(s).ok())
+        .collect()
+}
+
+/// The value of the extended attribute `name` of `path` (not followed if
+/// a link), if it can be read.
+fn get_xattr(path: &CStr, name: &CStr) -> Option<Vec<u8>> {
+    // SAFETY: NUL-terminated path and name; `buf` is writable for its length.
+    sized_read(|buf| unsafe {
+        libc::lgetxattr(
+            path.as_ptr(),
+            name.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    })
+}
+
+/// What a call that fills a buffer (returning its length, or -1 with ERANGE
+/// when the buffer is too small) gives, in a buffer grown until it fits
+/// (at most 1 MiB); None on any other failure.
+fn sized_read(mut call: impl FnMut(&mut [u8]) -> isize) -> Option<Vec<u8>> {
+    let mut buf = vec![0u8; 1024];
+    loop {
+        if let Ok(n) = usize::try_from(call(&mut buf)) {
+            buf.truncate(n);
+            return Some(buf);
+        }
+        if std::io::Error::last_os_error().raw_os_error() != Some(libc::ERANGE)
+            || buf.len() >= 1 << 20
+        {
+            return None;
+        }
+        let grow = buf.len() * 4;
+        buf.resize(grow, 0);
     }
 }
 

@@ -79,3 +79,46 @@ def test_adapters_safetensors_saves_leave_what_safetensors_leaves(tmp_path, asyn
     assert not os.path.islink(tmp_path / "link.safetensors")
     for name in ("new.safetensors", "replaced.safetensors", "link.safetensors"):
         assert torch.equal(load_file(tmp_path / name)["w"], sd["w"])
+
+
+def _acl(*entries) -> bytes:
+    """A POSIX access ACL as the kernel's ``system.posix_acl_access`` holds
+    it: version 2, then (tag, perm, id) entries."""
+    import struct
+
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, uid) for tag, perm, uid in entries)
+
+
+_NO_ID = 0xFFFFFFFF
+# user::rw- user:4321:rw- group::r-- mask::rw- other::---
+_TEAM_ACL = _acl((0x01, 6, _NO_ID), (0x02, 6, 4321), (0x04, 4, _NO_ID), (0x10, 6, _NO_ID), (0x20, 0, _NO_ID))
+
+
+@pytest.mark.parametrize("how", ["write", "safetensors", "pipelined", "snapshot", "patched torch.save"])
+def test_a_replaced_file_keeps_its_user_attributes_and_acl_as_torch_save_keeps_them(tmp_path, how):
+    """Regression: a save replacing a checkpoint wrote a new file and renamed
+    it over the old one, which lost the old file's extended attributes:
+    ``user.*`` tags and the access ACL (a teammate's access granted by
+    ``setfacl``). torch.save writes in place and keeps both; the new file
+    now gets them."""
+    sd = {"w": torch.arange(1000.0)}
+    ours, theirs = tmp_path / "ours.pt", tmp_path / "theirs.pt"
+    for p in (ours, theirs):
+        p.write_bytes(b"old")
+        try:
+            os.setxattr(p, "user.experiment", b"run-7")
+            os.setxattr(p, "system.posix_acl_access", _TEAM_ACL)
+        except OSError as e:
+            pytest.skip(f"no user attributes or ACLs here: {e}")
+    torch.save(sd, theirs)
+    if how in ("write", "safetensors"):
+        fastpersist.write_state_dict(sd, ours, format="safetensors" if how == "safetensors" else "torch")
+    elif how == "patched torch.save":
+        with fastpersist.patch():
+            torch.save(sd, ours)
+    else:
+        fastpersist.save_async(sd, ours, mode=how).result(timeout=60)
+    for p in (theirs, ours):
+        assert os.getxattr(p, "user.experiment") == b"run-7", p
+        assert os.getxattr(p, "system.posix_acl_access") == _TEAM_ACL, p
+    assert _mode(ours) == _mode(theirs)
