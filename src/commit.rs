@@ -35,6 +35,8 @@
 //!   a commit keeps them and never widens a checkpoint's permissions. Where
 //!   the owner cannot be given (not root), the group is kept if it can be,
 //!   else the group gets no access at all: the file is the writer's then.
+//!   Its `user.*` extended attributes and access ACL are given to the new
+//!   file too (as a write in place keeps them), where they can be.
 //!   A new target is created with 0o666 less the umask, as `open()` does.
 //! - **Targets**: a target that exists and is not a regular file (nor a
 //!   symlink to one) is refused, nothing touched: directories (EISDIR),
