@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 
 import fastpersist
 import pytest
@@ -517,3 +518,119 @@ def test_a_checkpoint_saved_after_fit_is_there_when_save_checkpoint_returns(tmp_
     again = Tiny.load_from_checkpoint(p, weights_only=True)
     for k, v in m.state_dict().items():
         assert bits(again.state_dict()[k]) == bits(v)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_save_in_on_fit_end_is_durable_when_fit_returns_and_its_failure_raises(tmp_path, engine_fault, fail):
+    """Regression: Lightning runs ``on_fit_end`` (and ``teardown`` hooks)
+    after the CheckpointIO's teardown, while the trainer still counts as
+    running: a ``trainer.save_checkpoint`` there was left in flight when
+    ``fit`` returned (the file not there yet) and its failure was only
+    logged at exit. Saves after the teardown are now waited for at once,
+    as Lightning's own CheckpointIO writes them."""
+    p = tmp_path / "final.ckpt"
+
+    class AtEnd(pl.Callback):
+        def on_fit_end(self, t, m):
+            if fail:
+                engine_fault(0, errno.ENOSPC)
+            t.save_checkpoint(p)
+
+    m = Tiny()
+    t = trainer(tmp_path, FastPersistCheckpointIO(), [AtEnd()], max_epochs=1, enable_checkpointing=False)
+    if fail:
+        with pytest.raises(fastpersist.WriteError):
+            t.fit(m)
+        assert not p.exists()
+        return
+    t.fit(m)
+    assert torch.load(p, weights_only=True)["global_step"] == BATCHES
+    # The next stage's saves are in the background again.
+    in_flight = []
+
+    class Mid(pl.Callback):
+        def on_train_epoch_end(self, t, m):
+            t.save_checkpoint(tmp_path / "mid.ckpt")
+            in_flight.append(t.strategy.checkpoint_io.saves.in_flight())
+
+    t2 = trainer(tmp_path, FastPersistCheckpointIO(mode="pipelined"), [Mid()], max_epochs=1, enable_checkpointing=False)
+    t2.fit(Tiny())
+    assert torch.load(tmp_path / "mid.ckpt", weights_only=True)["global_step"] == BATCHES
+
+
+def test_a_failed_save_does_not_replace_the_exception_lightning_is_raising(tmp_path, engine_fault):
+    """Regression: when training raised while a checkpoint save failed in
+    the background, the CheckpointIO's teardown (run by Lightning as it
+    handles the exception) raised the save's WriteError: the user's
+    exception became its ``__context__`` and the rest of Lightning's
+    cleanup (loops, loggers, signal handlers) was skipped. The training's
+    exception now comes out, with the save's failure noted on it."""
+
+    class Breaks(Tiny):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 3:
+                raise ValueError("the loss is nan")
+            return super().training_step(batch, batch_idx)
+
+    class Fault(pl.Callback):
+        def on_train_batch_start(self, t, m, batch, i):
+            if t.global_step == 2:
+                engine_fault(0, errno.ENOSPC)
+
+    d = str(tmp_path / "ck")
+    t = trainer(tmp_path, FastPersistCheckpointIO(), [top_k(d, 5), Fault()], max_epochs=1)
+    with pytest.raises(ValueError, match="the loss is nan") as e:
+        t.fit(Breaks())
+    notes = getattr(e.value, "__notes__", [])
+    assert any("checkpoint save failed" in n for n in notes) or sys.version_info < (3, 11)
+    assert t.state.status.value == "interrupted"
+
+
+_DDP_SCRIPT = r"""
+import os, sys
+import torch
+import lightning.pytorch as pl
+from fastpersist.integrations.lightning import FastPersistCheckpointIO
+
+class Wide(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(2048, 2048)
+    def training_step(self, batch, i):
+        return self.net(batch[0]).pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 2048)), batch_size=4)
+
+root = sys.argv[1]
+t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", plugins=[FastPersistCheckpointIO()], logger=False,
+               enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, max_steps=1,
+               enable_checkpointing=False)
+t.fit(Wide())
+p = os.path.join(root, "final.ckpt")
+t.save_checkpoint(p)
+print(f"rank {t.global_rank} sees {os.path.exists(p)}", flush=True)
+Wide.load_from_checkpoint(p)
+t.strategy.barrier()
+"""
+
+
+def test_ddp_save_checkpoint_after_fit_is_there_on_every_rank(tmp_path):
+    """Regression: with DDP, Lightning's save_checkpoint ends with a
+    barrier after its synchronous write; the wait for fastpersist's save
+    came after that barrier, so rank 1 returned before rank 0's file
+    existed and its load failed with FileNotFoundError. Every rank now
+    waits at a barrier after the save is durable."""
+    import subprocess
+
+    script = tmp_path / "ddp_save.py"
+    script.write_text(_DDP_SCRIPT)
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    import re
+
+    # (the two processes' lines may run together)
+    assert sorted(re.findall(r"rank (\d) sees (\w+)", r.stdout)) == [("0", "True"), ("1", "True")], r.stdout

@@ -61,9 +61,11 @@ use fastpersist's DeepSpeed checkpoint engine for the latter.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import shutil
+import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..options import has_pending
@@ -100,6 +102,9 @@ def _bases() -> Tuple[type, ...]:
 
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+
+log = logging.getLogger("fastpersist")
 
 
 def _local_path(path: Any) -> str:
@@ -144,6 +149,7 @@ class _FastPersistIO:
         super().__init__()
         #: Make the snapshot staging buffer ahead of the first save (see :meth:`prepare`).
         self.prepare_ahead = bool(prepare)
+        self._torn_down = False
         self._disarm: Optional[Callable[[], None]] = None
         engine: Dict[str, Any] = {
             "gather_threads": gather_threads,
@@ -278,11 +284,25 @@ class _FastPersistIO:
 
     def teardown(self) -> None:
         """Wait for every save (Lightning calls this at the end of a
-        stage); raise a failed save's error."""
+        stage); raise a failed save's error, unless Lightning is tearing
+        down because of another exception: that one goes on (with the save's
+        failure logged and noted on it), and Lightning's cleanup with it."""
         disarm, self._disarm = self._disarm, None
         if disarm is not None:
             disarm()  # the next fit prepares again (its model may differ)
-        self.saves.wait()
+        #: Saves from now on (``on_fit_end``, ``teardown`` hooks, which
+        #: Lightning runs after this) are waited for at once.
+        self._torn_down = True
+        handling = sys.exc_info()[1]
+        try:
+            self.saves.wait()
+        except Exception as e:  # handed to the exception Lightning is raising
+            if handling is None:
+                raise
+            log.error("fastpersist: a checkpoint failed while %s was raised: %r", type(handling).__name__, e)
+            add_note = getattr(handling, "add_note", None)
+            if add_note is not None:
+                add_note(f"fastpersist: a checkpoint save failed as well: {type(e).__name__}: {e}")
 
 
 def _wrap_model_checkpoint(name: str, wrap: Callable[[Any], Callable[..., Any]]) -> None:
@@ -333,12 +353,16 @@ def _running(trainer: Any) -> bool:
 
 
 def _durable_outside_a_stage() -> None:
-    """``trainer.save_checkpoint(path)`` called outside a stage (after
-    ``fit`` returned, or before it) returns once the checkpoint is durable,
-    as with Lightning's own CheckpointIO: "save the final model, then
-    reload it" (``load_from_checkpoint`` reads the file itself, not through
-    the CheckpointIO, and no teardown comes to wait) finds the file. Inside
-    a stage, saves stay asynchronous and the stage's teardown waits."""
+    """``trainer.save_checkpoint(path)`` called outside a stage (before or
+    after ``fit``, or in ``on_fit_end`` and ``teardown`` hooks, which
+    Lightning runs after the CheckpointIO's teardown) returns once the
+    checkpoint is durable on every rank, as with Lightning's own
+    CheckpointIO: "save the final model, then reload it"
+    (``load_from_checkpoint`` reads the file itself, not through the
+    CheckpointIO, and no teardown comes to wait) finds the file, and a
+    failed save raises there. Inside a stage, saves stay asynchronous and
+    the stage's teardown waits. Each stage (``fit``, ``validate``, ...)
+    starts asynchronous again."""
     import importlib
 
     for modname in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
@@ -347,19 +371,41 @@ def _durable_outside_a_stage() -> None:
         except (ImportError, AttributeError):
             continue
         orig = cls.__dict__.get("save_checkpoint")
-        if orig is None or getattr(orig, "_fastpersist", False):
-            continue
+        if orig is not None and not getattr(orig, "_fastpersist", False):
 
-        def save_checkpoint(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
-            out = _orig(self, *args, **kwargs)
-            io = getattr(getattr(self, "strategy", None), "checkpoint_io", None)
-            if isinstance(io, _FastPersistIO) and not _running(self):
-                io.wait()
-            return out
+            def save_checkpoint(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+                out = _orig(self, *args, **kwargs)
+                io = _io_of(self)
+                if io is not None and (io._torn_down or not _running(self)):
+                    io.wait()
+                    self.strategy.barrier("fastpersist.save_checkpoint")  # durable on every rank
+                return out
 
-        functools.update_wrapper(save_checkpoint, orig)
-        save_checkpoint._fastpersist = True  # type: ignore[attr-defined]
-        cls.save_checkpoint = save_checkpoint
+            _replace(cls, "save_checkpoint", save_checkpoint, orig)
+        for stage in ("fit", "validate", "test", "predict"):
+            run = cls.__dict__.get(stage)
+            if run is None or getattr(run, "_fastpersist", False):
+                continue
+
+            def start(self: Any, *args: Any, _run: Any = run, **kwargs: Any) -> Any:
+                io = _io_of(self)
+                if io is not None:
+                    io._torn_down = False
+                return _run(self, *args, **kwargs)
+
+            _replace(cls, stage, start, run)
+
+
+def _io_of(trainer: Any) -> Optional[_FastPersistIO]:
+    """The trainer's CheckpointIO when it is fastpersist's."""
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    return io if isinstance(io, _FastPersistIO) else None
+
+
+def _replace(cls: type, name: str, new: Callable[..., Any], orig: Callable[..., Any]) -> None:
+    functools.update_wrapper(new, orig)
+    new._fastpersist = True  # type: ignore[attr-defined]
+    setattr(cls, name, new)
 
 
 def _link_when_durable() -> None:
