@@ -63,6 +63,15 @@ def test_engine_interface_failed_save_raises_at_commit_and_latest_stays(tmp_path
     assert ei.value.errno == errno.ENOSPC
     assert (tmp_path / "latest").read_text() == "a"
     assert not (tmp_path / "b.pt").exists()
+    # Regression: raised once. The next load and the cleanup raised the
+    # same error again, after the script had handled it.
+    engine_fault(None)
+    assert torch.equal(eng.load(str(tmp_path / "a.pt"))["w"], torch.ones(100))
+    eng.create(info(tmp_path, "c"))
+    eng.save({"w": torch.zeros(100)}, str(tmp_path / "c.pt"))
+    assert eng.commit(info(tmp_path, "c")) is True
+    eng.cleanup()
+    assert (tmp_path / "latest").read_text() == "c"
 
 
 def test_engine_interface_a_save_that_fails_early_is_never_committed(tmp_path):

@@ -276,6 +276,13 @@ class BackgroundSaves:
             self._pending.append(pending)
         return pending
 
+    def reported(self, pending: PendingCheckpoint) -> None:
+        """``pending``'s outcome was reported by its caller (its result
+        waited for and raised there): :meth:`check` and :meth:`wait` do
+        not raise it again."""
+        with self._lock:
+            self._pending = [p for p in self._pending if p is not pending]
+
     def fence(self) -> None:
         """Wait until the saves not yet committed have all finished their
         snapshot phase (every byte copied, or streamed out of the live

@@ -248,10 +248,13 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         Returns False, writing no ``latest``, for a tag dropped because one
         of its saves raised already (:meth:`drop_pending`)."""
         err: Optional[BaseException] = None
+        pending = self.saves.commit(str(info.tag))
         try:
-            self.saves.commit(str(info.tag)).result()
+            pending.result()
         except BaseException as e:  # noqa: BLE001 - agreed on by all ranks below
             err = e
+        finally:
+            self.saves.reported(pending)  # raised here (or below), not again at the next load or cleanup
         self.commit_info = None
         dropped, self._dropped = self._dropped, None
         dist = _dist()
