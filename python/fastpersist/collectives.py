@@ -21,6 +21,7 @@ A leaf module apart from :mod:`fastpersist.errors`.
 
 from __future__ import annotations
 
+import datetime
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -102,6 +103,27 @@ def _every_rank_set(ranks: Tuple[int, ...]) -> List[Tuple[int, ...]]:
     return sorted({r for r in every if r is not None})
 
 
+def _timeout() -> Dict[str, Any]:
+    """``new_group``'s ``timeout`` argument: the one the default group was
+    made with (``init_process_group(timeout=...)``), which torch does not
+    carry over to new groups; nothing where it cannot be told."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+    except Exception:  # noqa: BLE001 - not initialised, or another torch: its default
+        return {}
+    for device in ("cpu", "cuda"):
+        try:
+            t = pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or another torch
+            continue
+        if isinstance(t, datetime.timedelta) and t.total_seconds() > 0:
+            return {"timeout": t}
+    return {}
+
+
 def checkpoint_group(group: Any) -> Any:
     """The gloo group for checkpoint collectives among the ranks of
     ``group`` (None: the world). Collective over the world the first time
@@ -117,7 +139,7 @@ def checkpoint_group(group: Any) -> Any:
     made: Dict[Tuple[int, ...], Any] = {}
     for rs in wanted:
         # Every process makes every group, in the same (sorted) order.
-        made[rs] = dist.new_group(ranks=list(rs), backend="gloo")
+        made[rs] = dist.new_group(ranks=list(rs), backend="gloo", **_timeout())
     with _groups_lock:
         for rs, g in made.items():
             _groups.setdefault(rs, g)
@@ -135,7 +157,7 @@ def dedicated_groups(group: Any, count: int) -> List[Any]:
     ranks = _ranks(group)
     mine: List[Any] = []
     for rs in _every_rank_set(ranks):
-        made = [dist.new_group(ranks=list(rs), backend="gloo") for _ in range(count)]
+        made = [dist.new_group(ranks=list(rs), backend="gloo", **_timeout()) for _ in range(count)]
         if rs == ranks:
             mine = made
     return mine
@@ -147,11 +169,18 @@ def group_ranks(group: Any) -> Tuple[int, ...]:
 
 
 def gather(obj: Any, group: Any) -> List[Any]:
-    """``all_gather_object`` of a small picklable object over ``group``."""
+    """``all_gather_object`` of a small picklable object over ``group``. A
+    peer that is gone (its connection reset, the group's timeout passed)
+    is a :class:`DistributedCheckpointError`, as a rank's failure is."""
     import torch.distributed as dist
 
     out: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except RuntimeError as e:
+        if isinstance(e, DistributedCheckpointError):
+            raise
+        raise DistributedCheckpointError(f"a rank of the checkpoint's group is gone: {e}") from e
     return out
 
 

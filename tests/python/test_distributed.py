@@ -114,3 +114,65 @@ def test_different_objects_are_refused(tmp_path):
 def test_sharded_needs_a_group(tmp_path):
     with pytest.raises(ValueError, match="group"):
         fastpersist.write_state_dict({}, tmp_path / "d", sharded=True)
+
+
+_PEER_DIES = r"""
+import contextlib, os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import fastpersist, fastpersist.distributed as fd
+
+def worker(rank, root, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    path = os.path.join(root, "ckpt.pt")
+    fastpersist.write_state_dict({"w": torch.zeros(300_000)}, path, group=dist.group.WORLD)
+    dist.barrier()
+    if rank == 1:
+        real = fd.use_engine
+
+        @contextlib.contextmanager
+        def dying(opts):
+            with real(opts) as eng:
+                class Dies:
+                    def write_part(self, *a, **k):
+                        eng.write_part(*a, **k)
+                        os._exit(1)  # its part written, gone before it reports
+                yield Dies()
+
+        fd.use_engine = dying
+    try:
+        fastpersist.write_state_dict({"w": torch.ones(300_000)}, path, group=dist.group.WORLD)
+        print("returned", flush=True)
+    except fastpersist.DistributedCheckpointError as e:
+        print("DistributedCheckpointError", flush=True)
+    except Exception as e:
+        print("other", type(e).__name__, e, flush=True)
+    print("kept", float(fastpersist.read_state_dict(path)["w"].sum()) == 0.0, sorted(os.listdir(root)), flush=True)
+    os._exit(0)
+
+if __name__ == "__main__":
+    root, port = sys.argv[1], int(sys.argv[2])
+    ctx = mp.start_processes(worker, args=(root, port), nprocs=2, join=False, start_method="spawn")
+    for p in ctx.processes:
+        p.join(120)
+"""
+
+
+def test_a_peer_that_dies_is_a_distributed_checkpoint_error(tmp_path):
+    """Regression: a rank that died during a distributed save gave the
+    others gloo's own RuntimeError ("Connection reset by peer"), not the
+    DistributedCheckpointError the README promises when a rank fails, so
+    ``except DistributedCheckpointError`` missed it. Nothing was committed
+    and the old checkpoint stayed, as now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "peer_dies.py"
+    script.write_text(_PEER_DIES)
+    root = tmp_path / "out"
+    root.mkdir()
+    r = subprocess.run([sys.executable, str(script), str(root), str(port)], capture_output=True, text=True, timeout=300)
+    lines = r.stdout.splitlines()
+    assert "DistributedCheckpointError" in lines, r.stdout + r.stderr[-3000:]
+    assert "kept True ['ckpt.pt']" in lines, r.stdout + r.stderr[-3000:]
