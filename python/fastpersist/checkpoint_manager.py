@@ -67,7 +67,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set,
 
 from . import _core
 from .async_save import AsyncSaver, CheckpointFuture, check_save_options, future_error
-from .collectives import check_group, dedicated_groups, gather, group_ranks
+from .collectives import DistributedCheckpointError, check_group, dedicated_groups, gather, group_ranks
 from .errors import FastPersistError
 from .options import TEMP_MIN_AGE, remove_stale_temps
 from .reader import read_state_dict
@@ -384,6 +384,12 @@ class _InFlight:
     extra: float = 0.0
 
 
+def _per_rank(stage_dir: str, rank: int) -> str:
+    """The place under the shared ``stage_dir`` (a folder or an object
+    store URL) where global rank ``rank`` of a group stages."""
+    return f"{stage_dir.rstrip('/')}/rank-{rank}" if is_url(stage_dir) else os.path.join(stage_dir, f"rank-{rank}")
+
+
 def _check_peer_args(replicate: Any, group: Any, nodes: Any) -> None:
     if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 0:
         raise ValueError(f"replicate must be a non-negative int (peer replicas per checkpoint), not {replicate!r}")
@@ -454,6 +460,8 @@ class Checkpointer:
     group's first rank decides: one 8-byte broadcast per ``step()``; a fixed
     ``every`` costs nothing), and ``latest()``/``load_latest()`` return the
     same step on every rank: the newest one every rank can obtain.
+    Each rank stages into ``<stage_dir>/rank-<global rank>/`` (a prefix of
+    its own in an object store), so ranks never take each other's copies.
     ``replicate=n`` (with ``group``): each committed checkpoint is also sent,
     in the background, to ``n`` ranks on other nodes (the ring of
     :mod:`fastpersist.replicas`), which commit it durably in
@@ -492,6 +500,20 @@ class Checkpointer:
         self.tuner = FrequencyTuner(every, max_overhead)  # checked before any directory is made
         self._closed = False
         self.directory = os.path.abspath(_local_dir("directory", directory))
+        self.replicate = replicate
+        self.group = group
+        self._ring: Optional[Ring] = None
+        self._ctl: Any = None  # agreement and restore transfers (the caller's thread)
+        self._wire: Any = None  # replication (the replication thread)
+        self._ctl_root = 0
+        if group is not None:
+            self._join_group(group, replicate, nodes)
+            if stage_dir:
+                # Every rank has a state of its own: each stages into a
+                # folder (or prefix) of its own under the shared one.
+                import torch.distributed as dist
+
+                stage_dir = _per_rank(os.fspath(stage_dir), dist.get_rank())
         #: The object store tier, when ``stage_dir`` is a URL.
         self.store = ObjectStore(os.fspath(stage_dir), storage_options) if stage_dir and is_url(stage_dir) else None
         self.stage_url = self.store.url if self.store is not None else None
@@ -526,14 +548,6 @@ class Checkpointer:
         self._stage_queue: set = set()
         #: File identity (dev, ino, size, mtime_ns) -> whether it verified.
         self._valid: Dict[Tuple[int, int, int, int], bool] = {}
-        self.replicate = replicate
-        self.group = group
-        self._ring: Optional[Ring] = None
-        self._ctl: Any = None  # agreement and restore transfers (the caller's thread)
-        self._wire: Any = None  # replication (the replication thread)
-        self._ctl_root = 0
-        if group is not None:
-            self._join_group(group, replicate, nodes)
         self._replicator: Optional[ThreadPoolExecutor] = (
             ThreadPoolExecutor(1, thread_name_prefix="fastpersist-replicate") if self._ring is not None else None
         )
@@ -550,10 +564,12 @@ class Checkpointer:
         if self._stager is not None:
             # Catch up: local checkpoints newer than any staged one (an upload
             # or copy cut short by a crash) are staged again, newest last.
+            # Retention is left to this Checkpointer's own saves: one made
+            # only to read (an evaluator's load_latest) deletes nothing.
             newest = max(self._staged, default=-1)
             for step, info in sorted(_scan(self.directory, "local").items()):
                 if step > newest:
-                    self._queue_stage(step, info.path)
+                    self._queue_stage(step, info.path, retain=False)
 
     def _join_group(self, group: Any, replicate: int, nodes: Optional[Sequence[Hashable]]) -> None:
         import torch.distributed as dist
@@ -753,14 +769,14 @@ class Checkpointer:
 
     # -- staging and retention ----------------------------------------------
 
-    def _queue_stage(self, step: int, src: str) -> None:
+    def _queue_stage(self, step: int, src: str, retain: bool = True) -> None:
         assert self._stager is not None
         with self._lock:
             self._stage_queue.add(step)
         self._stage_futures = [f for f in self._stage_futures if not f.done()]
-        self._stage_futures.append(self._stager.submit(self._stage, step, src))
+        self._stage_futures.append(self._stager.submit(self._stage, step, src, retain))
 
-    def _stage(self, step: int, src: str) -> None:
+    def _stage(self, step: int, src: str, retain: bool = True) -> None:
         # A tier slower than the checkpoints would otherwise fall further
         # behind at every one, and the local copies it has not taken (which
         # retention keeps) would fill the disk: a checkpoint superseded by a
@@ -790,7 +806,8 @@ class Checkpointer:
                 self._mark_valid(dst)
         tier = "object" if self.store is not None else "shared"
         self._log_transfer("staged", step, src, time.perf_counter() - t0, tier, path=dst)
-        self._retain()
+        if retain:
+            self._retain()
 
     # -- the peer tier -------------------------------------------------------
 
@@ -1116,15 +1133,25 @@ class Checkpointer:
                 return None
             info, err = self._obtain(step, offers, verify)
             out: Union[CheckpointInfo, Tuple[int, Any], None] = info
+            raised: Optional[Exception] = None
             if info is not None and load is not None:
                 try:
                     payload = read_state_dict(info.path, **load)
                     out = (int(payload["step"]), payload["state"])
                 except (FastPersistError, OSError, KeyError, TypeError, IndexError) as e:
                     err = f"{info.path} does not load: {e}"
+                except Exception as e:  # noqa: BLE001 - not damage (weights_only refusing a class): every rank raises
+                    raised = e
+                    err = {"raised": f"{type(e).__name__}: {e}"}
             errors = gather(err, self._ctl)
             if all(e is None for e in errors):
                 return out
+            fatal = [(r, e["raised"]) for r, e in enumerate(errors) if isinstance(e, dict)]
+            if fatal:
+                # The same error on every rank, so all can handle it alike
+                # (retry with other arguments) and none is left waiting.
+                said = "; ".join(f"rank {r}: {m}" for r, m in fatal)
+                raise DistributedCheckpointError(f"step {step} cannot be loaded ({said})") from raised
             bad = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
             log.warning("fastpersist: step %d cannot be restored on every rank (%s); trying an older one", step, bad)
             excluded.add(step)

@@ -174,6 +174,51 @@ def _lifecycle(rank: int, out: str) -> dict:
     return res
 
 
+def _stage(rank: int, out: str) -> dict:
+    """Every rank stages to one shared folder, then every node is lost."""
+    import fastpersist
+    import torch.distributed as dist
+
+    d = rank_dir(out, rank)
+    shared = os.path.join(out, "shared")
+    with fastpersist.Checkpointer(d, every=1, keep_last=2, stage_dir=shared, group=dist.group.WORLD) as ck:
+        for s in (1, 2):
+            ck.step(s, state(s, rank))
+            ck.wait()
+    dist.barrier()
+    shutil.rmtree(d)
+    dist.barrier()
+    with fastpersist.Checkpointer(d, every=1, stage_dir=shared, group=dist.group.WORLD) as ck:
+        got = ck.load_latest(weights_only=False)
+    assert got is not None
+    return {"restored": {"step": got[0], "rank": got[1]["rank"]}, "same": same(got[1], state(2, rank))}
+
+
+def _unloadable(rank: int, out: str) -> dict:
+    """Only rank 1's state holds an object weights_only refuses."""
+    import fractions
+
+    import fastpersist
+    import torch.distributed as dist
+
+    d = rank_dir(out, rank)
+    res = {}
+    with fastpersist.Checkpointer(d, every=1, group=dist.group.WORLD) as ck:
+        st = state(1, rank)
+        if rank == 1:
+            st["ratio"] = fractions.Fraction(1, 3)
+        ck.step(1, st)
+    with fastpersist.Checkpointer(d, every=1, group=dist.group.WORLD) as ck:
+        try:
+            ck.load_latest()
+            res["first"] = "loaded"
+        except fastpersist.DistributedCheckpointError as e:
+            res["first"] = "DistributedCheckpointError: " + str(e)
+        got = ck.load_latest(weights_only=False)  # every rank retries alike
+        res["retry"] = got[0] if got is not None else None
+    return res
+
+
 def main() -> None:
     scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
@@ -198,6 +243,8 @@ def main() -> None:
         elif scenario == "lifecycle":
             result["errors"] = _errors(rank, out)
             result.update(_lifecycle(rank, out))
+        elif scenario in ("stage", "unloadable"):
+            result.update((_stage if scenario == "stage" else _unloadable)(rank, out))
         elif scenario == "kill":
             # Steps 1 and 2 replicated in full; rank 2 (the holder of rank 0)
             # is killed half-way through receiving step 3.

@@ -494,3 +494,31 @@ def test_checkpointer_arguments_are_checked_at_construction(tmp_path, kw, error,
     with pytest.raises(error, match=match):
         fastpersist.Checkpointer(tmp_path / "ck", **kw)
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_checkpointer_made_only_to_read_deletes_nothing(tmp_path):
+    """Regression: a Checkpointer made on the training's directories only to
+    read (an evaluator's load_latest, with its default keep_last and no
+    keep_every) staged the training's newest, not yet staged, checkpoint
+    and then ran retention with its own counts: the training's keep_every
+    milestones were deleted from both tiers. Staging caught up at start
+    no longer runs retention; only a Checkpointer's own saves do."""
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    with fastpersist.Checkpointer(local, stage_dir=shared, every=1, keep_last=2, keep_every=10) as ck:
+        for s in range(5, 45, 5):
+            ck.save(s, {"x": torch.tensor([s])})
+            ck.wait()
+    # Step 45 committed locally; the process went before staging it.
+    with fastpersist.Checkpointer(local, every=1, keep_last=100) as only_local:
+        only_local.save(45, {"x": torch.tensor([45])})
+
+    def steps(d):
+        return sorted(int(n[5:-3]) for n in os.listdir(d) if n.startswith("ckpt-"))
+
+    before = steps(local), steps(shared)
+    assert before == ([10, 20, 30, 35, 40, 45], [10, 20, 30, 35, 40])
+    reader = fastpersist.Checkpointer(local, stage_dir=shared)  # defaults: keep_last=3, no keep_every
+    assert reader.load_latest()[0] == 45
+    reader.close()  # the staging caught up is done
+    assert steps(local) == before[0]
+    assert steps(shared) == before[1] + [45]

@@ -170,3 +170,30 @@ def test_kill_during_replication_keeps_the_previous_replica(tmp_path, capsys):
     # every="auto": all ranks checkpoint the steps the group's first rank chose
     assert [r["auto"] for r in res] == [[3, 6, 9]] * WORLD, res
     assert _steps(tmp_path / "auto" / "rank-1" / "replicas" / "rank-3") == [3, 6, 9]
+
+
+def test_ranks_of_a_group_stage_to_places_of_their_own(tmp_path):
+    """Regression: every rank of a group staged to ``<stage_dir>/ckpt-<step>.pt``,
+    the same name, so the last rank to copy won, and after a node loss (or
+    a damaged local copy) every rank restored that one rank's state,
+    silently. Each rank now stages into ``<stage_dir>/rank-<global rank>/``
+    and gets its own state back."""
+    res = _run("stage", tmp_path)
+    assert [r["restored"] for r in res] == [{"step": 2, "rank": r} for r in range(WORLD)]
+    assert all(r["same"] for r in res)
+    shared = tmp_path / "shared"
+    assert sorted(os.listdir(shared)) == [f"rank-{r}" for r in range(WORLD)]
+    assert all(_steps(shared / f"rank-{r}") == [1, 2] for r in range(WORLD))
+
+
+def test_a_rank_whose_checkpoint_will_not_load_fails_every_rank_alike(tmp_path):
+    """Regression: in a group's load_latest, a rank whose checkpoint raised
+    an error other than damage (weights_only refusing a class in its state)
+    left the restore's collectives, out of step with the other ranks: they
+    waited, or paired its next call with their error gather and all failed
+    with a TypeError. Every rank now raises DistributedCheckpointError
+    naming the rank and the error, and a retry on every rank works."""
+    res = _run("unloadable", tmp_path)
+    for r in res:
+        assert r["first"].startswith("DistributedCheckpointError") and "rank 1" in r["first"], r
+        assert r["retry"] == 1, r
