@@ -597,6 +597,70 @@ def survey_storages(
     return walk.survey()
 
 
+def freeze_containers(obj: Any) -> Any:
+    """``obj`` with its plain containers (exactly dict, OrderedDict with its
+    attributes, list and tuple) copied, all the way down, and everything
+    else (tensors, numbers, other objects) shared: what a background save
+    pickles later is the structure the caller had at the call, whatever the
+    caller appends, removes or reassigns in its dicts and lists meanwhile
+    (a ``client_state`` reused across steps, a history list). Sharing
+    among containers is kept (one list twice stays one list); a tuple
+    reached again while its own items are being copied (a cycle through
+    a tuple) is shared, not copied. No recursion: any depth."""
+    if type(obj) not in _FREEZE:
+        return obj
+    memo: Dict[int, Any] = {}
+    busy: set = set()
+    # (container, None) when first met; (container, its container items
+    # as (key or index, item)) once they are queued, to fill its copy.
+    stack: List[Tuple[Any, Any]] = [(obj, None)]
+
+    while stack:
+        o, kids = stack.pop()
+        t = type(o)
+        if kids is not None:
+            _fill(o, kids, memo)
+            busy.discard(id(o))
+            continue
+        if id(o) in memo or id(o) in busy:
+            continue
+        if t is tuple:
+            busy.add(id(o))
+            found = [(i, x) for i, x in enumerate(o) if type(x) in _FREEZE]
+        else:
+            memo[id(o)] = t()
+            pairs = o.items() if t is not list else enumerate(o)
+            found = [(k, x) for k, x in pairs if type(x) in _FREEZE]
+        stack.append((o, found))  # filled once its items are copied
+        for _, x in found:
+            if id(x) not in memo and id(x) not in busy:
+                stack.append((x, None))
+        if t is OrderedDict and o.__dict__:
+            stack.append((o.__dict__, None))
+    return memo.get(id(obj), obj)
+
+
+def _fill(o: Any, kids: List[Tuple[Any, Any]], memo: Dict[int, Any]) -> None:
+    """:func:`freeze_containers`' copy of ``o`` once the copies of its
+    container items (``kids``: key or index, item) are made."""
+    t = type(o)
+    if t is tuple:
+        memo[id(o)] = tuple(memo.get(id(x), x) if type(x) in _FREEZE else x for x in o)
+        return
+    shell = memo[id(o)]
+    if t is list:
+        shell.extend(o)
+    else:
+        shell.update(o)  # then the containers among the values, copied
+        if t is OrderedDict and o.__dict__:
+            shell.__dict__.update(memo.get(id(o.__dict__), o.__dict__))
+    for k, x in kids:
+        shell[k] = memo.get(id(x), x)
+
+
+_FREEZE = (dict, OrderedDict, list, tuple)
+
+
 class _SurveyWalk:
     """What the Python walk of :func:`survey_storages` has found so far."""
 

@@ -825,3 +825,49 @@ def test_storage_keys_pickle_as_torch_save_makes_them(tmp_path: Any, obj: Any) -
     torch.save(obj, tmp_path / "torch.pt")
     fastpersist.write_state_dict(obj, tmp_path / "fp.pt")
     assert _data_pkl(tmp_path / "fp.pt") == _data_pkl(tmp_path / "torch.pt")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(obj=objects())
+def test_frozen_containers_pickle_as_the_object_does(obj: Any) -> None:
+    """freeze_containers copies the plain containers (sharing kept) and
+    shares everything else: the copy pickles to the same bytes and
+    storages as the object, and changing the object's containers
+    afterwards does not reach the copy."""
+    frozen = pickling.freeze_containers(obj)
+    want, got = pickle_obj(obj), pickle_obj(frozen)
+    assert got[0] == want[0]
+    assert {k: s._cdata for k, s in got[1].items()} == {k: s._cdata for k, s in want[1].items()}
+    before = pickle_obj(frozen)[0]
+    stack, seen = [obj], set()
+    while stack:  # empty every list and dict of the original
+        o = stack.pop()
+        if id(o) in seen or type(o) not in (dict, OrderedDict, list, tuple):
+            continue
+        seen.add(id(o))
+        stack.extend(o.values() if isinstance(o, dict) else o)
+        if type(o) is not tuple:
+            o.clear()
+    assert pickle_obj(frozen)[0] == before
+
+
+def test_frozen_containers_keep_cycles_attributes_and_any_depth() -> None:
+    shared = [1, 2]
+    od = OrderedDict(a=shared)
+    od._metadata = {"x": {"v": 1}}  # type: ignore[attr-defined]
+    loop: List[Any] = [od]
+    loop.append(loop)
+    t = torch.ones(2)
+    obj = {"l": shared, "again": shared, "t": (shared, t), "od": od, "loop": loop}
+    got = pickling.freeze_containers(obj)
+    assert got is not obj and got["l"] is got["again"] is got["t"][0] is got["od"]["a"] and got["l"] is not shared
+    assert got["t"][1] is t and got["loop"][1] is got["loop"] and got["loop"][0] is got["od"]
+    assert got["od"]._metadata == {"x": {"v": 1}} and got["od"]._metadata is not od._metadata
+    deep: List[Any] = []
+    cur = deep
+    for _ in range(100_000):
+        cur.append([])
+        cur = cur[0]
+    assert pickling.freeze_containers(deep) is not deep  # no recursion
+    for atom in (None, 3, "s", t, np.arange(2)):
+        assert pickling.freeze_containers(atom) is atom
