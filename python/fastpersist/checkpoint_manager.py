@@ -69,10 +69,10 @@ from . import _core
 from .async_save import AsyncSaver, CheckpointFuture, check_save_options, future_error
 from .collectives import DistributedCheckpointError, check_group, dedicated_groups, gather, group_ranks
 from .errors import FastPersistError
-from .options import TEMP_MIN_AGE, remove_stale_temps
+from .options import TEMP_MIN_AGE, fsync_dir, remove_stale_temps
 from .reader import read_state_dict
 from .replicas import ReplicaError, Ring, exchange, held_ranks, replica_dir
-from .tiers import ObjectStore, is_url
+from .tiers import MARKER_SUFFIX, ObjectStore, is_url
 from .verify import verify_file
 
 __all__ = [
@@ -384,6 +384,11 @@ class _InFlight:
     extra: float = 0.0
 
 
+#: What a checkpoint set aside by a run that went back on it is renamed
+#: with (``Checkpointer._abandon_above``).
+ABANDONED = ".abandoned"
+
+
 def _per_rank(stage_dir: str, rank: int) -> str:
     """The place under the shared ``stage_dir`` (a folder or an object
     store URL) where global rank ``rank`` of a group stages."""
@@ -544,6 +549,9 @@ class Checkpointer:
             except OSError as e:
                 log.error("fastpersist: cannot list %s: %s", self.stage_url, e)
         self._stage_futures: List[Any] = []
+        #: The step this Checkpointer committed last: later ones are from a
+        #: run it went back on, and are not staged (see _abandon_above).
+        self._went_back_to: float = math.inf
         #: Steps handed to the stager that it has not started on.
         self._stage_queue: set = set()
         #: File identity (dev, ino, size, mtime_ns) -> whether it verified.
@@ -727,10 +735,74 @@ class Checkpointer:
         )
         with self._lock:
             self._mark_valid(st.path)
+        self._abandon_above(fl.step)
         if self._stager is not None:
             self._queue_stage(fl.step, st.path)
         self._submit_replica(fl.step, st.path)
         self._retain()
+
+    def _abandon_above(self, step: int) -> None:
+        """This run committed ``step``: checkpoints of later steps are from
+        a run it went back on (resumed from an earlier step after a loss
+        spike, or past a damaged newest one). They are set aside, not
+        deleted: renamed ``<name>.abandoned`` (an object's commit marker
+        moved likewise), so neither ``latest()`` nor retention counts them
+        any more and the new run's checkpoints are kept. The shared and
+        object tiers are done on the staging thread, after any copy it has
+        begun."""
+        dirs = [self.directory] + (
+            [replica_dir(self.directory, r) for r in self._ring.sources()] if self._ring is not None else []
+        )
+        for d in dirs:
+            for info in sorted(_scan(d, "local").values(), key=lambda i: i.step):
+                if info.step > step:
+                    self._set_aside(info)
+        if self._stager is not None:
+            with self._lock:
+                self._went_back_to = step
+                later = max(self._staged, default=-1) > step
+                self._staged = {s for s in self._staged if s <= step}
+                self._stage_queue = {s for s in self._stage_queue if s <= step}
+            if later:  # (listing an object store costs a request per checkpoint)
+                self._stage_futures.append(self._stager.submit(self._abandon_staged_above, step))
+
+    def _abandon_staged_above(self, step: int) -> None:
+        try:
+            later = _scan_store(self.store) if self.store is not None else _scan(self.stage_dir, "shared")
+        except OSError as e:
+            where = self.stage_url or self.stage_dir
+            log.warning("fastpersist: cannot list %s to set aside checkpoints past step %d: %s", where, step, e)
+            return
+        for info in sorted(later.values(), key=lambda i: i.step):
+            if info.step > step:
+                self._set_aside(info)
+        with self._lock:
+            self._staged = {s for s in self._staged if s <= step}
+
+    def _set_aside(self, info: CheckpointInfo) -> None:
+        try:
+            if info.tier == "object":
+                assert self.store is not None
+                self.store.set_aside(ckpt_name(info.step), ABANDONED)
+                dst = info.path + MARKER_SUFFIX + ABANDONED
+            else:
+                dst = info.path + ABANDONED
+                n = 1
+                while os.path.lexists(dst):
+                    dst, n = f"{info.path}{ABANDONED}-{n}", n + 1
+                os.rename(info.path, dst)
+                fsync_dir(os.path.dirname(info.path))
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning("fastpersist: cannot set aside %s: %s", info.path, e)
+            return
+        log.warning(
+            "fastpersist: %s is from a run this one went back on (an earlier step is committed since): set aside as %s",
+            info.path,
+            dst,
+        )
+        self._log_event({"event": "abandoned", "step": info.step, "path": dst, "tier": info.tier})
 
     def wait(self) -> None:
         """Wait for the checkpoint in flight and for staging and replication
@@ -784,6 +856,8 @@ class Checkpointer:
         with self._lock:
             self._stage_queue.discard(step)
             newer = max(self._stage_queue, default=step)
+            if step > self._went_back_to:
+                return  # set aside meanwhile: a run this one went back on
         if newer > step and not (self.keep_every and step % self.keep_every == 0):
             self._log_event({"event": "stage_skipped", "step": step, "newer": newer})
             return

@@ -509,6 +509,15 @@ def warn_fallback(reason: Optional[str], asked: bool) -> None:
     warnings.warn(f"fastpersist: {reason}; using a slower fallback", FallbackWarning, stacklevel=4)
 
 
+def fsync_dir(path: str) -> None:
+    """fsync a directory (its entries are then durable)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def check_path(path: Any) -> str:
     """A file path as ``str``; TypeError for file objects and other types,
     ValueError for an empty path."""

@@ -397,6 +397,21 @@ class ObjectStore:
             tmp.commit(off, durable=True)
         return TransferStats(local, off, time.perf_counter() - t0)
 
+    def set_aside(self, name: str, suffix: str) -> None:
+        """Take ``name`` out of the committed checkpoints without deleting
+        it: its marker moves to ``<name>.fpcommit<suffix>`` (no longer
+        listed; the data and the marker's record stay)."""
+        src = self._path(name) + MARKER_SUFFIX
+        try:
+            raw = self._call(f"read of {src}", self.fs.cat_file, src)
+        except FileNotFoundError:
+            return
+        self._call(f"write of {src}{suffix}", self.fs.pipe_file, src + suffix, raw)
+        try:
+            self._call(f"delete of {src}", self.fs.rm_file, src)
+        except FileNotFoundError:
+            pass
+
     def delete(self, name: str) -> None:
         """Remove a checkpoint: its marker first (it is no longer listed),
         then its data."""

@@ -522,3 +522,35 @@ def test_a_checkpointer_made_only_to_read_deletes_nothing(tmp_path):
     reader.close()  # the staging caught up is done
     assert steps(local) == before[0]
     assert steps(shared) == before[1] + [45]
+
+
+def test_a_run_that_went_back_sets_the_later_checkpoints_aside(tmp_path):
+    """Regression: after a rollback (run B resumed from step 200 while run
+    A's step 300 was still there), retention kept run A's 300 and deleted
+    run B's own checkpoints as it went (keep_last=2 left B's newest and
+    A's 300), and load_latest returned run A's 300, throwing away run B.
+    A commit of a step now sets later checkpoints aside (renamed
+    ``.abandoned``, in the shared tier too): kept, but neither latest nor
+    counted."""
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    with fastpersist.Checkpointer(local, stage_dir=shared, every=1, keep_last=3) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, {"run": "A", "x": torch.tensor([s])})
+            ck.wait()
+    left = {}
+    with fastpersist.Checkpointer(local, stage_dir=shared, every=1, keep_last=2) as ck:
+        for s in (210, 220, 230):
+            ck.save(s, {"run": "B", "x": torch.tensor([s])})
+            ck.wait()
+            left[s] = sorted(n for n in os.listdir(local) if n.startswith("ckpt-") and n.endswith(".pt"))
+    assert left[230] == [ckpt_name(220), ckpt_name(230)]
+    for d in (local, shared):
+        names = sorted(os.listdir(d))
+        assert ckpt_name(300) + ".abandoned" in names, names
+        assert ckpt_name(300) not in names
+    again = fastpersist.Checkpointer(local, stage_dir=shared, every=1, keep_last=2)
+    step, state = again.load_latest(weights_only=False)
+    again.close()
+    assert (step, state["run"]) == (230, "B")
+    events = [json.loads(line) for line in open(local / "checkpoints.jsonl")]
+    assert [e["step"] for e in events if e["event"] == "abandoned"] == [300, 300]

@@ -557,3 +557,29 @@ def test_a_name_s3fs_reads_as_another_key_is_refused(s3, tmp_path):
     for name in ("q?x.pt", "sp ace.pt", "hash#1.pt", "pct%20.pt"):  # odd, but stored under their own key
         store.upload(str(p), name)
         assert name in store.committed()
+
+
+def test_a_run_that_went_back_sets_the_later_objects_aside(tmp_path, s3):
+    """Regression (object tier): after a rollback, run A's later checkpoint
+    stayed committed in the store and load_latest took it. A commit of an
+    earlier step now moves the later objects' commit markers aside
+    (``.fpcommit.abandoned``): the data stays, the name is not listed."""
+    url = f"s3://ckpts/went-back-{os.getpid()}"
+    local = tmp_path / "local"
+    with fastpersist.Checkpointer(local, stage_dir=url, storage_options=s3["opts"], every=1, keep_last=3) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, {"run": "A", "x": torch.tensor([s])})
+            ck.wait()
+    with fastpersist.Checkpointer(local, stage_dir=url, storage_options=s3["opts"], every=1, keep_last=3) as ck:
+        ck.save(210, {"run": "B", "x": torch.tensor([210])})
+        ck.wait()
+    store = fastpersist.tiers.ObjectStore(url, s3["opts"])
+    assert sorted(store.committed()) == [ckpt_name(100), ckpt_name(200), ckpt_name(210)]
+    assert store.fs.exists(store._path(ckpt_name(300)) + ".fpcommit.abandoned")
+    assert store.fs.exists(store._path(ckpt_name(300)))  # kept
+    import shutil
+
+    shutil.rmtree(local)  # node loss: the store decides
+    with fastpersist.Checkpointer(local, stage_dir=url, storage_options=s3["opts"]) as ck:
+        step, state = ck.load_latest(weights_only=False)
+    assert (step, state["run"]) == (210, "B")

@@ -47,7 +47,7 @@ import torch
 from .. import _core
 from ..async_save import MODES, AsyncSaver, CheckpointFuture, check_max_pending, future_error
 from ..errors import CorruptCheckpointError
-from ..options import EngineOptions, WriteStats, file_mode
+from ..options import EngineOptions, WriteStats, file_mode, fsync_dir
 from ..patching import load_file_route, save_file_route, torch_load_route, torch_save_route
 from ..reader import detect_format, read_state_dict
 from ..writer import write_state_dict
@@ -441,15 +441,6 @@ def after_first_step(optimizers: Sequence[Any], fn: Callable[[], None]) -> Calla
         if inner is not None:
             handles.append(inner.register_step_post_hook(hook))
     return remove
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory (its entries are then durable)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sync_tree(root: str) -> None:
