@@ -298,3 +298,44 @@ def test_engine_interface_prepare_option(tmp_path):
     eng = FastPersistCheckpointEngine()
     eng.prepare_for(object())  # not a DeepSpeed engine: nothing sized
     assert eng.saves._saver is None
+
+
+def test_a_reused_tag_whose_save_fails_part_way_does_not_load_mixed(tmp_path, engine_fault):
+    """Regression: with a tag reused from save to save (``tag="last"``), a
+    save that failed after some of its files were in place left ``latest``
+    naming a tag that mixed new files (model states) with old ones
+    (optimizer states), which loaded without an error. The files the
+    failed save did write are now set aside (``.failed``): loading the
+    tag fails, naming the missing file, as after a failed torch.save in
+    place."""
+    d = tmp_path / "last"
+    d.mkdir()
+    eng = FastPersistCheckpointEngine(decoupled=False)
+    for round_, fail in ((1, False), (2, True)):
+        eng.create(info(tmp_path, "last"))
+        eng.save({"round": round_, "w": torch.full((1000,), float(round_))}, str(d / "model.pt"))
+        eng.saves.settle()  # the model states are in place
+        if fail:
+            engine_fault(0, errno.ENOSPC)
+        eng.save({"round": round_, "opt": torch.full((1000,), float(round_))}, str(d / "optim.pt"))
+        if fail:
+            with pytest.raises(fastpersist.WriteError):
+                eng.commit(info(tmp_path, "last"))
+        else:
+            assert eng.commit(info(tmp_path, "last")) is True
+    engine_fault(None)
+    assert (tmp_path / "latest").read_text() == "last"
+    assert sorted(os.listdir(d)) == ["model.pt.failed", "optim.pt"]
+    assert torch.load(d / "optim.pt", weights_only=True)["round"] == 1  # not replaced
+    with pytest.raises(FileNotFoundError):
+        eng.load(str(d / "model.pt"))
+    # A new tag that fails leaves latest's tag alone.
+    eng.create(info(tmp_path, "other"))
+    (tmp_path / "other").mkdir()
+    eng.save({"w": torch.ones(10)}, str(tmp_path / "other" / "model.pt"))
+    eng.saves.settle()
+    engine_fault(0, errno.ENOSPC)
+    eng.save({"w": torch.ones(10)}, str(tmp_path / "other" / "optim.pt"))
+    with pytest.raises(fastpersist.WriteError):
+        eng.commit(info(tmp_path, "other"))
+    assert sorted(os.listdir(tmp_path / "other")) == ["model.pt"]

@@ -73,6 +73,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 from .. import _core
+from ..async_save import future_error
 from ..collectives import checkpoint_group, describe_error, fail_all, gather
 from ..errors import CorruptCheckpointError
 from ..reader import detect_format, read_state_dict
@@ -115,6 +116,45 @@ def _dist() -> Any:
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
+
+
+#: What the files a failed save of a reused tag did write are renamed with
+#: (:func:`_set_aside_torn`).
+FAILED_SUFFIX = ".failed"
+
+
+def _set_aside_torn(info: Any, futures: List[Any]) -> None:
+    """A save of ``info.tag`` failed. When ``latest`` names that very tag (a
+    tag reused from save to save, such as ``"last"``), the files this rank's
+    save did write are set aside (renamed ``<file>.failed``): the tag would
+    otherwise mix new files with the old ones the failed saves did not
+    replace (new model states, old optimizer states), and load without an
+    error. Loading it now fails, naming the missing file, as it does after
+    a failed torch.save in place; the files are kept for inspection."""
+    try:
+        with open(os.path.join(info.save_dir, "latest")) as f:
+            named = f.read().strip()
+    except OSError:
+        return
+    if named != str(info.tag):
+        return  # a new tag: latest still names the previous one, which is whole
+    for fut in futures:
+        if not fut.done() or future_error(fut) is not None:
+            continue
+        try:
+            os.rename(fut.path, fut.path + FAILED_SUFFIX)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.error("fastpersist: cannot set aside %s of the failed checkpoint %s: %s", fut.path, info.tag, e)
+            continue
+        log.error(
+            "fastpersist: checkpoint %s (named by latest) failed part-way: %s is set aside as %s so the tag does "
+            "not load mixed with its older files",
+            info.tag,
+            fut.path,
+            fut.path + FAILED_SUFFIX,
+        )
 
 
 class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
@@ -264,11 +304,14 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
             try:
                 fail_all(statuses, f"checkpoint {info.tag}")
             except BaseException as agreed:
+                _set_aside_torn(info, pending.futures)
                 raise agreed from err
         elif err is not None:
+            _set_aside_torn(info, pending.futures)
             raise err
         if dropped is not None:
             # Its failure was raised where it happened (save_checkpoint); the training goes on.
+            _set_aside_torn(info, pending.futures)
             log.error("fastpersist: checkpoint %s is not committed (%s); latest is left as it was", info.tag, dropped)
             info.save_latest = False  # nor may DeepSpeed write it
             return False
