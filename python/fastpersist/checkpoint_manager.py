@@ -382,6 +382,11 @@ class _InFlight:
     issued_at: float
     stall: float
     extra: float = 0.0
+    #: Checkpoints of later steps there when the save began (a run this one
+    #: went back on), set aside once it commits; and whether the staging
+    #: tier had one.
+    later: Tuple[CheckpointInfo, ...] = ()
+    later_staged: Tuple[int, ...] = ()
 
 
 #: What a checkpoint set aside by a run that went back on it is renamed
@@ -685,8 +690,11 @@ class Checkpointer:
             # One checkpoint at a time: the previous must be committed first.
             self._finish(self._inflight, wait=True)
         path = os.path.join(self.directory, ckpt_name(step))
+        later = self._later_than(step)
+        with self._lock:
+            later_staged = tuple(sorted(s for s in self._staged if s > step))
         fut = self._saver.save({"step": step, "state": state}, path, mode=self.mode, **self.options)
-        self._inflight = _InFlight(step, fut, t0, self.clock() - t0)
+        self._inflight = _InFlight(step, fut, t0, self.clock() - t0, later=later, later_staged=later_staged)
         clock = self.clock  # (the callback holds neither self nor the _InFlight: no cycle)
         fut.add_done_callback(lambda f: setattr(f, "done_at", clock()))
         return fut
@@ -735,49 +743,51 @@ class Checkpointer:
         )
         with self._lock:
             self._mark_valid(st.path)
-        self._abandon_above(fl.step)
+        if fl.later or fl.later_staged:
+            self._abandon_above(fl.step, fl.later, fl.later_staged)
         if self._stager is not None:
             self._queue_stage(fl.step, st.path)
         self._submit_replica(fl.step, st.path)
         self._retain()
 
-    def _abandon_above(self, step: int) -> None:
-        """This run committed ``step``: checkpoints of later steps are from
-        a run it went back on (resumed from an earlier step after a loss
-        spike, or past a damaged newest one). They are set aside, not
-        deleted: renamed ``<name>.abandoned`` (an object's commit marker
-        moved likewise), so neither ``latest()`` nor retention counts them
-        any more and the new run's checkpoints are kept. The shared and
-        object tiers are done on the staging thread, after any copy it has
-        begun."""
+    def _later_than(self, step: int) -> Tuple[CheckpointInfo, ...]:
+        """The checkpoints (local, and replicas held) of steps after
+        ``step`` there now."""
         dirs = [self.directory] + (
             [replica_dir(self.directory, r) for r in self._ring.sources()] if self._ring is not None else []
         )
-        for d in dirs:
-            for info in sorted(_scan(d, "local").values(), key=lambda i: i.step):
-                if info.step > step:
-                    self._set_aside(info)
+        return tuple(i for d in dirs for i in sorted(_scan(d, "local").values(), key=lambda i: i.step) if i.step > step)
+
+    def _abandon_above(self, step: int, later: Tuple[CheckpointInfo, ...], staged: Tuple[int, ...]) -> None:
+        """This run committed ``step``; ``later`` were there, of later
+        steps, when the save began: they are from a run this one went back
+        on (resumed from an earlier step after a loss spike, or past a
+        damaged newest one). They are set aside, not deleted: renamed
+        ``<name>.abandoned`` (an object's commit marker moved likewise), so
+        neither ``latest()`` nor retention counts them any more and the new
+        run's checkpoints are kept. Checkpoints written meanwhile (another
+        process's) are left alone. The shared and object tiers are done on
+        the staging thread, after any copy it has begun."""
+        for info in later:
+            self._set_aside(info)
         if self._stager is not None:
             with self._lock:
                 self._went_back_to = step
-                later = max(self._staged, default=-1) > step
-                self._staged = {s for s in self._staged if s <= step}
+                self._staged -= set(staged)
                 self._stage_queue = {s for s in self._stage_queue if s <= step}
-            if later:  # (listing an object store costs a request per checkpoint)
-                self._stage_futures.append(self._stager.submit(self._abandon_staged_above, step))
+            if staged:  # (listing an object store costs a request per checkpoint)
+                self._stage_futures.append(self._stager.submit(self._abandon_staged_above, step, staged))
 
-    def _abandon_staged_above(self, step: int) -> None:
+    def _abandon_staged_above(self, step: int, staged: Tuple[int, ...]) -> None:
         try:
-            later = _scan_store(self.store) if self.store is not None else _scan(self.stage_dir, "shared")
+            found = _scan_store(self.store) if self.store is not None else _scan(self.stage_dir, "shared")
         except OSError as e:
             where = self.stage_url or self.stage_dir
             log.warning("fastpersist: cannot list %s to set aside checkpoints past step %d: %s", where, step, e)
             return
-        for info in sorted(later.values(), key=lambda i: i.step):
-            if info.step > step:
-                self._set_aside(info)
-        with self._lock:
-            self._staged = {s for s in self._staged if s <= step}
+        for s in staged:
+            if s in found:
+                self._set_aside(found[s])
 
     def _set_aside(self, info: CheckpointInfo) -> None:
         try:
