@@ -59,7 +59,7 @@ from .options import (
     wait_for_earlier,
     with_file_mode,
 )
-from .pickling import ON_CHANGE, TensorVersions, freeze_containers
+from .pickling import ON_CHANGE, TensorVersions
 from .plan import MemoryGuard, Plan, Region
 from .safetensors_format import plan_safetensors
 from .torch_zip import plan_torch_save
@@ -737,10 +737,6 @@ class AsyncSaver:
             # background are ordered after the work queued on its streams so
             # far, and the tensors' version counters are taken (an in-place
             # update issued before the save has gathered a tensor fails it).
-            # The structure as it is now: dicts and lists the caller changes
-            # after the call (a client_state reused across steps) are not
-            # the ones pickled later; tensors and other objects are shared.
-            obj = freeze_containers(obj)
             versions = TensorVersions(obj, on_change)
             devices = active_devices(obj)
             ready = record_ready(devices)
