@@ -627,3 +627,21 @@ def test_an_interrupt_as_a_save_takes_the_engine_lets_it_go(tmp_path, monkeypatc
     fut = fastpersist.save_async({"w": torch.zeros(4)}, tmp_path / "b.pt")
     fut.result(timeout=60)
     assert torch.equal(torch.load(tmp_path / "b.pt")["w"], torch.zeros(4))
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
+def test_containers_changed_after_the_snapshot_phase_do_not_reach_the_file(tmp_path, mode):
+    """The contract for containers, as for tensors: once ``wait_snapshot()``
+    returns, a dict or list of the object may change (a history appended
+    to, a key added, a client_state reused) without reaching the file."""
+    big = torch.randn(4 << 20)
+    obj = {"w": big, "hist": [0, 1, 2], "meta": {"epoch": 1}}
+    fut = fastpersist.save_async(obj, tmp_path / "a.pt", mode=mode)
+    fut.wait_snapshot()
+    obj["hist"].append(99)
+    obj["meta"]["epoch"] = 2
+    obj["new"] = 5
+    fut.result()
+    got = torch.load(tmp_path / "a.pt", weights_only=False)
+    assert got["hist"] == [0, 1, 2] and got["meta"] == {"epoch": 1} and "new" not in got
+    assert torch.equal(got["w"], big)
