@@ -634,3 +634,56 @@ def test_ddp_save_checkpoint_after_fit_is_there_on_every_rank(tmp_path):
 
     # (the two processes' lines may run together)
     assert sorted(re.findall(r"rank (\d) sees (\w+)", r.stdout)) == [("0", "True"), ("1", "True")], r.stdout
+
+
+def test_teardown_inside_the_callers_own_except_still_raises_a_failed_save(tmp_path, engine_fault):
+    """Regression (review): the teardown took any exception being handled
+    for one Lightning was raising, so a fit run inside the caller's own
+    ``except`` (a retry) had its failed save only logged. Only an exception
+    raised since the stage began counts."""
+    p = tmp_path / "final.ckpt"
+
+    class AtEnd(pl.Callback):
+        def on_train_end(self, t, m):
+            engine_fault(0, errno.ENOSPC)
+            t.save_checkpoint(p)  # in flight when the teardown waits
+
+    t = trainer(tmp_path, FastPersistCheckpointIO(), [AtEnd()], max_epochs=1, enable_checkpointing=False)
+    try:
+        raise KeyError("the first attempt failed")
+    except KeyError:
+        with pytest.raises(fastpersist.WriteError):
+            t.fit(Tiny())  # the retry
+    assert not p.exists()
+
+
+_DDP_FAIL_SCRIPT = _DDP_SCRIPT.replace(
+    "t.save_checkpoint(p)\n",
+    "import errno\n"
+    "from fastpersist.options import EngineOptions, get_engine\n"
+    "get_engine(EngineOptions.resolve())[1].set_fault(0, errno.ENOSPC)\n"
+    "try:\n"
+    "    t.save_checkpoint(p)\n"
+    "    print(f'rank {t.global_rank} saved', flush=True)\n"
+    "except Exception as e:\n"
+    "    print(f'rank {t.global_rank} raised {type(e).__name__}', flush=True)\n"
+    "sys.exit(0)\n",
+)
+
+
+def test_ddp_a_save_after_fit_that_fails_raises_on_every_rank(tmp_path):
+    """Regression (review): after a stage, rank 0's failed save raised
+    there, before the barrier every rank waits at: the other ranks waited
+    in it until the group's timeout. Every rank now learns rank 0's outcome
+    and raises."""
+    import re
+    import subprocess
+
+    assert "sys.exit(0)" in _DDP_FAIL_SCRIPT
+    script = tmp_path / "ddp_fail.py"
+    script.write_text(_DDP_FAIL_SCRIPT)
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    got = sorted(re.findall(r"rank (\d) (saved|raised \w+)", r.stdout))
+    assert got == [("0", "raised WriteError"), ("1", "raised DistributedCheckpointError")], r.stdout + r.stderr[-3000:]

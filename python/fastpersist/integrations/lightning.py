@@ -150,6 +150,9 @@ class _FastPersistIO:
         #: Make the snapshot staging buffer ahead of the first save (see :meth:`prepare`).
         self.prepare_ahead = bool(prepare)
         self._torn_down = False
+        #: The exception being handled where the stage running was called
+        #: (a retry inside the caller's ``except``): not Lightning's.
+        self._outer: Optional[BaseException] = None
         self._disarm: Optional[Callable[[], None]] = None
         engine: Dict[str, Any] = {
             "gather_threads": gather_threads,
@@ -260,6 +263,7 @@ class _FastPersistIO:
         state = dict(self.__dict__)
         del state["saves"]
         state["_disarm"] = None  # optimizer hooks of this process
+        state["_outer"] = None
         state["_saves_config"] = {
             "mode": saves.mode,
             "async_save": saves.async_save,
@@ -294,6 +298,8 @@ class _FastPersistIO:
         #: Lightning runs after this) are waited for at once.
         self._torn_down = True
         handling = sys.exc_info()[1]
+        if handling is self._outer or type(handling).__name__ == "_TunerExitException":
+            handling = None  # not one Lightning raises: the caller's own, or one Lightning swallows
         try:
             self.saves.wait()
         except Exception as e:  # handed to the exception Lightning is raising
@@ -377,8 +383,7 @@ def _durable_outside_a_stage() -> None:
                 out = _orig(self, *args, **kwargs)
                 io = _io_of(self)
                 if io is not None and (io._torn_down or not _running(self)):
-                    io.wait()
-                    self.strategy.barrier("fastpersist.save_checkpoint")  # durable on every rank
+                    _durable_everywhere(self, io)
                 return out
 
             _replace(cls, "save_checkpoint", save_checkpoint, orig)
@@ -391,9 +396,28 @@ def _durable_outside_a_stage() -> None:
                 io = _io_of(self)
                 if io is not None:
                     io._torn_down = False
+                    io._outer = sys.exc_info()[1]
                 return _run(self, *args, **kwargs)
 
             _replace(cls, stage, start, run)
+
+
+def _durable_everywhere(trainer: Any, io: _FastPersistIO) -> None:
+    """Wait for ``io``'s saves, then agree across the ranks: the rank that
+    writes (global rank 0) tells the others whether it failed, and every
+    rank raises then (none is left waiting in a barrier)."""
+    err: Optional[BaseException] = None
+    try:
+        io.wait()
+    except Exception as e:  # noqa: BLE001 - told to every rank below
+        err = e
+    said = trainer.strategy.broadcast(f"{type(err).__name__}: {err}" if err is not None else None, src=0)
+    if err is not None:
+        raise err
+    if said is not None:
+        from ..collectives import DistributedCheckpointError
+
+        raise DistributedCheckpointError(f"the checkpoint was not saved on rank 0: {said}")
 
 
 def _io_of(trainer: Any) -> Optional[_FastPersistIO]:
