@@ -119,8 +119,12 @@ def _timeout() -> Dict[str, Any]:
             t = pg._get_backend(torch.device(device)).options._timeout
         except Exception:  # noqa: BLE001 - no backend for that device, or another torch
             continue
-        if isinstance(t, datetime.timedelta) and t.total_seconds() > 0:
-            return {"timeout": t}
+        if not isinstance(t, datetime.timedelta) or t.total_seconds() <= 0:
+            continue
+        # torch's own default for that backend (NCCL's is shorter than
+        # gloo's): not one the user chose; the gloo groups keep theirs.
+        defaults = {getattr(dist.constants, n, None) for n in ("default_pg_timeout", "default_pg_nccl_timeout")}
+        return {} if t in defaults else {"timeout": t}
     return {}
 
 

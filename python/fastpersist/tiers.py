@@ -69,8 +69,11 @@ _S3_MIN_PART = 5 << 20
 _S3_MAX_PARTS = 10_000
 #: What a store's listing says of an object that changes whenever the object
 #: is written again (S3's ETag, GCS's generation, a local file's inode and
-#: mtime); a marker records those its object had.
-_IDENTITY = ("ETag", "etag", "generation", "ino", "mtime")
+#: mtime); a marker records those its object had. ETags are compared
+#: without their quotes (services quote them differently in listings and
+#: in the answers to uploads).
+_IDENTITY = ("ETag", "etag", "generation")
+_LOCAL_IDENTITY = ("ino", "mtime")
 
 
 class TierError(FastPersistError, OSError):
@@ -192,7 +195,8 @@ class ObjectStore:
             whole = _Crc()
             made = self._call(f"upload of {local} to {self.url_of(name)}", put, fd, size, dst, whole)
             if made is None:
-                made = _identity(self._call(f"upload of {local} to {self.url_of(name)}", self.fs.info, dst))
+                described = self._call(f"upload of {local} to {self.url_of(name)}", self.fs.info, dst)
+                made = _identity(described, local=self._local())
         finally:
             os.close(fd)
         fmt, records = info
@@ -422,13 +426,17 @@ class ObjectStore:
                 pass
 
 
-def _identity(info: Mapping[str, Any]) -> Dict[str, Any]:
+def _identity(info: Mapping[str, Any], local: bool = False) -> Dict[str, Any]:
     """What ``info`` (a store's description of an object, or S3's answer to
     the call that made it) says that changes whenever the object is written
-    again."""
-    return {
-        k: info[k] for k in _IDENTITY if isinstance(info.get(k), (str, int, float)) and not isinstance(info[k], bool)
-    }
+    again (a local file's inode and mtime only for a store on the local
+    file system, whose listing and stat agree to the nanosecond)."""
+    out: Dict[str, Any] = {}
+    for k in _IDENTITY + (_LOCAL_IDENTITY if local else ()):
+        v = info.get(k)
+        if isinstance(v, (str, int, float)) and not isinstance(v, bool):
+            out[k] = v.strip('"') if isinstance(v, str) else v
+    return out
 
 
 def _commits(marker: Any, info: Mapping[str, Any]) -> bool:
@@ -440,7 +448,8 @@ def _commits(marker: Any, info: Mapping[str, Any]) -> bool:
     made = marker.get("identity")
     if not isinstance(made, dict):
         return True
-    return all(info[k] == v for k, v in made.items() if k in info)
+    have = _identity(info, local=True)
+    return all(have[k] == v for k, v in made.items() if k in have)
 
 
 def _is_s3(fs: Any) -> bool:

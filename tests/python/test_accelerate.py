@@ -346,4 +346,9 @@ def test_load_state_skips_a_folder_whose_save_did_not_finish(tmp_path):
         assert bits(model.state_dict()[k]) == bits(v), k
     with pytest.raises(fastpersist.CorruptCheckpointError, match="did not finish"):
         acc.load_state(str(killed))
+    # None finished: an error, not the newest torn folder (review).
+    for d in ("checkpoint_0", "checkpoint_1"):
+        (root / d / PENDING).touch()
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="no checkpoint folder whose save_state finished"):
+        acc.load_state()
     fp.unregister()

@@ -163,11 +163,7 @@ def test_a_peer_that_dies_is_a_distributed_checkpoint_error(tmp_path):
     DistributedCheckpointError the README promises when a rank fails, so
     ``except DistributedCheckpointError`` missed it. Nothing was committed
     and the old checkpoint stayed, as now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "peer_dies.py"
     script.write_text(_PEER_DIES)
     root = tmp_path / "out"
@@ -176,3 +172,26 @@ def test_a_peer_that_dies_is_a_distributed_checkpoint_error(tmp_path):
     lines = r.stdout.splitlines()
     assert "DistributedCheckpointError" in lines, r.stdout + r.stderr[-3000:]
     assert "kept True ['ckpt.pt']" in lines, r.stdout + r.stderr[-3000:]
+
+
+_TIMEOUTS = r"""
+import datetime, sys, torch.distributed as dist
+from fastpersist.collectives import _timeout
+kw = {} if sys.argv[2] == "default" else {"timeout": datetime.timedelta(seconds=7)}
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1, **kw)
+print(_timeout())
+"""
+
+
+@pytest.mark.parametrize("given", ["default", "7s"])
+def test_checkpoint_groups_take_the_timeout_the_user_gave(tmp_path, given):
+    """Review: fastpersist's gloo groups took torch's 30-minute default
+    whatever init_process_group was given (a stuck peer held the others far
+    past the user's timeout); a timeout the user did not give (torch's own
+    default, NCCL's shorter one) is not carried over."""
+    r = subprocess.run(
+        [sys.executable, "-c", _TIMEOUTS, str(tmp_path / "store"), given], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    want = "{}" if given == "default" else "{'timeout': datetime.timedelta(seconds=7)}"
+    assert r.stdout.strip() == want

@@ -583,3 +583,18 @@ def test_a_run_that_went_back_sets_the_later_objects_aside(tmp_path, s3):
     with fastpersist.Checkpointer(local, stage_dir=url, storage_options=s3["opts"]) as ck:
         step, state = ck.load_latest(weights_only=False)
     assert (step, state["run"]) == (210, "B")
+
+
+def test_a_marker_names_its_object_whatever_the_etags_quotes():
+    """Review: services quote ETags differently in listings and in the
+    answers to uploads; a marker written with one spelling must still
+    commit its object listed with the other, and a local file's inode and
+    mtime count only where the store gives them."""
+    marker = {"size": 10, "identity": fastpersist.tiers._identity({"ETag": '"abc"'})}
+    assert marker["identity"] == {"ETag": "abc"}
+    assert fastpersist.tiers._commits(marker, {"size": 10, "ETag": "abc"})
+    assert fastpersist.tiers._commits(marker, {"size": 10, "ETag": '"abc"'})
+    assert not fastpersist.tiers._commits(marker, {"size": 10, "ETag": '"abd"'})
+    assert not fastpersist.tiers._commits(marker, {"size": 11, "ETag": "abc"})
+    assert fastpersist.tiers._identity({"ETag": "x", "mtime": 1.5, "ino": 3}) == {"ETag": "x"}
+    assert fastpersist.tiers._identity({"mtime": 1.5, "ino": 3}, local=True) == {"mtime": 1.5, "ino": 3}

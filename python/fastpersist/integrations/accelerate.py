@@ -262,8 +262,13 @@ class FastPersistAccelerate:
             if m and os.path.isdir(os.path.join(root, name))
         )
         whole = [(n, p) for n, p in found if not os.path.isfile(os.path.join(p, PENDING))]
+        if found and not whole:
+            raise CorruptCheckpointError(
+                f"{root}: no checkpoint folder whose save_state finished (each holds {PENDING}: the process ended "
+                "while it was written in the background)"
+            )
         if not whole or whole[-1] == found[-1]:
-            return None  # the newest is whole (or none is): Accelerate finds it itself
+            return None  # the newest is whole (or there is none): Accelerate finds it itself
         for n, p in found:
             if n > whole[-1][0]:
                 log.warning("fastpersist: %s is skipped: its save_state did not finish", p)

@@ -294,7 +294,8 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         except BaseException as e:  # noqa: BLE001 - agreed on by all ranks below
             err = e
         finally:
-            self.saves.reported(pending)  # raised here (or below), not again at the next load or cleanup
+            if pending.done():  # (an interrupt while it waited: a later wait still waits for it)
+                self.saves.reported(pending)  # raised here (or below), not again at the next load or cleanup
         self.commit_info = None
         dropped, self._dropped = self._dropped, None
         dist = _dist()
