@@ -389,8 +389,8 @@ impl TempFile {
             };
             if let Some(keep) = keep {
                 // On failure, dropping `t` removes the file.
-                t.keep(keep)?;
-                t.keep_xattrs();
+                let whole = t.keep(keep)?;
+                t.keep_xattrs(whole);
             }
             if let Some(m) = mode {
                 t.open_file()?
@@ -405,13 +405,15 @@ impl TempFile {
     }
 
     /// Give the file the replaced file's owner, group and mode (see the
-    /// module docs), where it does not have them yet.
-    fn keep(&self, want: Keep) -> Result<()> {
+    /// module docs), where it does not have them yet. False when its group
+    /// could not be given and the group lost its access instead.
+    fn keep(&self, want: Keep) -> Result<bool> {
         let file = self.open_file()?;
         let fd = file.as_raw_fd();
         let now = fstat(fd)
             .ok_or_else(|| Error::last_os("cannot stat the temporary file", Some(&self.tmp)))?;
         let mut mode = want.mode;
+        let mut whole = true;
         if (now.st_uid, now.st_gid) != (want.uid, want.gid) {
             // SAFETY: fchown on our own open descriptor; no memory is passed.
             if unsafe { libc::fchown(fd, want.uid, want.gid) } != 0 {
@@ -421,27 +423,32 @@ impl TempFile {
                 let group = unsafe { libc::fchown(fd, libc::uid_t::MAX, want.gid) };
                 if group != 0 && now.st_gid != want.gid {
                     mode &= !(0o070 | libc::S_ISGID);
+                    whole = false;
                 }
             }
         } else if now.st_mode & 0o7777 == mode {
-            return Ok(());
+            return Ok(true);
         }
         // After the chown, which clears the setuid and setgid bits.
         file.set_permissions(Permissions::from_mode(mode))
-            .map_err(|e| Error::from_io(&e, "cannot set the target's mode", Some(&self.tmp)))
+            .map_err(|e| Error::from_io(&e, "cannot set the target's mode", Some(&self.tmp)))?;
+        Ok(whole)
     }
 
     /// Give the file the replaced file's user extended attributes
-    /// (`user.*`) and access ACL, which a write in place (`torch.save`)
-    /// keeps: a teammate's access granted by an ACL is not lost. Where they
-    /// cannot be read or set (no permission, a file system without them),
-    /// the file goes without.
-    fn keep_xattrs(&self) {
+    /// (`user.*`) and, with `acl` (its owner and group could be given), its
+    /// access ACL, which a write in place (`torch.save`) keeps: a
+    /// teammate's access granted by an ACL is not lost. Read from the file
+    /// a symbolic link at the target names, as its mode and owner are.
+    /// Where they cannot be read or set (no permission, a file system
+    /// without them), the file goes without.
+    fn keep_xattrs(&self, acl: bool) {
         let Ok(file) = self.open_file() else {
             return;
         };
         let name = &self.target_name;
-        // The target through our open directory (not followed if a link).
+        // The target through our open directory (followed if a link, as
+        // `target_attrs` follows it).
         let mut src = format!("/proc/self/fd/{}/", self.dir.as_raw_fd()).into_bytes();
         src.extend_from_slice(name.to_bytes());
         let Ok(src) = CString::new(src) else {
@@ -449,7 +456,7 @@ impl TempFile {
         };
         for attr in list_xattrs(&src) {
             let bytes = attr.to_bytes();
-            if !(bytes.starts_with(b"user.") || bytes == b"system.posix_acl_access") {
+            if !(bytes.starts_with(b"user.") || (acl && bytes == b"system.posix_acl_access")) {
                 continue;
             }
             if let Some(value) = get_xattr(&src, &attr) {
@@ -725,12 +732,12 @@ fn lock_and_check(dir: &File, name: &CStr, file: &File, tmp: &Path) -> Result<()
     }
 }
 
-/// The names of the extended attributes of `path` (not followed if a
-/// link); none where they cannot be listed.
+/// The names of the extended attributes of `path` (followed if a link);
+/// none where they cannot be listed.
 fn list_xattrs(path: &CStr) -> Vec<CString> {
     // SAFETY: NUL-terminated path; `buf` is writable for its length.
     let names = sized_read(|buf| unsafe {
-        libc::llistxattr(path.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+        libc::listxattr(path.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
     });
     names
         .unwrap_or_default()
@@ -740,12 +747,12 @@ fn list_xattrs(path: &CStr) -> Vec<CString> {
         .collect()
 }
 
-/// The value of the extended attribute `name` of `path` (not followed if
-/// a link), if it can be read.
+/// The value of the extended attribute `name` of `path` (followed if a
+/// link), if it can be read.
 fn get_xattr(path: &CStr, name: &CStr) -> Option<Vec<u8>> {
     // SAFETY: NUL-terminated path and name; `buf` is writable for its length.
     sized_read(|buf| unsafe {
-        libc::lgetxattr(
+        libc::getxattr(
             path.as_ptr(),
             name.as_ptr(),
             buf.as_mut_ptr().cast(),

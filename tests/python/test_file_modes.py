@@ -122,3 +122,23 @@ def test_a_replaced_file_keeps_its_user_attributes_and_acl_as_torch_save_keeps_t
         assert os.getxattr(p, "user.experiment") == b"run-7", p
         assert os.getxattr(p, "system.posix_acl_access") == _TEAM_ACL, p
     assert _mode(ours) == _mode(theirs)
+
+
+def test_a_replaced_link_gives_the_new_file_the_attributes_of_the_file_it_named(tmp_path):
+    """Review: the mode and owner a replacing file keeps are the file a
+    symbolic link at the target names; its extended attributes were read
+    from the link itself (which has none). They come from the same file
+    now."""
+    real = tmp_path / "real.pt"
+    real.write_bytes(b"old")
+    try:
+        os.setxattr(real, "user.experiment", b"run-9")
+    except OSError as e:
+        pytest.skip(f"no user attributes here: {e}")
+    os.chmod(real, 0o640)
+    link = tmp_path / "ours.pt"
+    os.symlink(real.name, link)
+    fastpersist.write_state_dict({"w": torch.ones(3)}, link)
+    got = link if not link.is_symlink() else real
+    assert os.getxattr(got, "user.experiment") == b"run-9"
+    assert _mode(got) == 0o640
