@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 from . import _core
-from .errors import CorruptCheckpointError, SerializationError, UnsupportedFormatError
+from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .options import EngineOptions, RangeBuffer, read_records
 from .pickling import CPU_DEVICE, TensorVersions, pickle_obj, survey_storages
 from .plan import HANDOFF_RECORDS, Batch, Blob, DeviceRegion, MemoryGuard, Plan, Region, Slot
@@ -239,9 +239,10 @@ class TorchZipLayout:
             raise RuntimeError("the head of the file was not laid out to its end")
         try:
             data_pkl, storages = pickle_obj(self.obj, self._known, self.versions)
-        except SerializationError:
+        except Exception:
             # A storage laid out in the head and resized or freed since (under
-            # the save) is the cause, whether or not the engine met it yet.
+            # the save) is the cause, whether or not the engine met it yet;
+            # else the error is the pickle's own (or the saved object's).
             self.guard.check()
             raise
         self._add_storages([(key, st) for key, st in storages.items() if key not in self._known_keys])
