@@ -394,10 +394,14 @@ def _durable_outside_a_stage() -> None:
 
             def start(self: Any, *args: Any, _run: Any = run, **kwargs: Any) -> Any:
                 io = _io_of(self)
-                if io is not None:
-                    io._torn_down = False
-                    io._outer = sys.exc_info()[1]
-                return _run(self, *args, **kwargs)
+                if io is None:
+                    return _run(self, *args, **kwargs)
+                io._torn_down = False
+                io._outer = sys.exc_info()[1]
+                try:
+                    return _run(self, *args, **kwargs)
+                finally:
+                    io._outer = None  # (not kept, nor the frames of its traceback, past the stage)
 
             _replace(cls, stage, start, run)
 
