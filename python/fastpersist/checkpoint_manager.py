@@ -383,8 +383,8 @@ class _InFlight:
     stall: float
     extra: float = 0.0
     #: Checkpoints of later steps there when the save began (a run this one
-    #: went back on), set aside once it commits; and whether the staging
-    #: tier had one.
+    #: went back on), set aside once it commits; and the later steps the
+    #: staging tier had then.
     later: Tuple[CheckpointInfo, ...] = ()
     later_staged: Tuple[int, ...] = ()
 
@@ -554,8 +554,8 @@ class Checkpointer:
             except OSError as e:
                 log.error("fastpersist: cannot list %s: %s", self.stage_url, e)
         self._stage_futures: List[Any] = []
-        #: The step this Checkpointer committed last: later ones are from a
-        #: run it went back on, and are not staged (see _abandon_above).
+        #: The step whose commit set later checkpoints aside (a run this one
+        #: went back on): later steps are not staged (see _abandon_above).
         self._went_back_to: float = math.inf
         #: Steps handed to the stager that it has not started on.
         self._stage_queue: set = set()

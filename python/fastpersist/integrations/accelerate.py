@@ -45,7 +45,7 @@ import os
 import re
 import shutil
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CorruptCheckpointError
 from ..reader import read_state_dict
@@ -255,12 +255,7 @@ class FastPersistAccelerate:
         root = os.path.join(acc.project_dir, "checkpoints") if cfg.automatic_checkpoint_naming else None
         if root is None or not os.path.isdir(root):
             return None  # Accelerate says what is missing
-        found = sorted(
-            (int(m.group(1)), os.path.join(root, name))
-            for name in os.listdir(root)
-            for m in [_NUMBERED.fullmatch(name)]
-            if m and os.path.isdir(os.path.join(root, name))
-        )
+        found = _numbered(root)
         whole = [(n, p) for n, p in found if not os.path.isfile(os.path.join(p, PENDING))]
         if found and not whole:
             raise CorruptCheckpointError(
@@ -374,14 +369,20 @@ def _load_into(model: Any, state: Dict[str, Any], strict: bool = True) -> None:
 _NUMBERED = re.compile(r"checkpoint_([0-9]+)")
 
 
-def _prune(parent: str, keep: int) -> None:
-    """Delete the oldest ``checkpoint_<n>`` folders beyond ``keep``."""
+def _numbered(parent: str) -> List[Tuple[int, str]]:
+    """The ``checkpoint_<n>`` folders of ``parent`` as ``(n, path)``, oldest first."""
     found = []
     for name in os.listdir(parent):
         m = _NUMBERED.fullmatch(name)
         if m and os.path.isdir(os.path.join(parent, name)):
             found.append((int(m.group(1)), os.path.join(parent, name)))
-    for _, p in sorted(found)[: max(0, len(found) - keep)]:
+    return sorted(found)
+
+
+def _prune(parent: str, keep: int) -> None:
+    """Delete the oldest ``checkpoint_<n>`` folders beyond ``keep``."""
+    found = _numbered(parent)
+    for _, p in found[: max(0, len(found) - keep)]:
         shutil.rmtree(p, ignore_errors=True)
 
 
