@@ -67,7 +67,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set,
 
 from . import _core
 from .async_save import AsyncSaver, CheckpointFuture, check_save_options, future_error
-from .collectives import DistributedCheckpointError, check_group, dedicated_groups, gather, group_ranks
+from .collectives import DistributedCheckpointError, agree_outcome, check_group, dedicated_groups, gather, group_ranks
 from .errors import FastPersistError
 from .options import TEMP_MIN_AGE, fsync_dir, remove_stale_temps
 from .reader import read_state_dict
@@ -470,7 +470,10 @@ class Checkpointer:
     group's first rank decides: one 8-byte broadcast per ``step()``; a fixed
     ``every`` costs nothing), and ``latest()``/``load_latest()`` return the
     same step on every rank: the newest one every rank can obtain.
-    Each rank stages into ``<stage_dir>/rank-<global rank>/`` (a prefix of
+    Retention then counts only the steps every rank committed (agreed by
+    one 24-byte all-reduce as the next save starts), and the newest of them
+    always survives: a rank whose saves failed keeps a step in common with
+    the others. Each rank stages into ``<stage_dir>/rank-<global rank>/`` (a prefix of
     its own in an object store), so ranks never take each other's copies.
     ``replicate=n`` (with ``group``): each committed checkpoint is also sent,
     in the background, to ``n`` ranks on other nodes (the ring of
@@ -569,6 +572,13 @@ class Checkpointer:
         self._replicated: Set[int] = set()
         #: Why replication stopped (a peer gone: the pairs are out of step).
         self._replica_broken: Optional[str] = None
+        #: With ``group``: the steps every rank committed (agreed at the
+        #: next save's start, or seen in every rank's listing at a restore);
+        #: retention counts only these, so a rank whose saves failed keeps a
+        #: step in common with the others.
+        self._agreed: Set[int] = set()
+        #: The last save started here and its outcome, not yet agreed.
+        self._outcome: Optional[Tuple[int, bool]] = None
         _checkpointers.add(self)
         held = [replica_dir(self.directory, r) for r in held_ranks(self.directory)]
         for d in filter(None, (self.directory, self.stage_dir, *held)):
@@ -689,15 +699,41 @@ class Checkpointer:
         if self._inflight is not None:
             # One checkpoint at a time: the previous must be committed first.
             self._finish(self._inflight, wait=True)
+        if self._ctl is not None:
+            self._agree_previous()
         path = os.path.join(self.directory, ckpt_name(step))
         later = self._later_than(step)
         with self._lock:
             later_staged = tuple(sorted(s for s in self._staged if s > step))
-        fut = self._saver.save({"step": step, "state": state}, path, mode=self.mode, **self.options)
+        try:
+            fut = self._saver.save({"step": step, "state": state}, path, mode=self.mode, **self.options)
+        except BaseException:
+            self._outcome = (step, False)
+            raise
         self._inflight = _InFlight(step, fut, t0, self.clock() - t0, later=later, later_staged=later_staged)
         clock = self.clock  # (the callback holds neither self nor the _InFlight: no cycle)
         fut.add_done_callback(lambda f: setattr(f, "done_at", clock()))
         return fut
+
+    def _agree_previous(self) -> None:
+        """With ``group``, at a save's start (every rank starts the same
+        saves, in the same order, after the previous one finished): one
+        all-reduce of the previous save's step and outcome. A step every
+        rank committed joins ``_agreed``; retention then counts it."""
+        step, ok = self._outcome if self._outcome is not None else (-1, False)
+        self._outcome = None
+        lo, hi, all_ok = agree_outcome(step, ok, self._ctl)
+        if lo != hi:
+            log.warning(
+                "fastpersist: the ranks' previous checkpoints were of different steps (%d to %d): "
+                "all ranks must checkpoint the same steps; retention keeps them",
+                lo,
+                hi,
+            )
+        elif all_ok and lo >= 0:
+            with self._lock:
+                self._agreed.add(lo)
+            self._retain()
 
     def _poll(self) -> None:
         fl = self._inflight
@@ -709,6 +745,7 @@ class Checkpointer:
         exc = future_error(fl.future, None if wait else 0)
         waited = self.clock() - t
         self._inflight = None
+        self._outcome = (fl.step, exc is None)
         if exc is not None:
             log.error("fastpersist: checkpoint of step %d failed: %r", fl.step, exc)
             self._log_event({"event": "failed", "step": fl.step, "error": repr(exc)})
@@ -994,20 +1031,34 @@ class Checkpointer:
             self._valid[ident] = ok
         return ok
 
-    def _doomed(self, infos: Dict[int, CheckpointInfo], may_delete: Callable[[int], bool]) -> List[CheckpointInfo]:
+    def _doomed(
+        self,
+        infos: Dict[int, CheckpointInfo],
+        may_delete: Callable[[int], bool],
+        agreed: Optional[Set[int]] = None,
+        pending: Optional[int] = None,
+    ) -> List[CheckpointInfo]:
         """The checkpoints of one tier that retention removes: those older
         than the ``keep_last``-th newest *valid* one, not kept by
         ``keep_every``, and allowed by ``may_delete``. Files newer than that
         (valid or damaged) are never removed, so the newest valid checkpoint
-        always survives and a reader always finds a valid one."""
+        always survives and a reader always finds a valid one. With a group
+        (``agreed``: the steps every rank committed; ``pending``: this
+        rank's newest commit, whose outcome elsewhere is not known yet) only
+        those steps count, and the newest valid agreed one always survives:
+        the ranks keep a step in common."""
         valid = 0
         cutoff: Optional[int] = None
+        anchored = agreed is None
         for s in sorted(infos, reverse=True):
+            if agreed is not None and s not in agreed and s != pending:
+                continue
             # An object is listed only once its upload completed, and only a
             # verified file is uploaded.
             if infos[s].tier == "object" or self._is_valid(infos[s].path):
                 valid += 1
-                if valid == self.keep_last:
+                anchored = anchored or (agreed is not None and s in agreed)
+                if valid >= self.keep_last and anchored:
                     cutoff = s
                     break
         if cutoff is None:
@@ -1028,18 +1079,26 @@ class Checkpointer:
             # holders; unless replication has stopped (a peer gone).
             replicated = set(self._replicated)
             peered = self._ring is not None and self._replica_broken is None
+            # With a group, only steps every rank committed are counted (and
+            # this rank's newest, not agreed yet): a rank whose saves failed
+            # still shares a step with the others, and a group restore finds it.
+            agreed = set(self._agreed) if self._ctl is not None else None
+            mine = self._outcome
+            pending = mine[0] if mine is not None and mine[1] else None
 
             def local_ok(s: int) -> bool:
                 return (not tiered or any(x >= s for x in staged)) and (not peered or any(x >= s for x in replicated))
 
-            for info in self._doomed(_scan(self.directory, "local"), local_ok):
+            for info in self._doomed(_scan(self.directory, "local"), local_ok, agreed, pending):
                 self._delete(info)
             if self._ring is not None:
                 for src in self._ring.sources():
-                    for info in self._doomed(_scan(replica_dir(self.directory, src), "peer"), lambda s: True):
+                    for info in self._doomed(
+                        _scan(replica_dir(self.directory, src), "peer"), lambda s: True, agreed, pending
+                    ):
                         self._delete(info)
             if self.stage_dir:
-                for info in self._doomed(_scan(self.stage_dir, "shared"), lambda s: True):
+                for info in self._doomed(_scan(self.stage_dir, "shared"), lambda s: True, agreed, pending):
                     self._delete(info)
                     self._staged.discard(info.step)
             if self.store is not None:
@@ -1048,7 +1107,7 @@ class Checkpointer:
                 except OSError as e:
                     log.warning("fastpersist: retention cannot list %s: %s", self.stage_url, e)
                     remote = {}
-                for info in self._doomed(remote, lambda s: True):
+                for info in self._doomed(remote, lambda s: True, agreed, pending):
                     self._delete(info)
                     self._staged.discard(info.step)
 
@@ -1208,6 +1267,9 @@ class Checkpointer:
         excluded: Set[int] = set()
         for _ in range(_RELIST):
             offers = gather(self._offer(), self._ctl)
+            with self._lock:
+                # Steps every rank has committed locally count for retention.
+                self._agreed.update(set.intersection(*(set(o["local"]) for o in offers)))
             if len({o["replicate"] for o in offers}) != 1:
                 raise ValueError(
                     f"the ranks of the group were given different replicate= values: {[o['replicate'] for o in offers]}"

@@ -188,6 +188,23 @@ def gather(obj: Any, group: Any) -> List[Any]:
     return out
 
 
+def agree_outcome(step: int, ok: bool, group: Any) -> Tuple[int, int, bool]:
+    """One all-reduce over ``group``: the smallest and largest ``step`` the
+    ranks gave, and whether every rank's ``ok`` was true. A peer that is
+    gone is a :class:`DistributedCheckpointError`."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([step, -step, int(bool(ok))], dtype=torch.int64)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    except RuntimeError as e:
+        if isinstance(e, DistributedCheckpointError):
+            raise
+        raise DistributedCheckpointError(f"a rank of the checkpoint's group is gone: {e}") from e
+    return int(t[0]), -int(t[1]), bool(int(t[2]))
+
+
 def describe_error(e: BaseException) -> str:
     """An exception as one line, to send to the other ranks."""
     return f"{type(e).__name__}: {e}"

@@ -219,6 +219,29 @@ def _unloadable(rank: int, out: str) -> dict:
     return res
 
 
+def _retention(rank: int, out: str) -> dict:
+    """keep_last=2 over a group whose rank 1 fails to save steps 3 to 6
+    (an I/O error on its disk): the ranks must keep a step in common."""
+    import fastpersist
+    import torch.distributed as dist
+    from fastpersist.options import EngineOptions, get_engine
+
+    d = os.path.join(out, "retention", f"rank-{rank}")
+    eng = get_engine(EngineOptions.resolve())[1]
+    failed = []
+    with fastpersist.Checkpointer(d, every=1, keep_last=2, group=dist.group.WORLD) as ck:
+        for s in range(1, 7):
+            eng.set_fault(8192 if rank == 1 and s >= 3 else None, 5)
+            fut = ck.step(s, state(s, rank))
+            ck.wait()
+            if fut is not None and fut.exception() is not None:
+                failed.append(s)
+        eng.set_fault(None)
+        kept = _steps(d)
+        got = ck.load_latest()
+    return {"failed": failed, "kept": kept, "restored": got[0] if got is not None else None}
+
+
 def main() -> None:
     scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
@@ -243,6 +266,8 @@ def main() -> None:
         elif scenario == "lifecycle":
             result["errors"] = _errors(rank, out)
             result.update(_lifecycle(rank, out))
+        elif scenario == "retention":
+            result.update(_retention(rank, out))
         elif scenario in ("stage", "unloadable"):
             result.update((_stage if scenario == "stage" else _unloadable)(rank, out))
         elif scenario == "kill":

@@ -197,3 +197,18 @@ def test_a_rank_whose_checkpoint_will_not_load_fails_every_rank_alike(tmp_path):
     for r in res:
         assert r["first"].startswith("DistributedCheckpointError") and "rank 1" in r["first"], r
         assert r["retry"] == 1, r
+
+
+def test_group_retention_keeps_a_step_every_rank_has(tmp_path):
+    """Regression: each rank counted keep_last over its own commits, so a
+    rank whose saves failed (rank 1, steps 3 to 6) kept only steps 1 and 2
+    while the others kept 5 and 6: no step in common, and load_latest()
+    found nothing to resume from. Retention now counts only the steps
+    every rank committed."""
+    res = _run("retention", tmp_path)
+    assert res[1]["failed"] == [3, 4, 5, 6]
+    assert res[1]["kept"] == [1, 2]
+    for r in (0, 2, 3):
+        assert res[r]["failed"] == []
+        assert 2 in res[r]["kept"], res[r]
+    assert [r["restored"] for r in res] == [2, 2, 2, 2]
