@@ -51,6 +51,7 @@ from .errors import (
 __all__ = [
     "PICKLE_PROTOCOL",
     "MapLocation",
+    "check_extent",
     "find_storages",
     "survey_storages",
     "Survey",
@@ -177,17 +178,24 @@ _PLAIN = frozenset(
 )
 
 
-def _check_extent(t: torch.Tensor) -> None:
-    """A tensor must lie inside its storage: one whose storage was resized
-    (or freed) under it would be saved as a file that no loader reads."""
-    if t.numel() == 0:
+def check_extent(t: torch.Tensor, what: str = "") -> None:
+    """A tensor must lie inside its storage before anything reads it (a
+    copy, ``.cpu()``, a region of a plan): one whose storage was resized or
+    freed under it would be read past its end (other memory in the file, or
+    a crash). ``what`` names it in the error. Meta tensors have no bytes."""
+    n = t.numel()
+    if n == 0:
         return
-    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    if t.is_contiguous():
+        last = t.storage_offset() + n - 1
+    else:
+        last = t.storage_offset() + sum((k - 1) * st for k, st in zip(t.shape, t.stride()))
     need = (last + 1) * t.element_size()
     have = t.untyped_storage().nbytes()
-    if need > have:
+    if need > have and t.device.type != "meta":
+        named = f"{what}: " if what else ""
         raise SerializationError(
-            f"a {tuple(t.shape)} {t.dtype} tensor needs {need} bytes of its storage, which holds {have}: "
+            f"{named}a {tuple(t.shape)} {t.dtype} tensor needs {need} bytes of its storage, which holds {have}: "
             "the storage was resized or freed under it"
         )
 
@@ -225,7 +233,7 @@ class _Pickler(pickle.Pickler):
             and not (o.requires_grad and o._backward_hooks)  # torch's reduction warns they are not saved
             and not _zero(o)
         ):
-            _check_extent(o)
+            check_extent(o)
             # Exactly what Tensor._reduce_ex_internal returns for this case.
             args: tuple = (
                 _StorageRef(o.untyped_storage(), o.dtype),

@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
-from .errors import CorruptCheckpointError, SerializationError, SharedTensorsError, UnsupportedDtypeError
+from .errors import CorruptCheckpointError, NoDataError, SerializationError, SharedTensorsError, UnsupportedDtypeError
+from .pickling import check_extent
 from .plan import DATA_ALIGNMENT, Blob, Plan, Region
 
 __all__ = [
@@ -88,7 +89,8 @@ def _check_entry(name: Any, t: Any) -> None:
             f"[{name!r}]: safetensors cannot hold {t.layout} tensors (make it dense with .to_dense() first)"
         )
     if t.device.type == "meta":
-        raise SerializationError(f"[{name!r}]: a tensor on the meta device has no data to save")
+        raise NoDataError(f"[{name!r}]: a tensor on the meta device has no data to save")
+    check_extent(t, f"[{name!r}]")
     if t.dtype not in _BY_DTYPE:
         raise SerializationError(f"[{name!r}]: safetensors has no dtype for {t.dtype}")
     if _BY_DTYPE[t.dtype] == "F4" and t.dim() == 0:
@@ -162,7 +164,9 @@ def _refuse_shared(tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
+    # A conjugate or negative view holds the values it shows only once
+    # resolved (its storage holds the unconjugated, unnegated ones).
+    t = t.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     return t if t.is_contiguous() else t.contiguous()
@@ -345,23 +349,59 @@ def _makeable(shape: List[int]) -> bool:
     return True
 
 
+class _Obj(dict):
+    """A JSON object of a header, with the keys it gave more than once."""
+
+    __slots__ = ("repeated",)
+    repeated: Tuple[str, ...]
+
+
+def _pairs(pairs: List[Tuple[str, Any]]) -> _Obj:
+    d = _Obj()
+    d.repeated = ()
+    for k, v in pairs:
+        if k in d:
+            d.repeated += (k,)
+        d[k] = v
+    return d
+
+
+#: serde_json's nesting limit: a header whose arrays and objects nest this
+#: deep (the outer object counted) is refused.
+_MAX_DEPTH = 128
+
+#: The fields of a tensor entry (serde refuses one given twice; other
+#: fields are ignored, repeated or not).
+_FIELDS = ("dtype", "shape", "data_offsets")
+
+
 def _check_text(header: Dict[str, Any], where: str) -> None:
-    """Every name and metadata string is valid UTF-8 text: JSON's ``\\u``
-    escapes can spell lone surrogates, which Python's parser takes and
-    safetensors' refuses."""
+    """The header as safetensors' parser (serde_json) takes it: every string
+    valid UTF-8 text (JSON's ``\\u`` escapes can spell lone surrogates,
+    which Python's parser takes and serde's refuses), nesting under
+    ``_MAX_DEPTH``, ``__metadata__`` and a tensor's fields each given once
+    (Python's parser keeps the last; a reader that kept the first would
+    see other tensors)."""
+    bad = "safetensors header is not valid JSON: "
+    if "__metadata__" in getattr(header, "repeated", ()):
+        raise CorruptCheckpointError(f"{where}{bad}duplicate field '__metadata__'")
     for name, info in header.items():
-        texts = [name]
-        if name == "__metadata__" and isinstance(info, dict):
-            texts += [t for kv in info.items() for t in kv if isinstance(t, str)]
-        elif isinstance(info, dict) and isinstance(info.get("dtype"), str):
-            texts.append(info["dtype"])
-        for t in texts:
+        twice = [f for f in getattr(info, "repeated", ()) if f in _FIELDS] if name != "__metadata__" else []
+        if twice:
+            raise CorruptCheckpointError(f"{where}{bad}tensor {name!r}: duplicate field {twice[0]!r}")
+    stack: List[Tuple[Any, int]] = [(header, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
             try:
-                t.encode("utf-8")
+                v.encode("utf-8")
             except UnicodeEncodeError:
-                raise CorruptCheckpointError(
-                    f"{where}safetensors header is not valid JSON: {t!r} is not valid UTF-8 text"
-                ) from None
+                raise CorruptCheckpointError(f"{where}{bad}{v!r} is not valid UTF-8 text") from None
+        elif isinstance(v, (dict, list)):
+            if depth >= _MAX_DEPTH:
+                raise CorruptCheckpointError(f"{where}{bad}nested {_MAX_DEPTH} deep (serde_json's limit)")
+            items = [x for kv in v.items() for x in kv] if isinstance(v, dict) else v
+            stack.extend((x, depth + 1) for x in items)
 
 
 def _metadata(header: Dict[str, Any], where: str) -> Optional[Dict[str, str]]:
@@ -373,7 +413,7 @@ def _metadata(header: Dict[str, Any], where: str) -> Optional[Dict[str, str]]:
     for k, v in meta.items():
         if not isinstance(v, str):
             raise CorruptCheckpointError(f"{where}safetensors __metadata__ value of {k!r} is not a string: {v!r}")
-    return meta
+    return dict(meta)
 
 
 def _check_coverage(entries: List[Entry], data_len: int, where: str) -> None:
@@ -406,7 +446,12 @@ def parse_header(raw: bytes, file_len: int, path: str = "") -> Tuple[int, List[E
         raise CorruptCheckpointError(f"{where}safetensors header length {n} does not fit the file")
     try:
         # UTF-8 only (json.loads of bytes would guess UTF-16 or UTF-32 too)
-        header = json.loads(raw[8 : 8 + n].decode("utf-8"), parse_constant=_no_constant, parse_int=_json_int)
+        header = json.loads(
+            raw[8 : 8 + n].decode("utf-8"),
+            parse_constant=_no_constant,
+            parse_int=_json_int,
+            object_pairs_hook=_pairs,
+        )
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}safetensors header is not valid JSON: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):

@@ -1422,3 +1422,18 @@ def test_the_replaced_metadata_names_only_this_modules_sidecars(tmp_path):
     assert (d / ".fastpersist-notes.crc32").read_text() == "user notes"
     assert (outside / "victim.crc32").read_text() == "precious"
     assert_equal(load(d, FastPersistReader(d), sd), sd)
+
+
+def test_a_tensor_past_its_storage_is_refused_before_it_is_read(tmp_path):
+    """Regression: an item whose storage was resized under it was written
+    (and staged) from past the storage's end: other memory in the
+    checkpoint, or a crash for a large one."""
+    t = torch.ones(1000)
+    t.untyped_storage().resize_(8)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as e:  # which carries the rank's traceback
+        dcp.save({"a": t}, storage_writer=FastPersistWriter(tmp_path / "c"))
+    assert "SerializationError: DCP item 'a': a (1000,) torch.float32 tensor needs 4000 bytes" in str(e.value)
+    with pytest.raises(fastpersist.SerializationError, match="needs 4000 bytes"):
+        FastPersistWriter(tmp_path / "s").stage({"a": t})

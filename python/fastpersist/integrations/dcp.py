@@ -80,7 +80,7 @@ from ..async_save import LEND_MIN, LEND_PAGE, SnapshotPool
 from ..cuda_staging import read_staged, staging_setup
 from ..errors import CorruptCheckpointError
 from ..options import EngineOptions, FullGcDeferral, full_gc_deferral, gc_paused, read_with, use_engine
-from ..pickling import element_size
+from ..pickling import check_extent, element_size
 from ..plan import DATA_ALIGNMENT, HANDOFF_RECORDS, Batch, Blob, DeviceRegion, Plan, Region, Slot
 from ..torch_zip import SMALL_ALIGNMENT, plan_torch_save
 from ..writer import write_streamed
@@ -326,6 +326,7 @@ class _FileLayout:
         # Run once per item (10,000 small tensors: 10,000 times): each
         # attribute and tensor call is paid per item, so they are spared.
         t = t.detach()
+        check_extent(t, f"DCP item {item.index.fqn!r}")
         if _lazy(t):
             # Its storage holds the values before the lazy conjugation or
             # negation: the record holds them after (a reader that takes the
@@ -576,6 +577,7 @@ class _Stager:
         cuda = [False]
 
         def measure(t: torch.Tensor) -> torch.Tensor:
+            check_extent(t)
             n = t.numel() * t.element_size()
             sizes.append(_align(n, SMALL_ALIGNMENT) + (LEND_PAGE if n >= LEND_MIN else 0))
             cuda[0] |= t.device.type == "cuda"
