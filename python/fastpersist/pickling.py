@@ -1325,7 +1325,7 @@ def load_keeps_every_storage() -> bool:
     buf.seek(0)
     # Asked in the middle of a load: torch versions that keep map_location
     # in a thread-local (which :func:`unpickle` sets) delete it when they end.
-    state = getattr(torch._utils, "_thread_local_state", None)
+    state = _location_state()
     kept = getattr(state, "map_location", _MISSING)
     try:
         a, b = load(buf, weights_only=True)
@@ -1336,6 +1336,18 @@ def load_keeps_every_storage() -> bool:
 
 
 _MISSING = object()
+
+
+def _location_state() -> Any:
+    """The thread-local where torch.load keeps its ``map_location`` while it
+    unpickles, for rebuilds that place a tensor without a storage to go by
+    (wrapper subclasses such as DTensor, tensors made from numpy):
+    ``torch.serialization._serialization_tls`` (torch >= 2.4), else
+    ``torch._utils._thread_local_state``; None where torch has neither."""
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    if tls is not None and hasattr(tls, "map_location"):
+        return tls
+    return getattr(torch._utils, "_thread_local_state", None)
 
 
 def _torch_wo_message() -> Optional[Callable[[str], str]]:
@@ -1586,7 +1598,7 @@ def unpickle(
     unpickler = _unpickler(pkl, weights_only)
     loader = _StorageLoader(storages, path, map_location, placed or set())
     unpickler.persistent_load = loader
-    state = getattr(torch._utils, "_thread_local_state", None)
+    state = _location_state()
     old = getattr(state, "map_location", None) if state is not None else None
     if state is not None:
         state.map_location = map_location

@@ -1009,3 +1009,32 @@ def test_a_tensor_with_backward_hooks_warns_as_torch_save_warns(tmp_path, how):
         got = messages(lambda: fastpersist.save_async({"t": t}, tmp_path / "f.pt", mode=how).result())
     assert got == want
     assert torch.equal(torch.load(tmp_path / "f.pt")["t"], t.detach())
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_wrapper_subclasses_are_placed_by_map_location_as_torch_load_places_them(tmp_path, patched):
+    """Regression: torch rebuilds wrapper subclasses (TwoTensor, DTensor)
+    on the device its serialization thread-local names; fastpersist set a
+    thread-local this torch no longer has, so the wrapper stayed on the CPU
+    over meta parts, and a callable map_location, which torch refuses
+    there, was taken."""
+    mod = pytest.importorskip("torch.testing._internal.two_tensor", reason="torch has no TwoTensor")
+    p = tmp_path / "two.pt"
+    torch.save({"tt": mod.TwoTensor(torch.ones(2), torch.zeros(2))}, p)
+
+    def load(**kw):
+        if not patched:
+            return fastpersist.read_state_dict(p, weights_only=False, **kw)
+        with fastpersist.patch():
+            return torch.load(p, weights_only=False, **kw)
+
+    tt = load(map_location="meta")["tt"]
+    want = torch.load(p, weights_only=False, map_location="meta")["tt"]
+    assert (tt.device, tt.a.device, tt.b.device) == (want.device, want.a.device, want.b.device)
+    assert tt.device.type == "meta"
+    with pytest.raises(RuntimeError, match="Callable map_location not supported"):
+        torch.load(p, weights_only=False, map_location=lambda s, loc: s)
+    with pytest.raises(RuntimeError, match="Callable map_location not supported"):
+        load(map_location=lambda s, loc: s)
+    # The thread-local is as it was: a load after these places by its own argument.
+    assert load()["tt"].device.type == "cpu"
