@@ -18,6 +18,7 @@ import struct
 import sys
 import threading
 import time
+import zipfile
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -42,6 +43,7 @@ from .pickling import (
 from .safetensors_format import Entry, empty_of_shape, is_safetensors, parse_header, torch_dtype_error, torch_shape
 from .torch_zip import (
     HEADERS_BY_ENGINE,
+    CompressedRecords,
     ZipDirectory,
     ZipRecord,
     confirm_predicted,
@@ -344,7 +346,11 @@ def _read_torch(
     opts: EngineOptions,
     unchecked: List[str],
 ) -> Tuple[Any, int, int]:
-    d = read_central_directory(fd, size, path)
+    try:
+        d = read_central_directory(fd, size, path)
+    except CompressedRecords:  # valid (CRCs checked), and torch.load reads it: its answer
+        _check_zip(fd, path)
+        return _read_by_torch(fd, size, path, map_location, weights_only, 0)
     if not d.entries:
         raise CorruptCheckpointError(f"{path}: the zip holds no records")
     first = d.entries[0][0]
@@ -385,13 +391,7 @@ def _read_torch(
         few = ((order_rec, order), (version_rec, version))
         first_checks += [(r, zlib.crc32(b)) for r, b in few if r is not None and b is not None]
         unchecked += check_crcs(first_checks, unrecorded, path)
-    if order is not None and order.decode(errors="replace") != sys.byteorder:
-        # Saved on a machine of the other byte order (torch.load swaps the
-        # bytes), or a value torch refuses in its own words.
-        return _read_by_torch(fd, size, path, map_location, weights_only, len(records))
-    if not _readable_version(version):
-        # A format version torch may not read (the record as written): its
-        # answer, either way.
+    if _torch_reads(order, version, map_location):
         return _read_by_torch(fd, size, path, map_location, weights_only, len(records))
     keyed = [(r.name[len(data_prefix) :], r) for r in data_recs]
     targets = read_targets(pkl, map_location, [k for k, _ in keyed])
@@ -428,6 +428,60 @@ def _readable_version(raw: Optional[bytes]) -> bool:
     torch reads; an odd or other one is torch.load's to answer."""
     m = re.fullmatch(rb"([0-9]{1,3})\n?", raw) if raw is not None else None
     return m is not None and int(m.group(1)) in _VERSIONS
+
+
+def _torch_reads(order: Optional[bytes], version: Optional[bytes], map_location: MapLocation) -> bool:
+    """The files torch.load reads otherwise than fastpersist's reader would,
+    handed to it (after the pickle's and these records' CRCs are checked):"""
+    if order is not None and order.decode(errors="replace") != sys.byteorder:
+        # saved on a machine of the other byte order (torch.load swaps the
+        # bytes), or a value torch refuses in its own words;
+        return True
+    if order is None and _default_order() != sys.byteorder:
+        # no byteorder record: torch.load takes the order its default load
+        # endianness names (set_default_load_endianness), swapping bytes;
+        return True
+    if _to_meta(map_location):
+        # the meta device: torch.load reads no data, and gives each storage
+        # its record's offset (_checkpoint_offset);
+        return True
+    # a format version torch may not read (the record as written): its
+    # answer, either way.
+    return not _readable_version(version)
+
+
+def _check_zip(fd: int, path: str) -> None:
+    """A zip of compressed records, read whole with each record's CRC32
+    checked (Python's zipfile), before torch.load, which does not check
+    them all, reads it."""
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f, zipfile.ZipFile(f) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, NotImplementedError, RuntimeError) as e:
+        raise CorruptCheckpointError(f"{path}: a zip of compressed records that does not read: {e}") from None
+    if bad is not None:
+        raise CorruptCheckpointError(f"{path}: record {bad!r} fails its CRC32 check")
+
+
+def _default_order() -> str:
+    """The byte order torch.load takes for a zip without a byteorder
+    record: its default load endianness (little when unset)."""
+    get = getattr(torch.serialization, "get_default_load_endianness", None)
+    order = get() if get is not None else None
+    name = getattr(order, "name", None)
+    return {"BIG": "big", "NATIVE": sys.byteorder}.get(name or "", "little")
+
+
+def _to_meta(map_location: MapLocation) -> bool:
+    """``map_location`` names the meta device (a string or a device)."""
+    if isinstance(map_location, torch.device):
+        return map_location.type == "meta"
+    if isinstance(map_location, str):
+        try:
+            return torch.device(map_location).type == "meta"
+        except RuntimeError:
+            return False
+    return False
 
 
 def _read_by_torch(

@@ -501,8 +501,10 @@ def _central_entries(cd: bytes, n: int, where: str) -> List[Tuple[str, int, int,
         extra = cd[p + _CENTRAL.size + nlen : p + _CENTRAL.size + nlen + xlen]
         if usize == _U32 or csize == _U32 or hoff == _U32:
             usize, csize, hoff = _zip64_fields(extra, usize, csize, hoff, name, where)
-        if method != 0 or csize != usize:
+        if method != 0:
             compressed.append((name, method))
+        elif csize != usize:
+            raise _corrupt(f"{where}record {name!r} is stored (not compressed) but gives {csize} bytes as {usize}")
         entries.append((name, hoff, usize, crc, raw_name))
         p = end
     if _is_torchscript([e[0] for e in entries]):
@@ -511,10 +513,17 @@ def _central_entries(cd: bytes, n: int, where: str) -> List[Tuple[str, int, int,
         )
     if compressed:
         name, method = compressed[0]
-        raise _corrupt(
-            f"{where}record {name!r} is compressed (method {method}); checkpoints store records uncompressed"
+        raise CompressedRecords(
+            f"{where}record {name!r} is compressed (method {method}): fastpersist reads and verifies records "
+            "stored uncompressed, as torch.save stores them (a zip tool made this file); torch.load reads it"
         )
     return entries
+
+
+class CompressedRecords(UnsupportedFormatError):
+    """A zip whose records are compressed (torch.save stores them; a zip
+    tool re-packing a checkpoint compresses them): valid, and read by
+    torch.load, which ``read_state_dict`` hands it to."""
 
 
 def _is_torchscript(names: List[str]) -> bool:

@@ -539,6 +539,7 @@ def test_17_6_the_sharing_probe_keeps_torchs_thread_local_map_location(monkeypat
             del state.map_location
 
     monkeypatch.setattr(torch._utils, "_thread_local_state", state, raising=False)
+    monkeypatch.setattr(pickling, "_location_state", lambda: state)  # such a torch's only thread-local
     monkeypatch.setattr(torch, "load", load)
     pickling.load_keeps_every_storage.cache_clear()
     try:
@@ -1038,3 +1039,68 @@ def test_wrapper_subclasses_are_placed_by_map_location_as_torch_load_places_them
         load(map_location=lambda s, loc: s)
     # The thread-local is as it was: a load after these places by its own argument.
     assert load()["tt"].device.type == "cpu"
+
+
+def _rezipped(src, dst, compression=zipfile.ZIP_STORED, drop=()):
+    with zipfile.ZipFile(src) as zi, zipfile.ZipFile(dst, "w", compression=compression) as zo:
+        for n in zi.namelist():
+            if not n.endswith(drop) or not drop:
+                zo.writestr(n, zi.read(n))
+
+
+def _both_ways(p, **kw):
+    """What read_state_dict and the patched torch.load make of ``p``."""
+    got = fastpersist.read_state_dict(p, **kw)
+    with fastpersist.patch() as stats:
+        patched = torch.load(p, **kw)
+    assert stats.routed == 1
+    return got, patched
+
+
+def test_a_checkpoint_with_compressed_records_reads_as_torch_load_reads_it(tmp_path):
+    """Regression: a checkpoint unpacked and zipped again by a zip tool
+    (its records deflated), which torch.load reads, was called corrupt, and
+    the patched torch.load failed on it."""
+    src, p = tmp_path / "src.pt", tmp_path / "deflated.pt"
+    torch.save({"w": torch.arange(64.0), "n": 3}, src)
+    _rezipped(src, p, zipfile.ZIP_DEFLATED)
+    want = torch.load(p)
+    for got in _both_ways(p):
+        assert got.keys() == want.keys() and torch.equal(got["w"], want["w"]) and got["n"] == 3
+    with pytest.raises(fastpersist.UnsupportedFormatError, match="compressed"):
+        verify_file(p)
+
+
+def test_a_zip_without_a_byteorder_record_reads_in_the_default_load_endianness(tmp_path):
+    """Regression: torch.load reads such a file in the order
+    set_default_load_endianness names; fastpersist read it as little-endian."""
+    from torch.serialization import LoadEndianness, get_default_load_endianness, set_default_load_endianness
+
+    src, p = tmp_path / "src.pt", tmp_path / "nobo.pt"
+    torch.save({"a": torch.tensor([1, 2], dtype=torch.int32)}, src)
+    _rezipped(src, p, drop=("/byteorder",))
+    old = get_default_load_endianness()
+    set_default_load_endianness(LoadEndianness.BIG)
+    try:
+        want = torch.load(p)["a"]
+        assert want.tolist() == [1 << 24, 2 << 24]
+        for got in _both_ways(p):
+            assert torch.equal(got["a"], want)
+    finally:
+        set_default_load_endianness(old)
+    for got in _both_ways(p):
+        assert got["a"].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("where", ["meta", torch.device("meta")])
+def test_a_load_to_meta_reads_no_data_and_gives_each_storage_its_offset(tmp_path, where):
+    """Regression: map_location="meta" read every byte of the file, and the
+    storages had no _checkpoint_offset, which torch.load gives them."""
+    p = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(1000), "b": torch.zeros(10, dtype=torch.int64)}, p)
+    want = torch.load(p, map_location=where)
+    for got in _both_ways(p, map_location=where):
+        for k in want:
+            assert got[k].device.type == "meta" and got[k].shape == want[k].shape
+            ours, theirs = got[k].untyped_storage(), want[k].untyped_storage()
+            assert getattr(ours, "_checkpoint_offset", None) == getattr(theirs, "_checkpoint_offset", None)
