@@ -1136,6 +1136,10 @@ class LocationScan:
         self.locations: Dict[str, str] = {}
         self.storages: Dict[str, Tuple[str, int]] = {}
         self.first: Dict[str, Tuple[str, int]] = {}
+        #: The fewest bytes a reference to each storage as another storage
+        #: type than its first describes (torch.load makes each such
+        #: reference's storage from the record: it must hold exactly that).
+        self.retyped: Dict[str, int] = {}
         self.reach: Dict[str, int] = {}
         self._others: Dict[Tuple[str, str], type] = {}
 
@@ -1175,6 +1179,8 @@ class LocationScan:
                 raise ValueError(f"storage {key!r} has {numel!r} elements, not a non-negative int")
             self.locations[key] = location
             self.first.setdefault(key, (type_name, numel))
+            if self.first[key][0] != type_name:
+                self.retyped[key] = min(self.retyped.get(key, numel * itemsize), numel * itemsize)
             prev = self.storages.get(key)
             if prev is None or numel * itemsize > prev[1] * storage_element_size(prev[0]):
                 self.storages[key] = (type_name, numel)
@@ -1223,8 +1229,8 @@ class _StorageLoader:
     where torch keeps only storages with a data pointer, a storage of its
     own when the first had none (an empty one, or one restored to
     ``meta``); where torch keeps every storage, a reference of another
-    dtype gets the same bytes under that dtype, or a storage of its own
-    when the sizes disagree."""
+    dtype gets the same bytes under that dtype. A reference whose size is
+    not the record's is refused, as torch.load refuses it."""
 
     def __init__(
         self, storages: Dict[str, Any], path: str, map_location: MapLocation, placed: set, pending: bool = False
@@ -1267,20 +1273,20 @@ class _StorageLoader:
         dtype = _storage_dtype(storage_type)
         st = self.storages[key]
         need = int(numel) * element_size(dtype)
-        if need > st.nbytes() or (kept is None and need != st.nbytes()):
-            # A storage made from the record (torch.load: one whose record
-            # holds exactly its bytes) or one a later reference shares.
+        if need != st.nbytes():
+            # torch.load makes every reference's storage from the record,
+            # which must hold exactly its bytes (one that asks for fewer
+            # would have a copy of its own: a small file's references
+            # could ask for a copy of a large record each).
             raise CorruptCheckpointError(
                 f"{self.path}: record 'data/{key}' holds {st.nbytes()} bytes, the pickle needs {need} for storage "
                 f"{key!r}" + ("" if need > st.nbytes() else " (a record holds exactly its storage's bytes)")
             )
-        if kept is not None and kept._untyped_storage.nbytes() == need:
+        if kept is not None:
             # torch keeps every storage; this reference asks for another dtype
             return torch.storage.TypedStorage(wrap_storage=kept._untyped_storage, dtype=dtype, _internal=True)
-        if self.pending and (location != "cpu" or st.device != CPU_DEVICE or kept is not None):
+        if self.pending and (location != "cpu" or st.device != CPU_DEVICE):
             raise _DataPending(key)  # (a copy of bytes not read yet: after the read)
-        if kept is not None:
-            st = _own_copy(st, need)  # a storage of its own; the kept one stays
         if key in self.handed and st.nbytes() == 0:
             # Its own empty storage (one restored to a device without data,
             # such as meta, is made anew by the restore: no copy of the bytes).
@@ -1302,12 +1308,6 @@ class _StorageLoader:
             else:
                 self.handed.add(key)
         return ts
-
-
-def _own_copy(st: Any, nbytes: int) -> Any:
-    """A new storage holding the first ``nbytes`` of ``st`` (what torch.load
-    makes when it reads a record again), on ``st``'s device."""
-    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)[:nbytes].clone().untyped_storage()
 
 
 @functools.cache

@@ -110,8 +110,9 @@ def inspect_file(path: PathLike) -> Tuple[str, List[RecordInfo]]:
 def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
     """The pickle is well formed, and every storage it names is a record
     of the file holding exactly the bytes of the storage its first
-    reference describes (as torch.load wants), at least those every other
-    reference needs, and the bytes every tensor laid over it reaches."""
+    reference, and each reference as another type, describes (as
+    torch.load wants), at least those every other reference needs, and
+    the bytes every tensor laid over it reaches."""
     try:
         for _ in pickletools.genops(data):
             pass
@@ -134,6 +135,12 @@ def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
         if need > sizes[key]:
             raise CorruptCheckpointError(
                 f"{path}: record {names[key]!r} holds {sizes[key]} bytes, the pickle needs {need} for storage {key!r}"
+            )
+        retyped = scan.retyped.get(key, sizes[key])
+        if retyped != sizes[key]:  # a reference of another type: a storage torch.load makes of the record
+            raise CorruptCheckpointError(
+                f"{path}: record {names[key]!r} holds {sizes[key]} bytes, a reference to storage {key!r} in the "
+                f"pickle describes {retyped} (a record holds exactly its storage's bytes)"
             )
         first_type, first_numel = scan.first[key]
         first = first_numel * storage_element_size(first_type)

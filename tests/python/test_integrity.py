@@ -1213,3 +1213,57 @@ def test_a_record_longer_than_its_storage_is_corrupt(tmp_path, edit):
             fastpersist.read_state_dict(bad, **kw)
     with pytest.raises(fastpersist.CorruptCheckpointError, match="data/0"):
         verify_file(bad)
+
+
+def _retyped_reference(path, elements: int, count: int = 1) -> None:
+    """A torch.save file of one 1024-float record whose pickle then refers
+    to the same record ``count`` times more as a HalfStorage of
+    ``elements`` elements (one memoized persistent id), written by torch's
+    own zip writer (right CRCs)."""
+    import zipfile
+
+    src = path.with_suffix(".src")
+    torch.save({"w": torch.arange(1024.0)}, src)
+    with zipfile.ZipFile(src) as z:
+        recs = [(i.filename.split("/", 1)[1], z.read(i.filename)) for i in z.infolist()]
+    pkl = dict(recs)["data.pkl"]
+
+    def text(s: str) -> bytes:
+        return b"X" + struct.pack("<I", len(s)) + s.encode()
+
+    pid = b"(" + text("storage") + b"ctorch\nHalfStorage\n" + text("0") + text("cpu")
+    pid += b"J" + struct.pack("<i", elements) + b"tr\xff\xff\x00\x00"  # LONG_BINPUT 65535
+    body = text("again") + b"](" + pid + b"Q" + b"j\xff\xff\x00\x00Q" * (count - 1) + b"es"
+    w = torch._C.PyTorchFileWriter(str(path))
+    for name, data in recs:
+        if name not in ("version", ".data/version"):
+            data = pkl[:-1] + body + b"." if name == "data.pkl" else data
+            w.write_record(name, data, len(data))
+    w.write_end_of_file()
+
+
+def test_a_reference_of_another_size_to_a_record_is_refused_as_torch_refuses_it(tmp_path):
+    """Regression: a second reference to a record as another dtype and a
+    smaller size got a copy of the record of its own; a 4 MiB file with a
+    thousand such references (6 bytes of pickle each) took 2.6 GB, where
+    torch.load refuses the file (the record is not the size it asks for).
+    A negative size was taken too; verify called such files OK."""
+    from fastpersist.verify import verify_file
+
+    for elements in (1023, 4000, -1):
+        p = tmp_path / f"r{elements}.pt"
+        _retyped_reference(p, elements, count=50)
+        with pytest.raises((RuntimeError, TypeError)):
+            torch.load(p)
+        with pytest.raises(fastpersist.CorruptCheckpointError, match="holds 4096 bytes"):
+            fastpersist.read_state_dict(p)
+        with pytest.raises(fastpersist.CorruptCheckpointError):
+            verify_file(p)
+    # The record's own size under another dtype: the same bytes, as torch.load gives them.
+    p = tmp_path / "same.pt"
+    _retyped_reference(p, 2048, count=3)
+    want, got = torch.load(p), fastpersist.read_state_dict(p)
+    assert torch.equal(got["w"], want["w"]) and len(got["again"]) == 3
+    for a, b in zip(got["again"], want["again"]):
+        assert a.dtype == b.dtype == torch.float16 and a.nbytes() == b.nbytes() == 4096
+    verify_file(p)
