@@ -1542,6 +1542,26 @@ def _unpickler(pkl: bytes, weights_only: bool) -> Any:
     return _Unpickler(io.BytesIO(pkl), encoding="utf-8")
 
 
+def _check_reach(pkl: bytes, storages: Dict[str, Any], path: str) -> None:
+    """Before torch's weights-only unpickler, whose rebuilds ``set_`` a
+    tensor over the storages read with no check (and a storage made for a
+    read can be resized: ``set_`` would grow it to whatever a pickle
+    claims, terabytes from a small file): every tensor the scan finds
+    within its storage's bytes. A pickle the scan refuses is left to the
+    unpickler, which names what is wrong."""
+    scan = LocationScan(pkl)
+    try:
+        scan.load()
+    except Exception:  # noqa: BLE001 - whatever the scan refuses
+        return
+    for key, reach in scan.reach.items():
+        st = storages.get(key)
+        if st is not None and reach > st.nbytes():
+            raise CorruptCheckpointError(
+                f"{path}: a tensor in the pickle reaches {reach} bytes into storage {key!r}, which holds {st.nbytes()}"
+            )
+
+
 def _well_formed(pkl: bytes) -> bool:
     """Whether the pickle replays as torch's loaders want it (the scan:
     nothing constructed): an error loading a well-formed pickle is its
@@ -1609,6 +1629,8 @@ def unpickle(
         # them again (empty ones aside: the loader does not keep those).
         obj = _fast_unpickle(pkl, weights_only, loader) if fast else None
         if obj is None:
+            if weights_only:
+                _check_reach(pkl, storages, path)
             obj = unpickler.load()
         loader.check_sizes()
     except CorruptCheckpointError as e:

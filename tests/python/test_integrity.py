@@ -1267,3 +1267,33 @@ def test_a_reference_of_another_size_to_a_record_is_refused_as_torch_refuses_it(
     for a, b in zip(got["again"], want["again"]):
         assert a.dtype == b.dtype == torch.float16 and a.nbytes() == b.nbytes() == 4096
     verify_file(p)
+
+
+def test_a_tensor_claiming_more_than_its_record_is_refused_before_anything_is_allocated(tmp_path):
+    """Regression: with weights_only=True, a pickle the fast path refuses
+    went to torch's weights-only unpickler, whose rebuild grew the storage
+    read from the file to what the pickle claimed (a 1 KB file: 4 GiB, or
+    an allocator's RuntimeError naming nothing) before the size check."""
+    import zipfile
+
+    from fastpersist.verify import verify_file
+
+    src, p = tmp_path / "src.pt", tmp_path / "big.pt"
+    torch.save({"w": torch.zeros(3)}, src)
+    with zipfile.ZipFile(src) as z:
+        recs = [(i.filename.split("/", 1)[1], z.read(i.filename)) for i in z.infolist()]
+    w = torch._C.PyTorchFileWriter(str(p))
+    for name, data in recs:
+        if name == "data.pkl":
+            i = data.index(b"QK\x00K\x03\x85")  # offset 0, size (3,)
+            data = data[:i] + b"QK\x00\x8a\x08" + (1 << 40).to_bytes(8, "little") + b"\x85" + data[i + 6 :]
+        if name not in ("version", ".data/version"):
+            w.write_record(name, data, len(data))
+    w.write_end_of_file()
+    with pytest.raises(RuntimeError, match="not resizable"):
+        torch.load(p, weights_only=True)
+    for weights_only in (True, False):
+        with pytest.raises(fastpersist.CorruptCheckpointError, match="reach"):
+            fastpersist.read_state_dict(p, weights_only=weights_only)
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        verify_file(p)
