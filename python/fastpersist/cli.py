@@ -13,6 +13,7 @@ cannot be opened.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -101,8 +102,13 @@ def _torch_tensors(path: str, mmap: bool = True) -> Optional[list]:
         return None
     out = []
     stack = [("", obj)]
+    seen: set = set()  # each container walked once: a pickle can make cycles, and share one container many times
     while stack:
         key, o = stack.pop()
+        if isinstance(o, (dict, list, tuple)):
+            if id(o) in seen:
+                continue
+            seen.add(id(o))
         if isinstance(o, torch.Tensor):
             out.append(
                 (key or "<root>", str(o.dtype).replace("torch.", ""), list(o.shape), o.numel() * o.element_size())
@@ -168,9 +174,7 @@ def _ls_store(url: str) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from .checkpoint_manager import LOG_NAME, list_checkpoints
-    from .errors import CorruptCheckpointError
     from .tiers import is_url
-    from .verify import verify_file
 
     if is_url(args.dir):
         return _ls_store(args.dir)
@@ -181,16 +185,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     staged: dict = {}
     peer: dict = {}
     log_path = os.path.join(args.dir, LOG_NAME)
-    if os.path.exists(log_path):
-        with open(log_path) as f:
-            for line in f:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                into = {"commit": events, "staged": staged, "replicated": peer}.get(ev.get("event"))
-                if into is not None:
-                    into[ev["step"]] = ev
+    for ev in _log_events(log_path):
+        into = {"commit": events, "staged": staged, "replicated": peer}.get(str(ev.get("event")))
+        if into is not None:
+            into[ev["step"]] = ev
     rows = list_checkpoints(args.dir, args.stage_dir)
     temps = [n for n in os.listdir(args.dir) if n.endswith(".fptmp")]
     print(
@@ -205,16 +203,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         status = "committed"
         files = [c for c in copies if c.tier != "object"]
         if args.verify and files:
-            try:
-                verify_file(files[0].path)
-                status = "verified"
-            except CorruptCheckpointError:
-                status = "CORRUPT"
+            status = _verified(files[0].path)
+            if status != "verified":
                 status_rc = EXIT_CORRUPT
         ev = events.get(step, {})
-        stall = f"{ev['stall_s'] * 1e3:.1f}" if "stall_s" in ev else "-"
-        write = f"{ev['write_s']:.3f}" if "write_s" in ev else "-"
-        gbps = f"{ev['gbps']:.2f}" if "gbps" in ev else "-"
+        stall, write, gbps = _num(ev, "stall_s", ".1f", 1e3), _num(ev, "write_s", ".3f"), _num(ev, "gbps", ".2f")
         st_s, st_g, lag = _tier_cols(staged.get(step, {}))
         p_s, p_g, p_lag = _tier_cols(peer.get(step, {}))
         print(
@@ -230,20 +223,56 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _tier_cols(ev: dict) -> Tuple[str, str, str]:
     """Seconds, GB/s and lag of one transfer event, "-" where unknown."""
-    s, g, lag = ev.get("seconds"), ev.get("gbps"), ev.get("lag_steps")
-    return (
-        "-" if s is None else f"{s:.3f}",
-        "-" if g is None else f"{g:.2f}",
-        "-" if lag is None else str(lag),
-    )
+    return _num(ev, "seconds", ".3f"), _num(ev, "gbps", ".2f"), _num(ev, "lag_steps", "d")
+
+
+def _num(ev: dict, key: str, fmt: str, scale: float = 1) -> str:
+    """A number of a log event, formatted; "-" where absent or not a number
+    (the log is appended to, a line may be damaged)."""
+    v = ev.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (fmt == "d" and not isinstance(v, int)):
+        return "-"
+    return format(v * scale if scale != 1 else v, fmt)
+
+
+def _log_events(path: str) -> List[dict]:
+    """The events of a Checkpointer's log that name a step; a line that
+    does not parse (a damaged or foreign line) is skipped."""
+    out = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict) and isinstance(ev.get("step"), int) and not isinstance(ev["step"], bool):
+                    out.append(ev)
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _verified(path: str) -> str:
+    """``ls --verify``'s status of one file: verified, CORRUPT, or
+    UNREADABLE (not a checkpoint file it can read: a directory, a FIFO, an
+    I/O error)."""
+    from .errors import CorruptCheckpointError, UnsupportedFormatError
+    from .verify import verify_file
+
+    try:
+        verify_file(path)
+        return "verified"
+    except CorruptCheckpointError:
+        return "CORRUPT"
+    except (OSError, UnsupportedFormatError):
+        return "UNREADABLE"
 
 
 def _ls_replicas(directory: str, verify: bool) -> int:
     """The peer tier held in ``directory``: other ranks' replicas."""
     from .checkpoint_manager import list_replicas
-    from .errors import CorruptCheckpointError
     from .replicas import replica_dir
-    from .verify import verify_file
 
     rc = EXIT_OK
     for rank, infos in sorted(list_replicas(directory).items()):
@@ -252,11 +281,8 @@ def _ls_replicas(directory: str, verify: bool) -> int:
         for step in sorted(infos, reverse=True):
             status = "committed"
             if verify:
-                try:
-                    verify_file(infos[step].path)
-                    status = "verified"
-                except CorruptCheckpointError:
-                    status = "CORRUPT"
+                status = _verified(infos[step].path)
+                if status != "verified":
                     rc = EXIT_CORRUPT
             print(f"{step:>12} {_human(infos[step].bytes):>10} {'peer':<13} {status:<10}")
         for name in sorted(os.listdir(d)):
@@ -347,6 +373,15 @@ def _positive(text: str) -> int:
     return n
 
 
+def _file_arg(text: str) -> str:
+    """A path argument the system can name: not empty, no NUL byte."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names no file")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"a path cannot hold a NUL byte: {text!r}")
+    return text
+
+
 def _directory(text: str) -> str:
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"not a directory: {text!r}")
@@ -357,14 +392,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fastpersist", description="Fast, durable checkpoints.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("inspect", help="show the records or tensors of a checkpoint")
-    p.add_argument("path")
+    p.add_argument("path", type=_file_arg)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("verify", help="check every CRC32 and the structure")
-    p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("paths", nargs="+", metavar="PATH", type=_file_arg)
     p.set_defaults(fn=cmd_verify)
     p = sub.add_parser("ls", help="list the checkpoints of a Checkpointer directory or an object store URL")
-    p.add_argument("dir", help="a Checkpointer directory, or a URL (s3://bucket/prefix): committed uploads")
+    p.add_argument(
+        "dir", type=_file_arg, help="a Checkpointer directory, or a URL (s3://bucket/prefix): committed uploads"
+    )
     p.add_argument("--stage-dir", default=None, help="the shared tier, if staging is used")
     p.add_argument("--verify", action="store_true", help="check every checkpoint's CRC32s")
     p.set_defaults(fn=cmd_ls)
@@ -389,9 +426,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UnsupportedFormatError as e:  # a valid file of another kind (TorchScript)
         print(f"fastpersist: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # the reader of the output went away (| head): nothing more to say
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except OSError as e:  # a file that cannot be opened or read: missing, a loop, a socket, ...
-        where = os.fsdecode(e.filename) if e.filename is not None else ""
-        print(f"fastpersist: {where}: {e.strerror or e}", file=sys.stderr)
+        named = e.filename if e.filename is not None else getattr(args, "path", None) or getattr(args, "dir", None)
+        where = f"{os.fsdecode(named)}: " if named is not None else ""
+        print(f"fastpersist: {where}{e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

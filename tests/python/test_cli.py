@@ -200,3 +200,80 @@ def test_a_fifo_is_refused_at_once_not_waited_on(tmp_path, command):
     code = f"import fastpersist\ntry:\n    fastpersist.read_state_dict({str(p)!r})\nexcept OSError as e:\n    print('OSError', e.filename)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == f"OSError {p}", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("shape", ["cycle", "shared"])
+def test_inspect_walks_each_container_once(tmp_path, shape):
+    """Regression: inspect's walk of the loaded object followed a list that
+    holds itself for ever (growing memory), and a list shared at every
+    level (2**40 paths from a small file) as many times as it is reached."""
+    if shape == "cycle":
+        box: list = [torch.ones(2)]
+        box.append(box)
+    else:
+        box = [torch.ones(2)]
+        for _ in range(40):
+            box = [box, box]
+    p = tmp_path / "c.pt"
+    torch.save({"w": torch.zeros(3), "box": box}, p)
+    r = subprocess.run(
+        [sys.executable, "-m", "fastpersist", "inspect", str(p)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert "w " in r.stdout and "float32" in r.stdout
+
+
+@pytest.mark.parametrize("cmd", [["inspect", ""], ["verify", ""], ["ls", ""], ["inspect", "a\0b"]])
+def test_a_path_that_names_no_file_is_a_usage_error(cmd):
+    """Regression: an empty path gave a ValueError traceback and status 1,
+    the status that means "corrupt"."""
+    from fastpersist import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(cmd)
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"5", b'{"event":"commit"}', b'{"event":"commit","step":1,"stall_s":"x","gbps":null}', b"\xff\xfe", b"[1]"],
+)
+def test_ls_skips_a_damaged_log_line(tmp_path, capsys, line):
+    """Regression: a log line that is not an event with a step (a number,
+    no step, a string where a number goes, bytes that are not UTF-8) gave a
+    traceback and status 1 instead of the listing."""
+    from fastpersist import cli
+
+    fastpersist.write_state_dict({"a": torch.ones(2)}, tmp_path / "ckpt-000000000001.pt")
+    (tmp_path / "checkpoints.jsonl").write_bytes(line + b"\n")
+    assert cli.main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "committed" in out and out.splitlines()[1].split()[0] == "1"
+
+
+def test_ls_verify_lists_every_checkpoint_when_one_cannot_be_read(tmp_path, capsys):
+    """Regression: one checkpoint name that is not a readable file (a
+    directory, a FIFO) stopped the listing with status 2 after its header."""
+    from fastpersist import cli
+
+    fastpersist.write_state_dict({"a": torch.ones(2)}, tmp_path / "ckpt-000000000001.pt")
+    os.mkdir(tmp_path / "ckpt-000000000002.pt")
+    os.mkfifo(tmp_path / "ckpt-000000000003.pt")
+    assert cli.main(["ls", "--verify", str(tmp_path)]) == 1
+    rows = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[1:]}
+    assert "verified" in rows["1"] and "UNREADABLE" in rows["2"] and "UNREADABLE" in rows["3"], rows
+
+
+def test_a_closed_output_pipe_ends_quietly(tmp_path):
+    """Regression: ``fastpersist inspect big | head -1`` printed
+    "fastpersist: : Broken pipe" and status 2."""
+    p = tmp_path / "m.safetensors"
+    fastpersist.write_state_dict({f"t{i}": torch.ones(1) for i in range(20000)}, p, format="safetensors")
+    r = subprocess.run(
+        f"{sys.executable} -m fastpersist inspect {p} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "safetensors checkpoint" in r.stdout and r.stderr == "", r.stderr
