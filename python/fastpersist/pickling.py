@@ -1131,6 +1131,10 @@ class LocationScan:
             kind = _CScan if fits else _PyScan
         return super(LocationScan, kind).__new__(kind)  # the unpickler of its kind
 
+    #: Persistent ids as torch's legacy format writes them (views' 6-tuples,
+    #: module sources); a zip's pickle names 5-tuple storages only.
+    legacy = False
+
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data), encoding="utf-8")  # type: ignore[call-arg]  # the unpickler's
         self.locations: Dict[str, str] = {}
@@ -1165,6 +1169,9 @@ class LocationScan:
     def persistent_load(self, pid: Any) -> Any:
         # zip files: ("storage", type, key, location, numel); legacy files
         # add view metadata (the view's own storage is its root's).
+        if not self.legacy and not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            # torch.load's zip loader asserts this much of every persistent id
+            raise TypeError(f"the persistent id {pid!r} is not a storage's (a 5-tuple)")
         if isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage":
             key = str(pid[2])
             type_name = getattr(pid[1], "storage_name", None)
@@ -1509,6 +1516,16 @@ class _Unpickler(pickle.Unpickler):
     storage to fit it)."""
 
     def find_class(self, module: str, name: str) -> Any:
+        # torch.load's own rules first: any name with "Storage" in it is
+        # torch's StorageType stand-in (a storage class torch no longer
+        # has still loads), and modules torch moved are looked up where
+        # they are now (files of torch < 1.9 name torch.tensor).
+        if type(name) is str and "Storage" in name and _STORAGE_TYPE is not None:
+            try:
+                return _STORAGE_TYPE(name)
+            except KeyError:
+                pass
+        module = _MOVED_MODULES.get(module, module)
         try:
             found = super().find_class(module, name)
         except (ImportError, AttributeError) as e:
@@ -1516,6 +1533,13 @@ class _Unpickler(pickle.Unpickler):
         if (module, name) in _TENSOR_REBUILDS and callable(found):
             return _fitting(found)
         return found
+
+
+#: torch.load's stand-in for the storage classes a pickle names.
+_STORAGE_TYPE: Any = getattr(torch.serialization, "StorageType", None)
+
+#: Modules torch.load looks up elsewhere (its ``load_module_mapping``).
+_MOVED_MODULES = {"torch.tensor": "torch._tensor"}
 
 
 def _fitting(rebuild: Callable[..., Any]) -> Callable[..., Any]:
@@ -1556,7 +1580,10 @@ def _check_reach(pkl: bytes, storages: Dict[str, Any], path: str) -> None:
         return
     for key, reach in scan.reach.items():
         st = storages.get(key)
-        if st is not None and reach > st.nbytes():
+        type_name, numel = scan.first.get(key, ("", -1))
+        if st is None or numel * storage_element_size(type_name or "UntypedStorage") != st.nbytes():
+            continue  # missing, or not the size the pickle says: the loader names it as the fast path does
+        if reach > st.nbytes():
             raise CorruptCheckpointError(
                 f"{path}: a tensor in the pickle reaches {reach} bytes into storage {key!r}, which holds {st.nbytes()}"
             )

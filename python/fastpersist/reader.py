@@ -46,6 +46,7 @@ from .torch_zip import (
     CompressedRecords,
     ZipDirectory,
     ZipRecord,
+    archive_prefix,
     confirm_predicted,
     overlap_of,
     predict_records,
@@ -353,8 +354,7 @@ def _read_torch(
         return _read_by_torch(fd, size, path, map_location, weights_only, 0)
     if not d.entries:
         raise CorruptCheckpointError(f"{path}: the zip holds no records")
-    first = d.entries[0][0]
-    prefix = first.split("/", 1)[0] + "/" if "/" in first else ""
+    prefix = archive_prefix([d.entries[0][0]])
     data_prefix = prefix + "data/"
     data_entries = [e for e in d.entries if e[0].startswith(data_prefix)]
     small = resolve_records(fd, d, [e for e in d.entries if not e[0].startswith(data_prefix)], opts)
@@ -579,9 +579,39 @@ def check_legacy(fd: int, size: int, path: str) -> int:
     return len(keys)
 
 
+class _Capped:
+    """A file read no further than ``size``: a pickle opcode that claims a
+    length past the end is a short read, not an allocation of that length
+    (a 200-byte file can claim 6 GiB)."""
+
+    def __init__(self, f: Any, size: int) -> None:
+        self.f, self.size = f, size
+
+    def _left(self, n: Optional[int]) -> int:
+        left = max(0, self.size - int(self.f.tell()))
+        return left if n is None or n < 0 else min(n, left)
+
+    def read(self, n: Optional[int] = -1) -> bytes:
+        return bytes(self.f.read(self._left(n)))
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        return int(self.f.readinto(view[: self._left(len(view))]))
+
+    def readline(self, n: Optional[int] = -1) -> bytes:
+        return bytes(self.f.readline(self._left(n)))
+
+    def tell(self) -> int:
+        return int(self.f.tell())
+
+    def seek(self, *args: Any) -> int:
+        return int(self.f.seek(*args))
+
+
 def _scan_legacy(f: Any, fd: int, path: str) -> Tuple[LocationScan, List[str]]:
     """The pickles of a legacy file (``f``, at its start): the object's
     scanned and the storage keys, ``f`` left at the first storage."""
+    f = _Capped(f, os.fstat(fd).st_size)
     try:
         magic, protocol = load_plain(f), load_plain(f)
         if magic != LEGACY_MAGIC or protocol != LEGACY_PROTOCOL:
@@ -595,6 +625,7 @@ def _scan_legacy(f: Any, fd: int, path: str) -> Tuple[LocationScan, List[str]]:
         if not isinstance(keys, list):
             raise ValueError(f"the storage keys are a {type(keys).__name__}")
         scan = LocationScan(os.pread(fd, end - start, start))
+        scan.legacy = True
         scan.load()
     except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
         raise CorruptCheckpointError(f"{path}: not a well-formed legacy torch file: {type(e).__name__}: {e}") from None

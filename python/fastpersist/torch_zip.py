@@ -526,6 +526,15 @@ class CompressedRecords(UnsupportedFormatError):
     torch.load, which ``read_state_dict`` hands it to."""
 
 
+def archive_prefix(names: List[str]) -> str:
+    """The folder of a torch zip's records, as torch's reader takes it:
+    the first record's (``"archive/"``, a file's stem, or ``""``). Its
+    ``data.pkl`` and ``data/<key>`` records are the checkpoint's; others
+    of those names elsewhere are not read."""
+    first = names[0] if names else ""
+    return first.split("/", 1)[0] + "/" if "/" in first else ""
+
+
 def _is_torchscript(names: List[str]) -> bool:
     """torch.load's test (a ``constants.pkl`` record), or TorchScript code."""
     for name in names:

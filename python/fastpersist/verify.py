@@ -20,7 +20,7 @@ from .options import EngineOptions, PathLike, check_path, checksums, open_for_re
 from .pickling import LocationScan, storage_element_size
 from .reader import HEAD_BYTES, check_crcs, check_legacy, detect
 from .safetensors_format import parse_header, torch_shape
-from .torch_zip import ZipRecord, read_zip_directory, unrecorded_crcs, written_by_fastpersist
+from .torch_zip import ZipRecord, archive_prefix, read_zip_directory, unrecorded_crcs, written_by_fastpersist
 
 __all__ = ["RecordInfo", "VerifyResult", "inspect_file", "verify_file"]
 
@@ -119,9 +119,10 @@ def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
     except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
         raise CorruptCheckpointError(f"{path}: data.pkl is not a well-formed pickle: {e}") from None
     sizes, names = {}, {}
+    under = archive_prefix([r.name for r in recs]) + "data/"
     for r in recs:
-        head, sep, key = r.name.rpartition("data/")
-        if sep and "/" not in key and head.count("/") <= 1:
+        key = r.name[len(under) :]
+        if r.name.startswith(under) and "/" not in key:
             sizes[key], names[key] = r.bytes, r.name
     scan = LocationScan(data)
     try:
@@ -162,8 +163,9 @@ def _check_crcs(fd: int, recs: List[RecordInfo], crcs: List[int], path: str) -> 
     zr = [ZipRecord(r.name, 0, r.offset, r.bytes, r.crc32 or 0) for r in recs]
     unrecorded: set = set()
     if any(r.crc32 == 0 for r in zr):
-        pkl = [r for r in zr if r.name.endswith("data.pkl")]
-        sid = [r for r in zr if r.name.endswith(".data/serialization_id")]
+        prefix = archive_prefix([r.name for r in recs])
+        pkl = [r for r in zr if r.name == prefix + "data.pkl"]
+        sid = [r for r in zr if r.name == prefix + ".data/serialization_id"]
         data = os.pread(fd, pkl[0].size, pkl[0].data_offset) if pkl else b""
         sid_b = os.pread(fd, sid[0].size, sid[0].data_offset) if sid else None
         unrecorded = unrecorded_crcs(zr, written_by_fastpersist(sid_b, data, zr))
@@ -204,9 +206,9 @@ def verify_fd(fd: int, path: str, *, direct: Optional[bool] = None) -> VerifyRes
         raise CorruptCheckpointError(f"{path}: {e}") from None
     if fmt == "torch":
         unchecked = _check_crcs(fd, recs, crcs, path)
-        pkl = [r for r in recs if r.name.endswith("data.pkl")]
+        pkl = [r for r in recs if r.name == archive_prefix([r.name for r in recs]) + "data.pkl"]
         if not pkl:
-            raise CorruptCheckpointError(f"{path}: no data.pkl record")
+            raise CorruptCheckpointError(f"{path}: no data.pkl record where torch.load looks for it")
         data = os.pread(fd, pkl[0].bytes, pkl[0].offset)
         _check_pickle(data, recs, path)
     return VerifyResult(fmt, len(recs) - len(unchecked), unchecked)

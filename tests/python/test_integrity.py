@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import stat
 import struct
@@ -881,7 +882,7 @@ def test_a_tensor_reaching_past_its_record_is_corrupt_not_grown(tmp_path, writer
     from fastpersist.verify import verify_file
 
     for kw in ({}, {"weights_only": False}, {"map_location": "cpu"}, {"verify": False}):
-        with pytest.raises(fastpersist.CorruptCheckpointError, match="reaches past"):
+        with pytest.raises(fastpersist.CorruptCheckpointError, match="reach"):
             fastpersist.read_state_dict(bad, **kw)
     with pytest.raises(fastpersist.CorruptCheckpointError, match="reaches"):
         verify_file(bad)
@@ -1297,3 +1298,80 @@ def test_a_tensor_claiming_more_than_its_record_is_refused_before_anything_is_al
             fastpersist.read_state_dict(p, weights_only=weights_only)
     with pytest.raises(fastpersist.CorruptCheckpointError):
         verify_file(p)
+
+
+def _zip_of(path, records) -> None:
+    w = torch._C.PyTorchFileWriter(str(path))
+    for name, data in records:
+        w.write_record(name, data, len(data))
+    w.write_end_of_file()
+
+
+def test_verify_checks_the_pickle_and_records_torch_load_reads(tmp_path):
+    """Regression: verify checked the first record whose name ends in
+    data.pkl (``xdata.pkl``), not the one torch.load reads, and took a
+    persistent id that is not a storage's; both files were "OK"."""
+    import zipfile
+
+    from fastpersist.verify import verify_file
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(4)}, src)
+    with zipfile.ZipFile(src) as z:
+        recs = [(i.filename.split("/", 1)[1], z.read(i.filename)) for i in z.infolist()]
+    key = b"X\x01\x00\x00\x000"  # the storage key '0' in the pickle
+    bad = [(n, d.replace(key, b"X\x01\x00\x00\x007") if n == "data.pkl" else d) for n, d in recs]
+    other = tmp_path / "other.pt"
+    _zip_of(other, [("xdata.pkl", pickle.dumps({}, 2))] + [r for r in bad if r[0] not in ("version", ".data/version")])
+    pid = tmp_path / "pid.pt"
+    plain = [r for r in recs if not r[0].startswith("data") and r[0] not in ("version", ".data/version")]
+    _zip_of(pid, plain + [("data.pkl", b"\x80\x02}X\x01\x00\x00\x00aK\x05Qs.")])
+    for p in (other, pid):
+        with pytest.raises(Exception):  # noqa: B017 - torch's loader refuses it in its words
+            torch.load(p)
+        with pytest.raises(fastpersist.CorruptCheckpointError):
+            fastpersist.read_state_dict(p)
+        with pytest.raises(fastpersist.CorruptCheckpointError):
+            verify_file(p)
+
+
+def test_verify_of_a_legacy_file_never_reserves_what_a_string_claims(tmp_path):
+    """Regression: verify scanned a legacy file's pickle through a buffered
+    file, which allocates the length an opcode claims before reading: a
+    200-byte file claiming a string of 1 TiB ran out of memory."""
+    from fastpersist.verify import verify_file
+
+    head = pickle.dumps(0x1950A86A20F9469CFC6C, 2) + pickle.dumps(1001, 2)
+    head += pickle.dumps({"protocol_version": 1001, "little_endian": True, "type_sizes": {"int": 4}}, 2)
+    p = tmp_path / "legacy.pt"
+    p.write_bytes(head + b"\x80\x04\x8e" + struct.pack("<Q", 1 << 40) + b"a" * 64 + b"." + pickle.dumps([], 2))
+    with pytest.raises(fastpersist.CorruptCheckpointError) as e:
+        verify_file(p)
+    assert "MemoryError" not in str(e.value) and str(1 << 40) in str(e.value)
+
+
+def test_globals_are_found_where_torch_load_finds_them(tmp_path):
+    """Regression: with weights_only=False, a storage class named under a
+    module that has none (torch.load's rule: any "...Storage" name is its
+    StorageType) and the module torch.tensor (files of torch < 1.9; torch
+    maps it to torch._tensor) raised ModuleNotFoundError where torch.load
+    reads the file."""
+    import zipfile
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.arange(3.0)}, src)
+    with zipfile.ZipFile(src) as z:
+        recs = [(i.filename.split("/", 1)[1], z.read(i.filename)) for i in z.infolist()]
+    pkl = dict(recs)["data.pkl"]
+    for name, new in (
+        ("storage", pkl.replace(b"ctorch\nFloatStorage\n", b"cnot_a_module\nFloatStorage\n")),
+        ("moved", pkl[:-1] + b"X\x01\x00\x00\x00cctorch.tensor\nTensor\ns."),
+    ):
+        assert new != pkl
+        p = tmp_path / f"{name}.pt"
+        _zip_of(p, [(n, new if n == "data.pkl" else d) for n, d in recs if n not in ("version", ".data/version")])
+        want = torch.load(p, weights_only=False)
+        got = fastpersist.read_state_dict(p, weights_only=False)
+        assert got.keys() == want.keys() and torch.equal(got["w"], want["w"])
+        if name == "moved":
+            assert got["c"] is want["c"] is torch.Tensor
