@@ -152,6 +152,11 @@ pub struct UringSink {
     /// Registered arena (WriteFixed) or plain writes.
     fixed: Option<(usize, usize)>,
     jobs: Vec<Option<(RawFd, Job)>>,
+    /// Resubmissions of each buffer's request after a transient error
+    /// (see [`transient`]), counted from its submission.
+    retried: Vec<u8>,
+    /// Resubmissions of datasync requests after a transient error.
+    sync_retried: u8,
     inflight: usize,
     syncs: usize,
     fault: Option<Fault>,
@@ -160,8 +165,29 @@ pub struct UringSink {
     lost: Option<i32>,
 }
 
-/// user_data of datasync requests (write requests carry their buffer index).
-const SYNC_TAG: u64 = u64::MAX;
+/// The bit of user_data that marks a datasync request (the rest is its
+/// file descriptor; write and read requests carry their buffer index).
+const SYNC_TAG: u64 = 1 << 63;
+
+fn sync_entry(fd: RawFd) -> io_uring::squeue::Entry {
+    opcode::Fsync::new(types::Fd(fd))
+        .flags(types::FsyncFlags::DATASYNC)
+        .build()
+        .user_data(SYNC_TAG | u64::from(fd.unsigned_abs()))
+}
+
+/// How often one request is resubmitted after a transient error.
+const TRANSIENT_RETRIES: u8 = 16;
+
+/// Errors a request can end with that say nothing about the file: the
+/// kernel cancels a request (ECANCELED) whose io-wq worker could not be
+/// made while a signal was pending for the submitting thread (a handled
+/// SIGUSR1, a DataLoader's SIGCHLD, a profiler's timer), or one ends with
+/// EINTR or EAGAIN. The engine cancels nothing itself: such a request is
+/// submitted again, as the pool's pwrite retries EINTR.
+fn transient(errno: i32) -> bool {
+    matches!(errno, libc::ECANCELED | libc::EINTR | libc::EAGAIN)
+}
 
 impl UringSink {
     /// A ring with `entries` submission slots. Fails with EPERM/ENOSYS when
@@ -172,6 +198,8 @@ impl UringSink {
             ring,
             fixed: None,
             jobs: Vec::new(),
+            retried: Vec::new(),
+            sync_retried: 0,
             inflight: 0,
             syncs: 0,
             fault: None,
@@ -275,17 +303,18 @@ impl UringSink {
 
 impl Sink for UringSink {
     unsafe fn submit(&mut self, fd: RawFd, job: Job) -> Result<()> {
+        if self.retried.len() <= job.buf {
+            self.retried.resize(job.buf + 1, 0);
+        }
+        self.retried[job.buf] = 0;
         self.push(fd, job)?;
         self.inflight += 1;
         Ok(())
     }
 
     fn submit_datasync(&mut self, fd: RawFd) -> Result<()> {
-        let entry = opcode::Fsync::new(types::Fd(fd))
-            .flags(types::FsyncFlags::DATASYNC)
-            .build()
-            .user_data(SYNC_TAG);
-        self.push_entry(&entry)?;
+        self.sync_retried = 0;
+        self.push_entry(&sync_entry(fd))?;
         self.syncs += 1;
         Ok(())
     }
@@ -301,7 +330,16 @@ impl Sink for UringSink {
             .collect();
         let mut first_err = None;
         for (ud, res) in done {
-            if ud == SYNC_TAG {
+            if ud & SYNC_TAG != 0 {
+                if res < 0 && transient(-res) && self.sync_retried < TRANSIENT_RETRIES {
+                    self.sync_retried += 1;
+                    let fd = RawFd::try_from(ud & !SYNC_TAG).unwrap_or(-1);
+                    if let Err(e) = self.push_entry(&sync_entry(fd)) {
+                        self.syncs -= 1;
+                        first_err.get_or_insert(e);
+                    }
+                    continue;
+                }
                 self.syncs -= 1;
                 if res < 0 {
                     first_err.get_or_insert(Error::os(-res, "fdatasync during the write", None));
@@ -312,16 +350,26 @@ impl Sink for UringSink {
             let Some((fd, job)) = self.jobs.get_mut(buf).and_then(Option::take) else {
                 continue;
             };
+            let tries = self.retried.get(buf).copied().unwrap_or(0);
             let res = match (
                 Fault::hits(self.fault, &job),
                 Fault::short(self.fault, &job),
             ) {
-                (Some(errno), _) => -errno,
+                // An injected transient error hits a request's first try only.
+                (Some(errno), _) if !(transient(errno) && tries > 0) => -errno,
                 (None, Some(k)) if res > 0 => res.min(i32::try_from(k).unwrap_or(i32::MAX)),
                 _ => res,
             };
             // A negative result is -errno; a non-negative one a byte count.
             let done = usize::try_from(res).map_err(|_| -res);
+            if done.is_err_and(transient) && tries < TRANSIENT_RETRIES {
+                self.retried[buf] = tries + 1;
+                if let Err(e) = self.push(fd, job) {
+                    self.inflight -= 1;
+                    first_err.get_or_insert(e);
+                }
+                continue;
+            }
             if let (true, Ok(n)) = (job.read, done.map(|n| n.min(job.len))) {
                 if n == 0 || n == job.len {
                     // Nothing more (end of file: the tail reads as zeros;
@@ -377,7 +425,7 @@ impl Sink for UringSink {
             }
             let done: Vec<u64> = self.ring.completion().map(|c| c.user_data()).collect();
             for ud in done {
-                if ud == SYNC_TAG {
+                if ud & SYNC_TAG != 0 {
                     self.syncs -= 1;
                 } else if let Some(slot) = self.jobs.get_mut(ud as usize) {
                     if slot.take().is_some() {

@@ -538,3 +538,23 @@ def test_a_ring_that_cannot_be_waited_on_retires_its_engine(tmp_path, engine_fau
     st = fastpersist.write_state_dict(sd, p, io_uring=True)  # a new engine
     assert st.io_uring and get_engine(opts)[1] is not eng
     assert bits(fastpersist.read_state_dict(p)["w"]) == bits(sd["w"])
+
+
+@pytest.mark.parametrize("errno_", [errno.ECANCELED, errno.EINTR, errno.EAGAIN])
+def test_a_request_the_kernel_cancels_for_a_signal_is_submitted_again(tmp_path, engine_fault, errno_):
+    """Regression: io_uring cancels a request whose worker thread cannot be
+    made while a signal is pending for the submitting thread (a handled
+    SIGUSR1, a DataLoader's SIGCHLD: about one save in 30 with one
+    SIGUSR1 each); the save failed with WriteError ECANCELED. Such a
+    request (an injected transient error hits its first try only) is
+    submitted again; reads likewise."""
+    from fastpersist.options import EngineOptions, get_engine
+
+    if not get_engine(EngineOptions.resolve())[1].uses_io_uring:
+        pytest.skip("io_uring is not used here")
+    sd = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    p = tmp_path / "x.pt"
+    engine_fault(1 << 20, errno_)
+    fastpersist.write_state_dict(sd, p)
+    assert torch.equal(fastpersist.read_state_dict(p)["w"], sd["w"])
+    assert torch.equal(torch.load(p)["w"], sd["w"])
