@@ -369,8 +369,15 @@ def use_engine(opts: EngineOptions, index: int = 0) -> Iterator[_core.Engine]:
         eng.set_file_mode(mode)
         yield eng
     finally:
-        if lock.held_here():
-            lock.release()
+        # One call into the C lock, no Python frame in between: an interrupt
+        # (Ctrl-C) lands before this finally or after the release, never
+        # between a check and the release (it did, 1 in 5,000 saves, and
+        # the lock stayed with the main thread: every other thread's save
+        # with these options, and the exit's drain, waited for ever).
+        try:
+            lock._lock._release_save()  # type: ignore[attr-defined]  # the C RLock's: RuntimeError if not held
+        except RuntimeError:
+            pass  # not held: the acquire itself was interrupted
 
 
 def _after_fork_in_child() -> None:
@@ -381,11 +388,23 @@ def _after_fork_in_child() -> None:
     copies it inherited alone when they are freed (their ring is shared with
     the parent, their threads do not exist here, their temporary files are
     the parent's). Saves pending in the parent are not waited for here."""
-    global _engines, _engines_lock, _order_lock, _pending_by_path
+    global _engines, _engines_lock, _order_lock, _pending_by_path, _gc_lock, _gc_depth, _defer_lock, _defer_depth
     _engines_lock = threading.RLock()
     _engines = OrderedDict()
     _order_lock = threading.RLock()
     _pending_by_path = {}
+    # A save of the parent's other threads may have paused the collector
+    # (or deferred full collections) at the fork: the child has no such
+    # save, and would run without a collector for ever.
+    _gc_lock = threading.Lock()
+    if _gc_depth:
+        _gc_depth = 0
+        if _gc_was_enabled:
+            gc.enable()
+    _defer_lock = threading.RLock()
+    if _defer_depth:
+        _defer_depth = 0
+        _end_deferral()
 
 
 if hasattr(os, "register_at_fork"):
@@ -692,16 +711,21 @@ def gc_paused() -> Iterator[None]:
     collection resumes (running when due) once the last save in flight
     leaves. Saves on several threads nest."""
     global _gc_depth, _gc_was_enabled
-    with _gc_lock:
-        if _gc_depth == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_depth += 1
     try:
+        # All inside the try: an interrupt (Ctrl-C) landing anywhere here
+        # still runs the finally. The depth counts before the collector is
+        # disabled, so an interrupt between the two leaves it counted, and
+        # the finally enables the collector again (an interrupt right after
+        # gc.disable() left it off for the rest of the process).
+        with _gc_lock:
+            _gc_depth += 1
+            if _gc_depth == 1:
+                _gc_was_enabled = gc.isenabled()
+                gc.disable()
         yield
     finally:
         with _gc_lock:
-            _gc_depth -= 1
+            _gc_depth = max(0, _gc_depth - 1)
             if _gc_depth == 0 and _gc_was_enabled:
                 gc.enable()
 
@@ -783,18 +807,26 @@ class FullGcDeferral:
             _defer_depth += 1
 
     def end(self) -> None:
-        global _defer_depth, _defer_saved
+        global _defer_depth
         with _defer_lock:
             if not self._held:
                 return
             self._held = False
             _defer_depth -= 1
-            if _defer_depth == 0 and _defer_saved is not None:
-                old2, deferred = _defer_saved
-                _defer_saved = None
-                now = gc.get_threshold()
-                if now[2] == deferred:  # not changed by the caller since
-                    gc.set_threshold(now[0], now[1], old2)
+            if _defer_depth == 0:
+                _end_deferral()
+
+
+def _end_deferral() -> None:
+    """The oldest generation's threshold set back (unless the caller set
+    one of their own since the deferral began)."""
+    global _defer_saved
+    if _defer_saved is not None:
+        old2, deferred = _defer_saved
+        _defer_saved = None
+        now = gc.get_threshold()
+        if now[2] == deferred:
+            gc.set_threshold(now[0], now[1], old2)
 
 
 def full_gc_deferral(owner: Any) -> FullGcDeferral:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import fastpersist
 import pytest
 import torch
 from conftest import is_root
@@ -479,3 +480,81 @@ def test_forked_child_stages_with_its_own_buffers(tmp_path):
     # Checked here (torch's own thread pool is not fork-safe in the child).
     got = torch.load(tmp_path / "child.pt")
     assert torch.equal(got["a"], torch.arange(50_000.0)) and torch.equal(got["b"], torch.ones(7, dtype=torch.int8))
+
+
+def test_an_interrupt_as_a_save_pauses_the_collector_leaves_it_running(tmp_path):
+    """Regression: a KeyboardInterrupt landing right after gc_paused
+    disabled the collector (before it counted the pause) left Python's
+    cyclic GC off for the rest of the process. An interrupt before each
+    statement of the pause's entry leaves it on."""
+    import gc
+    import inspect
+    import sys
+
+    from fastpersist import options
+
+    code = inspect.unwrap(options.gc_paused).__code__
+    lines, first = inspect.getsourcelines(code)
+    until = first + next(i for i, s in enumerate(lines) if "yield" in s)
+    seen: list = []  # the lines of the entry that run, in order
+
+    def watch(frame, event, arg):
+        if event == "line" and frame.f_lineno < until and frame.f_lineno not in seen:
+            seen.append(frame.f_lineno)
+        return watch
+
+    sys.settrace(lambda frame, event, arg: watch if frame.f_code is code else None)
+    try:
+        with options.gc_paused():
+            pass
+    finally:
+        sys.settrace(None)
+    entry = list(seen)
+    assert len(entry) >= 3, entry
+    sd = {"w": torch.ones(4)}
+    for line in entry:
+        fired = []
+
+        def local(frame, event, arg, line=line, fired=fired):
+            if event == "line" and frame.f_lineno == line and not fired:
+                fired.append(line)
+                raise KeyboardInterrupt(f"before line {line}")
+            return local
+
+        def tracer(frame, event, arg, local=local):
+            return local if frame.f_code is code else None
+
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                fastpersist.write_state_dict(sd, tmp_path / "x.pt")
+        finally:
+            sys.settrace(None)
+        assert fired == [line]
+        assert gc.isenabled() and options._gc_depth == 0, line
+    fastpersist.write_state_dict(sd, tmp_path / "x.pt")
+    assert gc.isenabled()
+
+
+def test_a_child_forked_while_a_save_pauses_the_collector_has_it_running(tmp_path):
+    """Regression: os.fork() while another thread's save had the collector
+    paused (a DataLoader worker started during a background save) left the
+    child's cyclic GC off for ever."""
+    import gc
+
+    from fastpersist import options
+
+    with options.gc_paused():
+        assert not gc.isenabled()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            os.write(w, f"{gc.isenabled()} {options._gc_depth}".encode())
+            os._exit(0)
+        os.close(w)
+        got = os.read(r, 100).decode()
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert got == "True 0"
+    assert gc.isenabled()
