@@ -56,6 +56,7 @@ from .options import (
     gc_paused,
     note_pending,
     resolve_target,
+    signals_held,
     wait_for_earlier,
     with_file_mode,
 )
@@ -644,6 +645,8 @@ class AsyncSaver:
         self._snap = _Worker("fastpersist-snapshot", nice)
         self._write = _Worker("fastpersist-write", nice)
         self._slots = threading.BoundedSemaphore(max_pending)
+        #: Set when a slot is given back (a save waiting for one looks again).
+        self._slot_free = threading.Event()
         self._lock = threading.RLock()
         self._last: Optional[CheckpointFuture] = None
         self._inflight: List[CheckpointFuture] = []
@@ -723,56 +726,89 @@ class AsyncSaver:
         metadata = options.pop("metadata", None)
         if group is not None:
             checkpoint_group(group)  # collective: made here, on every rank's calling thread
-        with self._lock:
-            prev = self._last
-        if prev is not None:
-            prev._snapshot.wait()  # its errors surface from its own future
-        self._slots.acquire()
-        # From here to the submission an interrupt (Ctrl-C) must not keep the
-        # slot: before the future is registered the slot is given back; once
-        # it is, the future is cancelled (its callbacks give it back).
+        # On the caller's thread, now: device copies made later in the
+        # background are ordered after the work queued on its streams so
+        # far, and the tensors' version counters are taken (an in-place
+        # update issued before the save has gathered a tensor fails it).
+        versions = TensorVersions(obj, on_change)
         fut: Optional[CheckpointFuture] = None
         try:
-            # On the caller's thread, now: device copies made later in the
-            # background are ordered after the work queued on its streams so
-            # far, and the tensors' version counters are taken (an in-place
-            # update issued before the save has gathered a tensor fails it).
-            versions = TensorVersions(obj, on_change)
             devices = active_devices(obj)
             ready = record_ready(devices)
             # The background threads work under the caller's device (one
             # with a context), never device 0 by default.
             home = home_device(devices)
             held = _Held(obj, versions)
-            del obj, versions  # from here on only in the box
-            with self._lock:
-                if self._closed:
-                    # Closed by another thread since the check above: its
-                    # threads end once the saves registered before are done,
-                    # so this one would never run (its future never complete).
-                    held.versions.release()
+            del obj
+            while True:
+                # Registered only once the save before it (from any thread)
+                # has left its snapshot phase, as one step with that check:
+                # a snapshot save's write is queued on the write thread as
+                # its snapshot ends, and a save registered after it but
+                # queued there first would wait for it for ever (two
+                # threads saving to one path, one of them pipelined).
+                # Signals are held for the step (main thread): an interrupt
+                # cannot leave a slot taken or a save registered that never
+                # runs (every later save to its path would wait for it).
+                with signals_held(), self._lock:
                     self._check_open()
-                made = CheckpointFuture(p, mode)
-                made._workers = (self._snap, self._write)
-                note_pending(p, made)
-                made.add_done_callback(self._finished)
-                fut = made
-                self._last = fut
-                self._inflight.append(fut)
-                if group is not None:
-                    self._write.submit(_on(home, self._distributed), held, p, opts, fut, group, sharded, ready)
-                elif mode == "snapshot":
-                    planner = _planner(fmt, metadata)
-                    self._snap.submit(_on(home, self._snapshot_then_write), held, p, opts, fut, ready, planner)
-                elif fmt == "safetensors":
-                    self._write.submit(_on(home, self._pipelined_safetensors), held, p, opts, fut, metadata)
+                    last = self._last
+                    if (last is None or last._snapshot.is_set()) and self._slots.acquire(blocking=False):
+                        fut = self._register(held, p, mode, opts, group, sharded, fmt, metadata, ready, home)
+                        break
+                # Outside the lock and with signals let through: wait for the
+                # save before to leave its snapshot phase, or for a slot.
+                if last is not None and not last._snapshot.is_set():
+                    last._snapshot.wait()  # its errors surface from its own future
                 else:
-                    self._write.submit(_on(home, self._pipelined), held, p, opts, fut, ready)
+                    self._slot_free.wait(0.05)
+                    self._slot_free.clear()
         except BaseException:
-            if fut is None:
-                self._slots.release()
+            if fut is None:  # not registered (a save registered runs, even if an interrupt follows)
+                versions.release()
+            raise
+        return fut
+
+    def _register(
+        self,
+        held: _Held,
+        p: str,
+        mode: str,
+        opts: EngineOptions,
+        group: Any,
+        sharded: bool,
+        fmt: str,
+        metadata: Any,
+        ready: ReadyEvents,
+        home: Any,
+    ) -> CheckpointFuture:
+        """One save registered and handed to its thread (the caller holds
+        ``self._lock``, a slot and signals)."""
+        fut = CheckpointFuture(p, mode)
+        finishes = False  # whether the future's end gives the slot back
+        try:
+            fut._workers = (self._snap, self._write)
+            note_pending(p, fut)
+            fut.add_done_callback(self._finished)
+            finishes = True
+            self._last = fut
+            self._inflight.append(fut)
+            if group is not None:
+                self._write.submit(_on(home, self._distributed), held, p, opts, fut, group, sharded, ready)
+            elif mode == "snapshot":
+                planner = _planner(fmt, metadata)
+                self._snap.submit(_on(home, self._snapshot_then_write), held, p, opts, fut, ready, planner)
+            elif fmt == "safetensors":
+                self._write.submit(_on(home, self._pipelined_safetensors), held, p, opts, fut, metadata)
             else:
-                fut.cancel()  # not begun: nothing written; its callbacks free the slot
+                self._write.submit(_on(home, self._pipelined), held, p, opts, fut, ready)
+        except BaseException:
+            # Not handed to its thread (a thread that cannot start): nothing
+            # is written. Cancelled, its callbacks take it off the path's
+            # pending list and the saver's, and give the slot back.
+            fut.cancel()
+            if not finishes:
+                self._slots.release()
             raise
         return fut
 
@@ -786,6 +822,7 @@ class AsyncSaver:
         inherited = self._inflight
         self._lock = threading.RLock()
         self._slots = threading.BoundedSemaphore(self._max_pending)
+        self._slot_free = threading.Event()
         self._last = None
         self._inflight = []
         self._unseen = []
@@ -811,6 +848,7 @@ class AsyncSaver:
                 # a failure nobody reads must not pass silently.
                 self._unseen = [f for f in self._unseen[-(MAX_UNSEEN - 1) :] if f._failed_unseen()] + [fut]
         self._slots.release()
+        self._slot_free.set()
 
     def _pipelined(
         self,

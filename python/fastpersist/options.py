@@ -37,6 +37,7 @@ import inspect
 import logging
 import os
 import re
+import signal
 import stat
 import threading
 import time
@@ -677,6 +678,47 @@ def sweep_after_commit(path: str) -> None:
 _order_lock = threading.RLock()
 # Resolved path -> futures of saves to it not yet finished, in call order.
 _pending_by_path: Dict[str, List[Any]] = {}
+
+
+#: Signals a short step holds back (all but those that stop or kill, and
+#: those a fault raises synchronously, which cannot wait).
+_HELD_SIGNALS = (
+    set(signal.valid_signals())
+    - {
+        getattr(signal, n)
+        for n in ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS")
+        if hasattr(signal, n)
+    }
+    if hasattr(signal, "pthread_sigmask")
+    else set()
+)
+
+
+class signals_held:
+    """A short step that an exception raised by a signal handler (Ctrl-C's
+    KeyboardInterrupt, a SIGTERM handler's SystemExit) must not cut in two:
+    on the main thread (where Python runs its handlers) the signals are
+    blocked for the step and delivered as it ends, so their handlers run
+    before it or after it. Elsewhere it does nothing."""
+
+    __slots__ = ("_old",)
+
+    def __enter__(self) -> signals_held:
+        self._old = None
+        if _HELD_SIGNALS and threading.current_thread() is threading.main_thread():
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+            try:
+                signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+            except BaseException:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a handler due before the step raised
+                raise
+            self._old = old
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            old, self._old = self._old, None
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)  # the handlers of signals held run now
 
 
 def note_pending(path: str, fut: Any) -> None:

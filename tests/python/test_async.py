@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import fastpersist
 import pytest
@@ -559,3 +560,85 @@ def test_a_saver_dropped_without_close_ends_its_threads(tmp_path, owner):
     for t in threads:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_two_threads_saving_to_one_path_in_both_modes_both_commit(tmp_path):
+    """Regression: a pipelined save called on one thread as a snapshot
+    save was called on another read the saver's last save before the
+    snapshot save was registered and registered after it: its write, on
+    the write thread, waited for the snapshot save, whose write is queued
+    there when its snapshot ends, behind it: both hung for ever (and the
+    exit with them). Now the check and the registration are one step."""
+    import threading
+
+    saver = AsyncSaver(max_pending=2)
+    p = tmp_path / "x.pt"
+    registered = threading.Event()
+    real = saver._slots
+    second = threading.current_thread
+
+    class Slots:
+        """The pipelined thread looks at the saver's last save, then is
+        held until the snapshot save is registered (where it can be)."""
+
+        def acquire(self, *a, **kw):
+            if second().name == "pipelined" and not registered.is_set():
+                registered.wait(2)
+            return real.acquire(*a, **kw)
+
+        def release(self):
+            real.release()
+
+    saver._slots = Slots()
+    big = {"w": torch.ones(16 << 20)}  # a snapshot of 64 MiB: its write is queued a while after its registration
+    futs = {}
+
+    def snap():
+        futs["snapshot"] = saver.save(big, p, mode="snapshot")
+        registered.set()
+
+    t2 = threading.Thread(
+        target=lambda: futs.setdefault("pipelined", saver.save({"w": torch.zeros(4)}, p)), name="pipelined"
+    )
+    t2.start()
+    time.sleep(0.2)
+    t1 = threading.Thread(target=snap)
+    t1.start()
+    t1.join(30)
+    t2.join(30)
+    assert set(futs) == {"snapshot", "pipelined"}
+    done, _ = concurrent.futures.wait(list(futs.values()), timeout=60)
+    assert len(done) == 2, "the two saves wait for each other"
+    for f in futs.values():
+        f.result()
+    saver.close()
+
+
+def test_an_interrupt_as_a_save_registers_leaves_no_save_that_never_runs(tmp_path, monkeypatch):
+    """Regression: a Ctrl-C landing while save_async registered its save
+    (in the path's pending list, not yet with the saver) left a save that
+    never runs: every later save to the path waited for it for ever. The
+    registration holds signals back; the interrupt comes after it, and the
+    save it registered runs."""
+    import signal
+
+    from fastpersist import async_save
+
+    saver = AsyncSaver(max_pending=2)
+    p = tmp_path / "x.pt"
+    real = async_save.note_pending
+
+    def interrupted(path, fut):
+        real(path, fut)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, right here
+
+    monkeypatch.setattr(async_save, "note_pending", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        saver.save({"w": torch.ones(4)}, p)
+    monkeypatch.undo()
+    later = saver.save({"w": torch.zeros(4)}, p)
+    done, _ = concurrent.futures.wait([later], timeout=30)
+    assert done, "the later save waits for one that never runs"
+    later.result()
+    saver.close()
+    assert torch.equal(torch.load(p)["w"], torch.zeros(4))
