@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import logging
 import operator
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -1103,6 +1105,23 @@ def _drain_at_exit() -> None:
     pending = [f for s in savers for f in s.pending()]
     if pending:
         log.warning("fastpersist: waiting for %d checkpoint save(s) in flight before exit", len(pending))
-    for s in savers:
-        for f in s.wait_all():
-            log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, future_error(f))
+    try:
+        for s in savers:
+            for f in s.wait_all():
+                log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, future_error(f))
+    except KeyboardInterrupt:
+        # Ctrl-C while waiting: the saves still in flight are given up (the
+        # files at their paths stay as they were; their temporary files are
+        # removed by a later save there). The process ends now: finalizing
+        # with the engine's threads inside the core would end them by
+        # unwinding through it, which aborts the process (SIGABRT) and, as
+        # likely, ended it with status 0 and the saves silently dropped.
+        left = [f.path for s in savers for f in s.pending()]
+        log.error("fastpersist: interrupted at exit: checkpoint(s) NOT saved: %s", ", ".join(map(str, left)) or "-")
+        for h in logging.getLogger().handlers + log.handlers:
+            with contextlib.suppress(Exception):
+                h.flush()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(130)

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import fastpersist
 import pytest
@@ -558,3 +559,34 @@ def test_a_child_forked_while_a_save_pauses_the_collector_has_it_running(tmp_pat
         os.waitpid(pid, 0)
     assert got == "True 0"
     assert gc.isenabled()
+
+
+def test_ctrl_c_while_the_exit_waits_for_saves_ends_the_process_cleanly(tmp_path):
+    """Regression: Ctrl-C while the exit's drain waited for a save in flight
+    aborted the process (SIGABRT: finalization ended an engine thread
+    inside the core by unwinding through it) or ended it with status 0 and
+    the save silently dropped. Now the saves given up are logged as NOT
+    saved and the process ends with status 130; the file at the path is
+    the old one or the new one, whole."""
+    import signal
+
+    p = tmp_path / "ckpt.pt"
+    child = textwrap.dedent(
+        f"""
+        import sys, torch, fastpersist
+        state = {{f"t{{i}}": torch.full((65536,), 1.0) for i in range(400)}}
+        fastpersist.save_async(state, {str(p)!r}, mode=sys.argv[1])
+        print("exiting", flush=True)
+        """
+    )
+    for i, mode in enumerate(["snapshot", "pipelined", "snapshot", "pipelined"]):
+        fastpersist.write_state_dict({"t0": torch.zeros(65536)}, p)
+        pr = subprocess.Popen([sys.executable, "-c", child, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert pr.stdout.readline() == b"exiting\n"
+        time.sleep(0.02 * i)
+        pr.send_signal(signal.SIGINT)
+        _, err = pr.communicate(timeout=120)
+        assert pr.returncode in (0, 130, -signal.SIGINT), (pr.returncode, err.decode()[-2000:])
+        if pr.returncode == 130:
+            assert b"NOT saved" in err
+        assert float(fastpersist.read_state_dict(p)["t0"][0]) in (0.0, 1.0)
