@@ -23,6 +23,7 @@ out a routed call go to the originals.
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import inspect
 import os
@@ -136,6 +137,21 @@ def _torch_state() -> Optional[str]:
     return None
 
 
+#: torch.Tensor's own reduction, as torch defines it.
+_TENSOR_REDUCE_EX = torch.Tensor.__reduce_ex__
+
+
+def _own_tensor_pickling() -> Optional[str]:
+    """A reduction of plain tensors of the program's own, which torch.save's
+    pickler uses (copyreg's dispatch table is consulted first, then
+    ``__reduce_ex__``) and fastpersist's tensor reducer would pass by."""
+    if torch.Tensor in copyreg.dispatch_table:
+        return "a copyreg reduction of torch.Tensor"
+    if torch.Tensor.__reduce_ex__ is not _TENSOR_REDUCE_EX:
+        return "torch.Tensor.__reduce_ex__ replaced"
+    return None
+
+
 def _config(section: str, name: str, default: Any) -> Any:
     try:
         from torch.utils.serialization import config
@@ -160,7 +176,7 @@ def torch_save_route(save: Callable[..., Any], args: tuple, kwargs: dict) -> Tup
     odd = _non_default(save, ba, ("obj", "f"))
     if odd is not None:
         return None, odd
-    odd = _torch_state()
+    odd = _torch_state() or _own_tensor_pickling()
     if odd is not None:
         return None, odd
     align = _config("save", "storage_alignment", 64)

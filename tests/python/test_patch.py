@@ -590,3 +590,35 @@ def _in_place_as_nobody(tmp_path):
     assert_same(LOAD(tmp_path / "mine.pt"), {"w": torch.ones(2)})
     assert (tmp_path / "root.pt").read_text() == "old"
     assert os.stat(tmp_path / "mine.pt").st_uid == 65534
+
+
+@pytest.mark.parametrize("how", ["copyreg", "reduce_ex"])
+def test_a_tensor_reduction_of_the_programs_own_goes_to_torch_save(tmp_path, monkeypatch, how):
+    """Regression: a reduction of plain tensors the program installed (a
+    copyreg entry, a replaced Tensor.__reduce_ex__), which torch.save's
+    pickler uses, was passed by: the routed save wrote a standard tensor
+    record instead. Such a save goes to torch.save."""
+    import copyreg
+
+    import torch
+
+    def as_list(t):
+        return (torch.tensor, (t.tolist(),))
+
+    if how == "copyreg":
+        monkeypatch.setitem(copyreg.dispatch_table, torch.Tensor, as_list)
+    else:
+        monkeypatch.setattr(torch.Tensor, "__reduce_ex__", lambda self, proto: as_list(self))
+    obj = {"t": torch.arange(3.0)}
+    torch.save(obj, tmp_path / "torch.pt")
+    with fastpersist.patch() as stats:
+        torch.save(obj, tmp_path / "patched.pt")
+    assert stats.routed == 0 and ("copyreg" in " ".join(stats.reasons) or "__reduce_ex__" in " ".join(stats.reasons))
+    monkeypatch.undo()
+
+    def pkl(p):
+        with zipfile.ZipFile(p) as z:
+            return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+
+    assert pkl(tmp_path / "patched.pt") == pkl(tmp_path / "torch.pt")
+    assert torch.equal(torch.load(tmp_path / "patched.pt", weights_only=False)["t"], obj["t"])
