@@ -292,3 +292,14 @@ def test_comparison_follows_identity_cycles_storages_sets_and_container_items(tm
     other: list = [torch.ones(1)]
     other.append([torch.ones(1), []])
     differ(loop, other)
+
+
+@pytest.mark.parametrize("where", [{"cpu": "cpu"}, lambda storage, loc: storage])
+def test_assert_roundtrip_of_safetensors_with_a_map_location_safetensors_does_not_take(tmp_path, where):
+    """Regression: a dict or function map_location, which read_state_dict
+    takes, was handed to safetensors' load_file as a device name, which it
+    refused: the helper failed instead of comparing."""
+    from fastpersist.testing import assert_roundtrip
+
+    sd = {"a": torch.arange(6.0), "b": torch.ones(2, 3, dtype=torch.int32)}
+    assert_roundtrip(sd, tmp_path / "x.safetensors", write_kwargs={"format": "safetensors"}, map_location=where)
