@@ -55,10 +55,10 @@ from .options import (
     PathLike,
     WriteStats,
     env_int,
+    forget_pending,
     gc_paused,
     note_pending,
     resolve_target,
-    signals_held,
     wait_for_earlier,
     with_file_mode,
 )
@@ -475,11 +475,13 @@ class _Held:
     are let go of while the caller still waits, not at some later point
     (when an exiting interpreter may be tearing down)."""
 
-    __slots__ = ("obj", "versions")
+    __slots__ = ("obj", "registered", "versions")
 
     def __init__(self, obj: Any, versions: TensorVersions) -> None:
         self.obj: Any = obj
         self.versions: Any = versions
+        #: Handed to its thread (which then owns the versions).
+        self.registered = False
 
     def take(self) -> Tuple[Any, Any]:
         obj, versions = self.obj, self.versions
@@ -646,8 +648,8 @@ class AsyncSaver:
         self.pool = SnapshotPool()
         self._snap = _Worker("fastpersist-snapshot", nice)
         self._write = _Worker("fastpersist-write", nice)
-        self._slots = threading.BoundedSemaphore(max_pending)
-        #: Set when a slot is given back (a save waiting for one looks again).
+        #: Set when a save ends (a save waiting for room looks again). The
+        #: saves in flight are ``_inflight``: no separate count to leak.
         self._slot_free = threading.Event()
         self._lock = threading.RLock()
         self._last: Optional[CheckpointFuture] = None
@@ -733,7 +735,7 @@ class AsyncSaver:
         # far, and the tensors' version counters are taken (an in-place
         # update issued before the save has gathered a tensor fails it).
         versions = TensorVersions(obj, on_change)
-        fut: Optional[CheckpointFuture] = None
+        held: Optional[_Held] = None
         try:
             devices = active_devices(obj)
             ready = record_ready(devices)
@@ -749,16 +751,15 @@ class AsyncSaver:
                 # its snapshot ends, and a save registered after it but
                 # queued there first would wait for it for ever (two
                 # threads saving to one path, one of them pipelined).
-                # Signals are held for the step (main thread): an interrupt
-                # cannot leave a slot taken or a save registered that never
-                # runs (every later save to its path would wait for it).
-                with signals_held(), self._lock:
+                # Room is counted by the saves in flight themselves (an
+                # interrupt leaves no slot taken); a save that cannot be
+                # registered whole is taken back (see _register).
+                with self._lock:
                     self._check_open()
                     last = self._last
-                    if (last is None or last._snapshot.is_set()) and self._slots.acquire(blocking=False):
-                        fut = self._register(held, p, mode, opts, group, sharded, fmt, metadata, ready, home)
-                        break
-                # Outside the lock and with signals let through: wait for the
+                    if (last is None or last._snapshot.is_set()) and len(self._inflight) < self._max_pending:
+                        return self._register(held, p, mode, opts, group, sharded, fmt, metadata, ready, home)
+                # Outside the lock: wait for the
                 # save before to leave its snapshot phase, or for a slot.
                 if last is not None and not last._snapshot.is_set():
                     last._snapshot.wait()  # its errors surface from its own future
@@ -766,10 +767,9 @@ class AsyncSaver:
                     self._slot_free.wait(0.05)
                     self._slot_free.clear()
         except BaseException:
-            if fut is None:  # not registered (a save registered runs, even if an interrupt follows)
+            if held is None or not held.registered:  # (a save registered runs, even if an interrupt follows)
                 versions.release()
             raise
-        return fut
 
     def _register(
         self,
@@ -785,16 +785,15 @@ class AsyncSaver:
         home: Any,
     ) -> CheckpointFuture:
         """One save registered and handed to its thread (the caller holds
-        ``self._lock``, a slot and signals)."""
-        fut = CheckpointFuture(p, mode)
-        finishes = False  # whether the future's end gives the slot back
+        ``self._lock``); ``held.registered`` once it is."""
+        fut: Optional[CheckpointFuture] = None
         try:
+            fut = CheckpointFuture(p, mode)
             fut._workers = (self._snap, self._write)
+            self._inflight.append(fut)
+            self._last = fut
             note_pending(p, fut)
             fut.add_done_callback(self._finished)
-            finishes = True
-            self._last = fut
-            self._inflight.append(fut)
             if group is not None:
                 self._write.submit(_on(home, self._distributed), held, p, opts, fut, group, sharded, ready)
             elif mode == "snapshot":
@@ -804,15 +803,28 @@ class AsyncSaver:
                 self._write.submit(_on(home, self._pipelined_safetensors), held, p, opts, fut, metadata)
             else:
                 self._write.submit(_on(home, self._pipelined), held, p, opts, fut, ready)
+            held.registered = True
         except BaseException:
-            # Not handed to its thread (a thread that cannot start): nothing
-            # is written. Cancelled, its callbacks take it off the path's
-            # pending list and the saver's, and give the slot back.
-            fut.cancel()
-            if not finishes:
-                self._slots.release()
+            # Not handed to its thread (a thread that cannot start, an
+            # interrupt): nothing is written, and nothing waits for it.
+            if fut is not None:
+                self._take_back(p, fut)
             raise
         return fut
+
+    def _take_back(self, p: str, fut: CheckpointFuture) -> None:
+        """A save that was not handed to its thread, undone: off the path's
+        pending list and the saver's, its snapshot phase ended (cancelled),
+        each step idempotent and none left to a callback."""
+        try:
+            fut.cancel()
+        finally:
+            forget_pending(p, fut)
+            self._inflight = [f for f in self._inflight if f is not fut]
+            if self._last is fut:
+                self._last = None
+            fut._snapshot.set()
+            self._slot_free.set()
 
     def _after_fork_in_child(self) -> None:
         """In a child made by ``os.fork()``: the saves in flight are the
@@ -823,7 +835,6 @@ class AsyncSaver:
         parent, self._pid = self._pid, os.getpid()
         inherited = self._inflight
         self._lock = threading.RLock()
-        self._slots = threading.BoundedSemaphore(self._max_pending)
         self._slot_free = threading.Event()
         self._last = None
         self._inflight = []
@@ -849,7 +860,6 @@ class AsyncSaver:
                 # Kept (its error's frames dropped) until wait_all() reports it:
                 # a failure nobody reads must not pass silently.
                 self._unseen = [f for f in self._unseen[-(MAX_UNSEEN - 1) :] if f._failed_unseen()] + [fut]
-        self._slots.release()
         self._slot_free.set()
 
     def _pipelined(

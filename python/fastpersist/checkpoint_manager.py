@@ -573,7 +573,7 @@ class Checkpointer:
         #: Why replication stopped (a peer gone: the pairs are out of step).
         self._replica_broken: Optional[str] = None
         #: With ``group``: the steps every rank committed (agreed at the
-        #: next save's start, or seen in every rank's listing at a restore);
+        #: next save's start), or that a group restore obtained on every rank;
         #: retention counts only these, so a rank whose saves failed keeps a
         #: step in common with the others.
         self._agreed: Set[int] = set()
@@ -696,11 +696,15 @@ class Checkpointer:
         self._check_open()
         _check_step(step)
         t0 = self.clock()
-        if self._inflight is not None:
-            # One checkpoint at a time: the previous must be committed first.
-            self._finish(self._inflight, wait=True)
-        if self._ctl is not None:
-            self._agree_previous()
+        try:
+            if self._inflight is not None:
+                # One checkpoint at a time: the previous must be committed first.
+                self._finish(self._inflight, wait=True)
+        finally:
+            if self._ctl is not None:
+                # Every rank reaches the all-reduce, even one whose
+                # bookkeeping of the previous save raised.
+                self._agree_previous()
         path = os.path.join(self.directory, ckpt_name(step))
         later = self._later_than(step)
         with self._lock:
@@ -1267,9 +1271,6 @@ class Checkpointer:
         excluded: Set[int] = set()
         for _ in range(_RELIST):
             offers = gather(self._offer(), self._ctl)
-            with self._lock:
-                # Steps every rank has committed locally count for retention.
-                self._agreed.update(set.intersection(*(set(o["local"]) for o in offers)))
             if len({o["replicate"] for o in offers}) != 1:
                 raise ValueError(
                     f"the ranks of the group were given different replicate= values: {[o['replicate'] for o in offers]}"
@@ -1291,6 +1292,8 @@ class Checkpointer:
                     err = {"raised": f"{type(e).__name__}: {e}"}
             errors = gather(err, self._ctl)
             if all(e is None for e in errors):
+                with self._lock:
+                    self._agreed.add(step)  # obtained (and verified) on every rank: it counts for retention
                 return out
             fatal = [(r, e["raised"]) for r, e in enumerate(errors) if isinstance(e, dict)]
             if fatal:

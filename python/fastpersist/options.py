@@ -37,7 +37,6 @@ import inspect
 import logging
 import os
 import re
-import signal
 import stat
 import threading
 import time
@@ -374,11 +373,13 @@ def use_engine(opts: EngineOptions, index: int = 0) -> Iterator[_core.Engine]:
         # (Ctrl-C) lands before this finally or after the release, never
         # between a check and the release (it did, 1 in 5,000 saves, and
         # the lock stayed with the main thread: every other thread's save
-        # with these options, and the exit's drain, waited for ever).
+        # with these options, and the exit's drain, waited for ever). The C
+        # RLock's release checks the owner: a lock another thread holds
+        # (this one's acquire was interrupted while it waited) is left alone.
         try:
-            lock._lock._release_save()  # type: ignore[attr-defined]  # the C RLock's: RuntimeError if not held
+            lock._lock.release()
         except RuntimeError:
-            pass  # not held: the acquire itself was interrupted
+            pass  # not held here: the acquire itself was interrupted
 
 
 def _after_fork_in_child() -> None:
@@ -680,62 +681,23 @@ _order_lock = threading.RLock()
 _pending_by_path: Dict[str, List[Any]] = {}
 
 
-#: Signals a short step holds back (all but those that stop or kill, and
-#: those a fault raises synchronously, which cannot wait).
-_HELD_SIGNALS = (
-    set(signal.valid_signals())
-    - {
-        getattr(signal, n)
-        for n in ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS")
-        if hasattr(signal, n)
-    }
-    if hasattr(signal, "pthread_sigmask")
-    else set()
-)
-
-
-class signals_held:
-    """A short step that an exception raised by a signal handler (Ctrl-C's
-    KeyboardInterrupt, a SIGTERM handler's SystemExit) must not cut in two:
-    on the main thread (where Python runs its handlers) the signals are
-    blocked for the step and delivered as it ends, so their handlers run
-    before it or after it. Elsewhere it does nothing."""
-
-    __slots__ = ("_old",)
-
-    def __enter__(self) -> signals_held:
-        self._old = None
-        if _HELD_SIGNALS and threading.current_thread() is threading.main_thread():
-            old = signal.pthread_sigmask(signal.SIG_BLOCK, ())
-            try:
-                signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
-            except BaseException:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a handler due before the step raised
-                raise
-            self._old = old
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._old is not None:
-            old, self._old = self._old, None
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)  # the handlers of signals held run now
-
-
 def note_pending(path: str, fut: Any) -> None:
     """Record, at the call, a background save to ``path`` (saves to one
     path commit in the order of their calls)."""
     with _order_lock:
         _pending_by_path.setdefault(path, []).append(fut)
+    fut.add_done_callback(functools.partial(forget_pending, path))
 
-    def done(f: Any) -> None:
-        with _order_lock:
-            lst = _pending_by_path.get(path, [])
-            if f in lst:
-                lst.remove(f)
-            if not lst:
-                _pending_by_path.pop(path, None)
 
-    fut.add_done_callback(done)
+def forget_pending(path: str, fut: Any) -> None:
+    """``fut`` no longer pending at ``path`` (done, or never handed to its
+    thread); idempotent."""
+    with _order_lock:
+        lst = _pending_by_path.get(path, [])
+        if fut in lst:
+            lst.remove(fut)
+        if not lst:
+            _pending_by_path.pop(path, None)
 
 
 _gc_lock = threading.Lock()
@@ -854,7 +816,7 @@ class FullGcDeferral:
             if not self._held:
                 return
             self._held = False
-            _defer_depth -= 1
+            _defer_depth = max(0, _defer_depth - 1)  # (a deferral a forked child inherited held)
             if _defer_depth == 0:
                 _end_deferral()
 

@@ -206,7 +206,8 @@ def verify_fd(fd: int, path: str, *, direct: Optional[bool] = None) -> VerifyRes
         raise CorruptCheckpointError(f"{path}: {e}") from None
     if fmt == "torch":
         unchecked = _check_crcs(fd, recs, crcs, path)
-        pkl = [r for r in recs if r.name == archive_prefix([r.name for r in recs]) + "data.pkl"]
+        pkl_name = archive_prefix([r.name for r in recs]) + "data.pkl"
+        pkl = [r for r in recs if r.name == pkl_name]
         if not pkl:
             raise CorruptCheckpointError(f"{path}: no data.pkl record where torch.load looks for it")
         data = os.pread(fd, pkl[0].bytes, pkl[0].offset)

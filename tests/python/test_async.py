@@ -562,7 +562,7 @@ def test_a_saver_dropped_without_close_ends_its_threads(tmp_path, owner):
     assert not any(t.is_alive() for t in threads)
 
 
-def test_two_threads_saving_to_one_path_in_both_modes_both_commit(tmp_path):
+def test_two_threads_saving_to_one_path_in_both_modes_both_commit(tmp_path, monkeypatch):
     """Regression: a pipelined save called on one thread as a snapshot
     save was called on another read the saver's last save before the
     snapshot save was registered and registered after it: its write, on
@@ -571,25 +571,22 @@ def test_two_threads_saving_to_one_path_in_both_modes_both_commit(tmp_path):
     exit with them). Now the check and the registration are one step."""
     import threading
 
+    from fastpersist import async_save
+
     saver = AsyncSaver(max_pending=2)
     p = tmp_path / "x.pt"
     registered = threading.Event()
-    real = saver._slots
-    second = threading.current_thread
+    real = async_save.TensorVersions
 
-    class Slots:
-        """The pipelined thread looks at the saver's last save, then is
-        held until the snapshot save is registered (where it can be)."""
+    def held_back(*a, **kw):
+        """The pipelined thread (having looked at the saver's last save,
+        where it once looked first) is held until the snapshot save is
+        registered."""
+        if threading.current_thread().name == "pipelined" and not registered.is_set():
+            registered.wait(5)
+        return real(*a, **kw)
 
-        def acquire(self, *a, **kw):
-            if second().name == "pipelined" and not registered.is_set():
-                registered.wait(2)
-            return real.acquire(*a, **kw)
-
-        def release(self):
-            real.release()
-
-    saver._slots = Slots()
+    monkeypatch.setattr(async_save, "TensorVersions", held_back)
     big = {"w": torch.ones(16 << 20)}  # a snapshot of 64 MiB: its write is queued a while after its registration
     futs = {}
 
@@ -617,9 +614,8 @@ def test_two_threads_saving_to_one_path_in_both_modes_both_commit(tmp_path):
 def test_an_interrupt_as_a_save_registers_leaves_no_save_that_never_runs(tmp_path, monkeypatch):
     """Regression: a Ctrl-C landing while save_async registered its save
     (in the path's pending list, not yet with the saver) left a save that
-    never runs: every later save to the path waited for it for ever. The
-    registration holds signals back; the interrupt comes after it, and the
-    save it registered runs."""
+    never runs: every later save to the path waited for it for ever. A
+    save that cannot be registered whole is taken back."""
     import signal
 
     from fastpersist import async_save

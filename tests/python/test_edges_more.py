@@ -436,7 +436,9 @@ for how in ("removed", "renamed"):
         queued.result(timeout=60)
         raise AssertionError("saved into a directory that is gone")
     except fastpersist.WriteError as e:
-        assert e.errno == errno.ENOENT and e.filename == sub, e
+        # The directory gone before the queued save began (its temporary file
+        # cannot be made), or as it wrote (its rename finds no directory).
+        assert e.errno == errno.ENOENT and e.filename in (sub, os.path.join(sub, "x.pt")), e
     ahead.result(timeout=60)
 assert os.listdir(os.path.join(d, "renamed-moved")) == []
 fastpersist.save_async({"x": torch.ones(2)}, os.path.join(d, "x.pt")).result(timeout=60)
@@ -587,6 +589,9 @@ def test_ctrl_c_while_the_exit_waits_for_saves_ends_the_process_cleanly(tmp_path
         pr.send_signal(signal.SIGINT)
         _, err = pr.communicate(timeout=120)
         assert pr.returncode in (0, 130, -signal.SIGINT), (pr.returncode, err.decode()[-2000:])
+        value = float(fastpersist.read_state_dict(p)["t0"][0])
         if pr.returncode == 130:
             assert b"NOT saved" in err
-        assert float(fastpersist.read_state_dict(p)["t0"][0]) in (0.0, 1.0)
+            assert value in (0.0, 1.0)
+        else:  # the interrupt came before or after the drain: the save was not dropped
+            assert value == 1.0, (pr.returncode, err.decode()[-2000:])
