@@ -595,3 +595,36 @@ def test_ctrl_c_while_the_exit_waits_for_saves_ends_the_process_cleanly(tmp_path
             assert value in (0.0, 1.0)
         else:  # the interrupt came before or after the drain: the save was not dropped
             assert value == 1.0, (pr.returncode, err.decode()[-2000:])
+
+
+def test_an_interrupted_wait_for_the_engine_leaves_another_threads_hold_alone(tmp_path):
+    """Regression (of this change's first fix): the release after an
+    interrupted acquire let go of the engine's lock whoever held it, so a
+    Ctrl-C while the main thread waited for a background save's engine
+    freed that save's lock for a third thread to take."""
+    import signal
+    import threading
+
+    from fastpersist.options import EngineOptions, get_engine
+
+    lock, _ = get_engine(EngineOptions.resolve())
+    holding, done = threading.Event(), threading.Event()
+
+    def holder():
+        lock.acquire()
+        holding.set()
+        done.wait(30)
+        lock.release()
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert holding.wait(10)
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fastpersist.write_state_dict({"w": torch.ones(4)}, tmp_path / "x.pt")
+        assert not lock.acquire(blocking=False), "the other thread's hold was let go"
+    finally:
+        done.set()
+        t.join(30)
+    fastpersist.write_state_dict({"w": torch.ones(4)}, tmp_path / "x.pt")
