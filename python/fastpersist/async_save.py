@@ -759,8 +759,8 @@ class AsyncSaver:
                     last = self._last
                     if (last is None or last._snapshot.is_set()) and len(self._inflight) < self._max_pending:
                         return self._register(held, p, mode, opts, group, sharded, fmt, metadata, ready, home)
-                # Outside the lock: wait for the
-                # save before to leave its snapshot phase, or for a slot.
+                # Outside the lock: wait for the save before to leave its
+                # snapshot phase, or for a save in flight to end.
                 if last is not None and not last._snapshot.is_set():
                     last._snapshot.wait()  # its errors surface from its own future
                 else:

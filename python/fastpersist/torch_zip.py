@@ -526,12 +526,11 @@ class CompressedRecords(UnsupportedFormatError):
     torch.load, which ``read_state_dict`` hands it to."""
 
 
-def archive_prefix(names: List[str]) -> str:
+def archive_prefix(first: str) -> str:
     """The folder of a torch zip's records, as torch's reader takes it:
-    the first record's (``"archive/"``, a file's stem, or ``""``). Its
-    ``data.pkl`` and ``data/<key>`` records are the checkpoint's; others
-    of those names elsewhere are not read."""
-    first = names[0] if names else ""
+    that of its first record, named ``first`` (``"archive/"``, a file's
+    stem, or ``""``). Its ``data.pkl`` and ``data/<key>`` records are the
+    checkpoint's; others of those names elsewhere are not read."""
     return first.split("/", 1)[0] + "/" if "/" in first else ""
 
 

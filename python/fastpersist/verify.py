@@ -107,7 +107,7 @@ def inspect_file(path: PathLike) -> Tuple[str, List[RecordInfo]]:
         os.close(fd)
 
 
-def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
+def _check_pickle(data: bytes, recs: List[RecordInfo], prefix: str, path: str) -> None:
     """The pickle is well formed, and every storage it names is a record
     of the file holding exactly the bytes of the storage its first
     reference, and each reference as another type, describes (as
@@ -119,7 +119,7 @@ def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
     except Exception as e:  # noqa: BLE001 - a damaged pickle can raise anything
         raise CorruptCheckpointError(f"{path}: data.pkl is not a well-formed pickle: {e}") from None
     sizes, names = {}, {}
-    under = archive_prefix([r.name for r in recs]) + "data/"
+    under = prefix + "data/"
     for r in recs:
         key = r.name[len(under) :]
         if r.name.startswith(under) and "/" not in key:
@@ -157,13 +157,12 @@ def _check_pickle(data: bytes, recs: List[RecordInfo], path: str) -> None:
             )
 
 
-def _check_crcs(fd: int, recs: List[RecordInfo], crcs: List[int], path: str) -> List[str]:
+def _check_crcs(fd: int, recs: List[RecordInfo], crcs: List[int], prefix: str, path: str) -> List[str]:
     """CRC32s of a zip's records against the directory, with the reader's
     rule for CRC fields torch left 0 (returned: not checked)."""
     zr = [ZipRecord(r.name, 0, r.offset, r.bytes, r.crc32 or 0) for r in recs]
     unrecorded: set = set()
     if any(r.crc32 == 0 for r in zr):
-        prefix = archive_prefix([r.name for r in recs])
         pkl = [r for r in zr if r.name == prefix + "data.pkl"]
         sid = [r for r in zr if r.name == prefix + ".data/serialization_id"]
         data = os.pread(fd, pkl[0].size, pkl[0].data_offset) if pkl else b""
@@ -205,11 +204,13 @@ def verify_fd(fd: int, path: str, *, direct: Optional[bool] = None) -> VerifyRes
     except ValueError as e:
         raise CorruptCheckpointError(f"{path}: {e}") from None
     if fmt == "torch":
-        unchecked = _check_crcs(fd, recs, crcs, path)
-        pkl_name = archive_prefix([r.name for r in recs]) + "data.pkl"
+        # The records' folder, as torch's reader takes it (the first record's).
+        prefix = archive_prefix(recs[0].name if recs else "")
+        unchecked = _check_crcs(fd, recs, crcs, prefix, path)
+        pkl_name = prefix + "data.pkl"
         pkl = [r for r in recs if r.name == pkl_name]
         if not pkl:
             raise CorruptCheckpointError(f"{path}: no data.pkl record where torch.load looks for it")
         data = os.pread(fd, pkl[0].bytes, pkl[0].offset)
-        _check_pickle(data, recs, path)
+        _check_pickle(data, recs, prefix, path)
     return VerifyResult(fmt, len(recs) - len(unchecked), unchecked)
