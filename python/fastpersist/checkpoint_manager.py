@@ -72,7 +72,7 @@ from .errors import FastPersistError
 from .options import TEMP_MIN_AGE, fsync_dir, remove_stale_temps
 from .reader import read_state_dict
 from .replicas import ReplicaError, Ring, exchange, held_ranks, replica_dir
-from .tiers import MARKER_SUFFIX, ObjectStore, is_url
+from .tiers import ObjectStore, is_url
 from .verify import verify_file
 
 __all__ = [
@@ -834,8 +834,10 @@ class Checkpointer:
         try:
             if info.tier == "object":
                 assert self.store is not None
-                self.store.set_aside(ckpt_name(info.step), ABANDONED)
-                dst = info.path + MARKER_SUFFIX + ABANDONED
+                moved = self.store.set_aside(ckpt_name(info.step), ABANDONED)
+                if moved is None:
+                    return
+                dst = self.store.url_of(moved)
             else:
                 dst = info.path + ABANDONED
                 n = 1
@@ -1114,6 +1116,28 @@ class Checkpointer:
                 for info in self._doomed(remote, lambda s: True, agreed, pending):
                     self._delete(info)
                     self._staged.discard(info.step)
+                    remote.pop(info.step, None)
+                if remote:
+                    self._sweep_store(min(remote))
+
+    def _sweep_store(self, oldest: int) -> None:
+        """Remove what uploads of steps before ``oldest`` (the oldest
+        committed step the store keeps) left there: objects no marker
+        commits, unfinished multipart uploads (a killed process's), a failed
+        deletion's data. No upload of such a step is still to come."""
+
+        def doomed(name: str) -> bool:
+            s = _parse_ckpt(name)
+            return s is not None and s < oldest
+
+        assert self.store is not None
+        try:
+            removed = self.store.sweep(doomed)
+        except OSError as e:
+            log.warning("fastpersist: retention cannot clean up %s: %s", self.stage_url, e)
+            return
+        for url in removed:
+            log.info("fastpersist: removed %s, left behind by an upload or a deletion that did not finish", url)
 
     def _delete(self, info: CheckpointInfo) -> None:
         try:
@@ -1323,14 +1347,31 @@ class Checkpointer:
             log.warning("fastpersist: %s is damaged: %s", local, e)
         ring = self._ring
         if ring is not None:
+            mine = self._from_peers(ring, step, offers, mine)
+        if mine is None:
+            mine = self._from_remote(step, verify)
+        if mine is None:
+            return None, f"step {step} is neither here, nor on a peer, nor in the shared or object tier"
+        return mine, None
+
+    def _from_peers(
+        self, ring: Ring, step: int, offers: List[Dict[str, Any]], mine: Optional[CheckpointInfo]
+    ) -> Optional[CheckpointInfo]:
+        """The transfers of a group restore (collective): each rank without
+        ``step`` fetches it from its first holder that has it; one whose
+        fetch fails tries the next holder in another round (every rank
+        decides the rounds from the same gathered facts, so all take part
+        in the same transfers, in the same order)."""
+        held = {o["rank"]: o["held"] for o in offers}
+        holders = {r: [h for h in ring.holders_of(r) if step in held.get(h, {}).get(r, ())] for r in ring.ranks}
+        for attempt in range(max((len(h) for h in holders.values()), default=0)):
             needs = gather(mine is None, self._ctl)
-            held = {o["rank"]: o["held"] for o in offers}
-            for r, need in zip(ring.ranks, needs):
-                if not need:
-                    continue
-                holder = next((h for h in ring.holders_of(r) if step in held.get(h, {}).get(r, ())), None)
-                if holder is None:
-                    continue
+            tries = [
+                (r, holders[r][attempt]) for r, need in zip(ring.ranks, needs) if need and attempt < len(holders[r])
+            ]
+            if not tries:
+                break
+            for r, holder in tries:
                 if ring.rank == holder:
                     try:
                         exchange(
@@ -1343,11 +1384,7 @@ class Checkpointer:
                         log.warning("fastpersist: sending the replica of step %d to rank %d failed: %s", step, r, e)
                 elif ring.rank == r:
                     mine = self._from_peer(step, holder)
-        if mine is None:
-            mine = self._from_remote(step, verify)
-        if mine is None:
-            return None, f"step {step} is neither here, nor on a peer, nor in the shared or object tier"
-        return mine, None
+        return mine
 
     def _from_peer(self, step: int, holder: int) -> Optional[CheckpointInfo]:
         local = os.path.join(self.directory, ckpt_name(step))

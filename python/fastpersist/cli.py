@@ -163,7 +163,7 @@ def _ls_store(url: str) -> int:
 
     try:
         rows = ObjectStore(url).committed()
-    except TierError as e:
+    except (TierError, ValueError) as e:  # (a missing bucket, a URL naming none)
         print(f"fastpersist: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(f"{'size':>12}  name")
@@ -174,7 +174,7 @@ def _ls_store(url: str) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from .checkpoint_manager import LOG_NAME, list_checkpoints
-    from .tiers import is_url
+    from .tiers import TierError, is_url
 
     if is_url(args.dir):
         return _ls_store(args.dir)
@@ -189,7 +189,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         into = {"commit": events, "staged": staged, "replicated": peer}.get(str(ev.get("event")))
         if into is not None:
             into[ev["step"]] = ev
-    rows = list_checkpoints(args.dir, args.stage_dir)
+    try:
+        rows = list_checkpoints(args.dir, args.stage_dir)
+    except (TierError, ValueError) as e:  # --stage-dir: a missing bucket, a URL naming none
+        print(f"fastpersist: {e}", file=sys.stderr)
+        return EXIT_USAGE
     temps = [n for n in os.listdir(args.dir) if n.endswith(".fptmp")]
     print(
         f"{'step':>12} {'size':>10} {'tier':<13} {'status':<10} {'stall ms':>9} {'write s':>8} {'GB/s':>6}"

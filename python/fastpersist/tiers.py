@@ -36,13 +36,14 @@ import os
 import posixpath
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import _core
 from .errors import CorruptCheckpointError, FastPersistError
-from .options import pwrite_all, read_range
+from .options import open_for_read, pwrite_all, read_range
 from .verify import verify_fd, verify_file
 
 __all__ = [
@@ -60,6 +61,9 @@ log = logging.getLogger("fastpersist")
 
 #: Suffix of the commit marker written after a checkpoint's data.
 MARKER_SUFFIX = ".fpcommit"
+#: Suffix of an object a streaming store writes before it is moved onto its
+#: name (``.<name>.<random>.fpupload``).
+UPLOAD_SUFFIX = ".fpupload"
 #: Default bytes per uploaded part (S3 takes parts of 5 MiB to 5 GiB, at
 #: most 10,000 of them: larger files get larger parts).
 PART_BYTES = 32 << 20
@@ -138,6 +142,8 @@ class ObjectStore:
         self.url = url.rstrip("/")
         self.fs, self.root = _fs(url, storage_options)
         self.multipart = _is_s3(self.fs)
+        if self.multipart and not self.fs.split_path(self.root)[0]:
+            raise ValueError(f"{url!r} names no bucket (s3://<bucket>/<prefix>)")
         if self.multipart and part_bytes < _S3_MIN_PART:
             raise ValueError(f"part_bytes must be at least 5 MiB on S3 (its smallest part), not {part_bytes}")
         #: Bytes per uploaded part, and parts in flight: an upload holds at
@@ -161,9 +167,9 @@ class ObjectStore:
     def url_of(self, name: str) -> str:
         return f"{self.url}/{name}"
 
-    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except FileNotFoundError:
             raise
         except Exception as e:  # every backend has its own errors
@@ -179,7 +185,7 @@ class ObjectStore:
             # Opening it to write would truncate the very file being read.
             raise ValueError(f"{self.url_of(name)} is {local} itself: upload it elsewhere")
         t0 = time.perf_counter()
-        fd = os.open(local, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_for_read(local)  # (a directory or a FIFO: an error naming it, at once)
         try:
             try:
                 info = verify_fd(fd, local)
@@ -193,7 +199,12 @@ class ObjectStore:
             else:
                 put = self._put_stream
             whole = _Crc()
-            made = self._call(f"upload of {local} to {self.url_of(name)}", put, fd, size, dst, whole)
+            try:
+                made = self._call(f"upload of {local} to {self.url_of(name)}", put, fd, size, dst, whole)
+            except FileNotFoundError as e:
+                if self.multipart:  # (S3 writes make keys: the bucket is what is missing)
+                    raise TierError(f"upload of {local} to {self.url_of(name)} failed: {self._no_bucket()}") from e
+                raise
             if made is None:
                 described = self._call(f"upload of {local} to {self.url_of(name)}", self.fs.info, dst)
                 made = _identity(described, local=self._local())
@@ -209,8 +220,36 @@ class ObjectStore:
             "format": fmt,
             "records": records,
         }
-        self._call(f"commit marker of {self.url_of(name)}", self.fs.pipe_file, dst + MARKER_SUFFIX, _json(marker))
+        self._call(f"commit marker of {self.url_of(name)}", self._put_small, dst + MARKER_SUFFIX, _json(marker))
         return TransferStats(self.url_of(name), size, time.perf_counter() - t0)
+
+    def _put_small(self, path: str, data: bytes) -> None:
+        """Write a small object (a commit marker) whole: on the local file
+        system through the core's durable commit (a link at ``path`` is
+        replaced, never written through into another run's files); elsewhere
+        by the store."""
+        if self._local():
+            with _core.TempFile(path) as tmp:
+                pwrite_all(tmp.fd, data, 0)
+                tmp.commit(len(data), durable=True)
+        else:
+            self.fs.pipe_file(path, data)
+
+    def _no_bucket(self) -> str:
+        bucket = self.fs.split_path(self.root)[0]
+        return f"the bucket {bucket!r} does not exist (or these credentials cannot see it)"
+
+    def _check_bucket(self) -> None:
+        """S3: a TierError naming the bucket when it does not exist (a
+        missing prefix is only a store with nothing in it yet; a missing
+        bucket is a typo that must not read as "no checkpoints")."""
+        if not self.multipart:
+            return
+        bucket = self.fs.split_path(self.root)[0]
+        try:
+            self._call(f"listing of {self.url}", self.fs.call_s3, "head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            raise TierError(f"{self.url}: {self._no_bucket()}") from None
 
     def _local(self) -> bool:
         """Whether the store is on the local file system (``file://`` or a
@@ -255,18 +294,33 @@ class ObjectStore:
         with _core.TempFile(dst) as tmp:
             for off, n in self._parts(size):
                 pwrite_all(tmp.fd, self._read_part(fd, off, n, whole), off)
-            tmp.commit(size, durable=True)
-        return None  # the object's identity is read back from the store
+            made = os.dup(tmp.fd)
+            try:
+                tmp.commit(size, durable=True)
+                st = os.fstat(made)
+            finally:
+                os.close(made)
+        # The identity of the file this upload made, not of whatever is at
+        # the name when it is read back (another upload of the name may have
+        # been renamed over it since: its marker must not commit that one).
+        return {"ino": st.st_ino, "mtime": st.st_mtime}
 
     def _put_stream(self, fd: int, size: int, dst: str, whole: _Crc) -> Optional[Dict[str, Any]]:
         """Any other fsspec store: the parts, one at a time, through its
-        writer, which publishes the object when it is closed."""
-        f = self.fs.open(dst, "wb")
+        writer into an object of a name of its own
+        (``.<name>.<random>.fpupload``), moved onto the name once complete
+        (some stores publish an object as it is opened, and a buffered
+        writer's ``close`` publishes what it has: writing the name itself, a
+        failed upload would replace the committed copy with a part of the
+        new one)."""
+        tmp = posixpath.join(posixpath.dirname(dst), f".{posixpath.basename(dst)}.{uuid.uuid4().hex}{UPLOAD_SUFFIX}")
+        f = self.fs.open(tmp, "wb")
         done = False
         try:
             for off, n in self._parts(size):
                 f.write(self._read_part(fd, off, n, whole))
             f.close()
+            self.fs.mv(tmp, dst)
             done = True
         finally:
             if not done:
@@ -274,8 +328,11 @@ class ObjectStore:
                 try:
                     if callable(discard):
                         discard()
+                    self.fs.rm_file(tmp)
+                except FileNotFoundError:
+                    pass
                 except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
-                    log.warning("fastpersist: could not discard the failed upload of %s: %s", dst, e)
+                    log.warning("fastpersist: could not remove the failed upload %s: %s", tmp, e)
         return None
 
     def _put_multipart(self, fd: int, size: int, dst: str, whole: _Crc) -> Optional[Dict[str, Any]]:
@@ -329,12 +386,18 @@ class ObjectStore:
 
     def committed(self) -> Dict[str, int]:
         """Names of the checkpoints whose upload completed -> their sizes
-        (a marker whose object is missing or of another size is ignored)."""
+        (a marker whose object is missing or of another size is ignored).
+        A missing bucket is a TierError naming it."""
+        return self._scan()[0]
+
+    def _scan(self) -> Tuple[Dict[str, int], Dict[str, Mapping[str, Any]]]:
+        """:meth:`committed`, and every object of the prefix by name."""
         self.fs.invalidate_cache(self.root)  # other processes upload and delete too
         try:
             entries = self._call(f"listing of {self.url}", self.fs.ls, self.root, True)
         except FileNotFoundError:
-            return {}
+            self._check_bucket()
+            return {}, {}
         objects = {posixpath.basename(e["name"].rstrip("/")): e for e in entries if e.get("type") != "directory"}
         out: Dict[str, int] = {}
         for name in objects:
@@ -349,7 +412,71 @@ class ObjectStore:
                 continue
             if _commits(marker, objects[data]):
                 out[data] = int(objects[data]["size"])
-        return out
+        return out, objects
+
+    def sweep(self, doomed: Callable[[str], bool]) -> List[str]:
+        """Remove what uploads of the names ``doomed`` accepts left behind:
+        an object no commit marker commits (an upload cut short, a name
+        uploaded again whose new marker never came, a deletion whose second
+        half failed) and a marker whose object is gone, a streaming upload's own object
+        (``.<name>.<random>.fpupload``) and, on S3, an unfinished multipart
+        upload (a killed process's: its parts are stored, and billed, until
+        aborted). Committed checkpoints and anything of another name are
+        left alone. Returns what was removed (URLs)."""
+        removed: List[str] = []
+        committed, objects = self._scan()
+        for name in sorted(objects):
+            if name in committed or (name.endswith(MARKER_SUFFIX) and name[: -len(MARKER_SUFFIX)] in objects):
+                continue  # (an object's marker goes with its object)
+            if name.startswith(".") and name.endswith(UPLOAD_SUFFIX):
+                owner = name[1:].rsplit(".", 2)[0]
+            elif name.endswith(MARKER_SUFFIX):
+                owner = name[: -len(MARKER_SUFFIX)]  # a marker whose object is gone
+            else:
+                owner = name  # an object no marker commits
+            if not doomed(owner):
+                continue
+            for p in (name + MARKER_SUFFIX, name) if name + MARKER_SUFFIX in objects else (name,):
+                try:
+                    self._call(f"delete of {self.url_of(p)}", self.fs.rm_file, self._path(p))
+                except FileNotFoundError:
+                    continue
+                removed.append(self.url_of(p))
+        if self.multipart:
+            removed += self._abort_uploads(doomed)
+        return removed
+
+    def _abort_uploads(self, doomed: Callable[[str], bool]) -> List[str]:
+        bucket, prefix, _ = self.fs.split_path(self.root)
+        prefix = prefix.rstrip("/")
+        call, removed = self.fs.call_s3, []
+        marks: Dict[str, Any] = {}
+        while True:
+            listed = self._call(
+                f"listing of {self.url}'s uploads",
+                call,
+                "list_multipart_uploads",
+                Bucket=bucket,
+                Prefix=prefix + "/" if prefix else "",
+                **marks,
+            )
+            for up in listed.get("Uploads", ()):
+                key = str(up.get("Key", ""))
+                name = posixpath.basename(key)
+                if posixpath.dirname(key) != prefix or not doomed(name):
+                    continue
+                self._call(
+                    f"abort of an upload of {self.url_of(name)}",
+                    call,
+                    "abort_multipart_upload",
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=up["UploadId"],
+                )
+                removed.append(f"{self.url_of(name)} (an unfinished upload)")
+            if not listed.get("IsTruncated"):
+                return removed
+            marks = {"KeyMarker": listed["NextKeyMarker"], "UploadIdMarker": listed["NextUploadIdMarker"]}
 
     def download(self, name: str, local: str) -> TransferStats:
         """Fetch the committed checkpoint ``name`` into ``local`` (committed
@@ -360,6 +487,10 @@ class ObjectStore:
         t0 = time.perf_counter()
         src = self._path(name)
         url = self.url_of(name)
+        if self._is_local_file(src, local):
+            # Replacing it would give the object a new identity: its marker
+            # would no longer commit it.
+            raise ValueError(f"{local} is {url} itself: download it elsewhere")
         try:
             marker = json.loads(self._call(f"commit marker of {url}", self.fs.cat_file, src + MARKER_SUFFIX))
         except FileNotFoundError:
@@ -401,20 +532,40 @@ class ObjectStore:
             tmp.commit(off, durable=True)
         return TransferStats(local, off, time.perf_counter() - t0)
 
-    def set_aside(self, name: str, suffix: str) -> None:
-        """Take ``name`` out of the committed checkpoints without deleting
-        it: its marker moves to ``<name>.fpcommit<suffix>`` (no longer
-        listed; the data and the marker's record stay)."""
-        src = self._path(name) + MARKER_SUFFIX
+    def set_aside(self, name: str, suffix: str) -> Optional[str]:
+        """Take ``name`` out of the checkpoints without deleting it: the
+        object moves to ``<name><suffix>`` (``<name><suffix>-1``, ``-2``, ...
+        when that is taken), with its commit marker, so the name is free
+        for a new upload and what was there stays, committed under its new
+        name (:meth:`download` takes it). Returns the new name, or None
+        when ``name`` is not committed. The data moves first: an
+        interrupted move leaves at most a marker without its object (not
+        listed) or a copy without a marker."""
+        src = self._path(name)
         try:
-            raw = self._call(f"read of {src}", self.fs.cat_file, src)
+            raw = self._call(f"read of {src}{MARKER_SUFFIX}", self.fs.cat_file, src + MARKER_SUFFIX)
         except FileNotFoundError:
-            return
-        self._call(f"write of {src}{suffix}", self.fs.pipe_file, src + suffix, raw)
+            return None
+        _, objects = self._scan()
+        new, n = name + suffix, 1
+        while new in objects or new + MARKER_SUFFIX in objects:
+            new, n = f"{name}{suffix}-{n}", n + 1
+        dst = self._path(new)
+        self._call(f"move of {self.url_of(name)} to {self.url_of(new)}", self.fs.mv, src, dst)
         try:
-            self._call(f"delete of {src}", self.fs.rm_file, src)
+            marker = json.loads(raw)
+            if isinstance(marker, dict):
+                # (a copy is another object: S3 gives it its own ETag)
+                marker["identity"] = _identity(self._call("listing", self.fs.info, dst), local=self._local())
+                raw = _json(marker)
+        except ValueError:
+            pass
+        self._call(f"write of {self.url_of(new)}{MARKER_SUFFIX}", self._put_small, dst + MARKER_SUFFIX, raw)
+        try:
+            self._call(f"delete of {src}{MARKER_SUFFIX}", self.fs.rm_file, src + MARKER_SUFFIX)
         except FileNotFoundError:
             pass
+        return new
 
     def delete(self, name: str) -> None:
         """Remove a checkpoint: its marker first (it is no longer listed),

@@ -242,6 +242,42 @@ def _retention(rank: int, out: str) -> dict:
     return {"failed": failed, "kept": kept, "restored": got[0] if got is not None else None}
 
 
+def _second_holder(rank: int, out: str) -> dict:
+    """replicate=2 over 4 one-rank nodes: rank 0 loses its checkpoints, its
+    first holder's replica of the newest step is damaged, its second
+    holder's is whole."""
+    import fastpersist
+    import torch.distributed as dist
+
+    d = os.path.join(out, "second", f"rank-{rank}")
+    kw = dict(every=1, keep_last=3, replicate=2, group=dist.group.WORLD, nodes=[0, 1, 2, 3])
+    with fastpersist.Checkpointer(d, **kw) as ck:
+        holders = ck._ring.holders_of(0)
+        for s in (1, 2):
+            ck.step(s, state(s, rank))
+            ck.wait()
+    dist.barrier()
+    if rank == 0:
+        for n in os.listdir(d):
+            if n.startswith("ckpt-"):
+                os.unlink(os.path.join(d, n))
+    if rank == holders[0]:
+        p = os.path.join(d, "replicas", "rank-0", "ckpt-000000000002.pt")
+        with open(p, "r+b") as f:
+            f.seek(os.path.getsize(p) // 2)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0xFF]))
+    dist.barrier()
+    with fastpersist.Checkpointer(d, **kw) as ck:
+        got = ck.load_latest(weights_only=False)
+    return {
+        "holders": holders,
+        "restored": got[0] if got is not None else None,
+        "right_bytes": got is not None and same(got[1], state(2, rank)),
+    }
+
+
 def main() -> None:
     scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
@@ -268,6 +304,8 @@ def main() -> None:
             result.update(_lifecycle(rank, out))
         elif scenario == "retention":
             result.update(_retention(rank, out))
+        elif scenario == "second_holder":
+            result.update(_second_holder(rank, out))
         elif scenario in ("stage", "unloadable"):
             result.update((_stage if scenario == "stage" else _unloadable)(rank, out))
         elif scenario == "kill":

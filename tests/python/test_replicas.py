@@ -212,3 +212,15 @@ def test_group_retention_keeps_a_step_every_rank_has(tmp_path):
         assert res[r]["failed"] == []
         assert 2 in res[r]["kept"], res[r]
     assert [r["restored"] for r in res] == [2, 2, 2, 2]
+
+
+def test_a_restore_tries_the_next_holder_when_the_first_one_fails(tmp_path):
+    """Regression: with replicate=2, a group restore asked only a rank's
+    first holder; when that replica was damaged every rank went back a step
+    (or further), although the second holder had the newest step whole."""
+    res = _run("second_holder", tmp_path)
+    assert len(res[0]["holders"]) == 2, res
+    assert [(r["restored"], r["right_bytes"]) for r in res] == [(2, True)] * WORLD, res
+    d0 = os.path.join(tmp_path, "second", "rank-0")
+    fetched = [(e["step"], e["from_rank"]) for e in _events(d0, "fetched")]
+    assert fetched == [(2, res[0]["holders"][1])], fetched

@@ -518,15 +518,14 @@ def test_a_name_uploaded_again_whose_marker_never_came_is_not_listed(tmp_path, s
     name = ckpt_name(10)
     store.upload(str(a), name)
     first = json.loads(store.fs.cat_file(store._path(name) + ".fpcommit"))
-    real = store.fs.pipe_file
 
     def lost(*args, **kwargs):
         raise ConnectionError("connection lost")
 
-    monkeypatch.setattr(store.fs, "pipe_file", lost)
+    monkeypatch.setattr(store, "_put_small", lost)  # (the marker's write)
     with pytest.raises(fastpersist.tiers.TierError, match="commit marker"):
         store.upload(str(b), name)
-    monkeypatch.setattr(store.fs, "pipe_file", real)
+    monkeypatch.undo()
     assert json.loads(store.fs.cat_file(store._path(name) + ".fpcommit")) == first  # the old marker is left
     assert store.committed() == {}
     other = tmp_path / "other.pt"
@@ -562,27 +561,41 @@ def test_a_name_s3fs_reads_as_another_key_is_refused(s3, tmp_path):
 def test_a_run_that_went_back_sets_the_later_objects_aside(tmp_path, s3):
     """Regression (object tier): after a rollback, run A's later checkpoint
     stayed committed in the store and load_latest took it. A commit of an
-    earlier step now moves the later objects' commit markers aside
-    (``.fpcommit.abandoned``): the data stays, the name is not listed."""
+    earlier step now sets the later objects aside.
+
+    Regression: only the commit marker moved aside; the data stayed under
+    the checkpoint's name, so when the new run reached that step again its
+    upload replaced the old run's object (and a second go-back replaced the
+    set-aside marker): what was promised kept was lost. The object now
+    moves to ``<name>.abandoned`` (``-1``, ``-2``, ... when taken) with its
+    marker, committed under that name (downloadable, never counted)."""
     url = f"s3://ckpts/went-back-{os.getpid()}"
     local = tmp_path / "local"
-    with fastpersist.Checkpointer(local, stage_dir=url, storage_options=s3["opts"], every=1, keep_last=3) as ck:
-        for s in (100, 200, 300):
-            ck.save(s, {"run": "A", "x": torch.tensor([s])})
-            ck.wait()
-    with fastpersist.Checkpointer(local, stage_dir=url, storage_options=s3["opts"], every=1, keep_last=3) as ck:
-        ck.save(210, {"run": "B", "x": torch.tensor([210])})
-        ck.wait()
+
+    def run(tag, *steps):
+        with fastpersist.Checkpointer(local, stage_dir=url, storage_options=s3["opts"], every=1, keep_last=5) as ck:
+            for s in steps:
+                ck.save(s, {"run": tag, "x": torch.tensor([s])})
+                ck.wait()
+
+    run("A", 100, 200, 300)
+    run("B", 210)
     store = fastpersist.tiers.ObjectStore(url, s3["opts"])
-    assert sorted(store.committed()) == [ckpt_name(100), ckpt_name(200), ckpt_name(210)]
-    assert store.fs.exists(store._path(ckpt_name(300)) + ".fpcommit.abandoned")
-    assert store.fs.exists(store._path(ckpt_name(300)))  # kept
+    aside = ckpt_name(300) + ".abandoned"
+    assert sorted(store.committed()) == [ckpt_name(100), ckpt_name(200), ckpt_name(210), aside]
+    run("B", 300)  # the new run reaches the step again
+    run("C", 250)  # and goes back again
+    assert sorted(store.committed()) == [ckpt_name(s) for s in (100, 200, 210, 250)] + [aside, aside + "-1"]
+    for name, want in ((aside, "A"), (aside + "-1", "B")):
+        store.download(name, str(tmp_path / "inspect.pt"))
+        got = fastpersist.read_state_dict(tmp_path / "inspect.pt", weights_only=False)
+        assert (got["step"], got["state"]["run"], got["state"]["x"].item()) == (300, want, 300)
     import shutil
 
     shutil.rmtree(local)  # node loss: the store decides
     with fastpersist.Checkpointer(local, stage_dir=url, storage_options=s3["opts"]) as ck:
         step, state = ck.load_latest(weights_only=False)
-    assert (step, state["run"]) == (210, "B")
+    assert (step, state["run"]) == (250, "C")
 
 
 def test_a_marker_names_its_object_whatever_the_etags_quotes():
@@ -598,3 +611,185 @@ def test_a_marker_names_its_object_whatever_the_etags_quotes():
     assert not fastpersist.tiers._commits(marker, {"size": 11, "ETag": "abc"})
     assert fastpersist.tiers._identity({"ETag": "x", "mtime": 1.5, "ino": 3}) == {"ETag": "x"}
     assert fastpersist.tiers._identity({"mtime": 1.5, "ino": 3}, local=True) == {"mtime": 1.5, "ino": 3}
+
+
+def test_a_failed_upload_through_a_streaming_store_keeps_the_committed_copy(tmp_path, monkeypatch):
+    """Regression: stores written through fsspec's streaming writer got the
+    parts under the checkpoint's own name; memory:// publishes an object as
+    it is opened (and a buffered writer's close publishes what it has), so a
+    re-upload that failed midway replaced the committed copy with a part of
+    the new one: the name was no longer committed, its checkpoint lost. The
+    parts now go to an object of their own, moved onto the name once whole,
+    and removed when the upload fails."""
+    p = tmp_path / ckpt_name(4)
+    fastpersist.write_state_dict({"step": 4, "state": _state(4)}, p)
+    store = fastpersist.tiers.ObjectStore(f"memory://fp-stream-{os.getpid()}/run", part_bytes=64 << 10)
+    store.upload(str(p))
+    committed = store.committed()
+    assert committed == {p.name: p.stat().st_size}
+    real, calls = fastpersist.tiers.ObjectStore._read_part, []
+
+    def failing(self, fd, off, n, whole):
+        calls.append(off)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, "Input/output error")  # the local disk fails mid-upload
+        return real(self, fd, off, n, whole)
+
+    monkeypatch.setattr(fastpersist.tiers.ObjectStore, "_read_part", failing)
+    with pytest.raises(fastpersist.tiers.TierError, match="Input/output error"):
+        store.upload(str(p))
+    monkeypatch.undo()
+    assert store.committed() == committed
+    assert sorted(posixpath_names(store)) == [p.name, p.name + ".fpcommit"]  # nothing of the failed upload
+    store.download(p.name, str(tmp_path / "back.pt"))
+    assert (tmp_path / "back.pt").read_bytes() == p.read_bytes()
+
+
+def posixpath_names(store) -> list:
+    store.fs.invalidate_cache(store.root)
+    return [e.rsplit("/", 1)[-1] for e in store.fs.ls(store.root, detail=False)]
+
+
+def test_two_uploads_of_one_name_to_a_local_store_never_list_a_checkpoint_that_fails(tmp_path, monkeypatch):
+    """Regression: a local store's marker took its object's identity (inode,
+    mtime) by reading the name back after the rename; another upload of the
+    name renamed in between gave the first upload's marker (its size and
+    CRC32) the second one's identity: the name was listed as committed and
+    every download failed its CRC32 (and retention counted it). The
+    identity is now the file the upload made, taken before it is renamed."""
+    (tmp_path / "store").mkdir()
+    store = fastpersist.tiers.ObjectStore(str(tmp_path / "store"))
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    fastpersist.write_state_dict({"w": torch.zeros(1000)}, a)
+    fastpersist.write_state_dict({"w": torch.ones(1000)}, b)
+    assert a.stat().st_size == b.stat().st_size
+    name = ckpt_name(9)
+    racing = []
+
+    def race_first(real):
+        def call(*args, **kwargs):
+            if not racing:  # upload A is past its rename: upload B runs now, whole
+                racing.append(True)
+                monkeypatch.undo()
+                store.upload(str(b), name)
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(store.fs, "info", race_first(store.fs.info))  # (where the identity was read back)
+    monkeypatch.setattr(store, "_put_small", race_first(store._put_small))  # (the marker's write)
+    store.upload(str(a), name)
+    assert racing
+    listed = store.committed()
+    for n in listed:  # whatever is listed downloads, whole
+        store.download(n, str(tmp_path / "back.pt"))
+        assert (tmp_path / "back.pt").read_bytes() == b.read_bytes()
+    store.upload(str(b), name)  # uploaded again, it is committed
+    assert store.committed() == {name: b.stat().st_size}
+
+
+def test_a_local_stores_marker_is_never_written_through_a_link(tmp_path):
+    """Regression: a store seeded from another run's with links (``ln -s
+    ../run1/* run2/``) had its commit markers written through the links:
+    run1's marker then described run2's object, and run1's committed
+    checkpoint was no longer listed nor downloadable."""
+    run1, run2 = tmp_path / "run1", tmp_path / "run2"
+    run1.mkdir()
+    run2.mkdir()
+    p1, p2 = tmp_path / "one.pt", tmp_path / "two.pt"
+    fastpersist.write_state_dict({"w": torch.zeros(1000)}, p1)
+    fastpersist.write_state_dict({"w": torch.ones(2000)}, p2)
+    name = ckpt_name(5)
+    s1, s2 = fastpersist.tiers.ObjectStore(str(run1)), fastpersist.tiers.ObjectStore(str(run2))
+    s1.upload(str(p1), name)
+    marker = (run1 / (name + ".fpcommit")).read_bytes()
+    for n in os.listdir(run1):
+        os.symlink(run1 / n, run2 / n)
+    s2.upload(str(p2), name)
+    assert (run1 / (name + ".fpcommit")).read_bytes() == marker
+    assert s1.committed() == {name: p1.stat().st_size}
+    assert s2.committed() == {name: p2.stat().st_size}
+    s1.download(name, str(tmp_path / "back.pt"))
+    assert (tmp_path / "back.pt").read_bytes() == p1.read_bytes()
+    assert not (run2 / (name + ".fpcommit")).is_symlink()
+
+
+def test_a_download_onto_its_own_object_is_refused(tmp_path):
+    """Regression: downloading a local store's object onto itself replaced
+    it with a copy (a new inode): its marker no longer committed it, and
+    the checkpoint dropped out of the store."""
+    (tmp_path / "store").mkdir()
+    store = fastpersist.tiers.ObjectStore(str(tmp_path / "store"))
+    p = tmp_path / "x.pt"
+    fastpersist.write_state_dict({"w": torch.ones(10)}, p)
+    store.upload(str(p), ckpt_name(3))
+    with pytest.raises(ValueError, match="itself"):
+        store.download(ckpt_name(3), str(tmp_path / "store" / ckpt_name(3)))
+    assert store.committed() == {ckpt_name(3): p.stat().st_size}
+
+
+def test_a_missing_bucket_is_an_error_naming_it_not_an_empty_store(tmp_path, s3, capsys):
+    """Regression: a mistyped bucket read as a store with nothing in it:
+    ``Checkpointer(..., stage_dir="s3://typo/job").load_latest()`` returned
+    None (start from scratch) and ``fastpersist ls`` listed nothing; an
+    upload raised a bare FileNotFoundError naming no URL, and ``s3://``
+    blamed the file name. A missing prefix is still an empty store."""
+    p = tmp_path / ckpt_name(1)
+    fastpersist.write_state_dict({"w": torch.ones(10)}, p)
+    typo = fastpersist.tiers.ObjectStore("s3://no-such-bucket-fp/job", s3["opts"])
+    with pytest.raises(fastpersist.tiers.TierError, match="'no-such-bucket-fp' does not exist"):
+        typo.committed()
+    with pytest.raises(fastpersist.tiers.TierError, match="s3://no-such-bucket-fp/job.*'no-such-bucket-fp' does not"):
+        typo.upload(str(p))
+    with fastpersist.Checkpointer(
+        tmp_path / "local", stage_dir="s3://no-such-bucket-fp/job", storage_options=s3["opts"]
+    ) as ck:
+        with pytest.raises(fastpersist.tiers.TierError, match="does not exist"):
+            ck.load_latest()
+    assert fastpersist.tiers.ObjectStore(f"s3://ckpts/nothing-yet-{os.getpid()}", s3["opts"]).committed() == {}
+    with pytest.raises(ValueError, match="names no bucket"):
+        fastpersist.tiers.ObjectStore("s3://", s3["opts"])
+    with pytest.raises(IsADirectoryError, match=str(tmp_path)):
+        fastpersist.tiers.ObjectStore(f"s3://ckpts/dir-{os.getpid()}", s3["opts"]).upload(str(tmp_path))
+
+
+def test_retention_removes_what_unfinished_uploads_and_deletions_left(tmp_path, s3, monkeypatch):
+    """Regression: a deletion whose marker went but whose data did not (one
+    transient error) left a checkpoint-sized object that nothing listed nor
+    removed again; a process killed during a multipart upload left its
+    parts stored (and billed) for ever. Retention now removes, for steps
+    older than the oldest it keeps, objects no marker commits, markers
+    without their object and unfinished multipart uploads; anything of
+    another name stays."""
+    url = f"s3://ckpts/sweep-{os.getpid()}"
+    store = fastpersist.tiers.ObjectStore(url, s3["opts"])
+    bucket, prefix, _ = store.fs.split_path(store.root)
+    call = store.fs.call_s3
+    # A killed process's upload of step 2, and one of another name.
+    left = call("create_multipart_upload", Bucket=bucket, Key=f"{prefix}/{ckpt_name(2)}")["UploadId"]
+    call(
+        "upload_part", Bucket=bucket, Key=f"{prefix}/{ckpt_name(2)}", UploadId=left, PartNumber=1, Body=b"x" * (5 << 20)
+    )
+    theirs = call("create_multipart_upload", Bucket=bucket, Key=f"{prefix}/notes.bin")["UploadId"]
+    store.fs.pipe_file(store._path("ckpt-1.pt"), b"not a step of ours")
+    store.fs.pipe_file(store._path(ckpt_name(1) + ".fpcommit") + ".bak", b"theirs")
+    local = tmp_path / "local"
+    real, failures = store.fs.rm_file, []
+
+    def flaky(path, *args, **kwargs):
+        if path.endswith(ckpt_name(3)) and not failures:
+            failures.append(path)
+            raise ConnectionError("connection reset by peer")
+        return real(path, *args, **kwargs)
+
+    with fastpersist.Checkpointer(local, stage_dir=url, storage_options=s3["opts"], every=1, keep_last=1) as ck:
+        monkeypatch.setattr(ck.store.fs, "rm_file", flaky)
+        for s in (3, 4, 5):
+            ck.save(s, {"x": torch.tensor([s])})
+            ck.wait()
+    assert failures
+    names = sorted(posixpath_names(store))
+    assert names == sorted([ckpt_name(5), ckpt_name(5) + ".fpcommit", "ckpt-1.pt", ckpt_name(1) + ".fpcommit.bak"])
+    uploads = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/").get("Uploads", [])
+    assert [u["UploadId"] for u in uploads] == [theirs]
+    call("abort_multipart_upload", Bucket=bucket, Key=f"{prefix}/notes.bin", UploadId=theirs)
