@@ -59,7 +59,7 @@ from .collectives import (
 )
 from .cuda_staging import staging_setup
 from .errors import CorruptCheckpointError
-from .options import EngineOptions, WriteStats, use_engine, write_stats
+from .options import TEMP_MIN_AGE, EngineOptions, WriteStats, use_engine, write_stats
 from .pickling import TensorVersions
 from .plan import MemoryGuard, Plan, Region, split_regions
 from .torch_zip import plan_torch_save
@@ -239,16 +239,38 @@ def _commit_index(dirpath: str, save_id: str, world: int, results: List[Any]) ->
     _core.atomic_write(os.path.join(dirpath, INDEX_NAME), json.dumps(index, indent=1).encode(), durable=True)
 
 
-def _remove_old_shards(dirpath: str, keep: set) -> None:
-    """Best effort, after the index is committed: shards of older saves."""
+def _indexed_shards(dirpath: str) -> set:
+    """The shard files the index committed at ``dirpath`` names (nothing
+    when there is none or it cannot be read)."""
+    try:
+        with open(os.path.join(dirpath, INDEX_NAME), "rb") as f:
+            index = json.loads(f.read(1 << 24))
+        return {s["file"] for s in index["shards"] if isinstance(s.get("file"), str) and SHARD_RE.fullmatch(s["file"])}
+    except Exception:  # noqa: BLE001 - no usable index: nothing is removed on its account
+        return set()
+
+
+def _remove_old_shards(dirpath: str, keep: set, replaced: set) -> None:
+    """Best effort, after the index is committed: the shards of the index
+    it replaced, and shards no save has touched for ``TEMP_MIN_AGE`` (a
+    failed or killed save's). A younger shard of no index may be another
+    save's to this directory still in flight: removing it would leave that
+    save's index naming a missing file."""
     try:
         names = os.listdir(dirpath)
     except OSError as e:
         warnings.warn(f"fastpersist: cannot list {dirpath} to remove old shards: {e}", RuntimeWarning, stacklevel=3)
         return
+    now = time.time()
     for n in names:
         if n in keep or not SHARD_RE.fullmatch(n):
             continue
+        if n not in replaced:
+            try:
+                if now - os.lstat(os.path.join(dirpath, n)).st_mtime < TEMP_MIN_AGE:
+                    continue
+            except OSError:
+                continue
         try:
             os.unlink(os.path.join(dirpath, n))
         except FileNotFoundError:
@@ -292,6 +314,7 @@ def write_sharded(
     statuses = [r[0] for r in results]
     commit_err = None
     if all(s is None for s in statuses) and rank == 0:
+        replaced = _indexed_shards(dirpath)
         try:
             _commit_index(dirpath, save_id, world, results)
         except _core.DurabilityError as e:
@@ -300,7 +323,7 @@ def write_sharded(
         except BaseException as e:  # noqa: BLE001
             commit_err = ("failed", describe_error(e))
         if commit_err is None or commit_err[0] == "in place":
-            _remove_old_shards(dirpath, {r[1] for r in results})
+            _remove_old_shards(dirpath, {r[1] for r in results}, replaced)
     final = gather(commit_err, g)[0]
     if any(s is not None for s in statuses) or (final is not None and final[0] == "failed"):
         _unlink(shard)

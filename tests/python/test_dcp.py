@@ -13,6 +13,7 @@ import os
 import pickle
 import re
 import socket
+import time
 from typing import Any, Dict, Iterator
 
 import pytest
@@ -1355,9 +1356,13 @@ def test_an_overwrite_removes_only_data_files_the_old_metadata_names(tmp_path):
 
     ours = [n for n in os.listdir(d) if n.endswith(".distcp") and n.count(".") == 2]
     p.write_bytes(pickle.dumps({"storage_data": Boom()}))
+    old = time.time() - fastpersist.options.TEMP_MIN_AGE - 60
+    for n in ours:
+        os.utime(d / n, (old, old))
     dcp.save(sd, storage_writer=FastPersistWriter(d))
     assert (d / "train.log").read_text() == "mine"
-    # this module's own data files of another save are found by name all the same
+    # this module's own data files of another save, untouched for
+    # TEMP_MIN_AGE, are found by name all the same
     assert ours and not set(ours) & set(os.listdir(d))
     assert_equal(load(d, FastPersistReader(d), sd), sd)
 
@@ -1437,3 +1442,91 @@ def test_a_tensor_past_its_storage_is_refused_before_it_is_read(tmp_path):
     assert "SerializationError: DCP item 'a': a (1000,) torch.float32 tensor needs 4000 bytes" in str(e.value)
     with pytest.raises(fastpersist.SerializationError, match="needs 4000 bytes"):
         FastPersistWriter(tmp_path / "s").stage({"a": t})
+
+
+def _fail_metadata(monkeypatch):
+    from fastpersist import _core
+
+    real = _core.atomic_write
+
+    def fail(path, data, **kw):
+        if os.path.basename(path) == ".metadata":
+            raise OSError(28, "No space left on device", path)
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(_core, "atomic_write", fail)
+
+
+@pytest.mark.parametrize("how", ["writer used again", "plan caching"])
+def test_a_later_save_never_writes_the_committed_checkpoints_files(tmp_path, monkeypatch, how):
+    """Regression: the data files' names came from the writer's save_id,
+    renewed only by reset(), which DCP calls only when given a
+    checkpoint_id; and DefaultSavePlanner(enable_plan_caching=True) hands
+    back the first save's plan, names included. Either way a second save
+    renamed its data files over the committed checkpoint's before its own
+    .metadata: when that save failed, the checkpoint read the new bytes
+    (torch's reader), failed its CRCs (fastpersist's), or lost its files to
+    the failure's clean-up. Every save now writes files of its own names."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    writer = FastPersistWriter(tmp_path, single_file_per_rank=False, thread_count=2)
+
+    def save(sd):
+        w = writer if how == "writer used again" else FastPersistWriter(tmp_path)
+        planner = DefaultSavePlanner(enable_plan_caching=True) if how == "plan caching" else None
+        dcp.save(sd, storage_writer=w, planner=planner)
+
+    sd = {"w": torch.full((1000,), 1.0), "b": torch.arange(10), "step": 1}
+    save(sd)
+    committed = {n: os.stat(tmp_path / n).st_ino for n in os.listdir(tmp_path)}
+    sd2 = {"w": torch.full((1000,), 2.0), "b": torch.arange(10) * 2, "step": 2}
+    _fail_metadata(monkeypatch)
+    with raises(OSError, "No space left"):
+        save(sd2)
+    monkeypatch.undo()
+    assert {n: os.stat(tmp_path / n).st_ino for n in os.listdir(tmp_path)} == committed  # nothing else left
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+    assert_equal(load(tmp_path, dcp.FileSystemReader(tmp_path), sd), sd)
+    save(sd2)
+    save(sd2)
+    assert not set(os.listdir(tmp_path)) & set(committed) - {".metadata"}
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd2), sd2)
+
+
+def test_a_save_never_removes_the_files_of_another_save_in_flight(tmp_path, monkeypatch):
+    """Regression: a commit removed every data file and sidecar of this
+    module's names but another save's tag, as leftovers of failed saves;
+    two saves to one directory then removed each other's files, and the
+    .metadata committed last named a file that was gone (both checkpoints
+    lost). Such files are removed only once untouched for TEMP_MIN_AGE; a
+    failed commit removes its own files at once."""
+    import fastpersist.integrations.dcp as fdcp
+
+    a, b = {"w": torch.full((1000,), 1.0)}, {"w": torch.full((1000,), 2.0)}
+    real = fdcp.FastPersistWriter.finish
+    order = []
+
+    def a_finishes_late(self, metadata, results):
+        if not order:  # save A: written, not committed; save B runs whole now
+            order.append("B")
+            dcp.save(b, storage_writer=FastPersistWriter(tmp_path))
+        order.append("A")
+        return real(self, metadata, results)
+
+    monkeypatch.setattr(fdcp.FastPersistWriter, "finish", a_finishes_late)
+    dcp.save(a, storage_writer=FastPersistWriter(tmp_path))
+    monkeypatch.undo()
+    assert order == ["B", "A", "A"]
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), a), a)  # the last commit wins, whole
+    assert_equal(load(tmp_path, dcp.FileSystemReader(tmp_path), a), a)
+    # B's files, younger than TEMP_MIN_AGE, stay; once older, a save removes them.
+    orphans = [n for n in os.listdir(tmp_path) if n not in fdcp._referenced(str(tmp_path), ".metadata")[0]]
+    orphans = [n for n in orphans if n.endswith(".distcp")]
+    assert len(orphans) == 1
+    old = time.time() - fdcp.TEMP_MIN_AGE - 60
+    for n in os.listdir(tmp_path):
+        os.utime(tmp_path / n, (old, old))
+    dcp.save(b, storage_writer=FastPersistWriter(tmp_path))
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".distcp")]) == 1
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".crc32")]) == 1
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), b), b)

@@ -195,3 +195,48 @@ def test_checkpoint_groups_take_the_timeout_the_user_gave(tmp_path, given):
     assert r.returncode == 0, r.stderr
     want = "{}" if given == "default" else "{'timeout': datetime.timedelta(seconds=7)}"
     assert r.stdout.strip() == want
+
+
+_SHARDED_RACE = r"""
+import os, sys, time, torch, torch.distributed as dist
+import fastpersist, fastpersist.distributed as fd
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+d = sys.argv[2]
+g = dist.group.WORLD
+fastpersist.write_state_dict({"v": torch.zeros(1000)}, d, sharded=True, group=g)
+real, order = fd._commit_index, []
+
+def a_commits_late(*args):
+    if not order:  # save A: its shard written, its index not yet; save B runs whole now
+        order.append("B")
+        fastpersist.write_state_dict({"v": torch.full((1000,), 2.0)}, d, sharded=True, group=g)
+    order.append("A")
+    return real(*args)
+
+fd._commit_index = a_commits_late
+fastpersist.write_state_dict({"v": torch.ones(1000)}, d, sharded=True, group=g)
+fd._commit_index = real
+print(order, fastpersist.read_state_dict(d)[0]["v"][0].item(), len(os.listdir(d)))
+old = time.time() - fd.TEMP_MIN_AGE - 60
+for n in os.listdir(d):
+    os.utime(os.path.join(d, n), (old, old))
+fastpersist.write_state_dict({"v": torch.full((1000,), 3.0)}, d, sharded=True, group=g)
+print(fastpersist.read_state_dict(d)[0]["v"][0].item(), len(os.listdir(d)))
+"""
+
+
+def test_two_sharded_saves_to_one_directory_never_remove_each_others_shards(tmp_path):
+    """Regression: a sharded save's commit removed every shard of another
+    save's name; two saves to one directory (two jobs given one path) then
+    removed each other's committed shards, and the index committed last
+    named a shard that was gone: both checkpoints lost. A commit now
+    removes the shards of the index it replaces, and others only once
+    untouched for TEMP_MIN_AGE (a failed save removes its own at once)."""
+    r = subprocess.run(
+        [sys.executable, "-c", _SHARDED_RACE, str(tmp_path / "store"), str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines() == ["['B', 'A', 'A'] 1.0 3", "3.0 2"], r.stdout + r.stderr[-3000:]

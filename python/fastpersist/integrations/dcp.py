@@ -54,6 +54,7 @@ import pickle
 import re
 import struct
 import threading
+import time
 import uuid
 import weakref
 from collections import OrderedDict
@@ -79,7 +80,15 @@ from .. import _core
 from ..async_save import LEND_MIN, LEND_PAGE, SnapshotPool
 from ..cuda_staging import read_staged, staging_setup
 from ..errors import CorruptCheckpointError
-from ..options import EngineOptions, FullGcDeferral, full_gc_deferral, gc_paused, read_with, use_engine
+from ..options import (
+    TEMP_MIN_AGE,
+    EngineOptions,
+    FullGcDeferral,
+    full_gc_deferral,
+    gc_paused,
+    read_with,
+    use_engine,
+)
 from ..pickling import check_extent, element_size
 from ..plan import DATA_ALIGNMENT, HANDOFF_RECORDS, Batch, Blob, DeviceRegion, Plan, Region, Slot
 from ..torch_zip import SMALL_ALIGNMENT, plan_torch_save
@@ -695,6 +704,10 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # Every save gets names of its own (DCP calls reset() only when given
+        # a checkpoint_id): a writer used again, or a cached plan, must never
+        # write, nor remove on failure, the committed checkpoint's files.
+        self.save_id = str(uuid.uuid4())
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
@@ -740,7 +753,10 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         return fut
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        names: _FileNames = plan.storage_data
+        # The plan's prefix (this rank's place in the global plan), with this
+        # save's own tag: a cached plan (DefaultSavePlanner's plan caching)
+        # carries the tag of the save it was made for.
+        names = _FileNames(plan.storage_data.prefix, _tag(self.save_id))
         if self.single_file_per_rank:
             groups = _buckets(plan.items, self.thread_count)
         else:
@@ -852,18 +868,31 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         replaced, self._replaced = self._replaced, None
         old_files, old_sidecar = replaced.result() if replaced is not None else _referenced(self.path, md_file)
         sidecar = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "save_id": self.save_id, "files": files}
-        _core.atomic_write(
-            os.path.join(self.path, sidecar_name(self.save_id)),
-            json.dumps(sidecar, separators=(",", ":")).encode(),
-            durable=self.sync_files,
-        )
-        _core.atomic_write(os.path.join(self.path, md_file), pickle.dumps(metadata), durable=self.sync_files)
+        try:
+            _core.atomic_write(
+                os.path.join(self.path, sidecar_name(self.save_id)),
+                json.dumps(sidecar, separators=(",", ":")).encode(),
+                durable=self.sync_files,
+            )
+            _core.atomic_write(os.path.join(self.path, md_file), pickle.dumps(metadata), durable=self.sync_files)
+        except _core.DurabilityError:
+            raise  # (in place, its durability unconfirmed: the checkpoint now)
+        except BaseException:
+            # Not committed: this save's files (every rank's, by the names
+            # its results give) are of no use, nothing names them.
+            for n in sorted(set(files) | {sidecar_name(self.save_id)}):
+                if os.sep not in n and (_OWN_DATA.fullmatch(n) or _OWN_SIDECAR.fullmatch(n)):
+                    with contextlib.suppress(OSError):
+                        _core.remove_file(os.path.join(self.path, n))
+            raise
         self._remove_replaced(old_files, old_sidecar, set(files))
 
     def _remove_replaced(self, old_files: set, old_sidecar: Optional[str], keep: set) -> None:
         """After the commit: the replaced checkpoint's files, and data files
         and sidecars of saves that failed before their commit (named by this
-        module, not in use by a writer)."""
+        module, untouched for ``TEMP_MIN_AGE``: a younger one may be another
+        save's to this directory still in flight, whose ``.metadata`` would
+        then name a missing file)."""
         mine = _tag(self.save_id)
         rank_only = None if self.use_collectives or self.rank is None else f"__{self.rank}_"
         doomed = {f for f in old_files if os.sep not in f and f not in keep}
@@ -873,12 +902,22 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             names = os.listdir(self.path)
         except OSError:
             names = []
+        now = time.time()
+
+        def stale(n: str) -> bool:
+            try:
+                return now - os.lstat(os.path.join(self.path, n)).st_mtime >= TEMP_MIN_AGE
+            except OSError:
+                return False
+
         for n in names:
-            m = _OWN_DATA.fullmatch(n)
-            if m and m.group(2) != mine and n not in keep and (rank_only is None or n.startswith(rank_only)):
-                doomed.add(n)
-            s = _OWN_SIDECAR.fullmatch(n)
-            if s and s.group(1) != mine and rank_only is None:
+            if n in doomed:
+                continue
+            m, s = _OWN_DATA.fullmatch(n), _OWN_SIDECAR.fullmatch(n)
+            data = m is not None and m.group(2) != mine and n not in keep
+            data = data and (rank_only is None or n.startswith(rank_only))
+            sidecar = s is not None and s.group(1) != mine and rank_only is None
+            if (data or sidecar) and stale(n):
                 doomed.add(n)
         for n in sorted(doomed):
             try:
