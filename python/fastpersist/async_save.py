@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -538,6 +538,8 @@ class _Worker:
         self._nice = nice
         self._start_lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        # Every job queued and not finished (set.add/discard: atomic).
+        self._jobs: Set[concurrent.futures.Future] = set()
         self._start()
 
     def _start(self) -> None:
@@ -551,6 +553,7 @@ class _Worker:
         self._queue = queue.SimpleQueue()
         self._start_lock = threading.Lock()
         self._thread = None
+        self._jobs = set()
 
     def _run(self) -> None:
         _lower_priority(self._nice)
@@ -570,20 +573,37 @@ class _Worker:
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         """Queue ``fn(*args)``; the future gives its result."""
         done: concurrent.futures.Future = concurrent.futures.Future()
+        job: Optional[Tuple[Callable[..., Any], Tuple[Any, ...]]] = (fn, args)
+        del fn, args
 
         def run() -> None:
+            nonlocal job
+            assert job is not None
             try:
-                done.set_result(fn(*args))
+                result = job[0](*job[1])
             except BaseException as e:
+                job = None
                 done.set_exception(e)
                 raise
+            # What the job holds (tensors, a saver) is let go here, before
+            # whoever waits is released: never later on this thread, when
+            # the interpreter may be finalizing (a daemon thread retaking
+            # the GIL then is ended by an unwind that aborts the process).
+            job = None
+            done.set_result(result)
 
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None:
                     self._start()
+        self._jobs.add(done)
+        done.add_done_callback(self._jobs.discard)
         self._queue.put(run)
         return done
+
+    def jobs(self) -> List[concurrent.futures.Future]:
+        """The jobs queued or running."""
+        return list(self._jobs)
 
     def stop(self) -> None:
         """Finish the calls queued so far, then end the thread."""
@@ -1119,6 +1139,10 @@ def _drain_at_exit() -> None:
         for s in savers:
             for f in s.wait_all():
                 log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, future_error(f))
+        # Then the rest of the background work (a snapshot buffer made
+        # ahead by prepare(background=True), a save's last steps): none may
+        # be inside the core when the interpreter finalizes.
+        concurrent.futures.wait([j for s in savers for j in s._snap.jobs() + s._write.jobs()])
     except KeyboardInterrupt:
         # Ctrl-C while waiting: the saves still in flight are given up (the
         # files at their paths stay as they were; their temporary files are

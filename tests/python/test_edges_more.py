@@ -628,3 +628,30 @@ def test_an_interrupted_wait_for_the_engine_leaves_another_threads_hold_alone(tm
         done.set()
         t.join(30)
     fastpersist.write_state_dict({"w": torch.ones(4)}, tmp_path / "x.pt")
+
+
+_PREPARE_THEN_EXIT = r"""
+import sys, torch
+from fastpersist.async_save import AsyncSaver
+s = AsyncSaver()
+f = s.prepare_many([[torch.zeros(3_000_000)], [torch.zeros(1_000_000)]], background=True)
+if sys.argv[1] == "wait":
+    f.result()
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("wait", ["wait", "no wait"])
+def test_the_process_exits_normally_with_a_snapshot_buffer_made_in_the_background(wait):
+    """Regression (found through every adapter's default, which prepares
+    the snapshot buffers in the background after the first optimizer
+    step): a process ending while prepare(background=True) ran, or just
+    after it finished, aborted (SIGABRT, status 134): the daemon thread
+    was inside the core, or still dropping the job's tensors, as the
+    interpreter finalized. The exit now waits for every background job,
+    and a job lets go of what it holds before its future resolves."""
+    for _ in range(5):
+        r = subprocess.run(
+            [sys.executable, "-c", _PREPARE_THEN_EXIT, wait], capture_output=True, text=True, timeout=120
+        )
+        assert (r.returncode, r.stdout) == (0, "exiting\n"), r.stderr[-2000:]
