@@ -15,7 +15,10 @@
 //!   same directory even if the directory is renamed meanwhile.
 //! - **Name**: exactly `.<part>.<pid>.<n>.fptmp`, where `<pid>` is the
 //!   decimal process id (at most 10 digits), `<n>` a decimal per-process
-//!   counter (at most 20 digits) and `<part>` the target's file name when
+//!   counter (at most 20 digits; it starts at a value of its own in each
+//!   process, from the clock, and a name already taken is passed over: a
+//!   process restarted with the PID of one killed mid-save, as in a
+//!   container, never meets that one's leftover name) and `<part>` the target's file name when
 //!   it is at most [`TEMP_NAME_PART_MAX`] (216) bytes long, else its first
 //!   bytes (199 at most, cut at a UTF-8 character boundary when the name is
 //!   UTF-8) followed by `~` and 16 lowercase hex digits (the 64-bit FNV-1a
@@ -63,6 +66,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 /// Every temporary file's name ends with this.
 pub const TEMP_MARKER: &str = ".fptmp";
@@ -248,6 +252,18 @@ fn target_attrs(dir: &File, name: &CStr, target: &Path) -> Result<Option<Keep>> 
 }
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
+static COUNTER_START: OnceLock<u64> = OnceLock::new();
+
+/// The next `<n>` of this process's temporary names: its counter from a
+/// start of its own (the clock's nanoseconds, below 10^9).
+fn next_temp_number() -> u64 {
+    let start = *COUNTER_START.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::from(d.subsec_nanos()))
+    });
+    start + COUNTER.fetch_add(1, Ordering::Relaxed)
+}
 
 /// Open `path` with `opts`, adding O_DIRECT when `direct` and retrying
 /// without it when the file system refuses it with EINVAL. Returns the file
@@ -301,8 +317,9 @@ pub struct TempFile {
 }
 
 /// Attempts at a fresh temporary name when a concurrent sweep removed the
-/// one just created before its lock was taken.
-const CREATE_TRIES: usize = 3;
+/// one just created before its lock was taken, or the name is taken (a
+/// leftover of a process that had this PID).
+const CREATE_TRIES: usize = 16;
 
 impl TempFile {
     /// Create `.<name>.<pid>.<n>.fptmp` next to `target` (see the module
@@ -348,7 +365,7 @@ impl TempFile {
         let keep = target_attrs(&dir, &target_name, target)?.filter(|_| mode.is_none());
         let mut last_err = None;
         for _ in 0..CREATE_TRIES {
-            let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+            let n = next_temp_number();
             let tname = temp_name(name.as_os_str().as_bytes(), std::process::id(), n);
             let tmp = dir_path.join(OsStr::from_bytes(&tname));
             let cname = c_name(OsStr::from_bytes(&tname), &tmp)?;
@@ -357,8 +374,24 @@ impl TempFile {
             } else {
                 0o666
             };
-            let (fd, is_direct) = create_at(&dir, &cname, initial, direct)
-                .map_err(|e| Error::from_io(&e, "cannot create the temporary file", Some(&tmp)))?;
+            let (fd, is_direct) = match create_at(&dir, &cname, initial, direct) {
+                Ok(opened) => opened,
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    last_err = Some(Error::from_io(
+                        &e,
+                        "cannot create the temporary file",
+                        Some(&tmp),
+                    ));
+                    continue;
+                }
+                Err(e) => {
+                    return Err(Error::from_io(
+                        &e,
+                        "cannot create the temporary file",
+                        Some(&tmp),
+                    ))
+                }
+            };
             let file = File::from(fd);
             match lock_and_check(&dir, &cname, &file, &tmp) {
                 Ok(()) => {}
@@ -1435,6 +1468,31 @@ mod tests {
         std::fs::write(&stale, b"partial").unwrap();
         assert!(is_temp_name(stale.file_name().unwrap()));
         assert!(!temp_file_in_use(&stale).unwrap());
+    }
+
+    #[test]
+    fn a_temporary_name_already_taken_is_passed_over() {
+        // Regression: a process restarted with the PID of one killed
+        // mid-save (a container's) met that one's leftover name and failed
+        // its save with EEXIST.
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("model.pt");
+        let next = next_temp_number() + 1;
+        let mut taken = Vec::new();
+        for n in next..next + 3 {
+            let name = temp_name(b"model.pt", std::process::id(), n);
+            let p = d.path().join(OsStr::from_bytes(&name));
+            std::fs::write(&p, b"a killed process's").unwrap();
+            taken.push(p);
+        }
+        let (t, _) = TempFile::create(&target, false).unwrap();
+        assert!(!taken.contains(&t.temp_path().to_path_buf()));
+        t.write_all_at(b"new", 0).unwrap();
+        t.commit(Some(3), false).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"new");
+        for p in taken {
+            assert_eq!(std::fs::read(p).unwrap(), b"a killed process's");
+        }
     }
 
     #[test]

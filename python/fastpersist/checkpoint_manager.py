@@ -69,7 +69,7 @@ from . import _core
 from .async_save import AsyncSaver, CheckpointFuture, check_save_options, future_error
 from .collectives import DistributedCheckpointError, agree_outcome, check_group, dedicated_groups, gather, group_ranks
 from .errors import FastPersistError
-from .options import TEMP_MIN_AGE, fsync_dir, remove_stale_temps
+from .options import TEMP_MIN_AGE, fsync_dir, remove_stale_temps, sweep_due
 from .reader import read_state_dict
 from .replicas import ReplicaError, Ring, exchange, held_ranks, replica_dir
 from .tiers import ObjectStore, is_url
@@ -580,10 +580,7 @@ class Checkpointer:
         #: The last save started here and its outcome, not yet agreed.
         self._outcome: Optional[Tuple[int, bool]] = None
         _checkpointers.add(self)
-        held = [replica_dir(self.directory, r) for r in held_ranks(self.directory)]
-        for d in filter(None, (self.directory, self.stage_dir, *held)):
-            for name in clean_temp_files(d):
-                log.warning("fastpersist: removed %s, left by a save that did not finish", os.path.join(d, name))
+        self._sweep_leftovers(every_time=True)
         if self._stager is not None:
             # Catch up: local checkpoints newer than any staged one (an upload
             # or copy cut short by a crash) are staged again, newest last.
@@ -1075,7 +1072,21 @@ class Checkpointer:
             if s < cutoff and not (self.keep_every and s % self.keep_every == 0) and may_delete(s)
         ]
 
+    def _sweep_leftovers(self, every_time: bool = False) -> None:
+        """Remove the temporary files killed saves left in this
+        Checkpointer's directories (see :func:`clean_temp_files`): when it
+        starts, and again at its retention at most once every
+        ``SWEEP_EVERY`` seconds per directory (a long run also removes
+        those too young at its start)."""
+        held = [replica_dir(self.directory, r) for r in held_ranks(self.directory)]
+        for d in filter(None, (self.directory, self.stage_dir, *held)):
+            if not sweep_due("dir:" + d) and not every_time:
+                continue
+            for name in clean_temp_files(d):
+                log.warning("fastpersist: removed %s, left by a save that did not finish", os.path.join(d, name))
+
     def _retain(self) -> None:
+        self._sweep_leftovers()
         with self._lock:
             staged = set(self._staged)
             # With staging, a local copy goes only once it (or a newer

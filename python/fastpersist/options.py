@@ -73,7 +73,9 @@ __all__ = [
     "read_records",
     "checksums",
     "remove_stale_temps",
-    "sweep_after_commit",
+    "sweep_leftovers",
+    "sweep_due",
+    "SWEEP_EVERY",
     "MAX_OPTION_SETS",
     "TEMP_MIN_AGE",
 ]
@@ -650,20 +652,36 @@ def remove_stale_temps(directory: str, matches: Callable[[str], Any], min_age: f
     return removed
 
 
-# Targets whose leftovers this process has swept (once each).
-_swept: set = set()
+#: Seconds between two sweeps of one directory's or target's leftovers by
+#: this process (each a listing of the directory).
+SWEEP_EVERY = 60.0
+# Targets (and directories) -> when this process last swept their leftovers.
+_swept: Dict[str, float] = {}
 
 
-def sweep_after_commit(path: str) -> None:
-    """After the first commit to ``path`` in this process: remove what
-    earlier saves to it left when their process was killed
-    (``.<name>.<pid>.<n>.fptmp`` of this very name, see
-    :func:`remove_stale_temps`). Never raises."""
-    if path in _swept:
-        return
+def sweep_due(key: str) -> bool:
+    """Whether ``key`` (a target or a directory) was not swept by this
+    process in the last :data:`SWEEP_EVERY` seconds; marks it swept."""
+    now = time.monotonic()
+    last = _swept.get(key)
+    if last is not None and now - last < SWEEP_EVERY:
+        return False
     if len(_swept) >= 4096:
         _swept.clear()
-    _swept.add(path)
+    _swept[key] = now
+    return True
+
+
+def sweep_leftovers(path: str) -> None:
+    """Before a save to ``path`` reserves its room: remove what earlier
+    saves to it left when their process was killed
+    (``.<name>.<pid>.<n>.fptmp`` of this very name, see
+    :func:`remove_stale_temps`), at most once every :data:`SWEEP_EVERY`
+    seconds per target (a long-running process also removes leftovers that
+    were too young at its first save; leftovers that filled the disk do not
+    fail the save that removes them). Never raises."""
+    if not sweep_due(path):
+        return
     directory, name = os.path.split(path)
     if len(os.fsencode(name)) > _core.TEMP_NAME_PART_MAX:
         return  # such names are cut and hashed in their temporary names

@@ -31,7 +31,7 @@ from .options import (
     WriteStats,
     is_special_file,
     resolve_target,
-    sweep_after_commit,
+    sweep_leftovers,
     use_engine,
     wait_for_earlier,
     warn_fallback,
@@ -202,6 +202,7 @@ def write_torch_zip(
     if is_special_file(path):
         plan = plan_torch_save(obj)
         return stream_plan(plan, path, time.perf_counter() - t0, t0)
+    sweep_leftovers(path)
     if versions is None:
         versions = TensorVersions(obj, storages=True)
     stage, kind = staging_setup()
@@ -248,7 +249,6 @@ def write_torch_zip(
     warn_fallback(raw["direct_note"], opts.direct)
     warn_fallback(raw["uring_note"], opts.io_uring)
     stats = write_stats(raw, path, layout.storage_bytes, layout.storage_keys, plan_seconds, time.perf_counter() - t0)
-    sweep_after_commit(path)  # after the timing: housekeeping, not the save
     return stats
 
 
@@ -295,6 +295,7 @@ def write_plan(
     t0 = time.perf_counter() if t0 is None else t0
     if is_special_file(path) and not plan.device:
         return stream_plan(plan, path, plan_seconds, t0)
+    sweep_leftovers(path)
     if plan.device or on_gathered is not None:
         return write_streamed(plan, iter(()), path, opts, plan.file_len, index, on_gathered, plan_seconds, t0)
     with use_engine(opts, index) as eng:
@@ -309,7 +310,6 @@ def _committed(raw: Any, plan: Plan, path: str, opts: EngineOptions, plan_second
     warn_fallback(raw["direct_note"], opts.direct)
     warn_fallback(raw["uring_note"], opts.io_uring)
     stats = write_stats(raw, path, plan.storage_bytes, plan.storage_keys, plan_seconds, time.perf_counter() - t0)
-    sweep_after_commit(path)  # after the timing: housekeeping, not the save
     return stats
 
 
@@ -333,6 +333,7 @@ def write_streamed(
     written); ``size_hint``: about the file's length, reserved up front;
     ``index`` and ``on_gathered``: as for :func:`write_plan`."""
     t0 = time.perf_counter() if t0 is None else t0
+    sweep_leftovers(path)
     ctx: Optional[DeviceContext] = None
     try:
         with use_engine(opts, index) as eng:

@@ -655,3 +655,60 @@ def test_the_process_exits_normally_with_a_snapshot_buffer_made_in_the_backgroun
             [sys.executable, "-c", _PREPARE_THEN_EXIT, wait], capture_output=True, text=True, timeout=120
         )
         assert (r.returncode, r.stdout) == (0, "exiting\n"), r.stderr[-2000:]
+
+
+def test_leftovers_that_fill_the_disk_are_removed_before_the_save_needs_the_room(ext4):
+    """Regression: leftovers of killed saves were swept only after a
+    commit; once they filled the disk every later save to that path failed
+    with ENOSPC and none ever reached the sweep. The sweep now comes before
+    the save reserves its room."""
+    import fastpersist.options as fo
+
+    mnt = ext4("full", "24M")
+    path = os.path.join(mnt, "model.pt")
+    sd = {"a": torch.full((1_500_000,), 1.0)}  # 6 MB
+    fastpersist.write_state_dict(sd, path)
+    old = time.time() - 3 * 3600
+    left = []
+    for pid in (999_999_991, 999_999_992):
+        p = os.path.join(mnt, f".model.pt.{pid}.0.fptmp")
+        with open(p, "wb") as f:
+            f.write(b"\0" * (6 << 20))
+        os.utime(p, (old, old))
+        left.append(p)
+    st = os.statvfs(mnt)
+    assert st.f_bavail * st.f_frsize < 6 << 20  # no room for another copy beside the file
+    sd["a"] += 1
+    fo._swept.clear()  # (a process that has not swept there yet)
+    fastpersist.write_state_dict(sd, path)
+    assert not any(os.path.exists(p) for p in left)
+    assert torch.equal(fastpersist.read_state_dict(path)["a"], sd["a"])
+
+
+def test_a_long_running_process_removes_leftovers_that_were_young_at_its_first_save(tmp_path, monkeypatch):
+    """Regression: a process swept a target's leftovers once, at its first
+    commit there; a leftover then younger than TEMP_MIN_AGE stayed for as
+    long as the process ran (a Checkpointer's, until a new Checkpointer was
+    made). Both sweep again, at most once every SWEEP_EVERY seconds."""
+    import fastpersist.options as fo
+    from fastpersist.checkpoint_manager import ckpt_name
+
+    monkeypatch.setattr(fo, "SWEEP_EVERY", 0.0, raising=False)
+    path = tmp_path / "model.pt"
+    ck_dir = tmp_path / "ck"
+    ck_dir.mkdir()
+    young = [tmp_path / ".model.pt.999999991.0.fptmp", ck_dir / f".{ckpt_name(1)}.999999991.0.fptmp"]
+    for p in young:
+        p.write_bytes(b"a killed save's")
+    with fastpersist.Checkpointer(ck_dir, every=1, keep_last=2) as ck:
+        ck.save(2, {"w": torch.ones(4)})
+        ck.wait()
+        fastpersist.write_state_dict({"w": torch.ones(4)}, path)
+        assert all(p.exists() for p in young)  # too young then
+        old = time.time() - fo.TEMP_MIN_AGE - 60
+        for p in young:
+            os.utime(p, (old, old))
+        ck.save(3, {"w": torch.ones(4)})
+        ck.wait()
+        fastpersist.write_state_dict({"w": torch.ones(4)}, path)
+        assert not any(p.exists() for p in young)

@@ -107,8 +107,9 @@ def test_15_4_cleanup_errors_after_the_index_do_not_delete_the_new_shards(tmp_pa
         fastpersist.write_state_dict({{"v": torch.ones(10)}}, d, group=dist.group.WORLD, sharded=True)
         os.makedirs(os.path.join(d, "shard-notes"))          # the user's own directory
         open(os.path.join(d, "shard-readme.txt"), "w").close()  # the user's own file
-        # an old-looking shard name that is a directory: removing it fails after the commit
+        # an old shard name that is a directory: removing it fails after the commit
         os.makedirs(os.path.join(d, "shard-1-00000-of-00001.pt"))
+        os.utime(os.path.join(d, "shard-1-00000-of-00001.pt"), (1e9, 1e9))  # (no save's in flight)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             fastpersist.write_state_dict({{"v": torch.full((10,), 2.0)}}, d, group=dist.group.WORLD, sharded=True)
