@@ -58,7 +58,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
@@ -1013,6 +1013,10 @@ class _ReadBatch:
         self.pending: List[_Pending] = []
         self.keep: List[Any] = []
         self.temp_bytes = 0
+        # The items' file offsets: one engine call reads a range once (two
+        # read items of one saved item, such as two shards cut from one
+        # saved chunk, or tied weights, go to two calls).
+        self.items: Set[int] = set()
         # The chunk small pieces are cut from: its address and bytes left.
         self._piece_at = 0
         self._piece_room = 0
@@ -1163,7 +1167,17 @@ class FastPersistReader(StorageReader):
             doc = json.loads(raw)
             if doc.get("format") != SIDECAR_FORMAT or doc.get("save_id") != save_id:
                 raise ValueError("not this checkpoint's sidecar")
-            return {(rel, int(e[0])): [int(x) for x in e] for rel, es in doc["files"].items() for e in es}
+            out: Dict[Tuple[str, int], List[int]] = {}
+            for rel, entries in doc["files"].items():
+                for entry in entries:
+                    # offset, length, CRC32 (version 1); data offset and
+                    # length, head CRC32, kind (version 2)
+                    if not isinstance(entry, list) or len(entry) not in (5, 7):
+                        raise ValueError(f"an entry of {rel!r} is {entry!r}, not 5 or 7 numbers")
+                    crc = [int(x) for x in entry]
+                    if crc[1] != 0:  # (an empty item has nothing to check; the next item begins where it lies)
+                        out[(rel, crc[0])] = crc
+            return out
         except Exception as e:
             raise CorruptCheckpointError(f"{path}: damaged CRC32 sidecar ({e})") from e
 
@@ -1222,7 +1236,12 @@ class FastPersistReader(StorageReader):
                         f"{path}: item {_name(req)} ({info.length} bytes at {info.offset}) lies outside the file "
                         f"({size} bytes): truncated?"
                     )
-                self._plan_item(batch, path, req, info, self.crcs.get((rel, info.offset)), planner)
+                crc = self.crcs.get((rel, info.offset)) if info.length else None
+                if info.length and info.offset in batch.items:
+                    self._read_batch(fd, path, batch, planner)
+                    batch = _ReadBatch()
+                batch.items.add(info.offset)
+                self._plan_item(batch, path, req, info, crc, planner)
                 # Items read straight into their destinations cost no memory:
                 # only the temporary buffers bound a batch.
                 if batch.temp_bytes >= READ_BATCH_BYTES:
