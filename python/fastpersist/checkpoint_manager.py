@@ -69,7 +69,7 @@ from . import _core
 from .async_save import AsyncSaver, CheckpointFuture, check_save_options, future_error
 from .collectives import DistributedCheckpointError, agree_outcome, check_group, dedicated_groups, gather, group_ranks
 from .errors import FastPersistError
-from .options import TEMP_MIN_AGE, fsync_dir, remove_stale_temps, sweep_due
+from .options import TEMP_MIN_AGE, fsync_dir, make_dirs, remove_stale_temps, sweep_due
 from .reader import read_state_dict
 from .replicas import ReplicaError, Ring, exchange, held_ranks, replica_dir
 from .tiers import ObjectStore, is_url
@@ -533,9 +533,9 @@ class Checkpointer:
         if self.store is not None:
             stage_dir = None
         self.stage_dir = os.path.abspath(_local_dir("stage_dir", stage_dir)) if stage_dir is not None else None
-        os.makedirs(self.directory, exist_ok=True)
+        make_dirs(self.directory)
         if self.stage_dir:
-            os.makedirs(self.stage_dir, exist_ok=True)
+            make_dirs(self.stage_dir)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.mode = mode

@@ -59,7 +59,7 @@ from .collectives import (
 )
 from .cuda_staging import staging_setup
 from .errors import CorruptCheckpointError
-from .options import TEMP_MIN_AGE, EngineOptions, WriteStats, use_engine, write_stats
+from .options import TEMP_MIN_AGE, EngineOptions, WriteStats, make_dirs, use_engine, write_stats
 from .pickling import TensorVersions
 from .plan import MemoryGuard, Plan, Region, split_regions
 from .torch_zip import plan_torch_save
@@ -294,7 +294,7 @@ def write_sharded(
     save_id = None
     if rank == 0:
         try:
-            os.makedirs(dirpath, exist_ok=True)
+            make_dirs(dirpath)
             save_id = f"{time.time_ns():x}"
         except BaseException as e:  # noqa: BLE001
             err = describe_error(e)

@@ -73,6 +73,7 @@ __all__ = [
     "read_records",
     "checksums",
     "remove_stale_temps",
+    "make_dirs",
     "sweep_leftovers",
     "sweep_due",
     "SWEEP_EVERY",
@@ -539,6 +540,26 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_dirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, durably: each directory made is
+    fsynced into its parent (on a file system that does not order metadata
+    a new directory, and every checkpoint committed in it, could otherwise
+    be gone after a power loss)."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    os.makedirs(path, exist_ok=True)
+    for d in reversed(missing):
+        fsync_dir(os.path.dirname(d))
+    if missing:
+        fsync_dir(missing[0])
 
 
 def check_path(path: Any) -> str:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Hashable, List, Optional, Sequence, Tuple
 
 from . import _core
 from .errors import CorruptCheckpointError, FastPersistError
-from .options import pwrite_all, read_range
+from .options import make_dirs, pwrite_all, read_range
 from .verify import verify_file
 
 __all__ = [
@@ -286,7 +286,7 @@ def _exchange(  # noqa: C901 - the four phases of one transfer, in order
         r_error = "nowhere to put it"
     if target is not None:
         try:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
+            make_dirs(os.path.dirname(target))
             tmp = _core.TempFile(target)
         except OSError as e:
             r_error = f"cannot create a file next to {target}: {e}"

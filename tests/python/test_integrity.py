@@ -1386,3 +1386,28 @@ def test_globals_are_found_where_torch_load_finds_them(tmp_path):
         assert got.keys() == want.keys() and torch.equal(got["w"], want["w"])
         if name == "moved":
             assert got["c"] is want["c"] is torch.Tensor
+
+
+def test_directories_a_save_makes_are_fsynced_into_their_parents(tmp_path, monkeypatch):
+    """Regression: the directories a Checkpointer, a sharded or DCP save, a
+    replica holder or an adapter makes were never fsynced into their
+    parents: on a file system that does not order metadata, a power loss
+    could take a new directory, with every checkpoint committed in it."""
+    import fastpersist.options as fo
+
+    synced = []
+    real = fo.fsync_dir
+
+    def spy(path):
+        synced.append(os.path.abspath(path))
+        return real(path)
+
+    monkeypatch.setattr(fo, "fsync_dir", spy)
+    ck_dir, stage = tmp_path / "a" / "b" / "ck", tmp_path / "s" / "stage"
+    with fastpersist.Checkpointer(ck_dir, stage_dir=stage, every=1):
+        pass
+    for d in (ck_dir, ck_dir.parent, ck_dir.parent.parent, stage, stage.parent):
+        assert str(d.parent) in synced and str(d) in synced, (d, synced)
+    synced.clear()
+    fo.make_dirs(str(ck_dir))  # already there: nothing to make, nothing to sync
+    assert synced == []

@@ -48,6 +48,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CorruptCheckpointError
+from ..options import make_dirs
 from ..reader import read_state_dict
 from .common import (
     BackgroundSaves,
@@ -295,7 +296,7 @@ class FastPersistAccelerate:
         files (see :data:`PENDING`); the save's finalize takes it away."""
         if not self._writes_here(save_on_each_node) or folder in self._marked:
             return
-        os.makedirs(folder, exist_ok=True)
+        make_dirs(folder)
         fd = os.open(os.path.join(folder, PENDING), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
         os.close(fd)
         fsync_dir(folder)

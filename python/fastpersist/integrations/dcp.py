@@ -86,6 +86,7 @@ from ..options import (
     FullGcDeferral,
     full_gc_deferral,
     gc_paused,
+    make_dirs,
     read_with,
     use_engine,
 )
@@ -721,7 +722,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise _not_a_directory(self.path)
-        os.makedirs(self.path, exist_ok=True)
+        make_dirs(self.path)
         if not self.overwrite and os.path.exists(os.path.join(self.path, self._metadata_file())):
             raise RuntimeError(f"a checkpoint exists at {self.path} and overwrite=False")
         if not self.use_collectives and self.rank is not None:

@@ -76,6 +76,7 @@ from .. import _core
 from ..async_save import future_error
 from ..collectives import checkpoint_group, describe_error, fail_all, gather
 from ..errors import CorruptCheckpointError
+from ..options import make_dirs
 from ..reader import detect_format, read_state_dict
 from .common import BackgroundSaves, after_first_step, check_version, never_raises, optimizers_have_state
 
@@ -259,7 +260,9 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
             gather(None, checkpoint_group(None))  # rank 0 has written latest before any rank reads it
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        os.makedirs(path, exist_ok=exist_ok)
+        if not exist_ok and os.path.exists(path):
+            os.makedirs(path)  # FileExistsError, as os.makedirs raises it
+        make_dirs(path)
 
     def save(self, state_dict: Any, path: str) -> None:
         # Pipelined and decoupled: the fence is the commit, before the optimizer step.

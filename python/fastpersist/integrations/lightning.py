@@ -68,7 +68,7 @@ import shutil
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..options import has_pending
+from ..options import has_pending, make_dirs
 from ..reader import read_state_dict
 from ..writer import write_state_dict
 from .common import BackgroundSaves, IntegrationError, after_first_step, never_raises, optimizers_have_state
@@ -211,7 +211,7 @@ class _FastPersistIO:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict of fastpersist engine options, not {storage_options!r}")
         p = _local_path(path)
-        os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
+        make_dirs(os.path.dirname(os.path.abspath(p)))
         if storage_options:
             # Other engine options for this one: saved now, after those in flight.
             self.saves.wait()
