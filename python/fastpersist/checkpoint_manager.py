@@ -6,7 +6,10 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
 * ``step(step, state)`` once per iteration decides whether this iteration
   checkpoints (a fixed interval, or CheckFreq-style online tuning that keeps
   the measured overhead under ``max_overhead``) and starts an asynchronous
-  save. In pipelined mode call ``fence()`` before any in-place update of the state, forward included.
+  save. Call ``fence()`` before any in-place update of the state (in
+  pipelined mode the forward pass included; in snapshot mode the fence
+  returns once the snapshot is taken, so the optimizer step waits only
+  that long): an update the save sees fails it with TensorChangedError.
 * Each checkpoint (``ckpt-<step>.pt``, the step zero-padded to 12 digits,
   holding ``{"step", "state"}``) becomes visible only by its atomic commit.
   ``latest()`` is the newest one whose checksums verify (a damaged one is
@@ -68,7 +71,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set,
 from . import _core
 from .async_save import AsyncSaver, CheckpointFuture, check_save_options, future_error
 from .collectives import DistributedCheckpointError, agree_outcome, check_group, dedicated_groups, gather, group_ranks
-from .errors import FastPersistError
+from .errors import CorruptCheckpointError, FastPersistError
 from .options import TEMP_MIN_AGE, fsync_dir, make_dirs, remove_stale_temps, sweep_due
 from .reader import read_state_dict
 from .replicas import ReplicaError, Ring, exchange, held_ranks, replica_dir
@@ -191,6 +194,14 @@ def _scan_store(store: Optional[ObjectStore]) -> Dict[int, CheckpointInfo]:
         if step is not None:
             out[step] = CheckpointInfo(step, store.url_of(name), "object", size)
     return out
+
+
+def _unpack(payload: Any, path: str) -> Tuple[int, Any]:
+    """``(step, state)`` of a checkpoint's payload; CorruptCheckpointError
+    for a file of a checkpoint's name that a Checkpointer did not write."""
+    if not isinstance(payload, dict) or "state" not in payload or type(payload.get("step")) is not int:
+        raise CorruptCheckpointError(f"{path} is not a Checkpointer's checkpoint ({{'step': int, 'state': ...}})")
+    return payload["step"], payload["state"]
 
 
 def list_checkpoints(
@@ -456,8 +467,8 @@ class Checkpointer:
     step. ``stage_dir`` (a shared file system) receives a copy of each
     committed checkpoint in the background (one that a newer checkpoint
     overtook while it waited is skipped, unless ``keep_every`` keeps it). ``mode`` is that of
-    :func:`~fastpersist.save_async` (``"pipelined"``: call :meth:`fence`
-    before ``optimizer.step()``; ``"snapshot"``). Other keyword arguments
+    :func:`~fastpersist.save_async`; in either mode call :meth:`fence`
+    before any in-place update of the state (``optimizer.step()``). Other keyword arguments
     are engine options of :func:`~fastpersist.write_state_dict`. ``clock``
     is for tests.
 
@@ -557,9 +568,11 @@ class Checkpointer:
             except OSError as e:
                 log.error("fastpersist: cannot list %s: %s", self.stage_url, e)
         self._stage_futures: List[Any] = []
-        #: The step whose commit set later checkpoints aside (a run this one
-        #: went back on): later steps are not staged (see _abandon_above).
-        self._went_back_to: float = math.inf
+        #: Steps queued for staging, not started, when a commit set later
+        #: checkpoints aside (a run this one went back on): their stages
+        #: are skipped (see _abandon_above); a later commit of such a step
+        #: is staged.
+        self._abandoned_stages: Set[int] = set()
         #: Steps handed to the stager that it has not started on.
         self._stage_queue: set = set()
         #: File identity (dev, ino, size, mtime_ns) -> whether it verified.
@@ -666,8 +679,10 @@ class Checkpointer:
         self._last_step_at = None
 
     def fence(self) -> None:
-        """Wait until the checkpoint in flight has left the tensors; call it
-        before ``optimizer.step()`` (pipelined mode)."""
+        """Wait until the checkpoint in flight has left the tensors (in
+        snapshot mode: until its snapshot is taken); call it before any
+        in-place update of the state, ``optimizer.step()`` included, in
+        either mode."""
         fl = self._inflight
         if fl is not None:
             t = self.clock()
@@ -680,6 +695,7 @@ class Checkpointer:
         default), so the first save blocks the loop no longer than the
         rest. Nothing to do in pipelined mode. ``step()`` calls it (in the
         background) on its first call if it was not called before."""
+        self._check_open()
         self._prepared = True
         if self.mode == "snapshot":
             self._saver.prepare({"step": 0, "state": state}, background=background)
@@ -810,7 +826,7 @@ class Checkpointer:
             self._set_aside(info)
         if self._stager is not None:
             with self._lock:
-                self._went_back_to = step
+                self._abandoned_stages |= {s for s in self._stage_queue if s > step}
                 self._staged -= set(staged)
                 self._stage_queue = {s for s in self._stage_queue if s <= step}
             if staged:  # (listing an object store costs a request per checkpoint)
@@ -895,6 +911,7 @@ class Checkpointer:
         assert self._stager is not None
         with self._lock:
             self._stage_queue.add(step)
+            self._abandoned_stages.discard(step)
         self._stage_futures = [f for f in self._stage_futures if not f.done()]
         self._stage_futures.append(self._stager.submit(self._stage, step, src, retain))
 
@@ -906,7 +923,8 @@ class Checkpointer:
         with self._lock:
             self._stage_queue.discard(step)
             newer = max(self._stage_queue, default=step)
-            if step > self._went_back_to:
+            if step in self._abandoned_stages:
+                self._abandoned_stages.discard(step)
                 return  # set aside meanwhile: a run this one went back on
         if newer > step and not (self.keep_every and step % self.keep_every == 0):
             self._log_event({"event": "stage_skipped", "step": step, "newer": newer})
@@ -1244,7 +1262,7 @@ class Checkpointer:
                 c = got
             try:
                 payload = read_state_dict(c.path, map_location=map_location, weights_only=weights_only)
-                return int(payload["step"]), payload["state"]
+                return _unpack(payload, c.path)
             except FileNotFoundError:
                 raise
             except (FastPersistError, OSError, KeyError, TypeError, IndexError) as e:
@@ -1319,7 +1337,7 @@ class Checkpointer:
             if info is not None and load is not None:
                 try:
                     payload = read_state_dict(info.path, **load)
-                    out = (int(payload["step"]), payload["state"])
+                    out = _unpack(payload, info.path)
                 except (FastPersistError, OSError, KeyError, TypeError, IndexError) as e:
                     err = f"{info.path} does not load: {e}"
                 except Exception as e:  # noqa: BLE001 - not damage (weights_only refusing a class): every rank raises
@@ -1494,8 +1512,11 @@ class Checkpointer:
         path = os.path.join(self.directory, LOG_NAME)
         with self._lock:
             try:
-                with open(path, "a") as f:
-                    f.write(json.dumps(ev) + "\n")
+                with open(path, "a+b") as f:
+                    # A line cut short (a crash mid-append) is ended first:
+                    # this event stays a line of its own.
+                    torn = f.tell() > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
+                    f.write((b"\n" if torn else b"") + json.dumps(ev).encode() + b"\n")
             except OSError as e:
                 if e.errno not in self._log_errors:
                     self._log_errors.add(e.errno)

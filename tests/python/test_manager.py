@@ -554,3 +554,51 @@ def test_a_run_that_went_back_sets_the_later_checkpoints_aside(tmp_path):
     assert (step, state["run"]) == (230, "B")
     events = [json.loads(line) for line in open(local / "checkpoints.jsonl")]
     assert [e["step"] for e in events if e["event"] == "abandoned"] == [300, 300]
+
+
+def test_staging_goes_on_after_a_run_went_back(tmp_path):
+    """Regression: a commit that set a later run's checkpoints aside also
+    stopped staging every later step for the rest of the process (a cut-off
+    step was kept, not the stages queued then): the shared tier got nothing
+    more, and local retention, which waits for the shared tier, kept every
+    checkpoint."""
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    with fastpersist.Checkpointer(local, stage_dir=shared, every=10, keep_last=2) as ck:
+        for s in range(1, 101):
+            ck.step(s, {"x": torch.tensor([s])})
+    with fastpersist.Checkpointer(local, stage_dir=shared, every=10, keep_last=2) as ck:
+        for s in range(55, 161):  # resumed from step 50
+            ck.step(s, {"x": torch.tensor([s])})
+    assert steps_in(shared) == [144, 154], sorted(os.listdir(shared))
+    assert steps_in(local) == [144, 154], sorted(os.listdir(local))
+    assert {n for n in os.listdir(shared) if n.endswith(".abandoned")} >= {ckpt_name(100) + ".abandoned"}
+
+
+def test_a_file_of_a_checkpoints_name_that_a_checkpointer_did_not_write_is_skipped(tmp_path):
+    """Regression: a newest ``ckpt-<step>.pt`` whose payload's step was not
+    an int (``{"step": "two"}``) made load_latest() raise a bare ValueError
+    from ``int()`` instead of going on to the older checkpoint."""
+    with fastpersist.Checkpointer(tmp_path, every=1) as ck:
+        ck.save(1, {"w": torch.ones(2)})
+    for payload in ({"step": "two", "state": {}}, {"step": True, "state": {}}, [1, 2], {"step": 2}):
+        torch.save(payload, tmp_path / ckpt_name(2))
+        step, state = fastpersist.Checkpointer(tmp_path).load_latest()
+        assert step == 1 and torch.equal(state["w"], torch.ones(2)), payload
+
+
+def test_an_event_after_a_torn_log_line_is_a_line_of_its_own(tmp_path):
+    """Regression: a crash mid-append leaves the log's last line cut short;
+    the next event was appended to it, and both were lost to a reader."""
+    with fastpersist.Checkpointer(tmp_path, every=1) as ck:
+        ck.save(1, {"w": torch.ones(2)})
+    log_path = tmp_path / "checkpoints.jsonl"
+    with open(log_path, "a") as f:
+        f.write('{"time": 1, "event": "comm')
+    with fastpersist.Checkpointer(tmp_path, every=1) as ck:
+        ck.save(2, {"w": torch.ones(2)})
+        with pytest.raises(RuntimeError, match="closed"):
+            ck.close()
+            ck.prepare({"w": torch.ones(2)})
+    lines = log_path.read_text().splitlines()
+    assert lines[-2] == '{"time": 1, "event": "comm'
+    assert json.loads(lines[-1])["event"] == "commit" and json.loads(lines[-1])["step"] == 2
