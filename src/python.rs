@@ -3029,9 +3029,8 @@ impl<'py> PickleWalk<'py> {
         }
         let cdata = self.storage_key(&storage, data, di)?;
         let requires_grad: bool = t.getattr(pyo3::intern!(py, "requires_grad"))?.extract()?;
-        if requires_grad
-            && t.getattr(pyo3::intern!(py, "_backward_hooks"))?
-                .is_truthy()?
+        if t.getattr(pyo3::intern!(py, "_backward_hooks"))?
+            .is_truthy()?
         {
             // torch's reduction warns that the hooks are not saved.
             return Err(Stop::Unsupported);

@@ -123,9 +123,12 @@ def _zero(t: torch.Tensor) -> bool:
     try:
         if t.data_ptr() != 0:
             return False
-    except RuntimeError:  # no storage (some subclasses): torch's own answer
+    except (RuntimeError, ValueError):  # no storage (some subclasses): torch's own answer
         pass
-    return bool(t._is_zerotensor())
+    try:
+        return bool(t._is_zerotensor())
+    except ValueError:  # an UninitializedParameter (a lazy module's): no data, not a zero tensor
+        return False
 
 
 def _has_data(t: torch.Tensor) -> bool:
@@ -139,7 +142,7 @@ def _has_data(t: torch.Tensor) -> bool:
         return False
     try:
         t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError, ValueError):  # (ValueError: a lazy module's UninitializedParameter)
         return False
     return True
 
@@ -230,7 +233,7 @@ class _Pickler(pickle.Pickler):
             and not o.is_quantized
             and not o.is_nested  # strided nested tensors: torch's own reduction
             and not o.__dict__
-            and not (o.requires_grad and o._backward_hooks)  # torch's reduction warns they are not saved
+            and not o._backward_hooks  # torch's reduction warns they are not saved
             and not _zero(o)
         ):
             check_extent(o)

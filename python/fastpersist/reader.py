@@ -441,9 +441,10 @@ def _torch_reads(order: Optional[bytes], version: Optional[bytes], map_location:
         # no byteorder record: torch.load takes the order its default load
         # endianness names (set_default_load_endianness), swapping bytes;
         return True
-    if _to_meta(map_location):
+    if _to_meta(map_location) or _fake_mode():
         # the meta device: torch.load reads no data, and gives each storage
-        # its record's offset (_checkpoint_offset);
+        # its record's offset (_checkpoint_offset); likewise under a
+        # FakeTensorMode (its tensors take no real storage);
         return True
     # a format version torch may not read (the record as written): its
     # answer, either way.
@@ -461,6 +462,16 @@ def _check_zip(fd: int, path: str) -> None:
         raise CorruptCheckpointError(f"{path}: a zip of compressed records that does not read: {e}") from None
     if bad is not None:
         raise CorruptCheckpointError(f"{path}: record {bad!r} fails its CRC32 check")
+
+
+def _fake_mode() -> bool:
+    """Whether a FakeTensorMode is active (torch.load then makes fake
+    tensors)."""
+    try:
+        from torch._guards import detect_fake_mode
+    except ImportError:  # pragma: no cover - torch without it
+        return False
+    return detect_fake_mode(None) is not None
 
 
 def _default_order() -> str:

@@ -1104,3 +1104,42 @@ def test_a_load_to_meta_reads_no_data_and_gives_each_storage_its_offset(tmp_path
             assert got[k].device.type == "meta" and got[k].shape == want[k].shape
             ours, theirs = got[k].untyped_storage(), want[k].untyped_storage()
             assert getattr(ours, "_checkpoint_offset", None) == getattr(theirs, "_checkpoint_offset", None)
+
+
+def test_a_lazy_modules_state_dict_saves_as_torch_saves_it(tmp_path):
+    """Regression: an UninitializedParameter (a lazy module's state dict
+    before its first forward) raises ValueError from data_ptr(), which the
+    survey did not expect: write_state_dict, save_async and a patched
+    torch.save failed where torch.save writes it."""
+    sd = torch.nn.LazyLinear(3).state_dict()
+    p, q = tmp_path / "fp.pt", tmp_path / "torch.pt"
+    fastpersist.write_state_dict(sd, p)
+    fastpersist.save_async(sd, tmp_path / "async.pt").result()
+    torch.save(sd, q)
+    for path in (p, tmp_path / "async.pt"):
+        got, want = torch.load(path, weights_only=False), torch.load(q, weights_only=False)
+        assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in want.items()}
+
+
+def test_a_read_under_a_fake_tensor_mode_is_torch_loads(tmp_path):
+    """Regression: under FakeTensorMode, read_state_dict set real CPU
+    storages into fake tensors and failed; torch.load makes fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    p = tmp_path / "x.pt"
+    fastpersist.write_state_dict({"w": torch.randn(3)}, p)
+    with FakeTensorMode():
+        got, want = fastpersist.read_state_dict(p), torch.load(p)
+    assert type(got["w"]) is type(want["w"]) and got["w"].shape == want["w"].shape
+
+
+def test_backward_hooks_are_warned_about_as_torch_warns(tmp_path):
+    """Regression: torch.save warns that a tensor's backward hooks are not
+    saved whenever it has some; fastpersist warned only when the tensor
+    also required grad."""
+    t = torch.ones(3, requires_grad=True)
+    t.register_hook(lambda g: g)
+    t.requires_grad_(False)
+    for save in (torch.save, fastpersist.write_state_dict):
+        with pytest.warns(UserWarning, match="backward hook"):
+            save({"t": t}, tmp_path / "h.pt")
