@@ -413,23 +413,15 @@ def test_a_failed_write_removes_the_files_it_wrote(tmp_path):
 
 def test_failed_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
     """The new data files are durable, but .metadata could not be written:
-    the previous checkpoint still loads; the next save sweeps the leftovers."""
-    from fastpersist import _core
+    the previous checkpoint still loads, and the failed save removes its own files."""
 
     sd = state()
     dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
-    real = _core.atomic_write
-
-    def fail_metadata(path, data, **kw):
-        if os.path.basename(path) == ".metadata":
-            raise OSError(28, "No space left on device", path)
-        return real(path, data, **kw)
-
-    monkeypatch.setattr(_core, "atomic_write", fail_metadata)
+    _fail_metadata(monkeypatch)
     sd2 = {**sd, "w": sd["w"] * 2}
     with raises(OSError, "No space left"):
         dcp.save(sd2, storage_writer=FastPersistWriter(tmp_path))
-    monkeypatch.setattr(_core, "atomic_write", real)
+    monkeypatch.undo()
     assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
     dcp.save(sd2, storage_writer=FastPersistWriter(tmp_path))
     assert len([n for n in os.listdir(tmp_path) if n.endswith(".distcp")]) == 1

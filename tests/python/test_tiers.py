@@ -87,6 +87,15 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _two_of_one_size(tmp_path) -> tuple:
+    """Two checkpoints of different values and the same size."""
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    fastpersist.write_state_dict({"w": torch.zeros(1000)}, a)
+    fastpersist.write_state_dict({"w": torch.ones(1000)}, b)
+    assert a.stat().st_size == b.stat().st_size
+    return a, b
+
+
 def _rotted(store, name: str, data: bytes, marker_of: str = "") -> None:
     """Put ``data`` as ``name`` with the marker of ``marker_of`` (default:
     its own), its identity rewritten to the new object's: damage the store
@@ -511,10 +520,7 @@ def test_a_name_uploaded_again_whose_marker_never_came_is_not_listed(tmp_path, s
     else:
         (tmp_path / "store").mkdir()
         store = fastpersist.tiers.ObjectStore(str(tmp_path / "store"))
-    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
-    fastpersist.write_state_dict({"w": torch.zeros(1000)}, a)
-    fastpersist.write_state_dict({"w": torch.ones(1000)}, b)
-    assert a.stat().st_size == b.stat().st_size
+    a, b = _two_of_one_size(tmp_path)
     name = ckpt_name(10)
     store.upload(str(a), name)
     first = json.loads(store.fs.cat_file(store._path(name) + ".fpcommit"))
@@ -659,10 +665,7 @@ def test_two_uploads_of_one_name_to_a_local_store_never_list_a_checkpoint_that_f
     identity is now the file the upload made, taken before it is renamed."""
     (tmp_path / "store").mkdir()
     store = fastpersist.tiers.ObjectStore(str(tmp_path / "store"))
-    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
-    fastpersist.write_state_dict({"w": torch.zeros(1000)}, a)
-    fastpersist.write_state_dict({"w": torch.ones(1000)}, b)
-    assert a.stat().st_size == b.stat().st_size
+    a, b = _two_of_one_size(tmp_path)
     name = ckpt_name(9)
     racing = []
 
