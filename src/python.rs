@@ -2660,6 +2660,9 @@ struct PickleCtx<'py>(
     /// dtype -> (storage class, its GLOBAL bytes, element size), or None
     /// for dtypes the tensor reducer leaves to torch
     Bound<'py, PyAny>,
+    /// torch.Tensor.has_names where torch has named tensors, else None:
+    /// torch's reduction refuses a tensor with names
+    Option<Bound<'py, PyAny>>,
 );
 
 /// Why the walk stopped: an object the fast path does not write, or a
@@ -2955,6 +2958,11 @@ impl<'py> PickleWalk<'py> {
             || attrs.len()? != 0
         {
             return Err(Stop::Unsupported);
+        }
+        if let Some(has_names) = &self.ctx.9 {
+            if has_names.call1((t,))?.is_truthy()? {
+                return Err(Stop::Unsupported); // the slow path raises as torch does
+            }
         }
         Ok(di)
     }

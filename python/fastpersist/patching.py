@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from . import _core
 from .errors import CorruptCheckpointError, FastPersistError, SerializationError, UnsupportedDtypeError, WriteError
 from .options import EngineOptions, file_mode, parent_exists, resolve_target
 from .reader import detect_format, read_state_dict
@@ -461,11 +462,33 @@ def _load_file_route(load_file: Callable[..., Any], args: tuple, kwargs: dict) -
 
 
 class _Fallback(Exception):
-    """Raised by a routed call that the original must carry out instead."""
+    """Raised by a routed call that the original must carry out instead
+    (``call``: how, when not with the caller's arguments)."""
 
-    def __init__(self, why: str) -> None:
+    def __init__(self, why: str, call: Optional[Callable[[], Any]] = None) -> None:
         super().__init__(why)
         self.why = why
+        self.call = call
+
+
+def _save_replacing(original: Callable[..., Any], args: tuple, kwargs: dict, path: str) -> Any:
+    """``original(*args, **kwargs)`` (torch.save) writing into a temporary
+    file beside ``path``, committed over it when the call returns: torch's
+    own errors, and a failure (an object torch refuses too) leaves the file
+    that was at ``path`` as it was, where torch truncates it first. The
+    file is torch's as it writes one to a file object (its records under
+    ``archive/``: a temporary name is no archive name). Called only where
+    :func:`torch_save_route` found that replacing the file ends as torch's
+    write in place does."""
+    ba = _bind(original, args, kwargs)
+    assert ba is not None  # the route bound them
+    with _core.TempFile(resolve_target(path)) as tmp:
+        with open(os.dup(tmp.fd), "r+b", closefd=True) as f:
+            ba.arguments["f"] = f
+            result = original(*ba.args, **ba.kwargs)
+            length = f.tell()
+        tmp.commit(length)
+    return result
 
 
 def _torch_save(original: Callable[..., Any], args: tuple, kwargs: dict, options: Dict[str, Any]) -> None:
@@ -475,7 +498,8 @@ def _torch_save(original: Callable[..., Any], args: tuple, kwargs: dict, options
     try:
         write_state_dict(target[0], target[1], **options)
     except SerializationError as e:  # raised before any file exists: torch.save may take it
-        raise _Fallback(f"fastpersist cannot write it ({type(e).__name__})") from None
+        why = f"fastpersist cannot write it ({type(e).__name__})"
+        raise _Fallback(why, lambda: _save_replacing(original, args, kwargs, target[1])) from None
     except WriteError as e:  # torch.save's I/O failures are RuntimeErrors
         raise _also(e, RuntimeError) from e
 
@@ -587,7 +611,7 @@ def _wrap(name: str, original: Callable[..., Any], route: Callable[..., Any]) ->
         try:
             result = route(original, args, kwargs, options)
         except _Fallback as e:
-            why = e.why
+            why, call = e.why, e.call
         except BaseException:
             _count(name, None)  # carried out by fastpersist, and failed there
             raise
@@ -597,7 +621,7 @@ def _wrap(name: str, original: Callable[..., Any], route: Callable[..., Any]) ->
         finally:
             _local.busy = False
         _count(name, why)
-        return original(*args, **kwargs)
+        return original(*args, **kwargs) if call is None else call()
 
     wrapper.__fastpersist_original__ = original  # type: ignore[attr-defined]
     return wrapper

@@ -174,6 +174,10 @@ def _v3_dtypes() -> frozenset:
 
 
 _V3_DTYPES = _v3_dtypes()
+
+#: ``torch.Tensor.has_names`` where this torch has named tensors (removed in
+#: later torch): torch.save refuses a named tensor, and so does the reducer.
+_HAS_NAMES: Any = getattr(torch.Tensor, "has_names", None)
 _get_metadata = getattr(torch._utils, "get_tensor_metadata", None)
 # Types persistent_id can dismiss at once (it is called for every object).
 _PLAIN = frozenset(
@@ -234,6 +238,7 @@ class _Pickler(pickle.Pickler):
             and not o.is_nested  # strided nested tensors: torch's own reduction
             and not o.__dict__
             and not o._backward_hooks  # torch's reduction warns they are not saved
+            and not (_HAS_NAMES is not None and _HAS_NAMES(o))  # torch's reduction refuses names
             and not _zero(o)
         ):
             check_extent(o)
@@ -395,6 +400,7 @@ def _fast_context() -> Optional[tuple]:
         odict_raw,
         _metadata_fn(),
         _fast_dtype,
+        _HAS_NAMES,
     )
 
 

@@ -5,6 +5,7 @@ ca1316e (the issue's numbering in the names)."""
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 import struct
@@ -1010,6 +1011,32 @@ def test_a_tensor_with_backward_hooks_warns_as_torch_save_warns(tmp_path, how):
         got = messages(lambda: fastpersist.save_async({"t": t}, tmp_path / "f.pt", mode=how).result())
     assert got == want
     assert torch.equal(torch.load(tmp_path / "f.pt")["t"], t.detach())
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "has_names"), reason="this torch has no named tensors")
+@pytest.mark.parametrize("how", ["write", "pipelined", "snapshot", "patched", "nested"])
+def test_a_named_tensor_is_refused_as_torch_save_refuses_it(tmp_path, how):
+    """Regression (torch with named tensors, 2.11 among them): torch.save
+    refuses a tensor with names; fastpersist's fast tensor paths wrote it
+    without them, and the load gave back a different tensor. Nothing is
+    left at the target either."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # named tensors are experimental
+        t = torch.zeros(2, 3, names=("a", "b"))
+    obj = {"t": t} if how != "nested" else {"model": collections.OrderedDict(w=torch.ones(2), t=t), "step": 1}
+    with pytest.raises(RuntimeError) as want:
+        torch.save(obj, tmp_path / "torch.pt")
+    p = tmp_path / "f.pt"
+    with pytest.raises(RuntimeError) as got:
+        if how in ("write", "nested"):
+            fastpersist.write_state_dict(obj, p)
+        elif how == "patched":
+            with fastpersist.patch():
+                torch.save(obj, p)
+        else:
+            fastpersist.save_async(obj, p, mode=how).result()
+    assert str(want.value).split("\n")[0] in str(got.value)
+    assert not p.exists()
 
 
 @pytest.mark.parametrize("patched", [False, True])

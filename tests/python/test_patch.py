@@ -622,3 +622,56 @@ def test_a_tensor_reduction_of_the_programs_own_goes_to_torch_save(tmp_path, mon
 
     assert pkl(tmp_path / "patched.pt") == pkl(tmp_path / "torch.pt")
     assert torch.equal(torch.load(tmp_path / "patched.pt", weights_only=False)["t"], obj["t"])
+
+
+class _Refused:
+    """An object whose pickling fails (torch.save raises, so does fastpersist)."""
+
+    def __reduce__(self):
+        raise RuntimeError("this object refuses to be pickled")
+
+
+def test_a_save_torch_refuses_too_leaves_the_file_that_was_there(tmp_path):
+    """Regression: an object fastpersist cannot write goes to torch.save,
+    which truncates the file before it fails (an object torch refuses too:
+    a named tensor, an unpicklable object); the checkpoint that was there
+    was lost to a save that raised. The fallback now writes torch's bytes
+    into a temporary file committed over the target only when torch.save
+    returns."""
+    obj = {"w": torch.ones(2), "bad": _Refused()}
+    with pytest.raises(RuntimeError) as want:
+        SAVE(obj, io.BytesIO())
+    p = tmp_path / "ckpt.pt"
+    SAVE({"w": torch.zeros(3)}, p)
+    before = p.read_bytes()
+    with fastpersist.patch() as stats:
+        with pytest.raises(RuntimeError) as got:
+            torch.save(obj, p)
+    assert str(got.value) == str(want.value)
+    assert stats.fallback_calls == {"torch.save": 1}, stats
+    assert p.read_bytes() == before
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_a_fallback_save_commits_torch_own_bytes(tmp_path, monkeypatch):
+    """What a fallback for an object fastpersist cannot write commits is
+    torch.save's file (as torch writes one to a file object) in place of
+    the old one, its mode kept."""
+    import fastpersist.patching as patching
+
+    def refuse(*a, **k):
+        raise fastpersist.SerializationError("refused for the test")
+
+    monkeypatch.setattr(patching, "write_state_dict", refuse)
+    obj = {"w": torch.arange(6.0), "step": 3}
+    want = io.BytesIO()
+    SAVE(obj, want)
+    p = tmp_path / "ckpt.pt"
+    p.write_text("old")
+    os.chmod(p, 0o640)
+    with fastpersist.patch() as stats:
+        torch.save(obj, p)
+    assert stats.fallback_calls == {"torch.save": 1}, stats
+    assert p.read_bytes() == want.getvalue()
+    assert oct(os.stat(p).st_mode & 0o777) == oct(0o640)
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
