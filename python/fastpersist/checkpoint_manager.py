@@ -91,8 +91,11 @@ __all__ = [
 log = logging.getLogger("fastpersist")
 #: Checkpoint file names, exactly as :func:`ckpt_name` makes them.
 CKPT_RE = re.compile(r"ckpt-([0-9]{12,20})\.pt")
-#: Temporary files of checkpoint saves, exactly as the core names them.
-TEMP_RE = re.compile(r"\.(ckpt-[0-9]{12,20}\.pt)\.[0-9]+\.[0-9]+" + re.escape(_core.TEMP_MARKER))
+#: Temporary files of checkpoint saves (and of the records of going back,
+#: ``Checkpointer._went_back``), exactly as the core names them.
+TEMP_RE = re.compile(
+    r"\.(ckpt-[0-9]{12,20}\.pt|\.went-back-[0-9]+\.json)\.[0-9]+\.[0-9]+" + re.escape(_core.TEMP_MARKER)
+)
 LOG_NAME = "checkpoints.jsonl"
 #: How often latest()/load_latest() list again when listed files vanish.
 _RELIST = 20
@@ -194,6 +197,18 @@ def _scan_store(store: Optional[ObjectStore]) -> Dict[int, CheckpointInfo]:
         if step is not None:
             out[step] = CheckpointInfo(step, store.url_of(name), "object", size)
     return out
+
+
+def _remove_quietly(path: str) -> None:
+    """Remove this Checkpointer's own bookkeeping file ``path``; one
+    already gone, or that cannot be removed (logged), is left."""
+    try:
+        os.unlink(path)
+        fsync_dir(os.path.dirname(path))
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("fastpersist: cannot remove %s: %s", path, e)
 
 
 def _unpack(payload: Any, path: str) -> Tuple[int, Any]:
@@ -393,16 +408,15 @@ class _InFlight:
     issued_at: float
     stall: float
     extra: float = 0.0
-    #: Checkpoints of later steps there when the save began (a run this one
-    #: went back on), set aside once it commits; and the later steps the
-    #: staging tier had then.
-    later: Tuple[CheckpointInfo, ...] = ()
-    later_staged: Tuple[int, ...] = ()
 
 
 #: What a checkpoint set aside by a run that went back on it is renamed
-#: with (``Checkpointer._abandon_above``).
+#: with (``Checkpointer._went_back``).
 ABANDONED = ".abandoned"
+
+#: The record of a run going back (``Checkpointer._went_back``), in its
+#: directory until every tier's later checkpoints are set aside.
+_WENT_BACK = re.compile(r"\.went-back-(\d+)\.json")
 
 
 def _per_rank(stage_dir: str, rank: int) -> str:
@@ -568,10 +582,10 @@ class Checkpointer:
             except OSError as e:
                 log.error("fastpersist: cannot list %s: %s", self.stage_url, e)
         self._stage_futures: List[Any] = []
-        #: Steps queued for staging, not started, when a commit set later
+        #: Steps queued for staging, not started, when a save set later
         #: checkpoints aside (a run this one went back on): their stages
-        #: are skipped (see _abandon_above); a later commit of such a step
-        #: is staged.
+        #: are skipped (see _went_back); a later commit of such a step is
+        #: staged.
         self._abandoned_stages: Set[int] = set()
         #: Steps handed to the stager that it has not started on.
         self._stage_queue: set = set()
@@ -593,6 +607,7 @@ class Checkpointer:
         #: The last save started here and its outcome, not yet agreed.
         self._outcome: Optional[Tuple[int, bool]] = None
         _checkpointers.add(self)
+        self._resume_going_back()
         self._sweep_leftovers(every_time=True)
         if self._stager is not None:
             # Catch up: local checkpoints newer than any staged one (an upload
@@ -722,12 +737,14 @@ class Checkpointer:
         later = self._later_than(step)
         with self._lock:
             later_staged = tuple(sorted(s for s in self._staged if s > step))
+        if later or later_staged:
+            self._went_back(step, later, later_staged)
         try:
             fut = self._saver.save({"step": step, "state": state}, path, mode=self.mode, **self.options)
         except BaseException:
             self._outcome = (step, False)
             raise
-        self._inflight = _InFlight(step, fut, t0, self.clock() - t0, later=later, later_staged=later_staged)
+        self._inflight = _InFlight(step, fut, t0, self.clock() - t0)
         clock = self.clock  # (the callback holds neither self nor the _InFlight: no cycle)
         fut.add_done_callback(lambda f: setattr(f, "done_at", clock()))
         return fut
@@ -797,53 +814,121 @@ class Checkpointer:
         )
         with self._lock:
             self._mark_valid(st.path)
-        if fl.later or fl.later_staged:
-            self._abandon_above(fl.step, fl.later, fl.later_staged)
         if self._stager is not None:
             self._queue_stage(fl.step, st.path)
         self._submit_replica(fl.step, st.path)
         self._retain()
 
-    def _later_than(self, step: int) -> Tuple[CheckpointInfo, ...]:
+    def _later_than(self, step: int) -> Tuple[Tuple[CheckpointInfo, Tuple[int, int, int, int]], ...]:
         """The checkpoints (local, and replicas held) of steps after
-        ``step`` there now."""
+        ``step`` there now, each with its file's identity."""
         dirs = [self.directory] + (
             [replica_dir(self.directory, r) for r in self._ring.sources()] if self._ring is not None else []
         )
-        return tuple(i for d in dirs for i in sorted(_scan(d, "local").values(), key=lambda i: i.step) if i.step > step)
+        out = []
+        for d in dirs:
+            for i in sorted(_scan(d, "local").values(), key=lambda i: i.step):
+                ident = self._identity(i.path) if i.step > step else None
+                if ident is not None:
+                    out.append((i, ident))
+        return tuple(out)
 
-    def _abandon_above(self, step: int, later: Tuple[CheckpointInfo, ...], staged: Tuple[int, ...]) -> None:
-        """This run committed ``step``; ``later`` were there, of later
-        steps, when the save began: they are from a run this one went back
-        on (resumed from an earlier step after a loss spike, or past a
-        damaged newest one). They are set aside, not deleted: renamed
-        ``<name>.abandoned`` (an object's commit marker moved likewise), so
-        neither ``latest()`` nor retention counts them any more and the new
-        run's checkpoints are kept. Checkpoints written meanwhile (another
-        process's) are left alone. The shared and object tiers are done on
-        the staging thread, after any copy it has begun."""
-        for info in later:
-            self._set_aside(info)
+    def _went_back(
+        self, step: int, later: Tuple[Tuple[CheckpointInfo, Tuple[int, int, int, int]], ...], staged: Tuple[int, ...]
+    ) -> None:
+        """A save of ``step`` begins while checkpoints of later steps are
+        there (``later``: this directory's and the replicas held here;
+        ``staged``: the staging tier's): they are from a run this one went
+        back on (resumed from an earlier step after a loss spike, or past a
+        damaged newest one). They are set aside before the save is written,
+        not deleted: renamed ``<name>.abandoned`` (an object's commit marker
+        moved likewise), so neither ``latest()`` nor retention counts them
+        any more, and a process that dies from now on is restored from this
+        run, not from the one it left. What this takes is recorded first,
+        durably (``.went-back-<step>.json``): the next Checkpointer made on
+        the directory carries out what a dying process left undone.
+        Checkpoints written meanwhile (another process's) are left alone.
+        The staging tier's are set aside on the staging thread, after any
+        copy it has begun."""
+        record = os.path.join(self.directory, f".went-back-{step}.json")
+        entry = {
+            "step": step,
+            "later": [[i.path, i.tier, i.step, list(ident)] for i, ident in later],
+            "staged": list(staged),
+        }
+        try:
+            with _core.TempFile(record) as tmp:
+                data = json.dumps(entry).encode()
+                tmp.write(data, 0)
+                tmp.commit(len(data))
+        except OSError as e:  # the set-aside goes on; only a crash's recovery is lost
+            log.warning("fastpersist: cannot record going back to step %d in %s: %s", step, record, e)
+        for info, ident in later:
+            self._set_aside(info, ident)
         if self._stager is not None:
             with self._lock:
                 self._abandoned_stages |= {s for s in self._stage_queue if s > step}
                 self._staged -= set(staged)
                 self._stage_queue = {s for s in self._stage_queue if s <= step}
             if staged:  # (listing an object store costs a request per checkpoint)
-                self._stage_futures.append(self._stager.submit(self._abandon_staged_above, step, staged))
+                self._stage_futures.append(self._stager.submit(self._abandon_staged, step, staged, record))
+                return
+        _remove_quietly(record)
 
-    def _abandon_staged_above(self, step: int, staged: Tuple[int, ...]) -> None:
+    def _resume_going_back(self) -> None:
+        """At construction: carry out the records of going back that a
+        process left (it died before every tier's later checkpoints were
+        set aside). A local checkpoint is set aside only if it is still the
+        file recorded; the staging tier's steps are those it staged, none
+        of which this run can have staged since (the staging thread sets
+        them aside before it stages anything newer)."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        for name in sorted(n for n in names if _WENT_BACK.fullmatch(n)):
+            record = os.path.join(self.directory, name)
+            try:
+                with open(record, "rb") as f:
+                    entry = json.loads(f.read())
+                step = int(entry["step"])
+                later = [
+                    (CheckpointInfo(int(s), str(p), str(tier), 0), tuple(int(x) for x in ident))
+                    for p, tier, s, ident in entry["later"]
+                ]
+                staged = tuple(int(s) for s in entry["staged"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("fastpersist: ignoring the unreadable record %s: %s", record, e)
+                _remove_quietly(record)
+                continue
+            log.warning("fastpersist: %s: a run that went back to step %d died before it was done", record, step)
+            for info, ident in later:
+                self._set_aside(info, ident)
+            if staged and (self.store is not None or self.stage_dir):
+                self._abandon_staged(step, staged, None)
+                with self._lock:
+                    self._staged -= set(staged)
+            _remove_quietly(record)
+
+    def _abandon_staged(self, step: int, staged: Tuple[int, ...], record: Optional[str]) -> None:
         try:
             found = _scan_store(self.store) if self.store is not None else _scan(self.stage_dir, "shared")
         except OSError as e:
             where = self.stage_url or self.stage_dir
             log.warning("fastpersist: cannot list %s to set aside checkpoints past step %d: %s", where, step, e)
-            return
-        for s in staged:
-            if s in found:
-                self._set_aside(found[s])
+        else:
+            for s in staged:
+                if s in found:
+                    self._set_aside(found[s])
+        if record is not None:
+            # Also after a failure (logged): a step left there must not be
+            # set aside later, once this run may have staged its own.
+            _remove_quietly(record)
 
-    def _set_aside(self, info: CheckpointInfo) -> None:
+    def _set_aside(self, info: CheckpointInfo, ident: Optional[Tuple[int, ...]] = None) -> None:
+        """Rename ``info`` (an object: move it) to ``<name>.abandoned``
+        (``-1``, ``-2``, ... when taken); a file whose identity is no
+        longer ``ident`` (replaced since) is left."""
         try:
             if info.tier == "object":
                 assert self.store is not None
@@ -852,6 +937,8 @@ class Checkpointer:
                     return
                 dst = self.store.url_of(moved)
             else:
+                if ident is not None and self._identity(info.path) != tuple(ident):
+                    return
                 dst = info.path + ABANDONED
                 n = 1
                 while os.path.lexists(dst):

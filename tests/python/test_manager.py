@@ -51,10 +51,12 @@ def test_latest_skips_damaged_and_cleans_temp_files(tmp_path):
     raw[4096 + 100] ^= 0xFF
     newest.write_bytes(bytes(raw))
     leftover = tmp_path / f".{ckpt_name(4)}.999999999.0.fptmp"
-    leftover.write_bytes(b"partial")
-    os.utime(leftover, (time.time() - 86400, time.time() - 86400))  # left by a save long ago
+    record = tmp_path / "..went-back-4.json.999999999.1.fptmp"  # a record of going back, cut short
+    for p in (leftover, record):
+        p.write_bytes(b"partial")
+        os.utime(p, (time.time() - 86400, time.time() - 86400))  # left by a save long ago
     ck = fastpersist.Checkpointer(tmp_path)
-    assert not leftover.exists()
+    assert not leftover.exists() and not record.exists()
     assert ck.latest().step == 2
     step, st_ = ck.load_latest()
     assert step == 2 and st_["i"] == 2
@@ -554,6 +556,44 @@ def test_a_run_that_went_back_sets_the_later_checkpoints_aside(tmp_path):
     assert (step, state["run"]) == (230, "B")
     events = [json.loads(line) for line in open(local / "checkpoints.jsonl")]
     assert [e["step"] for e in events if e["event"] == "abandoned"] == [300, 300]
+
+
+WENT_BACK_CHILD = textwrap.dedent(
+    """
+    import os, sys, torch, fastpersist
+    local, shared, where = sys.argv[1], sys.argv[2], sys.argv[3]
+    ck = fastpersist.Checkpointer(local, stage_dir=shared, every=1, keep_last=5)
+    fut = ck.save(210, {"run": "B", "x": torch.tensor([210])})
+    if where == "committed":
+        fut.result()  # on disk, renamed in; the Checkpointer has not noticed it yet
+    os._exit(0)
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["committed", "writing"])
+def test_a_run_that_went_back_and_died_is_not_restored_from_the_run_it_left(tmp_path, where):
+    """Regression: the checkpoints of the run a run went back on were set
+    aside only when the new run's commit was noticed (at its next step()),
+    not when it happened; a process killed in between (or while its first
+    save was being written) was restored from the abandoned run's newest
+    checkpoint. Going back is now recorded before the save begins and
+    carried out at once (and by the next Checkpointer on the directory, for
+    what a dying process left undone)."""
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    with fastpersist.Checkpointer(local, stage_dir=shared, every=1, keep_last=5) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, {"run": "A", "x": torch.tensor([s])})
+            ck.wait()
+    r = subprocess.run([sys.executable, "-c", WENT_BACK_CHILD, str(local), str(shared), where], capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    again = fastpersist.Checkpointer(local, stage_dir=shared, every=1, keep_last=5)
+    step, state = again.load_latest(weights_only=False)
+    again.close()
+    assert (step, state["run"]) == ((210, "B") if where == "committed" else (200, "A"))
+    for d in (local, shared):
+        assert ckpt_name(300) not in os.listdir(d), sorted(os.listdir(d))
+    assert not [n for n in os.listdir(local) if n.startswith(".went-back")]
 
 
 def test_staging_goes_on_after_a_run_went_back(tmp_path):
