@@ -1312,6 +1312,25 @@ def test_the_fast_path_checks_what_it_takes_from_the_sidecar_and_metadata(tmp_pa
     assert_equal(out, sd)
 
 
+def test_an_item_the_sidecar_does_not_name_is_corrupt(tmp_path):
+    """Regression: the reader looked an item's CRC32 up by its offset and
+    read an item whose entry was missing unchecked (a sidecar and a
+    .metadata that disagree: a damaged sidecar, or a .metadata not of the
+    sidecar's save). With a sidecar of this module's, every item with
+    bytes must have its entry; without verify it is read as before."""
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    md = pickle.load(open(tmp_path / ".metadata", "rb"))
+    car = tmp_path / sidecar_name(md.storage_meta.save_id)
+    doc = json.load(open(car))
+    rel = next(iter(doc["files"]))
+    doc["files"][rel] = [e for e in doc["files"][rel] if e[1] == 0] + [e for e in doc["files"][rel] if e[1]][1:]
+    car.write_text(json.dumps(doc))
+    with raises(CorruptCheckpointError, "has no CRC32 in the sidecar"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path, verify=False), sd), sd)
+
+
 def test_a_sidecar_of_version_1_is_read_by_parsing_each_blob(tmp_path):
     """Entries without a head CRC and kind (fastpersist's first sidecars)
     are still checked against their CRC32s; their data is taken by parsing."""

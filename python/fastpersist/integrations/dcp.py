@@ -1238,6 +1238,13 @@ class FastPersistReader(StorageReader):
                         f"({size} bytes): truncated?"
                     )
                 crc = self.crcs.get((rel, info.offset)) if info.length else None
+                if crc is None and info.length and self.verified:
+                    # The sidecar covers every item its save wrote: one it
+                    # does not name is not that save's (or the sidecar is).
+                    raise CorruptCheckpointError(
+                        f"{path}: item {_name(req)} ({info.length} bytes at {info.offset}) has no CRC32 in the "
+                        "sidecar: the sidecar and .metadata disagree"
+                    )
                 if info.length and info.offset in batch.items:
                     self._read_batch(fd, path, batch, planner)
                     batch = _ReadBatch()
