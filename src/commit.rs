@@ -77,7 +77,7 @@ pub const TEMP_MARKER: &str = ".fptmp";
 pub const TEMP_NAME_PART_MAX: usize = 255 - 1 - 11 - 21 - TEMP_MARKER.len();
 
 /// The name part of a temporary file for a target named `name`.
-fn temp_name_part(name: &[u8]) -> Vec<u8> {
+pub fn temp_name_part(name: &[u8]) -> Vec<u8> {
     if name.len() <= TEMP_NAME_PART_MAX {
         return name.to_vec();
     }

@@ -1680,6 +1680,14 @@ fn is_temp_name(name: PathBuf) -> bool {
     crate::commit::is_temp_name(name.as_os_str())
 }
 
+/// The `<part>` of the temporary file names of a target named `name` (a
+/// file name's bytes): the name, or when longer than `TEMP_NAME_PART_MAX`
+/// its first bytes and a hash of it (see the core's `commit` module docs).
+#[pyfunction]
+fn temp_name_part<'py>(py: Python<'py>, name: &[u8]) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &crate::commit::temp_name_part(name))
+}
+
 /// More parts than any job has ranks: a bound on the list `split_ranges` makes.
 const MAX_PARTS: usize = 1 << 20;
 
@@ -3601,6 +3609,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(temp_file_in_use, m)?)?;
     m.add_function(wrap_pyfunction!(fallocate_zero_fills, m)?)?;
     m.add_function(wrap_pyfunction!(is_temp_name, m)?)?;
+    m.add_function(wrap_pyfunction!(temp_name_part, m)?)?;
     m.add_function(wrap_pyfunction!(wait_for_frees, m)?)?;
     m.add_function(wrap_pyfunction!(remove_file, m)?)?;
     m.add_function(wrap_pyfunction!(prepare_memory, m)?)?;

@@ -704,10 +704,9 @@ def sweep_leftovers(path: str) -> None:
     if not sweep_due(path):
         return
     directory, name = os.path.split(path)
-    if len(os.fsencode(name)) > _core.TEMP_NAME_PART_MAX:
-        return  # such names are cut and hashed in their temporary names
+    part = os.fsdecode(_core.temp_name_part(os.fsencode(name)))  # a long name is cut and hashed
     marker = re.escape(_core.TEMP_MARKER)
-    pattern = re.compile(r"\." + re.escape(name) + r"\.[0-9]{1,10}\.[0-9]{1,20}" + marker, re.DOTALL)
+    pattern = re.compile(r"\." + re.escape(part) + r"\.[0-9]{1,10}\.[0-9]{1,20}" + marker, re.DOTALL)
     try:
         for n in remove_stale_temps(directory, pattern.fullmatch):
             log.warning("fastpersist: removed %s, left by a save that did not finish", os.path.join(directory, n))

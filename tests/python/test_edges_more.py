@@ -712,3 +712,31 @@ def test_a_long_running_process_removes_leftovers_that_were_young_at_its_first_s
         ck.wait()
         fastpersist.write_state_dict({"w": torch.ones(4)}, path)
         assert not any(p.exists() for p in young)
+
+
+@pytest.mark.parametrize("length", [216, 217, 250])
+def test_leftovers_of_a_target_with_a_long_name_are_swept(tmp_path, length):
+    """Regression: the temporary files of a target whose name is over 216
+    bytes carry the name cut and hashed; the sweep before a save matched
+    only the whole name and never removed them (a killed save's leftover
+    stayed for ever). A leftover of another long name that shares the cut
+    prefix is not this target's, and stays."""
+    from fastpersist import _core
+
+    name = ("m" * (length - 3)) + ".pt"
+    other = ("m" * (length - 3)) + ".PT"
+    old = time.time() - 7200
+    left = []
+    for target in (name, other):
+        t = _core.TempFile(str(tmp_path / target))
+        keep = tmp_path / ("kept-" + str(len(left)))
+        os.link(t.temp_path, keep)  # the temporary name, unlocked once the writer is gone
+        t.abort()
+        os.rename(keep, t.temp_path)
+        os.utime(t.temp_path, (old, old))
+        left.append(os.path.basename(t.temp_path))
+    if length > _core.TEMP_NAME_PART_MAX:
+        assert left[0] != left[1] and left[0][:100] == left[1][:100]
+    fastpersist.write_state_dict({"w": torch.ones(2)}, tmp_path / name)
+    names = set(os.listdir(tmp_path))
+    assert left[0] not in names and left[1] in names, names
