@@ -254,6 +254,15 @@ OUTLIER = 4.0
 #: An iteration this many times the baseline, with no checkpoint in flight,
 #: is a stall, not an iteration (see :meth:`FrequencyTuner.record_iteration`).
 STALL = 10.0
+#: Where the feedback steers the achieved overhead, as a share of
+#: ``max_overhead`` (under it by the noise of one window's measure), and how
+#: far under the model's interval it may go (none: the model's interval
+#: comes from costs measured directly; a baseline off by the noise of its
+#: samples must not make checkpoints denser than that).
+FEEDBACK_AIM = 0.85
+MIN_SCALE = 1.0
+#: At most this many samples for a re-profile.
+TAIL_SAMPLES = 2048
 
 
 class FrequencyTuner:
@@ -271,11 +280,15 @@ class FrequencyTuner:
        before the next (``k T >= write time``).
     3. *Feedback*: the model misses costs that outlast the save (CPU and
        cache contention around it), so the overhead actually achieved, the
-       mean iteration time between two checkpoints over the baseline, scales
-       the interval up when it exceeds ``max_overhead`` (and back down,
-       gently, when it is well under).
+       mean iteration time between two checkpoints (their stalls included)
+       over the baseline, scales the interval: up at once when it exceeds
+       ``max_overhead``, down by half steps when it is under (the interval
+       settles where the achieved overhead is just under the bound, not
+       anywhere below it).
     4. *Re-profile* every ``reprofile_every`` checkpoints, so the baseline
-       follows drift in the iteration time itself.
+       follows drift in the iteration time itself: the median of the quiet
+       iterations just before that checkpoint is due (the furthest from the
+       last save), with no extra checkpoint and no pause in the schedule.
     """
 
     def __init__(
@@ -315,6 +328,11 @@ class FrequencyTuner:
         self._window_sum = 0.0
         self._window_n = 0
         self._samples: List[float] = []
+        #: Quiet iterations in the second halves of the intervals since the
+        #: last re-profile (its samples).
+        self._tail: List[float] = []
+        #: The profiling checkpoint is in flight and nothing is measured yet.
+        self._awaiting = False
 
     def record_iteration(self, seconds: float, affected: bool) -> None:
         if not affected and self.baseline and seconds > STALL * self.baseline:
@@ -334,8 +352,20 @@ class FrequencyTuner:
             self._profiled += 1
             if self._profiled > self.profile_steps:
                 self._samples.append(seconds)
+        elif self.reprofile_every and len(self._tail) < TAIL_SAMPLES:
+            # Iteration _since_last + 1 after the last checkpoint: the second
+            # half of the interval is furthest from the last save's effects.
+            n = self._since_last + 1
+            if n > self.profile_steps and 2 * n > self.interval:
+                self._tail.append(seconds)
+
+    def record_unmeasured(self) -> None:
+        """A checkpoint ended without a measure of its cost (it failed, or
+        it was waited for with no iteration beside it)."""
+        self._awaiting = False
 
     def record_checkpoint(self, cost: float, write_seconds: float) -> None:
+        self._awaiting = False
         a = 0.5
         # One sample moves the cost estimate at most OUTLIER times over: a
         # single stalled iteration (a data-loader hiccup, a pause not
@@ -358,8 +388,13 @@ class FrequencyTuner:
         k = max(math.ceil(self._model_interval * self._scale - 1e-9), k_write, 1)
         self.interval = int(min(self.max_interval, k))
 
-    def _feedback(self) -> None:
-        """Called when a checkpoint is issued: judge the window since the last."""
+    def _feedback(self, reprofile: bool) -> None:
+        """Called when a checkpoint is due: judge the window since the last
+        (``reprofile``: the baseline is first the median of the quiet
+        iterations gathered since the last re-profile)."""
+        if reprofile and len(self._tail) >= self.profile_steps:
+            self.baseline = sorted(self._tail)[len(self._tail) // 2]
+            self._tail = []
         if self._window_n and self.baseline:
             # At most OUTLIER times the target: one stalled iteration in the
             # window must not multiply the interval for many checkpoints.
@@ -368,11 +403,15 @@ class FrequencyTuner:
             self.observed_overhead = (
                 achieved if self.observed_overhead is None else (1 - a) * self.observed_overhead + a * achieved
             )
-            o = self.observed_overhead
-            if o > self.max_overhead:
-                self._scale = min(self._scale * min(o / self.max_overhead, 4.0), float(self.max_interval))
-            elif o < 0.5 * self.max_overhead:
-                self._scale = max(1.0, self._scale * 0.8)
+            ratio = self.observed_overhead / self.max_overhead
+            if ratio > 1.0:
+                # Over the bound: the interval the window says meets it.
+                self._scale = min(self._scale * min(ratio, 2.0), float(self.max_interval))
+            elif ratio < FEEDBACK_AIM:
+                # Under: half the way (in log terms) to the interval that
+                # would reach the aim, so noise does not make it oscillate.
+                step = math.sqrt(max(ratio, 0.0) / FEEDBACK_AIM) if ratio > 0 else 0.5
+                self._scale = max(MIN_SCALE, self._scale * max(step, 0.5))
             self._retune()
         self._window_sum, self._window_n = 0.0, 0
 
@@ -389,14 +428,19 @@ class FrequencyTuner:
             self._window_sum, self._window_n = 0.0, 0
             self._since_last = 0
             self._checkpoints += 1
+            self._awaiting = self.cost is None
             return True
+        if self._awaiting:
+            # The first save's cost is not known yet (it is in flight): no
+            # interval yet, and a second save now would wait for the first.
+            return False
         if self._since_last >= self.interval:
             self._since_last = 0
             if self.auto:
-                self._feedback()
                 self._checkpoints += 1
-                if self.reprofile_every and self._checkpoints % self.reprofile_every == 0:
-                    self._profiling, self._profiled = True, 0
+                c, every = self._checkpoints, self.reprofile_every
+                # Soon after the first profile (a few samples), then every `every`.
+                self._feedback(bool(every) and (c % every == 0 or (c < every and c & (c - 1) == 0)))
             return True
         return False
 
@@ -675,7 +719,9 @@ class Checkpointer:
             want = self._decide_together(want)
         if want:
             fut = self._start(step, state)
-        self._last_step_at = self.clock()
+        # An iteration is measured from here to the next call: its time
+        # includes this call's (a save's stall is part of what it costs).
+        self._last_step_at = now
         return fut
 
     def _decide_together(self, want: bool) -> bool:
@@ -784,12 +830,15 @@ class Checkpointer:
             log.error("fastpersist: checkpoint of step %d failed: %r", fl.step, exc)
             self._log_event({"event": "failed", "step": fl.step, "error": repr(exc)})
             self._submit_replica(fl.step, None)  # the holder is told: nothing this time
+            self.tuner.record_unmeasured()
             return
         st = fl.future.result()
         stall = fl.stall + waited
         if tune:  # not when drained by wait()/close(): no iteration ran beside it
             write_s = fl.future.total_seconds if fl.future.total_seconds is not None else st.seconds
             self.tuner.record_checkpoint(max(fl.extra, stall), write_s)
+        else:
+            self.tuner.record_unmeasured()
         log.info(
             "fastpersist: checkpoint step %d: %d bytes, stall %.1f ms, write %.3f s (%.2f GB/s), interval %d",
             fl.step,

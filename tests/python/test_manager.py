@@ -111,7 +111,8 @@ def test_auto_interval_in_a_loop_with_fake_clock(tmp_path):
             f.result()  # done in real time; the manager notices at the next step
     ck.close()
     gaps = [b - a for a, b in zip(saved, saved[1:])]
-    assert saved and ck.tuner.interval >= 4 and gaps[-1] == ck.tuner.interval
+    # (the interval the last gap was taken at, or one step of the feedback from it)
+    assert saved and ck.tuner.interval >= 4 and abs(gaps[-1] - ck.tuner.interval) <= 1, (saved, ck.tuner.interval)
 
 
 def test_feedback_catches_costs_the_model_misses(tmp_path):
@@ -137,6 +138,62 @@ def test_feedback_catches_costs_the_model_misses(tmp_path):
     achieved = sum(tail) / len(tail) - 1.0
     assert ck.tuner.interval >= 13, ck.tuner.interval  # the model alone says 6
     assert achieved <= 0.035 * 1.15, achieved
+
+
+def _simulate_tuner(seed: int, linger: float, n: int = 20000, t: float = 0.1, max_overhead: float = 0.035):
+    """A training loop as the Checkpointer drives its tuner: 0.1 s
+    iterations (±3% noise); a save stalls the iteration it starts in by
+    20 ms, slows the 10 it is in flight for (1 s) by 10 ms each, and the
+    next 10 by ``linger`` each (contention the cost model does not see).
+    Returns (overhead of the last half, the intervals of the last half)."""
+    rnd = random.Random(seed)
+    tu = FrequencyTuner("auto", max_overhead=max_overhead)
+    now, inflight_end, linger_left, extra, stall_next = 0.0, -1.0, 0, 0.0, 0.0
+    in_flight = False
+    total, last, gaps = 0.0, 0, []
+    for i in range(n):
+        dur = t * (1 + rnd.uniform(-0.03, 0.03)) + stall_next
+        affected = now < inflight_end or stall_next > 0
+        stall_next = 0.0
+        if now < inflight_end:
+            dur += 0.01
+        elif linger_left:
+            dur, linger_left = dur + linger, linger_left - 1
+        tu.record_iteration(dur, affected)
+        if affected and tu.clean_time:
+            extra += max(0.0, dur - tu.clean_time)
+        now += dur
+        if i >= n // 2:
+            total += dur
+        if in_flight and now >= inflight_end:
+            tu.record_checkpoint(max(extra, 0.02), 1.0)
+            in_flight, linger_left = False, 10
+        if tu.should_checkpoint():
+            assert not in_flight  # the first interval waits for the first measure
+            stall_next, inflight_end, extra, in_flight = 0.02, now + 1.0, 0.0, True
+            if i >= n // 2:
+                gaps.append(i - last)
+            last = i
+    return total / ((n - n // 2) * t) - 1.0, gaps
+
+
+@pytest.mark.parametrize("linger", [0.0, 0.005])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_auto_interval_settles_just_under_the_bound(seed, linger):
+    """Regression: the feedback only raised the interval (a dead band from
+    half the bound to the bound), so it settled 1.5-2x sparser than
+    ``max_overhead`` allows; every 25th checkpoint a re-profile paused the
+    schedule and then checkpointed 6 iterations after the last one (above
+    the bound overall, 4.6-5% against 3.5%, in this loop), from a baseline
+    of 3 noisy samples; and the iteration right after the first checkpoint
+    checkpointed again, before its cost was known. Now the interval settles
+    where the overhead is just under the bound, re-profiles use the quiet
+    iterations of the intervals, and no interval is shorter than the
+    model's."""
+    overhead, gaps = _simulate_tuner(seed, linger)
+    assert 0.7 * 0.035 <= overhead <= 0.035, (overhead, gaps[-10:])
+    gaps.sort()
+    assert gaps[0] >= 0.6 * gaps[len(gaps) // 2], gaps[:10]
 
 
 @pytest.mark.parametrize("in_flight", [False, True])
