@@ -66,7 +66,21 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple, TypeVar, Union, overload
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Hashable,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    TypeVar,
+    Union,
+    overload,
+)
 
 from . import _core
 from .async_save import AsyncSaver, CheckpointFuture, check_save_options, future_error
@@ -443,6 +457,16 @@ class FrequencyTuner:
                 self._feedback(bool(every) and (c % every == 0 or (c < every and c & (c - 1) == 0)))
             return True
         return False
+
+
+class _Later(NamedTuple):
+    """A checkpoint of a later step than a save's, when the save began."""
+
+    info: CheckpointInfo
+    #: Its file's identity (``Checkpointer._identity``) then.
+    ident: Tuple[int, ...]
+    #: -1: the Checkpointer's directory; else the rank whose replica it is.
+    holder: int
 
 
 @dataclass
@@ -868,23 +892,24 @@ class Checkpointer:
         self._submit_replica(fl.step, st.path)
         self._retain()
 
-    def _later_than(self, step: int) -> Tuple[Tuple[CheckpointInfo, Tuple[int, int, int, int]], ...]:
+    def _holder_dir(self, holder: int) -> str:
+        """This Checkpointer's directory (``holder`` -1), or the one of the
+        replicas it holds of rank ``holder``."""
+        return self.directory if holder < 0 else replica_dir(self.directory, holder)
+
+    def _later_than(self, step: int) -> Tuple[_Later, ...]:
         """The checkpoints (local, and replicas held) of steps after
-        ``step`` there now, each with its file's identity."""
-        dirs = [self.directory] + (
-            [replica_dir(self.directory, r) for r in self._ring.sources()] if self._ring is not None else []
-        )
+        ``step`` there now, each with its file's identity and holder."""
+        holders = [-1] + (list(self._ring.sources()) if self._ring is not None else [])
         out = []
-        for d in dirs:
-            for i in sorted(_scan(d, "local").values(), key=lambda i: i.step):
+        for h in holders:
+            for i in sorted(_scan(self._holder_dir(h), "local").values(), key=lambda i: i.step):
                 ident = self._identity(i.path) if i.step > step else None
                 if ident is not None:
-                    out.append((i, ident))
+                    out.append(_Later(i, ident, h))
         return tuple(out)
 
-    def _went_back(
-        self, step: int, later: Tuple[Tuple[CheckpointInfo, Tuple[int, int, int, int]], ...], staged: Tuple[int, ...]
-    ) -> None:
+    def _went_back(self, step: int, later: Tuple[_Later, ...], staged: Tuple[int, ...]) -> None:
         """A save of ``step`` begins while checkpoints of later steps are
         there (``later``: this directory's and the replicas held here;
         ``staged``: the staging tier's): they are from a run this one went
@@ -894,15 +919,16 @@ class Checkpointer:
         moved likewise), so neither ``latest()`` nor retention counts them
         any more, and a process that dies from now on is restored from this
         run, not from the one it left. What this takes is recorded first,
-        durably (``.went-back-<step>.json``): the next Checkpointer made on
-        the directory carries out what a dying process left undone.
+        durably (``.went-back-<step>.json``, steps and file identities, no
+        paths): the next Checkpointer made on the directory carries out
+        what a dying process left undone.
         Checkpoints written meanwhile (another process's) are left alone.
         The staging tier's are set aside on the staging thread, after any
         copy it has begun."""
         record = os.path.join(self.directory, f".went-back-{step}.json")
         entry = {
             "step": step,
-            "later": [[i.path, i.tier, i.step, list(ident)] for i, ident in later],
+            "later": [[x.holder, x.info.step, list(x.ident)] for x in later],
             "staged": list(staged),
         }
         try:
@@ -912,8 +938,8 @@ class Checkpointer:
                 tmp.commit(len(data))
         except OSError as e:  # the set-aside goes on; only a crash's recovery is lost
             log.warning("fastpersist: cannot record going back to step %d in %s: %s", step, record, e)
-        for info, ident in later:
-            self._set_aside(info, ident)
+        for x in later:
+            self._set_aside(x.info, x.ident)
         if self._stager is not None:
             with self._lock:
                 self._abandoned_stages |= {s for s in self._stage_queue if s > step}
@@ -928,9 +954,11 @@ class Checkpointer:
         """At construction: carry out the records of going back that a
         process left (it died before every tier's later checkpoints were
         set aside). A local checkpoint is set aside only if it is still the
-        file recorded; the staging tier's steps are those it staged, none
-        of which this run can have staged since (the staging thread sets
-        them aside before it stages anything newer)."""
+        file recorded (a record names steps, not paths: whatever it holds,
+        only this Checkpointer's checkpoint files are renamed); the staging
+        tier's steps are those it staged, none of which this run can have
+        staged since (the staging thread sets them aside before it stages
+        anything newer)."""
         try:
             names = os.listdir(self.directory)
         except OSError:
@@ -941,18 +969,23 @@ class Checkpointer:
                 with open(record, "rb") as f:
                     entry = json.loads(f.read())
                 step = int(entry["step"])
-                later = [
-                    (CheckpointInfo(int(s), str(p), str(tier), 0), tuple(int(x) for x in ident))
-                    for p, tier, s, ident in entry["later"]
-                ]
+                later = []
+                for h, s, ident in entry["later"]:
+                    holder, later_step = int(h), int(s)
+                    _check_step(later_step)
+                    path = os.path.join(self._holder_dir(holder), ckpt_name(later_step))
+                    info = CheckpointInfo(later_step, path, "local", 0)
+                    later.append(_Later(info, tuple(int(x) for x in ident), holder))
                 staged = tuple(int(s) for s in entry["staged"])
+                for s in staged:
+                    _check_step(s)
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("fastpersist: ignoring the unreadable record %s: %s", record, e)
                 _remove_quietly(record)
                 continue
             log.warning("fastpersist: %s: a run that went back to step %d died before it was done", record, step)
-            for info, ident in later:
-                self._set_aside(info, ident)
+            for x in later:
+                self._set_aside(x.info, x.ident)
             if staged and (self.store is not None or self.stage_dir):
                 self._abandon_staged(step, staged, None)
                 with self._lock:

@@ -653,6 +653,49 @@ def test_a_run_that_went_back_and_died_is_not_restored_from_the_run_it_left(tmp_
     assert not [n for n in os.listdir(local) if n.startswith(".went-back")]
 
 
+def test_a_hostile_record_of_going_back_renames_nothing_but_its_own_checkpoints(tmp_path):
+    """A record of going back is read from the directory, which others may
+    write into: a record naming paths, or steps whose files are not the
+    ones recorded, renames nothing; only this Checkpointer's checkpoint
+    files whose identity matches the record are set aside."""
+    d = tmp_path / "ck"
+    outside = tmp_path / "precious.txt"
+    outside.write_text("mine")
+    with fastpersist.Checkpointer(d, every=1, keep_last=5) as ck:
+        for s in (1, 2, 3):
+            ck.save(s, {"x": torch.tensor([s])})
+            ck.wait()
+    (d / "notes.txt").write_text("notes")
+
+    def ident(p):
+        st = os.stat(p)
+        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+    hostile = {
+        ".went-back-1.json": {"step": 1, "later": [[str(outside), "local", 5, ident(outside)]], "staged": []},
+        ".went-back-2.json": {
+            "step": 1,
+            "later": [[-1, 2, ident(outside)], [-1, 99, ident(d / "notes.txt")]],
+            "staged": [],
+        },
+        ".went-back-3.json": "not a record",
+        ".went-back-4.json": {"step": 1, "later": [[-1, -7, [0, 0, 0, 0]]], "staged": [-1]},
+    }
+    for name, entry in hostile.items():
+        (d / name).write_text(json.dumps(entry))
+    (d / ".went-back-5.json").write_text(
+        json.dumps({"step": 2, "later": [[-1, 3, ident(d / ckpt_name(3))]], "staged": []})
+    )
+    before = sorted(os.listdir(d))
+    fastpersist.Checkpointer(d).close()
+    assert outside.read_text() == "mine" and (d / "notes.txt").read_text() == "notes"
+    after = sorted(os.listdir(d))
+    assert [n for n in after if n.startswith(".went-back")] == []
+    assert set(after) == (set(before) - set(hostile) - {".went-back-5.json", ckpt_name(3)}) | {
+        ckpt_name(3) + ".abandoned"
+    }
+
+
 def test_staging_goes_on_after_a_run_went_back(tmp_path):
     """Regression: a commit that set a later run's checkpoints aside also
     stopped staging every later step for the rest of the process (a cut-off
