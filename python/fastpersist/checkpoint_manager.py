@@ -55,12 +55,14 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import json
 import logging
 import math
 import os
 import re
+import stat
 import threading
 import time
 import weakref
@@ -655,6 +657,9 @@ class Checkpointer:
         #: are skipped (see _went_back); a later commit of such a step is
         #: staged.
         self._abandoned_stages: Set[int] = set()
+        #: Records of going back this process wrote and has not carried out
+        #: yet -> the descriptor that holds each one's lock.
+        self._records: Dict[str, int] = {}
         #: Steps handed to the stager that it has not started on.
         self._stage_queue: set = set()
         #: File identity (dev, ino, size, mtime_ns) -> whether it verified.
@@ -705,6 +710,9 @@ class Checkpointer:
         neither waits for them nor logs them, and stages with threads of
         its own."""
         self._lock = threading.RLock()
+        for held in self._records.values():
+            os.close(held)  # the parent's: it carries them out (the lock stays its own)
+        self._records = {}
         self._inflight = None
         self._last_step_at = None
         self._stage_futures = []
@@ -935,7 +943,17 @@ class Checkpointer:
             with _core.TempFile(record) as tmp:
                 data = json.dumps(entry).encode()
                 tmp.write(data, 0)
-                tmp.commit(len(data))
+                # The temporary file's lock, kept by this descriptor past the
+                # commit: the record is this live process's to carry out
+                # (another Checkpointer on the directory leaves it alone).
+                held = os.dup(tmp.fd)
+                try:
+                    tmp.commit(len(data))
+                except BaseException:
+                    os.close(held)
+                    raise
+            with self._lock:
+                self._records[record] = held
         except OSError as e:  # the set-aside goes on; only a crash's recovery is lost
             log.warning("fastpersist: cannot record going back to step %d in %s: %s", step, record, e)
         for x in later:
@@ -948,17 +966,29 @@ class Checkpointer:
             if staged:  # (listing an object store costs a request per checkpoint)
                 self._stage_futures.append(self._stager.submit(self._abandon_staged, step, staged, record))
                 return
+        self._release_record(record)
+
+    def _release_record(self, record: str) -> None:
+        """Remove a record of going back this process wrote, then let go of
+        its lock."""
+        with self._lock:
+            held = self._records.pop(record, None)
         _remove_quietly(record)
+        if held is not None:
+            os.close(held)
 
     def _resume_going_back(self) -> None:
         """At construction: carry out the records of going back that a
         process left (it died before every tier's later checkpoints were
-        set aside). A local checkpoint is set aside only if it is still the
-        file recorded (a record names steps, not paths: whatever it holds,
-        only this Checkpointer's checkpoint files are renamed); the staging
-        tier's steps are those it staged, none of which this run can have
-        staged since (the staging thread sets them aside before it stages
-        anything newer)."""
+        set aside); a record whose process lives (its lock held) is that
+        process's, and one naming staged steps is kept for a Checkpointer
+        with the staging tier when this one has none. A local checkpoint is
+        set aside only if it is still the file recorded (a record names
+        steps, not paths: whatever it holds, only this Checkpointer's
+        checkpoint files are renamed); the staging tier's steps are those
+        the dead process staged, none of which it can have staged again
+        since (its staging thread set them aside before staging anything
+        newer)."""
         try:
             names = os.listdir(self.directory)
         except OSError:
@@ -966,31 +996,52 @@ class Checkpointer:
         for name in sorted(n for n in names if _WENT_BACK.fullmatch(n)):
             record = os.path.join(self.directory, name)
             try:
-                with open(record, "rb") as f:
-                    entry = json.loads(f.read())
-                step = int(entry["step"])
-                later = []
-                for h, s, ident in entry["later"]:
-                    holder, later_step = int(h), int(s)
-                    _check_step(later_step)
-                    path = os.path.join(self._holder_dir(holder), ckpt_name(later_step))
-                    info = CheckpointInfo(later_step, path, "local", 0)
-                    later.append(_Later(info, tuple(int(x) for x in ident), holder))
-                staged = tuple(int(s) for s in entry["staged"])
-                for s in staged:
-                    _check_step(s)
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                log.warning("fastpersist: ignoring the unreadable record %s: %s", record, e)
-                _remove_quietly(record)
+                fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            except OSError as e:  # (a link, or not readable now: left for later)
+                log.warning("fastpersist: cannot read the record %s: %s", record, e)
                 continue
-            log.warning("fastpersist: %s: a run that went back to step %d died before it was done", record, step)
-            for x in later:
-                self._set_aside(x.info, x.ident)
-            if staged and (self.store is not None or self.stage_dir):
-                self._abandon_staged(step, staged, None)
-                with self._lock:
-                    self._staged -= set(staged)
+            with open(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until the record is done
+                except OSError:
+                    continue  # its process lives and carries it out (or another recovers it now)
+                self._recover_going_back(record, f)
+
+    def _recover_going_back(self, record: str, f: Any) -> None:
+        """Carry out the record of going back ``record`` (open as ``f``,
+        locked) that a dead process left."""
+        try:
+            entry = json.loads(f.read(1 << 20))
+            step = int(entry["step"])
+            later = []
+            for h, s, ident in entry["later"]:
+                holder, later_step = int(h), int(s)
+                _check_step(later_step)
+                path = os.path.join(self._holder_dir(holder), ckpt_name(later_step))
+                info = CheckpointInfo(later_step, path, "local", 0)
+                later.append(_Later(info, tuple(int(x) for x in ident), holder))
+            staged = tuple(int(s) for s in entry["staged"])
+            for s in staged:
+                _check_step(s)
+        except OSError as e:
+            log.warning("fastpersist: cannot read the record %s: %s", record, e)
+            return
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("fastpersist: ignoring the damaged record %s: %s", record, e)
             _remove_quietly(record)
+            return
+        log.warning("fastpersist: %s: a run that went back to step %d died before it was done", record, step)
+        for x in later:
+            self._set_aside(x.info, x.ident)
+        if staged:
+            if self.store is None and not self.stage_dir:
+                return  # the staging tier's part: for a Checkpointer that has it
+            self._abandon_staged(step, staged, None)
+            with self._lock:
+                self._staged -= set(staged)
+        _remove_quietly(record)
 
     def _abandon_staged(self, step: int, staged: Tuple[int, ...], record: Optional[str]) -> None:
         try:
@@ -1005,7 +1056,7 @@ class Checkpointer:
         if record is not None:
             # Also after a failure (logged): a step left there must not be
             # set aside later, once this run may have staged its own.
-            _remove_quietly(record)
+            self._release_record(record)
 
     def _set_aside(self, info: CheckpointInfo, ident: Optional[Tuple[int, ...]] = None) -> None:
         """Rename ``info`` (an object: move it) to ``<name>.abandoned``

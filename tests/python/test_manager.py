@@ -696,6 +696,43 @@ def test_a_hostile_record_of_going_back_renames_nothing_but_its_own_checkpoints(
     }
 
 
+def test_a_record_of_going_back_is_left_to_its_live_process_and_to_the_staging_tier(tmp_path):
+    """Regression: every Checkpointer made on the directory carried out and
+    removed the records of going back it found: one made only to read (an
+    evaluator's, with no stage_dir) removed a record whose staged part it
+    could not do, and the trainer, restarted after a crash, was restored
+    from the abandoned run's staged checkpoint; a record whose process
+    was alive and about to carry it out was taken from it. A record locked
+    by a live process is now left alone, and the staged part is left for a
+    Checkpointer that has the staging tier."""
+    import fcntl
+
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    with fastpersist.Checkpointer(local, stage_dir=shared, every=1, keep_last=5) as ck:
+        for s in (10, 20, 30):
+            ck.save(s, {"run": "A", "x": torch.tensor([s])})
+            ck.wait()
+    record = local / ".went-back-10.json"
+    record.write_text(json.dumps({"step": 10, "later": [], "staged": [20, 30]}))
+    fd = os.open(record, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # its process lives
+    try:
+        fastpersist.Checkpointer(local, stage_dir=shared).close()
+        assert record.exists() and ckpt_name(30) in os.listdir(shared)
+    finally:
+        os.close(fd)  # ... and dies
+    fastpersist.Checkpointer(local).close()  # an evaluator's: no staging tier
+    assert record.exists() and ckpt_name(30) in os.listdir(shared)
+    os.unlink(local / ckpt_name(30))  # (the local copy lost, as the staged one is read then)
+    os.unlink(local / ckpt_name(20))
+    again = fastpersist.Checkpointer(local, stage_dir=shared)
+    assert not record.exists()
+    assert {ckpt_name(20), ckpt_name(30)}.isdisjoint(os.listdir(shared)), sorted(os.listdir(shared))
+    step, _ = again.load_latest(weights_only=False)
+    again.close()
+    assert step == 10
+
+
 def test_staging_goes_on_after_a_run_went_back(tmp_path):
     """Regression: a commit that set a later run's checkpoints aside also
     stopped staging every later step for the rest of the process (a cut-off
