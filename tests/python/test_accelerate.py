@@ -207,6 +207,37 @@ def test_pruning_removes_only_the_checkpoint_folders(tmp_path):
     fp.unregister()
 
 
+def test_pruning_keeps_the_checkpoint_just_committed_and_counts_only_loadable_ones(tmp_path):
+    """Regression: ``total_limit`` pruning ran after the commit over every
+    ``checkpoint_<n>`` by number: a new run (iteration 0) in a project
+    whose earlier run left ``checkpoint_6`` and ``checkpoint_7`` deleted
+    the checkpoint it had just written, every time (stock Accelerate prunes
+    before the save and keeps it); and a folder whose save never finished
+    (which load_state refuses) was counted, so a complete checkpoint was
+    deleted in its place. Now the folder just committed stays, the oldest
+    others go, and unfinished folders are neither counted nor deleted."""
+    from fastpersist.integrations.accelerate import PENDING
+
+    ck = tmp_path / "run" / "checkpoints"
+    for n in (6, 7):
+        (ck / f"checkpoint_{n}").mkdir(parents=True)
+        (ck / f"checkpoint_{n}" / "model.safetensors").write_bytes(b"an earlier run's")
+    acc, model, opt, sched = setup(tmp_path / "run", limit=2)
+    fp = register(acc)
+    acc.save_state()  # checkpoint_0
+    fp.wait()
+    assert sorted(os.listdir(ck)) == ["checkpoint_0", "checkpoint_7"]  # as stock Accelerate leaves them
+    (ck / "checkpoint_1").mkdir()
+    (ck / "checkpoint_1" / PENDING).write_bytes(b"")  # a save that never finished
+    acc.project_configuration.iteration = 2
+    acc.save_state()  # checkpoint_2
+    fp.wait()
+    acc.end_training()
+    fp.unregister()
+    # Oldest by number, as stock Accelerate orders them; the unfinished one left and not counted.
+    assert sorted(os.listdir(ck)) == ["checkpoint_1", "checkpoint_2", "checkpoint_7"], sorted(os.listdir(ck))
+
+
 def test_load_state_passes_strict_to_the_weights_load(tmp_path):
     """Regression: ``load_state(dir, strict=False)`` raised "checkpoint does
     not match the model" once :func:`register` was installed: the load hook

@@ -218,7 +218,7 @@ class FastPersistAccelerate:
                     continue
                 fsync_dir(d)
             if prune and limit is not None:
-                _prune(parent, limit)
+                _prune(parent, limit, folder)
 
         self.saves.commit(folder, finalize)
         return location
@@ -380,10 +380,20 @@ def _numbered(parent: str) -> List[Tuple[int, str]]:
     return sorted(found)
 
 
-def _prune(parent: str, keep: int) -> None:
-    """Delete the oldest ``checkpoint_<n>`` folders beyond ``keep``."""
-    found = _numbered(parent)
-    for _, p in found[: max(0, len(found) - keep)]:
+def _prune(parent: str, keep: int, committed: str) -> None:
+    """After the commit of ``committed``: delete the oldest (by number)
+    other ``checkpoint_<n>`` folders, leaving ``keep`` with it, as
+    Accelerate's own pruning before a save leaves them. The folder just
+    committed is never one (an earlier run's folders may have higher
+    numbers), and folders whose save did not finish (``PENDING``) are
+    neither counted nor deleted: ``keep`` loadable checkpoints remain."""
+    mine = os.path.realpath(committed)
+    found = [
+        (n, p)
+        for n, p in _numbered(parent)
+        if os.path.realpath(p) != mine and not os.path.lexists(os.path.join(p, PENDING))
+    ]
+    for _, p in found[: max(0, len(found) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
 
 
