@@ -736,10 +736,14 @@ class AsyncSaver:
     def save(self, obj: Any, path: PathLike, *, mode: str = "pipelined", **options: Any) -> CheckpointFuture:
         return self._save(obj, path, mode, options, "AsyncSaver.save")
 
-    def _save(self, obj: Any, path: PathLike, mode: str, options: Dict[str, Any], what: str) -> CheckpointFuture:
-        """:meth:`save`, its errors naming ``what`` (the call the user made)."""
+    def _save(
+        self, obj: Any, path: PathLike, mode: str, options: Dict[str, Any], what: str, follow_last: bool = True
+    ) -> CheckpointFuture:
+        """:meth:`save`, its errors naming ``what`` (the call the user made);
+        ``follow_last`` False: a link at ``path`` is replaced, not followed
+        (:func:`~fastpersist.options.resolve_target`)."""
         self._check_open()
-        p = resolve_target(path, directory=bool(options.get("sharded")))
+        p = resolve_target(path, directory=bool(options.get("sharded")), follow_last=follow_last)
         # The files get the mode of the caller's file_mode() block, if any,
         # though the save runs on other threads.
         opts = with_file_mode(check_save_options(mode, options, what))

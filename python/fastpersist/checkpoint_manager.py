@@ -171,10 +171,11 @@ def _scan(directory: Optional[str], tier: str) -> Dict[int, CheckpointInfo]:
         if step is not None:
             p = os.path.join(directory, name)
             try:
-                size = os.path.getsize(p)
+                st = os.lstat(p)
             except OSError:
                 continue
-            out[step] = CheckpointInfo(step, p, tier, size)
+            if stat.S_ISREG(st.st_mode):  # (a link at the name is no checkpoint: not read, not removed)
+                out[step] = CheckpointInfo(step, p, tier, st.st_size)
     return out
 
 
@@ -818,7 +819,10 @@ class Checkpointer:
         if later or later_staged:
             self._went_back(step, later, later_staged)
         try:
-            fut = self._saver.save({"step": step, "state": state}, path, mode=self.mode, **self.options)
+            # A link at the checkpoint's name (this Checkpointer's own) is
+            # replaced, not followed out of the directory.
+            payload, what = {"step": step, "state": state}, "Checkpointer.save"
+            fut = self._saver._save(payload, path, self.mode, dict(self.options), what, follow_last=False)
         except BaseException:
             self._outcome = (step, False)
             raise
@@ -1732,7 +1736,14 @@ class Checkpointer:
         path = os.path.join(self.directory, LOG_NAME)
         with self._lock:
             try:
-                with open(path, "a+b") as f:
+                # Not through a link, nor into a FIFO or device: the log is
+                # this Checkpointer's own file.
+                flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+                fd = os.open(path, flags, 0o666)
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise OSError(errno.EINVAL, "not a regular file", path)
+                with open(fd, "a+b") as f:
                     # A line cut short (a crash mid-append) is ended first:
                     # this event stays a line of its own.
                     torn = f.tell() > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"

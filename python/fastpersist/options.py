@@ -596,7 +596,7 @@ def open_for_read(path: str) -> int:
     return fd
 
 
-def resolve_target(path: Any, directory: bool = False) -> str:
+def resolve_target(path: Any, directory: bool = False, follow_last: bool = True) -> str:
     """The absolute path a save to ``path`` writes, fixed at the call (a
     later ``os.chdir`` changes nothing). A symbolic link is followed to its
     final target, as ``torch.save``'s ``open()`` does: the file is
@@ -604,7 +604,9 @@ def resolve_target(path: Any, directory: bool = False) -> str:
     dangling link's target is created. Unless the save writes a
     ``directory`` (a sharded save), a path that ends with a separator is a
     ValueError (``torch.save`` refuses it too), where the separator would
-    otherwise be dropped and a file written."""
+    otherwise be dropped and a file written. With ``follow_last`` False
+    (a name a caller owns, such as a Checkpointer's), a link at the last
+    component is not followed: the save replaces the link itself."""
     p = check_path(path)
     if not directory and (p.endswith(os.sep) or (os.altsep and p.endswith(os.altsep))):
         raise ValueError(f"{p!r} ends with a path separator: a save needs a file name, not a directory")
@@ -614,6 +616,10 @@ def resolve_target(path: Any, directory: bool = False) -> str:
         raise WriteError(errno.ENOENT, f"no such directory: {os.path.dirname(p)!r}", p)
     # Links first, then "..", component by component, as the kernel
     # resolves them ("link/../x" is beside the link's target, not the link).
+    if not follow_last:
+        head, tail = os.path.split(p)
+        if tail not in ("", ".", ".."):
+            return os.path.join(os.path.realpath(head or "."), tail)
     return os.path.realpath(p)
 
 

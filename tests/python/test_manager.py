@@ -733,6 +733,37 @@ def test_a_record_of_going_back_is_left_to_its_live_process_and_to_the_staging_t
     assert step == 10
 
 
+@pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
+def test_links_at_the_checkpointers_own_names_are_never_followed(tmp_path, mode):
+    """Regression: a symbolic link at a checkpoint's name (``ckpt-<step>.pt``)
+    or at the log's was followed: ``save(step)`` replaced the file outside
+    the directory that the link named with the checkpoint (retention later
+    removed only the link), ``latest()`` and retention read through it,
+    and events were appended to the log's link target. The Checkpointer's
+    names are its own: a save replaces such a link, a listing passes it
+    by (neither read nor removed), and the log is not written through
+    one."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim, foreign_log = outside / "thesis.txt", outside / "notes.log"
+    victim.write_text("precious")
+    foreign_log.write_text("mine\n")
+    d = tmp_path / "ck"
+    d.mkdir()
+    os.symlink(victim, d / ckpt_name(5))
+    os.symlink(victim, d / ckpt_name(9))  # a later step's name: not a checkpoint
+    os.symlink(foreign_log, d / "checkpoints.jsonl")
+    with fastpersist.Checkpointer(d, every=1, keep_last=1, mode=mode) as ck:
+        assert ck.latest() is None  # the link is no checkpoint, and not read
+        ck.save(5, {"w": torch.zeros(4)}).result()
+        ck.save(6, {"w": torch.ones(4)}).result()
+        ck.wait()
+    assert victim.read_text() == "precious" and foreign_log.read_text() == "mine\n"
+    assert sorted(os.listdir(outside)) == ["notes.log", "thesis.txt"]
+    assert os.path.islink(d / ckpt_name(9)) and not (d / ckpt_name(5)).exists()  # retention took step 5
+    assert fastpersist.Checkpointer(d).latest().step == 6
+
+
 def test_staging_goes_on_after_a_run_went_back(tmp_path):
     """Regression: a commit that set a later run's checkpoints aside also
     stopped staging every later step for the rest of the process (a cut-off
