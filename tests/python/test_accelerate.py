@@ -238,6 +238,26 @@ def test_pruning_keeps_the_checkpoint_just_committed_and_counts_only_loadable_on
     assert sorted(os.listdir(ck)) == ["checkpoint_1", "checkpoint_2", "checkpoint_7"], sorted(os.listdir(ck))
 
 
+def test_the_pending_marker_is_not_made_through_a_link(tmp_path):
+    """Regression: the pending marker was created through a link at its
+    name (a dangling one made a file outside the folder)."""
+    from accelerate.state import AcceleratorState, GradientState
+    from fastpersist.integrations.accelerate import PENDING
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True)
+    acc.prepare(torch.nn.Linear(4, 2))
+    out = tmp_path / "ck"
+    out.mkdir()
+    os.symlink(tmp_path / "made-outside", out / PENDING)
+    fp = register(acc)
+    acc.save_state(str(out))
+    fp.wait()
+    fp.unregister()
+    assert not (tmp_path / "made-outside").exists() and not os.path.lexists(out / PENDING)
+
+
 def test_load_state_passes_strict_to_the_weights_load(tmp_path):
     """Regression: ``load_state(dir, strict=False)`` raised "checkpoint does
     not match the model" once :func:`register` was installed: the load hook

@@ -297,7 +297,10 @@ class FastPersistAccelerate:
         if not self._writes_here(save_on_each_node) or folder in self._marked:
             return
         make_dirs(folder)
-        fd = os.open(os.path.join(folder, PENDING), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        marker = os.path.join(folder, PENDING)
+        if os.path.islink(marker):
+            os.unlink(marker)  # the marker is this adapter's own name: not made through a link
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         os.close(fd)
         fsync_dir(folder)
         self._marked.append(folder)
