@@ -174,7 +174,7 @@ def _scan(directory: Optional[str], tier: str) -> Dict[int, CheckpointInfo]:
                 st = os.lstat(p)
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode):  # (a link at the name is no checkpoint: not read, not removed)
+            if not stat.S_ISLNK(st.st_mode):  # (a link at the name is no checkpoint: not read, not removed)
                 out[step] = CheckpointInfo(step, p, tier, st.st_size)
     return out
 
@@ -209,7 +209,10 @@ def _scan_store(store: Optional[ObjectStore]) -> Dict[int, CheckpointInfo]:
     out: Dict[int, CheckpointInfo] = {}
     if store is None:
         return out
-    for name, size in store.committed().items():
+    # Unconfirmed ones too (a store copied or restored: the identities its
+    # markers recorded are gone): counted by retention, not swept, and their
+    # downloads checked by their CRC32s.
+    for name, size in store.committed(unconfirmed=True).items():
         step = _parse_ckpt(name)
         if step is not None:
             out[step] = CheckpointInfo(step, store.url_of(name), "object", size)
@@ -1692,7 +1695,7 @@ class Checkpointer:
         assert self.store is not None
         local = os.path.join(self.directory, ckpt_name(c.step))
         try:
-            st = self.store.download(ckpt_name(c.step), local)
+            st = self.store.download(ckpt_name(c.step), local, require_identity=False)
         except (FastPersistError, OSError) as e:
             log.warning("fastpersist: cannot restore %s: %s", c.path, e)
             return None

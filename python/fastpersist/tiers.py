@@ -384,22 +384,30 @@ class ObjectStore:
             raise
         return _identity(r)
 
-    def committed(self) -> Dict[str, int]:
+    def committed(self, unconfirmed: bool = False) -> Dict[str, int]:
         """Names of the checkpoints whose upload completed -> their sizes
         (a marker whose object is missing or of another size is ignored).
-        A missing bucket is a TierError naming it."""
-        return self._scan()[0]
+        With ``unconfirmed``, also those whose marker has their size but
+        not the identity the store gives them now: a store copied or
+        restored from a backup (new inodes, ETags of other part sizes), or
+        an object written again after its marker; :meth:`download` with
+        ``require_identity=False`` tells them apart by their CRC32s. A
+        missing bucket is a TierError naming it."""
+        committed, _, others = self._scan()
+        return {**committed, **others} if unconfirmed else committed
 
-    def _scan(self) -> Tuple[Dict[str, int], Dict[str, Mapping[str, Any]]]:
-        """:meth:`committed`, and every object of the prefix by name."""
+    def _scan(self) -> Tuple[Dict[str, int], Dict[str, Mapping[str, Any]], Dict[str, int]]:
+        """:meth:`committed`, every object of the prefix by name, and the
+        unconfirmed ones (see :meth:`committed`)."""
         self.fs.invalidate_cache(self.root)  # other processes upload and delete too
         try:
             entries = self._call(f"listing of {self.url}", self.fs.ls, self.root, True)
         except FileNotFoundError:
             self._check_bucket()
-            return {}, {}
+            return {}, {}, {}
         objects = {posixpath.basename(e["name"].rstrip("/")): e for e in entries if e.get("type") != "directory"}
         out: Dict[str, int] = {}
+        unconfirmed: Dict[str, int] = {}
         for name in objects:
             if not name.endswith(MARKER_SUFFIX):
                 continue
@@ -412,7 +420,9 @@ class ObjectStore:
                 continue
             if _commits(marker, objects[data]):
                 out[data] = int(objects[data]["size"])
-        return out, objects
+            elif _commits(marker, objects[data], identity=False):
+                unconfirmed[data] = int(objects[data]["size"])
+        return out, objects, unconfirmed
 
     def sweep(self, doomed: Callable[[str], bool]) -> List[str]:
         """Remove what uploads of the names ``doomed`` accepts left behind:
@@ -421,12 +431,14 @@ class ObjectStore:
         half failed) and a marker whose object is gone, a streaming upload's own object
         (``.<name>.<random>.fpupload``) and, on S3, an unfinished multipart
         upload (a killed process's: its parts are stored, and billed, until
-        aborted). Committed checkpoints and anything of another name are
-        left alone. Returns what was removed (URLs)."""
+        aborted). Committed checkpoints (unconfirmed ones too: a copied
+        store's are whole) and anything of another name are left alone.
+        Returns what was removed (URLs)."""
         removed: List[str] = []
-        committed, objects = self._scan()
+        committed, objects, unconfirmed = self._scan()
         for name in sorted(objects):
-            if name in committed or (name.endswith(MARKER_SUFFIX) and name[: -len(MARKER_SUFFIX)] in objects):
+            marks_one = name.endswith(MARKER_SUFFIX) and name[: -len(MARKER_SUFFIX)] in objects
+            if name in committed or name in unconfirmed or marks_one:
                 continue  # (an object's marker goes with its object)
             if name.startswith(".") and name.endswith(UPLOAD_SUFFIX):
                 owner = name[1:].rsplit(".", 2)[0]
@@ -478,12 +490,14 @@ class ObjectStore:
                 return removed
             marks = {"KeyMarker": listed["NextKeyMarker"], "UploadIdMarker": listed["NextUploadIdMarker"]}
 
-    def download(self, name: str, local: str) -> TransferStats:
+    def download(self, name: str, local: str, require_identity: bool = True) -> TransferStats:
         """Fetch the committed checkpoint ``name`` into ``local`` (committed
         durably, and only once its size and CRC32 are those its commit
         marker recorded and its own CRCs verify; an existing ``local`` is
         replaced only then). FileNotFoundError when ``name`` has no commit
-        marker (its upload did not complete)."""
+        marker (its upload did not complete), or, with ``require_identity``,
+        when the object is not the one its marker recorded (see
+        :meth:`committed`); without, its CRC32s decide."""
         t0 = time.perf_counter()
         src = self._path(name)
         url = self.url_of(name)
@@ -499,7 +513,7 @@ class ObjectStore:
             raise CorruptCheckpointError(f"{url}: damaged commit marker ({e})") from None
         if not isinstance(marker, dict) or not isinstance(marker.get("size"), int):
             raise CorruptCheckpointError(f"{url}: damaged commit marker (no size)")
-        if not _commits(marker, self._call(f"download of {url}", self.fs.info, src)):
+        if not _commits(marker, self._call(f"download of {url}", self.fs.info, src), identity=require_identity):
             raise FileNotFoundError(
                 errno.ENOENT,
                 "no committed checkpoint (the object was written again after its commit marker: an upload of this "
@@ -546,7 +560,7 @@ class ObjectStore:
             raw = self._call(f"read of {src}{MARKER_SUFFIX}", self.fs.cat_file, src + MARKER_SUFFIX)
         except FileNotFoundError:
             return None
-        _, objects = self._scan()
+        _, objects, _ = self._scan()
         new, n = name + suffix, 1
         while new in objects or new + MARKER_SUFFIX in objects:
             new, n = f"{name}{suffix}-{n}", n + 1
@@ -590,14 +604,15 @@ def _identity(info: Mapping[str, Any], local: bool = False) -> Dict[str, Any]:
     return out
 
 
-def _commits(marker: Any, info: Mapping[str, Any]) -> bool:
+def _commits(marker: Any, info: Mapping[str, Any], identity: bool = True) -> bool:
     """Whether ``marker`` commits the object the store describes as
-    ``info``: the size it recorded, and the identity (where both say one;
-    markers from before identities were recorded have none)."""
+    ``info``: the size it recorded, and (with ``identity``) the identity
+    (where both say one; markers from before identities were recorded have
+    none)."""
     if not isinstance(marker, dict) or not isinstance(marker.get("size"), int) or marker["size"] != info.get("size"):
         return False
     made = marker.get("identity")
-    if not isinstance(made, dict):
+    if not identity or not isinstance(made, dict):
         return True
     have = _identity(info, local=True)
     return all(have[k] == v for k, v in made.items() if k in have)

@@ -796,3 +796,49 @@ def test_retention_removes_what_unfinished_uploads_and_deletions_left(tmp_path, 
     uploads = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/").get("Uploads", [])
     assert [u["UploadId"] for u in uploads] == [theirs]
     call("abort_multipart_upload", Bucket=bucket, Key=f"{prefix}/notes.bin", UploadId=theirs)
+
+
+def test_a_copied_store_keeps_its_checkpoints(tmp_path):
+    """Regression: a commit marker records the identity its object had (a
+    local store's inode and mtime, S3's ETag); in a store copied or
+    restored from a backup (new inodes; ETags of other part sizes) no
+    marker matched: load_latest() found nothing and the run started over,
+    and the next save's retention swept every older checkpoint as an upload
+    that never completed. Objects whose marker has their size are now
+    counted, restored after their CRC32s check, and never swept; one whose
+    bytes are not those its marker recorded is still refused."""
+    import shutil
+
+    store1, store2 = tmp_path / "store1", tmp_path / "store2"
+    store1.mkdir()
+    with fastpersist.Checkpointer(tmp_path / "l1", stage_dir=f"local://{store1}", every=1, keep_last=3) as ck:
+        for s in (1, 2, 3):
+            ck.save(s, _state(s))
+            ck.wait()  # (each one staged)
+    shutil.copytree(store1, store2)  # data and mtimes kept, new inodes
+    ck = fastpersist.Checkpointer(tmp_path / "l2", stage_dir=f"local://{store2}", every=1, keep_last=3)
+    step, state = ck.load_latest()
+    assert step == 3 and _same(state, _state(3))
+    ck.save(4, _state(4))
+    ck.wait()
+    ck.close()
+    names = sorted(n for n in os.listdir(store2) if n.endswith(".pt"))
+    assert names == [ckpt_name(s) for s in (2, 3, 4)], names  # keep_last=3 over all of them
+    store = fastpersist.tiers.ObjectStore(f"local://{store2}")
+    assert sorted(store.committed(unconfirmed=True)) == names
+    # An unconfirmed object whose bytes differ from its marker's: refused by its CRC32.
+    p = store2 / ckpt_name(3)
+    raw = bytearray(p.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    os.unlink(p)
+    p.write_bytes(bytes(raw))
+    for f in (tmp_path / "l2").iterdir():
+        f.unlink()
+    ck = fastpersist.Checkpointer(tmp_path / "l2", stage_dir=f"local://{store2}")
+    assert ck.load_latest()[0] == 4
+    shutil.rmtree(tmp_path / "l2")
+    os.unlink(store2 / ckpt_name(4))
+    os.unlink(store2 / (ckpt_name(4) + ".fpcommit"))
+    ck = fastpersist.Checkpointer(tmp_path / "l2", stage_dir=f"local://{store2}")
+    assert ck.load_latest()[0] == 2  # step 3's copy is damaged: the one before it
+    ck.close()
