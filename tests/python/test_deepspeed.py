@@ -300,6 +300,48 @@ def test_engine_interface_prepare_option(tmp_path):
     assert eng.saves._saver is None
 
 
+KILLED_MID_SAVE = """
+import os, sys, torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+from fastpersist.integrations.deepspeed import FastPersistCheckpointEngine
+d = sys.argv[1]
+eng = FastPersistCheckpointEngine(decoupled=False)
+info = CheckpointCommitInfo(tag="last", save_dir=d, save_latest=True)
+eng.create(info)
+eng.save({"round": 2, "w": torch.full((1000,), 2.0)}, os.path.join(d, "last", "model.pt"))
+eng.saves.settle()  # the new model states are in place; the optimizer states are not saved yet
+os._exit(9)  # killed
+"""
+
+
+def test_a_reused_tag_whose_save_is_killed_part_way_does_not_load_mixed(tmp_path):
+    """Regression: with a tag reused from save to save (``tag="last"``), a
+    process killed after some of the tag's files were replaced left
+    ``latest`` naming a tag that mixed new model states with old optimizer
+    states, which loaded without an error (a save that failed sets its
+    files aside; a killed one could not). A save of the tag latest names
+    now marks its folder first; the marker left by a killed process makes
+    the load refuse the tag, naming why."""
+    d = tmp_path / "last"
+    d.mkdir()
+    eng = FastPersistCheckpointEngine(decoupled=False)
+    eng.create(info(tmp_path, "last"))
+    for name in ("model.pt", "optim.pt"):
+        eng.save({"round": 1, "w": torch.full((1000,), 1.0)}, str(d / name))
+    assert eng.commit(info(tmp_path, "last")) is True
+    eng.create(info(tmp_path, "last"))
+    for name in ("model.pt", "optim.pt"):  # a save that completes leaves no marker
+        eng.save({"round": 2, "w": torch.full((1000,), 2.0)}, str(d / name))
+    assert eng.commit(info(tmp_path, "last")) is True
+    assert sorted(os.listdir(d)) == ["model.pt", "optim.pt"]
+    r = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 9, r.stderr
+    assert (tmp_path / "latest").read_text() == "last"
+    assert torch.load(d / "model.pt", weights_only=True)["round"] == 2
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="did not finish"):
+        eng.load(str(d / "optim.pt"))
+
+
 def test_a_reused_tag_whose_save_fails_part_way_does_not_load_mixed(tmp_path, engine_fault):
     """Regression: with a tag reused from save to save (``tag="last"``), a
     save that failed after some of its files were in place left ``latest``

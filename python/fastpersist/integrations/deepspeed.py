@@ -76,7 +76,7 @@ from .. import _core
 from ..async_save import future_error
 from ..collectives import checkpoint_group, describe_error, fail_all, gather
 from ..errors import CorruptCheckpointError
-from ..options import make_dirs
+from ..options import fsync_dir, make_dirs
 from ..reader import detect_format, read_state_dict
 from .common import BackgroundSaves, after_first_step, check_version, never_raises, optimizers_have_state
 
@@ -124,6 +124,23 @@ def _dist() -> Any:
 FAILED_SUFFIX = ".failed"
 
 
+#: Marks a tag that ``latest`` names while this rank saves it again (a
+#: tag reused from save to save): ``<marker>-<rank>`` in the folder of its
+#: files, made before the first of them is replaced, removed once they are
+#: all durable (or set aside). A process killed in between leaves it, and a
+#: load of the tag's files is refused: they may mix two saves.
+PENDING = ".fastpersist-save-pending"
+
+
+def _names_latest(info: Any) -> bool:
+    """Whether ``latest`` in ``info.save_dir`` names ``info.tag``."""
+    try:
+        with open(os.path.join(info.save_dir, "latest")) as f:
+            return f.read().strip() == str(info.tag)
+    except OSError:
+        return False
+
+
 def _set_aside_torn(info: Any, futures: List[Any]) -> None:
     """A save of ``info.tag`` failed. When ``latest`` names that very tag (a
     tag reused from save to save, such as ``"last"``), the files this rank's
@@ -132,12 +149,7 @@ def _set_aside_torn(info: Any, futures: List[Any]) -> None:
     replace (new model states, old optimizer states), and load without an
     error. Loading it now fails, naming the missing file, as it does after
     a failed torch.save in place; the files are kept for inspection."""
-    try:
-        with open(os.path.join(info.save_dir, "latest")) as f:
-            named = f.read().strip()
-    except OSError:
-        return
-    if named != str(info.tag):
+    if not _names_latest(info):
         return  # a new tag: latest still names the previous one, which is whole
     for fut in futures:
         if not fut.done() or future_error(fut) is not None:
@@ -192,6 +204,10 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         #: The world size when the pending tag was created (its commit is collective if more than 1).
         self._world = 1
         self._disarm: Optional[Callable[[], None]] = None
+        #: The pending tag reuses the one latest names (None: not known yet).
+        self._reused: Optional[bool] = None
+        #: This rank's markers (:data:`PENDING`) of the pending tag.
+        self._markers: List[str] = []
         _engines.add(self)
 
     def prepare_for(self, engine: Any) -> None:
@@ -240,6 +256,7 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         if self.commit_info is not None:  # a tag saved and never committed: commit it first
             self.commit(self.commit_info)
         self.commit_info = info
+        self._reused = None
         dist = _dist()
         self._world = dist.get_world_size() if dist is not None else 1
 
@@ -264,7 +281,39 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
             os.makedirs(path)  # FileExistsError, as os.makedirs raises it
         make_dirs(path)
 
+    def _mark(self, path: str) -> None:
+        """Before a file of a tag that ``latest`` names is replaced: mark
+        its folder (:data:`PENDING`), durably, once per folder."""
+        info = self.commit_info
+        if info is None:
+            return
+        if self._reused is None:
+            self._reused = _names_latest(info)
+        folder = os.path.dirname(os.path.abspath(path))
+        dist = _dist()
+        marker = os.path.join(folder, f"{PENDING}-{dist.get_rank() if dist is not None else 0}")
+        if not self._reused or marker in self._markers:
+            return
+        if os.path.islink(marker):
+            os.unlink(marker)  # this adapter's own name: not made through a link
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+        fsync_dir(folder)
+        self._markers.append(marker)
+
+    def _unmark(self) -> None:
+        """The pending tag's files are durable, or set aside: its markers go."""
+        markers, self._markers = self._markers, []
+        for m in markers:
+            try:
+                os.unlink(m)
+                fsync_dir(os.path.dirname(m))
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.error("fastpersist: cannot remove %s: %s (loads of that tag are refused)", m, e)
+
     def save(self, state_dict: Any, path: str) -> None:
+        self._mark(path)
         # Pipelined and decoupled: the fence is the commit, before the optimizer step.
         try:
             self.saves.save(state_dict, path, fence=not (self.decoupled and self.mode == "pipelined"))
@@ -277,6 +326,17 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         if self.commit_info is not None:  # a tag saved and not yet committed: commit it first
             self.commit(self.commit_info)
         self.saves.wait()
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            torn = sorted(n for n in os.listdir(folder) if n.startswith(PENDING + "-"))
+        except OSError:
+            torn = []
+        if torn:
+            raise CorruptCheckpointError(
+                f"{folder}: a save of this checkpoint did not finish ({torn[0]} is there: the process was killed "
+                "while it replaced the files of a tag that latest named); its files may mix two saves. Load "
+                "another tag, or remove the marker if the files are known to be whole"
+            )
         try:
             detect_format(path)
         except CorruptCheckpointError:
@@ -301,6 +361,17 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
                 self.saves.reported(pending)  # raised here (or below), not again at the next load or cleanup
         self.commit_info = None
         dropped, self._dropped = self._dropped, None
+        try:
+            return self._agree(info, pending, err, dropped)
+        finally:
+            if pending.done():
+                self._unmark()  # durable, or set aside: no load of the tag mixes two saves
+            else:
+                self._markers = []  # (interrupted while saves still run: the markers stay)
+
+    def _agree(self, info: Any, pending: Any, err: Optional[BaseException], dropped: Optional[str]) -> bool:
+        """:meth:`commit` once this rank's saves of ``info`` are done (``err``:
+        the first that failed; ``dropped``: why the tag cannot be whole)."""
         dist = _dist()
         if dist is not None and dist.get_world_size() > 1:
             mine = err if err is not None else dropped
