@@ -8,8 +8,11 @@ checkpoints whose marker exists and whose object has the recorded size and
 identity, so an upload cut short (a killed process, a lost connection) is
 never taken for a whole checkpoint, nor is an object replaced after its
 marker was written (a name uploaded again whose new marker never came, two
-uploads of one name racing). Deletion goes the other way: marker first,
-then data. Downloads land in the local
+uploads of one name racing). A store copied or restored from a backup
+gives its objects new identities: a Checkpointer still counts an object
+whose marker has its size (``committed(unconfirmed=True)``), never sweeps
+it, and restores it only once its CRC32s check. Deletion goes the other
+way: marker first, then data. Downloads land in the local
 directory through the core's durable commit, after the CRCs are verified.
 
 The local file is opened once: verified through that descriptor, then read
