@@ -717,6 +717,8 @@ class Checkpointer:
         for held in self._records.values():
             os.close(held)  # the parent's: it carries them out (the lock stays its own)
         self._records = {}
+        if self._inflight is not None:
+            self.tuner.record_unmeasured()  # the parent's save: never measured here
         self._inflight = None
         self._last_step_at = None
         self._stage_futures = []
@@ -828,6 +830,7 @@ class Checkpointer:
             fut = self._saver._save(payload, path, self.mode, dict(self.options), what, follow_last=False)
         except BaseException:
             self._outcome = (step, False)
+            self.tuner.record_unmeasured()  # (the tuner waits for no measure of it)
             raise
         self._inflight = _InFlight(step, fut, t0, self.clock() - t0)
         clock = self.clock  # (the callback holds neither self nor the _InFlight: no cycle)

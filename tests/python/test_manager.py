@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -194,6 +195,41 @@ def test_auto_interval_settles_just_under_the_bound(seed, linger):
     assert 0.7 * 0.035 <= overhead <= 0.035, (overhead, gaps[-10:])
     gaps.sort()
     assert gaps[0] >= 0.6 * gaps[len(gaps) // 2], gaps[:10]
+
+
+@pytest.mark.parametrize("how", ["raised", "forked"])
+def test_auto_checkpoints_go_on_after_a_first_save_that_is_never_measured(tmp_path, how):
+    """Regression (found in review): with ``every="auto"`` the tuner waits
+    for the first checkpoint's cost before it takes another; a first save
+    that raised at its start (a transient error), or one in flight in the
+    parent of a forked child, was never measured, and no checkpoint was
+    taken again."""
+    now = [0.0]
+    ck = fastpersist.Checkpointer(tmp_path, every="auto", clock=lambda: now[0], keep_last=2)
+    if how == "raised":
+        real, calls = ck._saver._save, [0]
+
+        def flaky(*a, **k):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise OSError(errno.EIO, "transient (injected)")
+            return real(*a, **k)
+
+        ck._saver._save = flaky
+    saves = 0
+    for i in range(1, 101):
+        now[0] += 1.0
+        try:
+            f = ck.step(i, {"w": torch.zeros(10)})
+        except OSError:
+            continue
+        if f is not None:
+            saves += 1
+            if how == "forked" and saves == 1:
+                ck._after_fork_in_child()  # as in a child forked while it is in flight
+                f.result()
+    ck.close()
+    assert saves >= 2, saves
 
 
 @pytest.mark.parametrize("in_flight", [False, True])
