@@ -59,7 +59,7 @@ from .collectives import (
 )
 from .cuda_staging import staging_setup
 from .errors import CorruptCheckpointError
-from .options import TEMP_MIN_AGE, EngineOptions, WriteStats, make_dirs, use_engine, write_stats
+from .options import ABANDONED_SAVE_AGE, EngineOptions, WriteStats, make_dirs, use_engine, write_stats
 from .pickling import TensorVersions
 from .plan import MemoryGuard, Plan, Region, split_regions
 from .torch_zip import plan_torch_save
@@ -252,7 +252,7 @@ def _indexed_shards(dirpath: str) -> set:
 
 def _remove_old_shards(dirpath: str, keep: set, replaced: set) -> None:
     """Best effort, after the index is committed: the shards of the index
-    it replaced, and shards no save has touched for ``TEMP_MIN_AGE`` (a
+    it replaced, and shards no save has touched for ``ABANDONED_SAVE_AGE`` (a
     failed or killed save's). A younger shard of no index may be another
     save's to this directory still in flight: removing it would leave that
     save's index naming a missing file."""
@@ -267,7 +267,7 @@ def _remove_old_shards(dirpath: str, keep: set, replaced: set) -> None:
             continue
         if n not in replaced:
             try:
-                if now - os.lstat(os.path.join(dirpath, n)).st_mtime < TEMP_MIN_AGE:
+                if now - os.lstat(os.path.join(dirpath, n)).st_mtime < ABANDONED_SAVE_AGE:
                     continue
             except OSError:
                 continue

@@ -59,6 +59,7 @@ __all__ = [
     "cached_option_sets",
     "check_path",
     "resolve_target",
+    "ABANDONED_SAVE_AGE",
     "is_special_file",
     "note_pending",
     "has_pending",
@@ -644,6 +645,11 @@ def is_special_file(path: str) -> bool:
 
 #: A leftover temporary file younger than this (seconds) is never removed.
 TEMP_MIN_AGE = 600.0
+#: A finished file of another save to the same directory (a DCP data file
+#: or a shard no committed index names) untouched for less than this is
+#: never removed: that save may still be committing it (a slow rank, an
+#: async save); one older is a killed save's.
+ABANDONED_SAVE_AGE = 24 * 3600.0
 
 
 def remove_stale_temps(directory: str, matches: Callable[[str], Any], min_age: float = TEMP_MIN_AGE) -> List[str]:

@@ -1340,6 +1340,27 @@ def test_a_sidecar_of_version_1_is_read_by_parsing_each_blob(tmp_path):
     assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
 
 
+def test_a_save_never_removes_files_another_committed_metadata_names(tmp_path):
+    """Regression (found in review): a collective save's commit removed
+    another save's data files older than the age gate by their names
+    alone, also those a committed per-rank checkpoint in the same
+    directory (``__0.metadata``, ``use_collectives=False``) named: that
+    checkpoint no longer loaded. Files any committed metadata file of the
+    directory names are now never removed."""
+    from fastpersist.integrations import dcp as fdcp
+
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path), no_dist=True)
+    os.rename(tmp_path / ".metadata", tmp_path / "__0.metadata")  # a per-rank checkpoint's
+    old = time.time() - fdcp.ABANDONED_SAVE_AGE - 60
+    for n in os.listdir(tmp_path):
+        os.utime(tmp_path / n, (old, old))
+    named = fdcp._referenced(str(tmp_path), "__0.metadata")[0]
+    assert named
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path), no_dist=True)
+    assert named <= set(os.listdir(tmp_path)), sorted(os.listdir(tmp_path))
+
+
 def test_an_overwrite_removes_only_data_files_the_old_metadata_names(tmp_path):
     """Regression: the replaced checkpoint's .metadata was trusted for what
     to remove: a damaged one naming ``train.log`` and ``.metadata`` had the
@@ -1368,13 +1389,13 @@ def test_an_overwrite_removes_only_data_files_the_old_metadata_names(tmp_path):
 
     ours = [n for n in os.listdir(d) if n.endswith(".distcp") and n.count(".") == 2]
     p.write_bytes(pickle.dumps({"storage_data": Boom()}))
-    old = time.time() - fastpersist.options.TEMP_MIN_AGE - 60
+    old = time.time() - fastpersist.options.ABANDONED_SAVE_AGE - 60
     for n in ours:
         os.utime(d / n, (old, old))
     dcp.save(sd, storage_writer=FastPersistWriter(d))
     assert (d / "train.log").read_text() == "mine"
     # this module's own data files of another save, untouched for
-    # TEMP_MIN_AGE, are found by name all the same
+    # ABANDONED_SAVE_AGE, are found by name all the same
     assert ours and not set(ours) & set(os.listdir(d))
     assert_equal(load(d, FastPersistReader(d), sd), sd)
 
@@ -1510,7 +1531,7 @@ def test_a_save_never_removes_the_files_of_another_save_in_flight(tmp_path, monk
     module's names but another save's tag, as leftovers of failed saves;
     two saves to one directory then removed each other's files, and the
     .metadata committed last named a file that was gone (both checkpoints
-    lost). Such files are removed only once untouched for TEMP_MIN_AGE; a
+    lost). Such files are removed only once untouched for ABANDONED_SAVE_AGE; a
     failed commit removes its own files at once."""
     import fastpersist.integrations.dcp as fdcp
 
@@ -1531,11 +1552,11 @@ def test_a_save_never_removes_the_files_of_another_save_in_flight(tmp_path, monk
     assert order == ["B", "A", "A"]
     assert_equal(load(tmp_path, FastPersistReader(tmp_path), a), a)  # the last commit wins, whole
     assert_equal(load(tmp_path, dcp.FileSystemReader(tmp_path), a), a)
-    # B's files, younger than TEMP_MIN_AGE, stay; once older, a save removes them.
+    # B's files, younger than ABANDONED_SAVE_AGE, stay; once older, a save removes them.
     orphans = [n for n in os.listdir(tmp_path) if n not in fdcp._referenced(str(tmp_path), ".metadata")[0]]
     orphans = [n for n in orphans if n.endswith(".distcp")]
     assert len(orphans) == 1
-    old = time.time() - fdcp.TEMP_MIN_AGE - 60
+    old = time.time() - fdcp.ABANDONED_SAVE_AGE - 60
     for n in os.listdir(tmp_path):
         os.utime(tmp_path / n, (old, old))
     dcp.save(b, storage_writer=FastPersistWriter(tmp_path))

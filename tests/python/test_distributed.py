@@ -217,7 +217,7 @@ fd._commit_index = a_commits_late
 fastpersist.write_state_dict({"v": torch.ones(1000)}, d, sharded=True, group=g)
 fd._commit_index = real
 print(order, fastpersist.read_state_dict(d)[0]["v"][0].item(), len(os.listdir(d)))
-old = time.time() - fd.TEMP_MIN_AGE - 60
+old = time.time() - fd.ABANDONED_SAVE_AGE - 60
 for n in os.listdir(d):
     os.utime(os.path.join(d, n), (old, old))
 fastpersist.write_state_dict({"v": torch.full((1000,), 3.0)}, d, sharded=True, group=g)
@@ -231,7 +231,7 @@ def test_two_sharded_saves_to_one_directory_never_remove_each_others_shards(tmp_
     removed each other's committed shards, and the index committed last
     named a shard that was gone: both checkpoints lost. A commit now
     removes the shards of the index it replaces, and others only once
-    untouched for TEMP_MIN_AGE (a failed save removes its own at once)."""
+    untouched for ABANDONED_SAVE_AGE (a failed save removes its own at once)."""
     r = subprocess.run(
         [sys.executable, "-c", _SHARDED_RACE, str(tmp_path / "store"), str(tmp_path / "ck")],
         capture_output=True,

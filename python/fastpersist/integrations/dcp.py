@@ -81,7 +81,7 @@ from ..async_save import LEND_MIN, LEND_PAGE, SnapshotPool
 from ..cuda_staging import read_staged, staging_setup
 from ..errors import CorruptCheckpointError
 from ..options import (
-    TEMP_MIN_AGE,
+    ABANDONED_SAVE_AGE,
     EngineOptions,
     FullGcDeferral,
     full_gc_deferral,
@@ -126,6 +126,8 @@ SIDECAR_VERSION = 2
 _TAG_LEN = 16
 #: Data files this module names: ``__<rank>_<n>.<save tag>.distcp``.
 _OWN_DATA = re.compile(rf"__(\d+)_\d+\.([0-9a-f]{{{_TAG_LEN}}})\.distcp")
+#: The metadata files of the checkpoints a directory holds (collective, and per rank).
+_METADATA_FILE = re.compile(r"(__[0-9]+)?\.metadata")
 _OWN_SIDECAR = re.compile(rf"\.fastpersist-([0-9a-f]{{{_TAG_LEN}}})\.crc32")
 #: Data files of a DCP checkpoint: DCP's own (``__<rank>_<n>.distcp``) and
 #: this module's. The only names a replaced checkpoint's ``.metadata`` can
@@ -891,9 +893,11 @@ class FastPersistWriter(StorageWriter, AsyncStager):
     def _remove_replaced(self, old_files: set, old_sidecar: Optional[str], keep: set) -> None:
         """After the commit: the replaced checkpoint's files, and data files
         and sidecars of saves that failed before their commit (named by this
-        module, untouched for ``TEMP_MIN_AGE``: a younger one may be another
-        save's to this directory still in flight, whose ``.metadata`` would
-        then name a missing file)."""
+        module, untouched for ``ABANDONED_SAVE_AGE``: a younger one may be
+        another save's to this directory still in flight, whose ``.metadata``
+        would then name a missing file). Nothing another committed metadata
+        file of the directory names (``.metadata``, ``__<rank>.metadata``)
+        is removed."""
         mine = _tag(self.save_id)
         rank_only = None if self.use_collectives or self.rank is None else f"__{self.rank}_"
         doomed = {f for f in old_files if os.sep not in f and f not in keep}
@@ -904,10 +908,15 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         except OSError:
             names = []
         now = time.time()
+        named: set = set()  # by the other checkpoints committed here
+        for n in names:
+            if _METADATA_FILE.fullmatch(n) and n != self._metadata_file():
+                files, car = _referenced(self.path, n)
+                named |= files | ({car} if car else set())
 
         def stale(n: str) -> bool:
             try:
-                return now - os.lstat(os.path.join(self.path, n)).st_mtime >= TEMP_MIN_AGE
+                return now - os.lstat(os.path.join(self.path, n)).st_mtime >= ABANDONED_SAVE_AGE
             except OSError:
                 return False
 
@@ -920,7 +929,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             sidecar = s is not None and s.group(1) != mine and rank_only is None
             if (data or sidecar) and stale(n):
                 doomed.add(n)
-        for n in sorted(doomed):
+        for n in sorted(doomed - named):
             try:
                 # The name goes now; a big file's blocks are freed (and
                 # discarded) on a background thread, not inside the save.
