@@ -1048,16 +1048,23 @@ class Checkpointer:
         if staged:
             if self.store is None and not self.stage_dir:
                 return  # the staging tier's part: for a Checkpointer that has it
-            self._abandon_staged(step, staged, None)
+            if not self._abandon_staged(step, staged, None):
+                return  # kept: the next Checkpointer tries again (nothing of this run is staged yet)
             with self._lock:
                 self._staged -= set(staged)
         _remove_quietly(record)
 
-    def _abandon_staged(self, step: int, staged: Tuple[int, ...], record: Optional[str]) -> None:
+    def _abandon_staged(self, step: int, staged: Tuple[int, ...], record: Optional[str]) -> bool:
+        """Set the staged steps ``staged`` aside; whether the tier could be
+        listed (``record``: this process's record, released either way)."""
+        where = self.stage_url or self.stage_dir
+        listed = False
         try:
+            if self.store is None and not os.path.isdir(str(self.stage_dir)):
+                raise FileNotFoundError(errno.ENOENT, "not a directory now", where)
             found = _scan_store(self.store) if self.store is not None else _scan(self.stage_dir, "shared")
+            listed = True
         except OSError as e:
-            where = self.stage_url or self.stage_dir
             log.warning("fastpersist: cannot list %s to set aside checkpoints past step %d: %s", where, step, e)
         else:
             for s in staged:
@@ -1067,6 +1074,7 @@ class Checkpointer:
             # Also after a failure (logged): a step left there must not be
             # set aside later, once this run may have staged its own.
             self._release_record(record)
+        return listed
 
     def _set_aside(self, info: CheckpointInfo, ident: Optional[Tuple[int, ...]] = None) -> None:
         """Rename ``info`` (an object: move it) to ``<name>.abandoned``

@@ -558,9 +558,19 @@ def make_dirs(path: str) -> None:
         p = parent
     os.makedirs(path, exist_ok=True)
     for d in reversed(missing):
-        fsync_dir(os.path.dirname(d))
+        _fsync_parent(os.path.dirname(d))
     if missing:
         fsync_dir(missing[0])
+
+
+def _fsync_parent(path: str) -> None:
+    """fsync an existing directory a new one was made in, where it can be
+    opened: a directory one may write into and enter but not list (a
+    drop box, mode 1733) cannot be, and os.makedirs worked there."""
+    try:
+        fsync_dir(path)
+    except PermissionError:
+        pass
 
 
 def check_path(path: Any) -> str:

@@ -740,3 +740,36 @@ def test_leftovers_of_a_target_with_a_long_name_are_swept(tmp_path, length):
     fastpersist.write_state_dict({"w": torch.ones(2)}, tmp_path / name)
     names = set(os.listdir(tmp_path))
     assert left[0] not in names and left[1] in names, names
+
+
+@pytest.mark.skipif(not is_root(), reason="drops to another user: needs root")
+def test_make_dirs_in_a_directory_one_may_write_but_not_list():
+    """Regression (found in review): options.make_dirs fsynced each parent
+    it made a directory in by opening it; in a drop box (mode 1733: write
+    and enter, not list) that raised PermissionError after the directory
+    was made, and every save that makes its folder failed there, where
+    os.makedirs had worked."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    base = Path(tempfile.mkdtemp(dir="/tmp"))  # (pytest's own folders are root's alone)
+    os.chmod(base, 0o755)
+    drop = base / "dropbox"
+    drop.mkdir()
+    os.chmod(drop, 0o1733)
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from fastpersist.options import make_dirs  # (imported first: the venv is root's)
+        os.setgid(65534); os.setuid(65534)
+        make_dirs(os.path.join(sys.argv[1], "run1", "ckpts"))
+        print("ok")
+        """
+    )
+    try:
+        r = subprocess.run([sys.executable, "-c", code, str(drop)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+        assert (drop / "run1" / "ckpts").is_dir()
+    finally:
+        shutil.rmtree(base)

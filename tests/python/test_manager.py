@@ -759,6 +759,23 @@ def test_a_record_of_going_back_is_left_to_its_live_process_and_to_the_staging_t
         os.close(fd)  # ... and dies
     fastpersist.Checkpointer(local).close()  # an evaluator's: no staging tier
     assert record.exists() and ckpt_name(30) in os.listdir(shared)
+    import fastpersist.checkpoint_manager as cm
+
+    real_scan, shared_calls = cm._scan, []
+
+    def failing(directory, tier):  # the shared tier's second listing fails (ESTALE)
+        if tier == "shared":
+            shared_calls.append(directory)
+            if len(shared_calls) == 2:
+                raise OSError(errno.ESTALE, "stale file handle (injected)", directory)
+        return real_scan(directory, tier)
+
+    cm._scan = failing
+    try:
+        fastpersist.Checkpointer(local, stage_dir=shared).close()
+    finally:
+        cm._scan = real_scan
+    assert len(shared_calls) >= 2 and record.exists()  # kept for a Checkpointer that can list it
     os.unlink(local / ckpt_name(30))  # (the local copy lost, as the staged one is read then)
     os.unlink(local / ckpt_name(20))
     again = fastpersist.Checkpointer(local, stage_dir=shared)
