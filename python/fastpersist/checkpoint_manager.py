@@ -307,8 +307,10 @@ class FrequencyTuner:
        anywhere below it).
     4. *Re-profile* every ``reprofile_every`` checkpoints, so the baseline
        follows drift in the iteration time itself: the median of the quiet
-       iterations just before that checkpoint is due (the furthest from the
-       last save), with no extra checkpoint and no pause in the schedule.
+       iterations in the second halves of the intervals since the last
+       re-profile (the furthest from each save; at most ``TAIL_SAMPLES``,
+       the first gathered), with no extra checkpoint and no pause in the
+       schedule.
     """
 
     def __init__(
