@@ -59,7 +59,7 @@ from .collectives import (
 )
 from .cuda_staging import staging_setup
 from .errors import CorruptCheckpointError
-from .options import ABANDONED_SAVE_AGE, EngineOptions, WriteStats, make_dirs, use_engine, write_stats
+from .options import ABANDONED_SAVE_AGE, EngineOptions, WriteStats, file_identity, make_dirs, use_engine, write_stats
 from .pickling import TensorVersions
 from .plan import MemoryGuard, Plan, Region, split_regions
 from .torch_zip import plan_torch_save
@@ -312,29 +312,30 @@ def write_sharded(
         err, mine = describe_error(e), e
     results = gather((err, name, stats.bytes if stats else 0), g)
     statuses = [r[0] for r in results]
-    commit_err = None
+    commit_err: Optional[Tuple[str, str, BaseException]] = None
     if all(s is None for s in statuses) and rank == 0:
         replaced = _indexed_shards(dirpath)
+        index = os.path.join(dirpath, INDEX_NAME)
+        before = file_identity(index)
         try:
             _commit_index(dirpath, save_id, world, results)
-        except _core.DurabilityError as e:
-            # The index is in place: the new save is the checkpoint now.
-            commit_err = ("in place", describe_error(e))
         except BaseException as e:  # noqa: BLE001
-            commit_err = ("failed", describe_error(e))
+            # Renamed in (its directory fsync failed, or an interrupt came
+            # after it): the new save is the checkpoint now.
+            commit_err = ("in place" if file_identity(index) != before else "failed", describe_error(e), e)
         if commit_err is None or commit_err[0] == "in place":
             _remove_old_shards(dirpath, {r[1] for r in results}, replaced)
-    final = gather(commit_err, g)[0]
+    final = gather(commit_err[:2] if commit_err else None, g)[0]
     if any(s is not None for s in statuses) or (final is not None and final[0] == "failed"):
         _unlink(shard)
     fail_all(statuses, "writing the shards", mine)
     if final is not None:
         what = (
-            "committing the index (it is in place, its durability is not confirmed)"
+            "committing the index (it is in place: the new save is the checkpoint)"
             if final[0] == "in place"
             else "committing the index"
         )
-        fail_all([final[1]] + [None] * (world - 1), what)
+        fail_all([final[1]] + [None] * (world - 1), what, commit_err[2] if commit_err else None)
     assert stats is not None
     return stats
 

@@ -543,6 +543,17 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def file_identity(path: str) -> Optional[Tuple[int, int, int, int]]:
+    """What tells the file at ``path`` (not following a link at it) from
+    another one put there later: device, inode, size and change time; None
+    when there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
+
+
 def make_dirs(path: str) -> None:
     """``os.makedirs(path, exist_ok=True)``, durably: each directory made is
     fsynced into its parent (on a file system that does not order metadata

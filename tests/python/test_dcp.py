@@ -1490,6 +1490,62 @@ def _fail_metadata(monkeypatch):
     monkeypatch.setattr(_core, "atomic_write", fail)
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, "durability"])
+def test_an_error_after_the_metadata_is_renamed_in_keeps_the_new_checkpoint(tmp_path, monkeypatch, error):
+    """Regression: an interrupt (Ctrl-C) that arrived once ``.metadata``
+    was renamed in, but before the commit returned, ran the clean-up of a
+    failed commit: it removed the data files and the sidecar that the
+    committed metadata names, and the directory held a checkpoint that
+    could not be read. A failed directory fsync is the same case."""
+    from fastpersist import _core
+
+    sd = {"w": torch.full((1000,), 1.0), "step": 1}
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    real = _core.atomic_write
+
+    def late(path, data, **kw):
+        real(path, data, **kw)
+        if os.path.basename(path) == ".metadata":
+            if error == "durability":
+                raise _core.DurabilityError(errno.EIO, "directory fsync failed", path)
+            raise error()
+
+    monkeypatch.setattr(_core, "atomic_write", late)
+    sd2 = {"w": torch.full((1000,), 2.0), "step": 2}
+    with raises(BaseException, "KeyboardInterrupt" if error is KeyboardInterrupt else "directory fsync failed"):
+        dcp.save(sd2, storage_writer=FastPersistWriter(tmp_path))
+    monkeypatch.undo()
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd2)
+    assert_equal(load(tmp_path, dcp.FileSystemReader(tmp_path), sd), sd2)
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+
+
+def test_a_failed_fsync_after_the_sidecar_is_not_reported_as_a_commit(tmp_path, monkeypatch):
+    """Regression: a DurabilityError from the sidecar's write (renamed in,
+    its directory fsync failed) was raised as it came, which says that the
+    new checkpoint is in place: ``.metadata`` had not been written, the
+    previous checkpoint was the one there."""
+    from fastpersist import _core
+
+    sd = {"w": torch.full((1000,), 1.0), "step": 1}
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    committed = sorted(os.listdir(tmp_path))
+    real = _core.atomic_write
+
+    def fsync_fails(path, data, **kw):
+        real(path, data, **kw)
+        if os.path.basename(path).endswith(".crc32"):
+            raise _core.DurabilityError(errno.EIO, "directory fsync failed", path)
+
+    monkeypatch.setattr(_core, "atomic_write", fsync_fails)
+    with raises(fastpersist.WriteError, "the checkpoint was not committed: directory fsync failed"):
+        dcp.save({"w": torch.full((1000,), 2.0), "step": 2}, storage_writer=FastPersistWriter(tmp_path))
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == committed
+    assert_equal(load(tmp_path, FastPersistReader(tmp_path), sd), sd)
+
+
 @pytest.mark.parametrize("how", ["writer used again", "plan caching"])
 def test_a_later_save_never_writes_the_committed_checkpoints_files(tmp_path, monkeypatch, how):
     """Regression: the data files' names came from the writer's save_id,

@@ -240,3 +240,46 @@ def test_two_sharded_saves_to_one_directory_never_remove_each_others_shards(tmp_
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.splitlines() == ["['B', 'A', 'A'] 1.0 3", "3.0 2"], r.stdout + r.stderr[-3000:]
+
+
+_SHARDED_LATE_ERROR = r"""
+import errno, os, sys, torch, torch.distributed as dist
+import fastpersist, fastpersist.distributed as fd
+from fastpersist import _core
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+d, how = sys.argv[2], sys.argv[3]
+g = dist.group.WORLD
+fastpersist.write_state_dict({"v": torch.zeros(1000)}, d, sharded=True, group=g)
+real = fd._commit_index
+
+def late(dirpath, *args):
+    real(dirpath, *args)  # the index is renamed in; then:
+    if how == "interrupt":
+        raise KeyboardInterrupt()
+    raise _core.DurabilityError(errno.EIO, "directory fsync failed", os.path.join(dirpath, fd.INDEX_NAME))
+
+fd._commit_index = late
+try:
+    fastpersist.write_state_dict({"v": torch.ones(1000)}, d, sharded=True, group=g)
+except fastpersist.DistributedCheckpointError as e:
+    print("raised", "it is in place" in str(e), type(e.__cause__).__name__)
+fd._commit_index = real
+print(fastpersist.read_state_dict(d)[0]["v"][0].item(), len(os.listdir(d)))
+"""
+
+
+@pytest.mark.parametrize("how", ["interrupt", "durability"])
+def test_an_error_after_the_index_is_renamed_in_keeps_the_new_checkpoint(tmp_path, how):
+    """Regression: an interrupt (Ctrl-C) after the index was renamed in,
+    before the commit returned, was taken for a failed commit: every rank
+    removed its new shard, which the committed index names, and the
+    checkpoint could not be read."""
+    r = subprocess.run(
+        [sys.executable, "-c", _SHARDED_LATE_ERROR, str(tmp_path / "store"), str(tmp_path / "ck"), how],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    cause = "KeyboardInterrupt" if how == "interrupt" else "DurabilityError"
+    assert r.stdout.splitlines() == [f"raised True {cause}", "1.0 2"], r.stdout + r.stderr[-3000:]

@@ -79,11 +79,12 @@ from torch.futures import Future
 from .. import _core
 from ..async_save import LEND_MIN, LEND_PAGE, SnapshotPool
 from ..cuda_staging import read_staged, staging_setup
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, WriteError
 from ..options import (
     ABANDONED_SAVE_AGE,
     EngineOptions,
     FullGcDeferral,
+    file_identity,
     full_gc_deferral,
     gc_paused,
     make_dirs,
@@ -871,22 +872,31 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         replaced, self._replaced = self._replaced, None
         old_files, old_sidecar = replaced.result() if replaced is not None else _referenced(self.path, md_file)
         sidecar = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "save_id": self.save_id, "files": files}
+        md_path = os.path.join(self.path, md_file)
+        before = file_identity(md_path)
         try:
             _core.atomic_write(
                 os.path.join(self.path, sidecar_name(self.save_id)),
                 json.dumps(sidecar, separators=(",", ":")).encode(),
                 durable=self.sync_files,
             )
-            _core.atomic_write(os.path.join(self.path, md_file), pickle.dumps(metadata), durable=self.sync_files)
-        except _core.DurabilityError:
-            raise  # (in place, its durability unconfirmed: the checkpoint now)
-        except BaseException:
+            _core.atomic_write(md_path, pickle.dumps(metadata), durable=self.sync_files)
+        except BaseException as e:
+            if file_identity(md_path) != before:
+                # The metadata was renamed in (its directory fsync failed,
+                # or an interrupt came after it): the checkpoint now, its
+                # files are kept; the replaced one's are left to a later
+                # save's sweep.
+                raise
             # Not committed: this save's files (every rank's, by the names
             # its results give) are of no use, nothing names them.
             for n in sorted(set(files) | {sidecar_name(self.save_id)}):
                 if os.sep not in n and (_OWN_DATA.fullmatch(n) or _OWN_SIDECAR.fullmatch(n)):
                     with contextlib.suppress(OSError):
                         _core.remove_file(os.path.join(self.path, n))
+            if isinstance(e, _core.DurabilityError):
+                # The sidecar's: the checkpoint was not committed.
+                raise WriteError(e.errno, f"the checkpoint was not committed: {e.strerror}", e.filename) from e
             raise
         self._remove_replaced(old_files, old_sidecar, set(files))
 
