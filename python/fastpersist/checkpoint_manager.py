@@ -88,7 +88,7 @@ from . import _core
 from .async_save import AsyncSaver, CheckpointFuture, check_save_options, future_error
 from .collectives import DistributedCheckpointError, agree_outcome, check_group, dedicated_groups, gather, group_ranks
 from .errors import CorruptCheckpointError, FastPersistError
-from .options import TEMP_MIN_AGE, fsync_dir, make_dirs, remove_stale_temps, sweep_due
+from .options import TEMP_MIN_AGE, fsync_dir, make_dirs, remove_durably, remove_stale_temps, sweep_due
 from .reader import read_state_dict
 from .replicas import ReplicaError, Ring, exchange, held_ranks, replica_dir
 from .tiers import ObjectStore, is_url
@@ -223,10 +223,7 @@ def _remove_quietly(path: str) -> None:
     """Remove this Checkpointer's own bookkeeping file ``path``; one
     already gone, or that cannot be removed (logged), is left."""
     try:
-        os.unlink(path)
-        fsync_dir(os.path.dirname(path))
-    except FileNotFoundError:
-        pass
+        remove_durably(path)
     except OSError as e:
         log.warning("fastpersist: cannot remove %s: %s", path, e)
 

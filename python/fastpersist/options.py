@@ -554,6 +554,27 @@ def file_identity(path: str) -> Optional[Tuple[int, int, int, int]]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
 
 
+def put_marker(path: str) -> None:
+    """Create the empty file ``path`` (one of fastpersist's own names),
+    durably: its directory is fsynced. A link at the name is replaced,
+    never followed."""
+    if os.path.islink(path):
+        os.unlink(path)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def remove_durably(path: str) -> bool:
+    """Remove the file ``path`` and fsync its directory; False when there
+    was none. Other errors are raised."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return True
+
+
 def make_dirs(path: str) -> None:
     """``os.makedirs(path, exist_ok=True)``, durably: each directory made is
     fsynced into its parent (on a file system that does not order metadata

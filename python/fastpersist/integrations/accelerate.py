@@ -48,13 +48,12 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CorruptCheckpointError
-from ..options import make_dirs
+from ..options import make_dirs, put_marker, remove_durably
 from ..reader import read_state_dict
 from .common import (
     BackgroundSaves,
     after_first_step,
     check_version,
-    fsync_dir,
     never_raises,
     optimizers_have_state,
     routed,
@@ -212,11 +211,7 @@ class FastPersistAccelerate:
             if os.path.isdir(folder):
                 sync_tree(folder)
             for d in marked:  # the folder is whole and durable: no longer pending
-                try:
-                    os.unlink(os.path.join(d, PENDING))
-                except FileNotFoundError:
-                    continue
-                fsync_dir(d)
+                remove_durably(os.path.join(d, PENDING))
             if prune and limit is not None:
                 _prune(parent, limit, folder)
 
@@ -297,12 +292,7 @@ class FastPersistAccelerate:
         if not self._writes_here(save_on_each_node) or folder in self._marked:
             return
         make_dirs(folder)
-        marker = os.path.join(folder, PENDING)
-        if os.path.islink(marker):
-            os.unlink(marker)  # the marker is this adapter's own name: not made through a link
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        os.close(fd)
-        fsync_dir(folder)
+        put_marker(os.path.join(folder, PENDING))
         self._marked.append(folder)
 
     def _save_weights(self, models: List[Any], weights: List[Any], output_dir: str) -> None:

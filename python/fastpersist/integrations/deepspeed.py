@@ -76,7 +76,7 @@ from .. import _core
 from ..async_save import future_error
 from ..collectives import checkpoint_group, describe_error, fail_all, gather
 from ..errors import CorruptCheckpointError
-from ..options import fsync_dir, make_dirs
+from ..options import make_dirs, put_marker, remove_durably
 from ..reader import detect_format, read_state_dict
 from .common import BackgroundSaves, after_first_step, check_version, never_raises, optimizers_have_state
 
@@ -294,10 +294,7 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         marker = os.path.join(folder, f"{PENDING}-{dist.get_rank() if dist is not None else 0}")
         if not self._reused or marker in self._markers:
             return
-        if os.path.islink(marker):
-            os.unlink(marker)  # this adapter's own name: not made through a link
-        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
-        fsync_dir(folder)
+        put_marker(marker)
         self._markers.append(marker)
 
     def _unmark(self) -> None:
@@ -305,10 +302,7 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         markers, self._markers = self._markers, []
         for m in markers:
             try:
-                os.unlink(m)
-                fsync_dir(os.path.dirname(m))
-            except FileNotFoundError:
-                continue
+                remove_durably(m)
             except OSError as e:
                 log.error("fastpersist: cannot remove %s: %s (loads of that tag are refused)", m, e)
 
