@@ -110,7 +110,7 @@ CKPT_RE = re.compile(r"ckpt-([0-9]{12,20})\.pt")
 #: Temporary files of checkpoint saves (and of the records of going back,
 #: ``Checkpointer._went_back``), exactly as the core names them.
 TEMP_RE = re.compile(
-    r"\.(ckpt-[0-9]{12,20}\.pt|\.went-back-[0-9]+\.json)\.[0-9]+\.[0-9]+" + re.escape(_core.TEMP_MARKER)
+    r"\.(ckpt-[0-9]{12,20}\.pt|\.went-back-[0-9]+(-[0-9]+)?\.json)\.[0-9]+\.[0-9]+" + re.escape(_core.TEMP_MARKER)
 )
 LOG_NAME = "checkpoints.jsonl"
 #: How often latest()/load_latest() list again when listed files vanish.
@@ -488,8 +488,9 @@ class _InFlight:
 ABANDONED = ".abandoned"
 
 #: The record of a run going back (``Checkpointer._went_back``), in its
-#: directory until every tier's later checkpoints are set aside.
-_WENT_BACK = re.compile(r"\.went-back-(\d+)\.json")
+#: directory until every tier's later checkpoints are set aside
+#: (``-<n>``: going back to a step again while its first record is kept).
+_WENT_BACK = re.compile(r"\.went-back-(\d+)(-\d+)?\.json")
 
 
 def _per_rank(stage_dir: str, rank: int) -> str:
@@ -665,6 +666,8 @@ class Checkpointer:
         self._records: Dict[str, int] = {}
         #: Steps handed to the stager that it has not started on.
         self._stage_queue: set = set()
+        #: The step the stager is copying or uploading now.
+        self._staging_now: Optional[int] = None
         #: File identity (dev, ino, size, mtime_ns) -> whether it verified.
         self._valid: Dict[Tuple[int, int, int, int], bool] = {}
         self._replicator: Optional[ThreadPoolExecutor] = (
@@ -819,7 +822,9 @@ class Checkpointer:
         path = os.path.join(self.directory, ckpt_name(step))
         later = self._later_than(step)
         with self._lock:
-            later_staged = tuple(sorted(s for s in self._staged if s > step))
+            # (The stage in flight lands after this: set aside behind it.)
+            now = {self._staging_now} - self._abandoned_stages - {None}
+            later_staged = tuple(sorted(s for s in self._staged | now if s > step))
         if later or later_staged:
             self._went_back(step, later, later_staged)
         try:
@@ -942,7 +947,11 @@ class Checkpointer:
         Checkpoints written meanwhile (another process's) are left alone.
         The staging tier's are set aside on the staging thread, after any
         copy it has begun."""
-        record = os.path.join(self.directory, f".went-back-{step}.json")
+        record, n = os.path.join(self.directory, f".went-back-{step}.json"), 0
+        with self._lock:
+            while record in self._records or os.path.lexists(record):  # this step's earlier record, still kept
+                n += 1
+                record = os.path.join(self.directory, f".went-back-{step}-{n}.json")
         entry = {
             "step": step,
             "later": [[x.holder, x.info.step, list(x.ident)] for x in later],
@@ -970,6 +979,8 @@ class Checkpointer:
         if self._stager is not None:
             with self._lock:
                 self._abandoned_stages |= {s for s in self._stage_queue if s > step}
+                if self._staging_now is not None and self._staging_now > step:
+                    self._abandoned_stages.add(self._staging_now)  # (not counted staged when it lands)
                 self._staged -= set(staged)
                 self._stage_queue = {s for s in self._stage_queue if s <= step}
             if staged:  # (listing an object store costs a request per checkpoint)
@@ -1163,7 +1174,10 @@ class Checkpointer:
             if step in self._abandoned_stages:
                 self._abandoned_stages.discard(step)
                 return  # set aside meanwhile: a run this one went back on
-        if newer > step and not (self.keep_every and step % self.keep_every == 0):
+            skip = newer > step and not (self.keep_every and step % self.keep_every == 0)
+            if not skip:
+                self._staging_now = step
+        if skip:
             self._log_event({"event": "stage_skipped", "step": step, "newer": newer})
             return
         t0 = time.perf_counter()
@@ -1179,7 +1193,15 @@ class Checkpointer:
             log.error("fastpersist: staging step %d to %s failed: %r", step, where, e)
             self._log_event({"event": "stage_failed", "step": step, "error": repr(e)})
             return
+        finally:
+            with self._lock:
+                self._staging_now = None
         with self._lock:
+            if step in self._abandoned_stages:
+                # A save went back past it while it was copied: the set-aside
+                # queued behind this stage takes it.
+                self._abandoned_stages.discard(step)
+                return
             self._staged.add(step)
             if self.store is None:
                 self._mark_valid(dst)

@@ -786,6 +786,57 @@ def test_a_record_of_going_back_is_left_to_its_live_process_and_to_the_staging_t
     assert step == 10
 
 
+def test_going_back_while_a_later_step_is_being_staged_sets_it_aside_too(tmp_path, monkeypatch):
+    """Regression: a save that went back while the stager was copying a
+    later step (in neither the staged steps nor the queue) set aside only
+    what was staged already: the copy landed after, and the abandoned
+    run's step was restored from the staging tier. Going back to the same
+    step again while the first record was kept replaced that record (the
+    first set-aside then removed the second's) and leaked its locked
+    descriptor."""
+    import threading
+
+    import fastpersist.checkpoint_manager as cm
+
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    copy, started, go = cm._copy_durably, threading.Event(), threading.Event()
+
+    def gated(src, dst):
+        copy(src, dst)
+        if dst.endswith(ckpt_name(300)):  # copied; the stage not done yet
+            started.set()
+            assert go.wait(60)
+
+    def records_held():
+        fds = [os.path.join("/proc/self/fd", f) for f in os.listdir("/proc/self/fd")]
+        return [t for t in (os.readlink(f) for f in fds if os.path.islink(f)) if ".went-back" in t]
+
+    monkeypatch.setattr(cm, "_copy_durably", gated)
+    ck = fastpersist.Checkpointer(local, stage_dir=shared, every=1, keep_last=10)
+    for s in (100, 200, 300):
+        ck.save(s, {"run": "A", "x": torch.tensor([s])}).result()
+        ck._poll()  # committed: staged now
+    assert started.wait(60)  # step 300's copy is in flight
+    ck.save(100, {"run": "B", "x": torch.tensor([100])}).result()
+    ck.save(110, {"run": "B", "x": torch.tensor([110])}).result()
+    ck.save(100, {"run": "C", "x": torch.tensor([100])}).result()  # back to 100 again
+    # The first record is kept until the staging tier's part is done (the
+    # second, local only, was carried out at once, under a name of its own).
+    records = sorted(n for n in os.listdir(local) if n.startswith(".went-back"))
+    assert records == [".went-back-100.json"], records
+    go.set()
+    ck.close()
+    assert records_held() == []
+    assert not [n for n in os.listdir(local) if n.startswith(".went-back")]
+    assert steps_in(shared) == [100], sorted(os.listdir(shared))
+    assert steps_in(local) == [100], sorted(os.listdir(local))
+    os.unlink(local / ckpt_name(100))  # the local copy lost: the staged one is read
+    again = fastpersist.Checkpointer(local, stage_dir=shared)
+    step, state = again.load_latest(weights_only=False)
+    again.close()
+    assert (step, state["run"]) == (100, "C")
+
+
 @pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
 def test_links_at_the_checkpointers_own_names_are_never_followed(tmp_path, mode):
     """Regression: a symbolic link at a checkpoint's name (``ckpt-<step>.pt``)
