@@ -823,8 +823,9 @@ class Checkpointer:
         later = self._later_than(step)
         with self._lock:
             # (The stage in flight lands after this: set aside behind it.)
-            now = {self._staging_now} - self._abandoned_stages - {None}
-            later_staged = tuple(sorted(s for s in self._staged | now if s > step))
+            now = self._staging_now
+            copying = {now} - self._abandoned_stages if now is not None else set()
+            later_staged = tuple(sorted(s for s in self._staged | copying if s > step))
         if later or later_staged:
             self._went_back(step, later, later_staged)
         try:
