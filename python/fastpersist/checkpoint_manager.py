@@ -54,6 +54,7 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import functools
@@ -71,6 +72,7 @@ from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
+    Deque,
     Dict,
     Hashable,
     List,
@@ -278,8 +280,11 @@ STALL = 10.0
 #: samples must not make checkpoints denser than that).
 FEEDBACK_AIM = 0.85
 MIN_SCALE = 1.0
-#: At most this many samples for a re-profile.
+#: At most this many samples for a re-profile (the newest).
 TAIL_SAMPLES = 2048
+#: The newest quiet samples whose median tells whether the iteration time
+#: itself moved (see ``FrequencyTuner._feedback``).
+DRIFT_SAMPLES = 7
 
 
 class FrequencyTuner:
@@ -304,10 +309,15 @@ class FrequencyTuner:
        anywhere below it).
     4. *Re-profile* every ``reprofile_every`` checkpoints, so the baseline
        follows drift in the iteration time itself: the median of the quiet
-       iterations in the second halves of the intervals since the last
+       iterations in the last eighths of the intervals since the last
        re-profile (the furthest from each save; at most ``TAIL_SAMPLES``,
-       the first gathered), with no extra checkpoint and no pause in the
-       schedule.
+       the newest), with no extra checkpoint and no pause in the schedule.
+       At once when the newest ``DRIFT_SAMPLES`` of them are off the
+       baseline by more than ``max_overhead``: the iterations themselves
+       got slower (or faster), and the checkpoints' overhead is measured
+       against what they take now (otherwise a lasting rise read as a
+       checkpoint cost no interval could bring down, and the interval ran
+       away to ``max_interval``).
     """
 
     def __init__(
@@ -348,8 +358,8 @@ class FrequencyTuner:
         self._window_n = 0
         self._samples: List[float] = []
         #: Quiet iterations in the second halves of the intervals since the
-        #: last re-profile (its samples).
-        self._tail: List[float] = []
+        #: last re-profile (its samples; the newest ``TAIL_SAMPLES``).
+        self._tail: Deque[float] = collections.deque(maxlen=TAIL_SAMPLES)
         #: The profiling checkpoint is in flight and nothing is measured yet.
         self._awaiting = False
 
@@ -371,11 +381,11 @@ class FrequencyTuner:
             self._profiled += 1
             if self._profiled > self.profile_steps:
                 self._samples.append(seconds)
-        elif self.reprofile_every and len(self._tail) < TAIL_SAMPLES:
-            # Iteration _since_last + 1 after the last checkpoint: the second
-            # half of the interval is furthest from the last save's effects.
+        elif self.reprofile_every:
+            # Iteration _since_last + 1 after the last checkpoint: the last
+            # eighth of the interval is furthest from the last save's effects.
             n = self._since_last + 1
-            if n > self.profile_steps and 2 * n > self.interval:
+            if n > self.profile_steps and 8 * n > 7 * self.interval:
                 self._tail.append(seconds)
 
     def record_unmeasured(self) -> None:
@@ -411,9 +421,20 @@ class FrequencyTuner:
         """Called when a checkpoint is due: judge the window since the last
         (``reprofile``: the baseline is first the median of the quiet
         iterations gathered since the last re-profile)."""
-        if reprofile and len(self._tail) >= self.profile_steps:
-            self.baseline = sorted(self._tail)[len(self._tail) // 2]
-            self._tail = []
+        tail = self._tail
+        newest = sorted(list(tail)[-DRIFT_SAMPLES:])
+        if len(newest) == DRIFT_SAMPLES and self.baseline:
+            now = newest[DRIFT_SAMPLES // 2]
+            if abs(now / self.baseline - 1.0) > self.max_overhead:
+                # The iterations furthest from the saves no longer take the
+                # baseline's time (the model, the data or the machine
+                # changed): the window is judged against what they take now.
+                self.baseline = now
+                self.observed_overhead = None
+                tail.clear()
+        if reprofile and len(tail) >= self.profile_steps:
+            self.baseline = sorted(tail)[len(tail) // 2]
+            tail.clear()
         if self._window_n and self.baseline:
             # At most OUTLIER times the target: one stalled iteration in the
             # window must not multiply the interval for many checkpoints.

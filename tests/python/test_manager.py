@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Optional, Tuple
 
 import fastpersist
 import pytest
@@ -141,18 +142,29 @@ def test_feedback_catches_costs_the_model_misses(tmp_path):
     assert achieved <= 0.035 * 1.15, achieved
 
 
-def _simulate_tuner(seed: int, linger: float, n: int = 20000, t: float = 0.1, max_overhead: float = 0.035):
+def _simulate_tuner(
+    seed: int,
+    linger: float,
+    n: int = 20000,
+    t: float = 0.1,
+    max_overhead: float = 0.035,
+    drift: Optional[Tuple[int, float]] = None,
+):
     """A training loop as the Checkpointer drives its tuner: 0.1 s
     iterations (±3% noise); a save stalls the iteration it starts in by
     20 ms, slows the 10 it is in flight for (1 s) by 10 ms each, and the
     next 10 by ``linger`` each (contention the cost model does not see).
-    Returns (overhead of the last half, the intervals of the last half)."""
+    ``drift`` ``(i, t2)``: from iteration ``i`` on, iterations take ``t2``
+    (before the last half). Returns (overhead of the last half, the
+    intervals of the last half)."""
     rnd = random.Random(seed)
     tu = FrequencyTuner("auto", max_overhead=max_overhead)
     now, inflight_end, linger_left, extra, stall_next = 0.0, -1.0, 0, 0.0, 0.0
     in_flight = False
     total, last, gaps = 0.0, 0, []
     for i in range(n):
+        if drift is not None and i == drift[0]:
+            t = drift[1]
         dur = t * (1 + rnd.uniform(-0.03, 0.03)) + stall_next
         affected = now < inflight_end or stall_next > 0
         stall_next = 0.0
@@ -195,6 +207,27 @@ def test_auto_interval_settles_just_under_the_bound(seed, linger):
     assert 0.7 * 0.035 <= overhead <= 0.035, (overhead, gaps[-10:])
     gaps.sort()
     assert gaps[0] >= 0.6 * gaps[len(gaps) // 2], gaps[:10]
+
+
+@pytest.mark.parametrize("t2", [0.15, 0.3, 0.06])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_auto_interval_follows_a_lasting_change_of_the_iteration_time(seed, t2):
+    """Regression: after the iterations themselves got lastingly slower
+    (0.1 s to 0.15 s: a longer sequence, a slower data path), the tuner
+    took the difference for a checkpoint cost, raised the interval at
+    every checkpoint, and ran away to max_interval: one checkpoint in
+    thousands of iterations, the next re-profile never reached. (The
+    re-profile's samples were also the first gathered, not the newest.)
+    The baseline now follows the quiet iterations when they move by more
+    than the bound."""
+    overhead, gaps = _simulate_tuner(seed, 0.0, drift=(4000, t2))
+    # The save's cost (its stall, and 10 ms in each iteration of its 1 s in
+    # flight) over the bound's share of an iteration.
+    ideal = (0.02 + 0.01 / t2) / (0.035 * t2)
+    assert 0.7 * 0.035 <= overhead <= 0.035, (overhead, gaps[-10:])
+    gaps.sort()
+    assert 0.4 * ideal <= gaps[len(gaps) // 2] <= 1.5 * ideal, (ideal, gaps[len(gaps) // 2])
+    assert gaps[-1] <= 4 * ideal, gaps[-10:]
 
 
 @pytest.mark.parametrize("how", ["raised", "forked"])
