@@ -93,7 +93,7 @@ from .errors import CorruptCheckpointError, FastPersistError
 from .options import TEMP_MIN_AGE, fsync_dir, make_dirs, remove_durably, remove_stale_temps, sweep_due
 from .reader import read_state_dict
 from .replicas import ReplicaError, Ring, exchange, held_ranks, replica_dir
-from .tiers import ObjectStore, is_url
+from .tiers import ObjectStore, StoreListing, is_url
 from .verify import verify_file
 
 __all__ = [
@@ -207,14 +207,16 @@ def _copy_durably(src: str, dst: str) -> None:
         tmp.commit(size, durable=True)
 
 
-def _scan_store(store: Optional[ObjectStore]) -> Dict[int, CheckpointInfo]:
+def _scan_store(store: Optional[ObjectStore], listing: Optional[StoreListing] = None) -> Dict[int, CheckpointInfo]:
     out: Dict[int, CheckpointInfo] = {}
     if store is None:
         return out
     # Unconfirmed ones too (a store copied or restored: the identities its
-    # markers recorded are gone): counted by retention, not swept, and their
-    # downloads checked by their CRC32s.
-    for name, size in store.committed(unconfirmed=True).items():
+    # markers recorded are gone): listed, not swept, and their downloads
+    # checked by their CRC32s (retention does not count them).
+    if listing is None:
+        listing = store.scan()
+    for name, size in {**listing.committed, **listing.unconfirmed}.items():
         step = _parse_ckpt(name)
         if step is not None:
             out[step] = CheckpointInfo(step, store.url_of(name), "object", size)
@@ -1339,6 +1341,7 @@ class Checkpointer:
         may_delete: Callable[[int], bool],
         agreed: Optional[Set[int]] = None,
         pending: Optional[int] = None,
+        uncounted: Optional[Set[int]] = None,
     ) -> List[CheckpointInfo]:
         """The checkpoints of one tier that retention removes: those older
         than the ``keep_last``-th newest *valid* one, not kept by
@@ -1348,7 +1351,8 @@ class Checkpointer:
         (``agreed``: the steps every rank committed; ``pending``: this
         rank's newest commit, whose outcome elsewhere is not known yet) only
         those steps count, and the newest valid agreed one always survives:
-        the ranks keep a step in common."""
+        the ranks keep a step in common. Steps in ``uncounted`` are never
+        counted as valid."""
         valid = 0
         cutoff: Optional[int] = None
         anchored = agreed is None
@@ -1357,6 +1361,8 @@ class Checkpointer:
                 continue
             # An object is listed only once its upload completed, and only a
             # verified file is uploaded.
+            if uncounted and s in uncounted:
+                continue
             if infos[s].tier == "object" or self._is_valid(infos[s].path):
                 valid += 1
                 anchored = anchored or (agreed is not None and s in agreed)
@@ -1419,18 +1425,24 @@ class Checkpointer:
                     self._staged.discard(info.step)
             if self.store is not None:
                 try:
-                    remote = _scan_store(self.store)
+                    listing: Optional[StoreListing] = self.store.scan()
+                    remote = _scan_store(self.store, listing)
                 except OSError as e:
                     log.warning("fastpersist: retention cannot list %s: %s", self.stage_url, e)
-                    remote = {}
-                for info in self._doomed(remote, lambda s: True, agreed, pending):
+                    listing, remote = None, {}
+                # An object whose marker does not confirm it (a store copied
+                # or restored, or an upload again of the name killed before
+                # its marker: whole or not, its CRC32s tell at its download)
+                # is kept, and not counted for a checkpoint kept.
+                unconfirmed = {s for s in remote if listing and ckpt_name(s) in listing.unconfirmed}
+                for info in self._doomed(remote, lambda s: True, agreed, pending, unconfirmed):
                     self._delete(info)
                     self._staged.discard(info.step)
                     remote.pop(info.step, None)
                 if remote:
-                    self._sweep_store(min(remote))
+                    self._sweep_store(min(remote), listing)
 
-    def _sweep_store(self, oldest: int) -> None:
+    def _sweep_store(self, oldest: int, listing: Optional[StoreListing] = None) -> None:
         """Remove what uploads of steps before ``oldest`` (the oldest
         committed step the store keeps) left there: objects no marker
         commits, unfinished multipart uploads (a killed process's), a failed
@@ -1442,7 +1454,7 @@ class Checkpointer:
 
         assert self.store is not None
         try:
-            removed = self.store.sweep(doomed)
+            removed = self.store.sweep(doomed, listing)
         except OSError as e:
             log.warning("fastpersist: retention cannot clean up %s: %s", self.stage_url, e)
             return

@@ -37,20 +37,22 @@ import json
 import logging
 import os
 import posixpath
+import re
 import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from . import _core
 from .errors import CorruptCheckpointError, FastPersistError
-from .options import open_for_read, pwrite_all, read_range
+from .options import TEMP_MIN_AGE, open_for_read, pwrite_all, read_range, remove_stale_temps
 from .verify import verify_fd, verify_file
 
 __all__ = [
     "ObjectStore",
+    "StoreListing",
     "TransferStats",
     "TierError",
     "upload",
@@ -387,6 +389,13 @@ class ObjectStore:
             raise
         return _identity(r)
 
+    def scan(self) -> StoreListing:
+        """One listing of the store (with each commit marker read): what
+        :meth:`committed` and :meth:`sweep` take, for a caller that wants
+        both from one listing."""
+        committed, objects, unconfirmed = self._scan()
+        return StoreListing(committed, objects, unconfirmed)
+
     def committed(self, unconfirmed: bool = False) -> Dict[str, int]:
         """Names of the checkpoints whose upload completed -> their sizes
         (a marker whose object is missing or of another size is ignored).
@@ -427,22 +436,29 @@ class ObjectStore:
                 unconfirmed[data] = int(objects[data]["size"])
         return out, objects, unconfirmed
 
-    def sweep(self, doomed: Callable[[str], bool]) -> List[str]:
+    def sweep(self, doomed: Callable[[str], bool], listing: Optional[StoreListing] = None) -> List[str]:
         """Remove what uploads of the names ``doomed`` accepts left behind:
         an object no commit marker commits (an upload cut short, a name
         uploaded again whose new marker never came, a deletion whose second
         half failed) and a marker whose object is gone, a streaming upload's own object
-        (``.<name>.<random>.fpupload``) and, on S3, an unfinished multipart
+        (``.<name>.<random>.fpupload``), on the local file system a killed
+        upload's temporary file (once no process writes it and it is
+        ``TEMP_MIN_AGE`` old) and, on S3, an unfinished multipart
         upload (a killed process's: its parts are stored, and billed, until
         aborted). Committed checkpoints (unconfirmed ones too: a copied
         store's are whole) and anything of another name are left alone.
-        Returns what was removed (URLs)."""
+        ``listing``: one :meth:`scan` made before (objects it does not list
+        are not removed). Returns what was removed (URLs)."""
         removed: List[str] = []
-        committed, objects, unconfirmed = self._scan()
+        committed, objects, unconfirmed = listing if listing is not None else self._scan()
+        temps: List[str] = []
         for name in sorted(objects):
             marks_one = name.endswith(MARKER_SUFFIX) and name[: -len(MARKER_SUFFIX)] in objects
             if name in committed or name in unconfirmed or marks_one:
                 continue  # (an object's marker goes with its object)
+            if self._local() and _core.is_temp_name(name):
+                temps.append(name)  # (by the rules for temporary files, below)
+                continue
             if name.startswith(".") and name.endswith(UPLOAD_SUFFIX):
                 owner = name[1:].rsplit(".", 2)[0]
             elif name.endswith(MARKER_SUFFIX):
@@ -457,6 +473,10 @@ class ObjectStore:
                 except FileNotFoundError:
                     continue
                 removed.append(self.url_of(p))
+        if temps:
+            owners = {n: o for n, o in ((n, _temp_owner(n)) for n in temps) if o is not None}
+            gone = remove_stale_temps(self.root, lambda n: n in owners and doomed(owners[n]), TEMP_MIN_AGE)
+            removed += [self.url_of(n) for n in gone]
         if self.multipart:
             removed += self._abort_uploads(doomed)
         return removed
@@ -592,6 +612,31 @@ class ObjectStore:
                 self._call(f"delete of {p}", self.fs.rm_file, p)
             except FileNotFoundError:
                 pass
+
+
+class StoreListing(NamedTuple):
+    """One listing of an :class:`ObjectStore` (:meth:`ObjectStore.scan`)."""
+
+    #: Checkpoints whose marker commits them -> their sizes.
+    committed: Dict[str, int]
+    #: Every object of the prefix, by name -> the store's description.
+    objects: Dict[str, Mapping[str, Any]]
+    #: Checkpoints whose marker has their size, not their identity -> sizes.
+    unconfirmed: Dict[str, int]
+
+
+def _temp_owner(name: str) -> Optional[str]:
+    """The object (or the marker's object) a local store's temporary file
+    ``.<name>.<pid>.<n><TEMP_MARKER>`` is written for; None for any other
+    name (a long name the core cut and hashed cannot be told)."""
+    m = _TEMP_NAME.fullmatch(name)
+    if m is None:
+        return None
+    owner = m.group(1)
+    return owner[: -len(MARKER_SUFFIX)] if owner.endswith(MARKER_SUFFIX) else owner
+
+
+_TEMP_NAME = re.compile(r"\.(.+)\.[0-9]+\.[0-9]+" + re.escape(_core.TEMP_MARKER))
 
 
 def _identity(info: Mapping[str, Any], local: bool = False) -> Dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -805,8 +806,10 @@ def test_a_copied_store_keeps_its_checkpoints(tmp_path):
     marker matched: load_latest() found nothing and the run started over,
     and the next save's retention swept every older checkpoint as an upload
     that never completed. Objects whose marker has their size are now
-    counted, restored after their CRC32s check, and never swept; one whose
-    bytes are not those its marker recorded is still refused."""
+    listed, restored after their CRC32s check, and never swept; one whose
+    bytes are not those its marker recorded is still refused. Retention
+    does not count them (their bytes are not known to be whole): they go
+    once ``keep_last`` confirmed checkpoints are newer."""
     import shutil
 
     store1, store2 = tmp_path / "store1", tmp_path / "store2"
@@ -821,9 +824,21 @@ def test_a_copied_store_keeps_its_checkpoints(tmp_path):
     assert step == 3 and _same(state, _state(3))
     ck.save(4, _state(4))
     ck.wait()
+    names = sorted(n for n in os.listdir(store2) if n.endswith(".pt"))
+    assert names == [ckpt_name(s) for s in (1, 2, 3, 4)], names  # one confirmed: none removed
+    for s in (5, 6):
+        ck.save(s, _state(s))
+        ck.wait()
     ck.close()
     names = sorted(n for n in os.listdir(store2) if n.endswith(".pt"))
-    assert names == [ckpt_name(s) for s in (2, 3, 4)], names  # keep_last=3 over all of them
+    assert names == [ckpt_name(s) for s in (4, 5, 6)], names  # keep_last=3 confirmed
+    for s in (4, 5, 6):
+        os.unlink(store2 / ckpt_name(s))
+        os.unlink(store2 / (ckpt_name(s) + ".fpcommit"))
+    for s in (2, 3):
+        shutil.copy2(store1 / ckpt_name(s), store2 / ckpt_name(s))
+        shutil.copy2(store1 / (ckpt_name(s) + ".fpcommit"), store2 / (ckpt_name(s) + ".fpcommit"))
+    names = sorted(n for n in os.listdir(store2) if n.endswith(".pt"))
     store = fastpersist.tiers.ObjectStore(f"local://{store2}")
     assert sorted(store.committed(unconfirmed=True)) == names
     # An unconfirmed object whose bytes differ from its marker's: refused by its CRC32.
@@ -832,13 +847,67 @@ def test_a_copied_store_keeps_its_checkpoints(tmp_path):
     raw[len(raw) // 2] ^= 0xFF
     os.unlink(p)
     p.write_bytes(bytes(raw))
-    for f in (tmp_path / "l2").iterdir():
-        f.unlink()
-    ck = fastpersist.Checkpointer(tmp_path / "l2", stage_dir=f"local://{store2}")
-    assert ck.load_latest()[0] == 4
     shutil.rmtree(tmp_path / "l2")
-    os.unlink(store2 / ckpt_name(4))
-    os.unlink(store2 / (ckpt_name(4) + ".fpcommit"))
     ck = fastpersist.Checkpointer(tmp_path / "l2", stage_dir=f"local://{store2}")
     assert ck.load_latest()[0] == 2  # step 3's copy is damaged: the one before it
     ck.close()
+
+
+def test_an_upload_again_killed_before_its_marker_is_not_counted_by_retention(tmp_path):
+    """Regression: an object uploaded again under a committed name (a run
+    that went back and reached the step again) whose process died before
+    the new marker: the old marker has its size, so it was counted as a
+    kept checkpoint, and retention deleted an older whole one in its place,
+    though its bytes (checked only at its download) are not the marker's."""
+    store = tmp_path / "store"
+    store.mkdir()
+    url = f"local://{store}"
+    with fastpersist.Checkpointer(tmp_path / "l", stage_dir=url, every=1, keep_last=2) as ck:
+        for s in (1, 2, 3):
+            ck.save(s, _state(s))
+            ck.wait()
+        assert sorted(n for n in os.listdir(store) if n.endswith(".pt")) == [ckpt_name(2), ckpt_name(3)]
+        p = store / ckpt_name(3)
+        raw = bytearray(p.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF  # the new upload's bytes, its marker never written
+        os.unlink(p)
+        p.write_bytes(bytes(raw))
+        ck.save(4, _state(4))
+        ck.wait()
+    assert sorted(n for n in os.listdir(store) if n.endswith(".pt")) == [ckpt_name(s) for s in (2, 3, 4)]
+    shutil.rmtree(tmp_path / "l")
+    os.unlink(store / ckpt_name(4))
+    step, state = fastpersist.Checkpointer(tmp_path / "l", stage_dir=url).load_latest()
+    assert step == 2 and _same(state, _state(2))
+
+
+def test_a_killed_uploads_temporary_file_in_a_local_store_is_swept(tmp_path):
+    """Regression: a local store's upload writes a temporary file beside
+    the object (``.<name>.<pid>.<n>.fptmp``) and renames it in; a killed
+    upload's stayed in the store for ever (sweep passed it by). It is
+    removed once its step is older than every checkpoint kept, no process
+    writes it, and it is TEMP_MIN_AGE old; others' files are left."""
+    from fastpersist import _core
+
+    store = tmp_path / "store"
+    store.mkdir()
+    old = time.time() - 3600
+    left = {
+        f".{ckpt_name(1)}.999999.1{_core.TEMP_MARKER}": True,  # a killed upload's: swept
+        f".{ckpt_name(1)}.fpcommit.999999.2{_core.TEMP_MARKER}": True,  # its marker's: swept
+        f".{ckpt_name(9)}.999999.3{_core.TEMP_MARKER}": False,  # a step still to come: kept
+        f".notes.txt.999999.4{_core.TEMP_MARKER}": False,  # not a checkpoint's: kept
+    }
+    for n in left:
+        (store / n).write_bytes(b"partial")
+        os.utime(store / n, (old, old))
+    young = store / f".{ckpt_name(2)}.999999.5{_core.TEMP_MARKER}"
+    young.write_bytes(b"partial")  # too young to tell from an upload in flight: kept
+    with fastpersist.Checkpointer(tmp_path / "l", stage_dir=f"local://{store}", every=1, keep_last=1) as ck:
+        for s in (3, 4):
+            ck.save(s, _state(s))
+            ck.wait()
+    names = set(os.listdir(store))
+    for n, swept in left.items():
+        assert (n not in names) == swept, (n, sorted(names))
+    assert young.name in names
