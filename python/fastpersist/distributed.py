@@ -59,7 +59,15 @@ from .collectives import (
 )
 from .cuda_staging import staging_setup
 from .errors import CorruptCheckpointError
-from .options import ABANDONED_SAVE_AGE, EngineOptions, WriteStats, file_identity, make_dirs, use_engine, write_stats
+from .options import (
+    EngineOptions,
+    WriteStats,
+    abandoned,
+    file_identity,
+    make_dirs,
+    use_engine,
+    write_stats,
+)
 from .pickling import TensorVersions
 from .plan import MemoryGuard, Plan, Region, split_regions
 from .torch_zip import plan_torch_save
@@ -265,12 +273,8 @@ def _remove_old_shards(dirpath: str, keep: set, replaced: set) -> None:
     for n in names:
         if n in keep or not SHARD_RE.fullmatch(n):
             continue
-        if n not in replaced:
-            try:
-                if now - os.lstat(os.path.join(dirpath, n)).st_mtime < ABANDONED_SAVE_AGE:
-                    continue
-            except OSError:
-                continue
+        if n not in replaced and not abandoned(os.path.join(dirpath, n), now):
+            continue
         try:
             os.unlink(os.path.join(dirpath, n))
         except FileNotFoundError:

@@ -694,6 +694,18 @@ TEMP_MIN_AGE = 600.0
 ABANDONED_SAVE_AGE = 24 * 3600.0
 
 
+def abandoned(path: str, now: Optional[float] = None) -> bool:
+    """Whether the file ``path`` (not following a link) has been untouched
+    for ``ABANDONED_SAVE_AGE``: a save's file that no index or metadata
+    names and no save still in flight can be writing. False when it cannot
+    be inspected."""
+    try:
+        mtime = os.lstat(path).st_mtime
+    except OSError:
+        return False
+    return (time.time() if now is None else now) - mtime >= ABANDONED_SAVE_AGE
+
+
 def remove_stale_temps(directory: str, matches: Callable[[str], Any], min_age: float = TEMP_MIN_AGE) -> List[str]:
     """Remove the temporary files in ``directory`` that saves left when
     their process died: names for which ``matches(name)`` is true (the

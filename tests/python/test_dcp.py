@@ -1352,7 +1352,7 @@ def test_a_save_never_removes_files_another_committed_metadata_names(tmp_path):
     sd = state()
     dcp.save(sd, storage_writer=FastPersistWriter(tmp_path), no_dist=True)
     os.rename(tmp_path / ".metadata", tmp_path / "__0.metadata")  # a per-rank checkpoint's
-    old = time.time() - fdcp.ABANDONED_SAVE_AGE - 60
+    old = time.time() - fastpersist.options.ABANDONED_SAVE_AGE - 60
     for n in os.listdir(tmp_path):
         os.utime(tmp_path / n, (old, old))
     named = fdcp._referenced(str(tmp_path), "__0.metadata")[0]
@@ -1612,7 +1612,7 @@ def test_a_save_never_removes_the_files_of_another_save_in_flight(tmp_path, monk
     orphans = [n for n in os.listdir(tmp_path) if n not in fdcp._referenced(str(tmp_path), ".metadata")[0]]
     orphans = [n for n in orphans if n.endswith(".distcp")]
     assert len(orphans) == 1
-    old = time.time() - fdcp.ABANDONED_SAVE_AGE - 60
+    old = time.time() - fastpersist.options.ABANDONED_SAVE_AGE - 60
     for n in os.listdir(tmp_path):
         os.utime(tmp_path / n, (old, old))
     dcp.save(b, storage_writer=FastPersistWriter(tmp_path))

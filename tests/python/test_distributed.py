@@ -217,7 +217,7 @@ fd._commit_index = a_commits_late
 fastpersist.write_state_dict({"v": torch.ones(1000)}, d, sharded=True, group=g)
 fd._commit_index = real
 print(order, fastpersist.read_state_dict(d)[0]["v"][0].item(), len(os.listdir(d)))
-old = time.time() - fd.ABANDONED_SAVE_AGE - 60
+old = time.time() - fastpersist.options.ABANDONED_SAVE_AGE - 60
 for n in os.listdir(d):
     os.utime(os.path.join(d, n), (old, old))
 fastpersist.write_state_dict({"v": torch.full((1000,), 3.0)}, d, sharded=True, group=g)

@@ -81,9 +81,9 @@ from ..async_save import LEND_MIN, LEND_PAGE, SnapshotPool
 from ..cuda_staging import read_staged, staging_setup
 from ..errors import CorruptCheckpointError, WriteError
 from ..options import (
-    ABANDONED_SAVE_AGE,
     EngineOptions,
     FullGcDeferral,
+    abandoned,
     file_identity,
     full_gc_deferral,
     gc_paused,
@@ -924,12 +924,6 @@ class FastPersistWriter(StorageWriter, AsyncStager):
                 files, car = _referenced(self.path, n)
                 named |= files | ({car} if car else set())
 
-        def stale(n: str) -> bool:
-            try:
-                return now - os.lstat(os.path.join(self.path, n)).st_mtime >= ABANDONED_SAVE_AGE
-            except OSError:
-                return False
-
         for n in names:
             if n in doomed:
                 continue
@@ -937,7 +931,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
             data = m is not None and m.group(2) != mine and n not in keep
             data = data and (rank_only is None or n.startswith(rank_only))
             sidecar = s is not None and s.group(1) != mine and rank_only is None
-            if (data or sidecar) and stale(n):
+            if (data or sidecar) and abandoned(os.path.join(self.path, n), now):
                 doomed.add(n)
         for n in sorted(doomed - named):
             try:
