@@ -185,6 +185,16 @@ _PLAIN = frozenset(
 )
 
 
+def check_unnamed(t: torch.Tensor) -> None:
+    """Refuse a named tensor as torch.save refuses it (where this torch has
+    them): a writer of raw bytes would drop its names."""
+    if _HAS_NAMES is not None and _HAS_NAMES(t):
+        raise RuntimeError(
+            "NYI: Named tensors don't support serialization. Please drop names via "
+            "`tensor = tensor.rename(None)` before serialization."
+        )
+
+
 def check_extent(t: torch.Tensor, what: str = "") -> None:
     """A tensor must lie inside its storage before anything reads it (a
     copy, ``.cpu()``, a region of a plan): one whose storage was resized or

@@ -1695,3 +1695,23 @@ def test_two_read_items_of_one_saved_item_are_both_read(tmp_path):
                 dcp.load(out, storage_reader=reader, planner=Tied(allow_partial_load=True))
                 assert torch.equal(out["head"], src["embed"]) and torch.equal(out["embed"], src["embed"])
                 assert torch.equal(out["other"], src["other"])
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "has_names"), reason="this torch has no named tensors")
+@pytest.mark.parametrize("how", ["save", "async stage"])
+def test_named_tensors_are_refused_as_torch_refuses_them(tmp_path, how):
+    """Regression: DCP's own writer refuses a named tensor (torch.save of
+    the item); fastpersist's wrote its bytes without its names, and a load
+    gave back an unnamed tensor."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: named tensors are experimental
+        t = torch.zeros(2, 3, names=("a", "b"))
+    if how == "save":
+        with raises(RuntimeError, "Named tensors don't support serialization"):
+            dcp.save({"t": t}, storage_writer=FastPersistWriter(tmp_path))
+        assert not (tmp_path / ".metadata").exists()
+    else:
+        with pytest.raises(RuntimeError, match="Named tensors don't support serialization"):
+            FastPersistWriter(tmp_path).stage({"t": t})

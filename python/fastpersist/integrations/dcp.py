@@ -91,7 +91,7 @@ from ..options import (
     read_with,
     use_engine,
 )
-from ..pickling import check_extent, element_size
+from ..pickling import check_extent, check_unnamed, element_size
 from ..plan import DATA_ALIGNMENT, HANDOFF_RECORDS, Batch, Blob, DeviceRegion, Plan, Region, Slot
 from ..torch_zip import SMALL_ALIGNMENT, plan_torch_save
 from ..writer import write_streamed
@@ -590,6 +590,7 @@ class _Stager:
         cuda = [False]
 
         def measure(t: torch.Tensor) -> torch.Tensor:
+            check_unnamed(t)
             check_extent(t)
             n = t.numel() * t.element_size()
             sizes.append(_align(n, SMALL_ALIGNMENT) + (LEND_PAGE if n >= LEND_MIN else 0))
@@ -830,6 +831,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
                         f"the save planner resolved the tensor item {item.index.fqn!r} "
                         f"to a {type(data).__name__}, not a tensor"
                     )
+                check_unnamed(data)  # (as torch.save refuses it)
                 pending += layout.add_tensor(item, data)
                 if pending >= budget and not layout.plan.device:
                     yield layout.take()
