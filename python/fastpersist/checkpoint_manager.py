@@ -90,7 +90,15 @@ from . import _core
 from .async_save import AsyncSaver, CheckpointFuture, check_save_options, future_error
 from .collectives import DistributedCheckpointError, agree_outcome, check_group, dedicated_groups, gather, group_ranks
 from .errors import CorruptCheckpointError, FastPersistError
-from .options import TEMP_MIN_AGE, fsync_dir, make_dirs, remove_durably, remove_stale_temps, sweep_due
+from .options import (
+    TEMP_MIN_AGE,
+    aside_name,
+    fsync_dir,
+    make_dirs,
+    remove_durably,
+    remove_stale_temps,
+    sweep_due,
+)
 from .reader import read_state_dict
 from .replicas import ReplicaError, Ring, exchange, held_ranks, replica_dir
 from .tiers import ObjectStore, StoreListing, is_url
@@ -1124,10 +1132,7 @@ class Checkpointer:
             else:
                 if ident is not None and self._identity(info.path) != tuple(ident):
                     return
-                dst = info.path + ABANDONED
-                n = 1
-                while os.path.lexists(dst):
-                    dst, n = f"{info.path}{ABANDONED}-{n}", n + 1
+                dst = aside_name(info.path, ABANDONED)
                 os.rename(info.path, dst)
                 fsync_dir(os.path.dirname(info.path))
         except FileNotFoundError:

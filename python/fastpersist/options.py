@@ -694,6 +694,16 @@ TEMP_MIN_AGE = 600.0
 ABANDONED_SAVE_AGE = 24 * 3600.0
 
 
+def aside_name(path: str, suffix: str) -> str:
+    """A free name to set the file ``path`` aside under: ``<path><suffix>``,
+    or ``<path><suffix>-1``, ``-2``, ... when taken (what an earlier set-aside
+    left is kept)."""
+    dst, n = path + suffix, 1
+    while os.path.lexists(dst):
+        dst, n = f"{path}{suffix}-{n}", n + 1
+    return dst
+
+
 def abandoned(path: str, now: Optional[float] = None) -> bool:
     """Whether the file ``path`` (not following a link) has been untouched
     for ``ABANDONED_SAVE_AGE``: a save's file that no index or metadata

@@ -342,6 +342,31 @@ def test_a_reused_tag_whose_save_is_killed_part_way_does_not_load_mixed(tmp_path
         eng.load(str(d / "optim.pt"))
 
 
+def test_a_second_failure_of_a_reused_tag_keeps_the_files_of_the_first(tmp_path, engine_fault):
+    """Regression: the files a failed save of a reused tag had written are
+    set aside (``<file>.failed``) and kept for inspection; a second failure
+    renamed its own over them."""
+    d = tmp_path / "last"
+    d.mkdir()
+    eng = FastPersistCheckpointEngine(decoupled=False)
+    for round_, fail in ((1, False), (2, True), (3, True)):
+        eng.create(info(tmp_path, "last"))
+        eng.save({"round": round_, "w": torch.full((1000,), float(round_))}, str(d / "model.pt"))
+        eng.saves.settle()
+        if fail:
+            engine_fault(0, errno.ENOSPC)
+        eng.save({"round": round_, "opt": torch.full((1000,), float(round_))}, str(d / "optim.pt"))
+        if fail:
+            with pytest.raises(fastpersist.WriteError):
+                eng.commit(info(tmp_path, "last"))
+            engine_fault(None)
+        else:
+            assert eng.commit(info(tmp_path, "last")) is True
+    assert sorted(os.listdir(d)) == ["model.pt.failed", "model.pt.failed-1", "optim.pt"]
+    assert torch.load(d / "model.pt.failed", weights_only=True)["round"] == 2
+    assert torch.load(d / "model.pt.failed-1", weights_only=True)["round"] == 3
+
+
 def test_a_reused_tag_whose_save_fails_part_way_does_not_load_mixed(tmp_path, engine_fault):
     """Regression: with a tag reused from save to save (``tag="last"``), a
     save that failed after some of its files were in place left ``latest``

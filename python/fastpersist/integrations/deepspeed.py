@@ -76,7 +76,7 @@ from .. import _core
 from ..async_save import future_error
 from ..collectives import checkpoint_group, describe_error, fail_all, gather
 from ..errors import CorruptCheckpointError
-from ..options import make_dirs, put_marker, remove_durably
+from ..options import aside_name, make_dirs, put_marker, remove_durably
 from ..reader import detect_format, read_state_dict
 from .common import BackgroundSaves, after_first_step, check_version, never_raises, optimizers_have_state
 
@@ -154,8 +154,9 @@ def _set_aside_torn(info: Any, futures: List[Any]) -> None:
     for fut in futures:
         if not fut.done() or future_error(fut) is not None:
             continue
+        aside = aside_name(fut.path, FAILED_SUFFIX)  # (an earlier failure's files are kept)
         try:
-            os.rename(fut.path, fut.path + FAILED_SUFFIX)
+            os.rename(fut.path, aside)
         except FileNotFoundError:
             continue
         except OSError as e:
@@ -166,7 +167,7 @@ def _set_aside_torn(info: Any, futures: List[Any]) -> None:
             "not load mixed with its older files",
             info.tag,
             fut.path,
-            fut.path + FAILED_SUFFIX,
+            aside,
         )
 
 
