@@ -342,17 +342,16 @@ def test_a_reused_tag_whose_save_is_killed_part_way_does_not_load_mixed(tmp_path
         eng.load(str(d / "optim.pt"))
 
 
-def test_a_second_failure_of_a_reused_tag_keeps_the_files_of_the_first(tmp_path, engine_fault):
-    """Regression: the files a failed save of a reused tag had written are
-    set aside (``<file>.failed``) and kept for inspection; a second failure
-    renamed its own over them."""
+def _save_last(tmp_path, eng, rounds, engine_fault):
+    """Save the reused tag ``"last"`` once per ``(round, fail)``: the model
+    states in place first, then the optimizer states, which fail (ENOSPC)
+    where ``fail``. Returns the tag's folder."""
     d = tmp_path / "last"
-    d.mkdir()
-    eng = FastPersistCheckpointEngine(decoupled=False)
-    for round_, fail in ((1, False), (2, True), (3, True)):
+    d.mkdir(exist_ok=True)
+    for round_, fail in rounds:
         eng.create(info(tmp_path, "last"))
         eng.save({"round": round_, "w": torch.full((1000,), float(round_))}, str(d / "model.pt"))
-        eng.saves.settle()
+        eng.saves.settle()  # the model states are in place
         if fail:
             engine_fault(0, errno.ENOSPC)
         eng.save({"round": round_, "opt": torch.full((1000,), float(round_))}, str(d / "optim.pt"))
@@ -362,6 +361,15 @@ def test_a_second_failure_of_a_reused_tag_keeps_the_files_of_the_first(tmp_path,
             engine_fault(None)
         else:
             assert eng.commit(info(tmp_path, "last")) is True
+    return d
+
+
+def test_a_second_failure_of_a_reused_tag_keeps_the_files_of_the_first(tmp_path, engine_fault):
+    """Regression: the files a failed save of a reused tag had written are
+    set aside (``<file>.failed``) and kept for inspection; a second failure
+    renamed its own over them."""
+    eng = FastPersistCheckpointEngine(decoupled=False)
+    d = _save_last(tmp_path, eng, ((1, False), (2, True), (3, True)), engine_fault)
     assert sorted(os.listdir(d)) == ["model.pt.failed", "model.pt.failed-1", "optim.pt"]
     assert torch.load(d / "model.pt.failed", weights_only=True)["round"] == 2
     assert torch.load(d / "model.pt.failed-1", weights_only=True)["round"] == 3
@@ -375,22 +383,8 @@ def test_a_reused_tag_whose_save_fails_part_way_does_not_load_mixed(tmp_path, en
     failed save did write are now set aside (``.failed``): loading the
     tag fails, naming the missing file, as after a failed torch.save in
     place."""
-    d = tmp_path / "last"
-    d.mkdir()
     eng = FastPersistCheckpointEngine(decoupled=False)
-    for round_, fail in ((1, False), (2, True)):
-        eng.create(info(tmp_path, "last"))
-        eng.save({"round": round_, "w": torch.full((1000,), float(round_))}, str(d / "model.pt"))
-        eng.saves.settle()  # the model states are in place
-        if fail:
-            engine_fault(0, errno.ENOSPC)
-        eng.save({"round": round_, "opt": torch.full((1000,), float(round_))}, str(d / "optim.pt"))
-        if fail:
-            with pytest.raises(fastpersist.WriteError):
-                eng.commit(info(tmp_path, "last"))
-        else:
-            assert eng.commit(info(tmp_path, "last")) is True
-    engine_fault(None)
+    d = _save_last(tmp_path, eng, ((1, False), (2, True)), engine_fault)
     assert (tmp_path / "latest").read_text() == "last"
     assert sorted(os.listdir(d)) == ["model.pt.failed", "optim.pt"]
     assert torch.load(d / "optim.pt", weights_only=True)["round"] == 1  # not replaced
