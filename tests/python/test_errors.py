@@ -103,7 +103,14 @@ def test_an_objects_own_error_while_pickling_is_raised_as_itself(tmp_path, obj, 
             fastpersist.write_state_dict(state, tmp_path / "x.pt")
         else:
             fastpersist.save_async(state, tmp_path / "x.pt", mode=how).result()
-    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+    assert type(got.value) is type(want.value)
+    if isinstance(want.value, RecursionError):
+        # Where the limit trips (in the C pickler, which adds " while
+        # pickling an object", or in a Python call it makes) depends on the
+        # depth of the caller's stack, not on the save.
+        assert str(got.value).startswith("maximum recursion depth exceeded"), got.value
+    else:
+        assert str(got.value) == str(want.value)
     assert (tmp_path / "x.pt").read_bytes() == b"previous"
     assert sorted(os.listdir(tmp_path)) == sorted(["x.pt", *(["torch.pt"] if (tmp_path / "torch.pt").exists() else [])])
 
