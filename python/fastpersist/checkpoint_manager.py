@@ -997,27 +997,39 @@ class Checkpointer:
                 # commit: the record is this live process's to carry out
                 # (another Checkpointer on the directory leaves it alone).
                 held = os.dup(tmp.fd)
-                try:
-                    tmp.commit(len(data))
-                except BaseException:
-                    os.close(held)
-                    raise
-            with self._lock:
-                self._records[record] = held
+                with self._lock:
+                    self._records[record] = held
+                tmp.commit(len(data))
         except OSError as e:  # the set-aside goes on; only a crash's recovery is lost
             log.warning("fastpersist: cannot record going back to step %d in %s: %s", step, record, e)
-        for x in later:
-            self._set_aside(x.info, x.ident)
-        if self._stager is not None:
-            with self._lock:
-                self._abandoned_stages |= {s for s in self._stage_queue if s > step}
-                if self._staging_now is not None and self._staging_now > step:
-                    self._abandoned_stages.add(self._staging_now)  # (not counted staged when it lands)
-                self._staged -= set(staged)
-                self._stage_queue = {s for s in self._stage_queue if s <= step}
-            if staged:  # (listing an object store costs a request per checkpoint)
-                self._stage_futures.append(self._stager.submit(self._abandon_staged, step, staged, record))
-                return
+        except BaseException:
+            self._release_record(record)
+            raise
+        handed = False  # to the staging thread, which releases the record
+        try:
+            for x in later:
+                self._set_aside(x.info, x.ident)
+            if self._stager is not None:
+                if staged:  # (listing an object store costs a request per checkpoint)
+                    fut = self._stager.submit(self._abandon_staged, step, staged, record)
+                    handed = True
+                    self._stage_futures.append(fut)
+                with self._lock:
+                    self._abandoned_stages |= {s for s in self._stage_queue if s > step}
+                    if self._staging_now is not None and self._staging_now > step:
+                        self._abandoned_stages.add(self._staging_now)  # (not counted staged when it lands)
+                    self._staged -= set(staged)
+                    self._stage_queue = {s for s in self._stage_queue if s <= step}
+                if staged:
+                    return  # (the staging thread releases the record)
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed part-way, in a process that
+            # lives on: its record must not outlive it (the next Checkpointer
+            # on the directory would carry it out over what this run stages
+            # from now on). The save raises; a retry goes back again.
+            if not handed:
+                self._release_record(record)
+            raise
         self._release_record(record)
 
     def _release_record(self, record: str) -> None:

@@ -870,6 +870,47 @@ def test_going_back_while_a_later_step_is_being_staged_sets_it_aside_too(tmp_pat
     assert (step, state["run"]) == (100, "C")
 
 
+def test_an_interrupted_going_back_leaves_no_record_for_the_next_checkpointer(tmp_path, monkeypatch):
+    """Regression (found in a hunt): a Ctrl-C while a save set a later run's
+    checkpoints aside left the record of going back on disk, locked by the
+    live process; the user retried, the run went on and staged new
+    checkpoints of the same steps, and once the process ended, the next
+    Checkpointer on the directory carried the stale record out: it set the
+    new run's staged checkpoints aside. A record is now released when its
+    going back raises in a process that lives on (a retry goes back again)."""
+    import fastpersist.checkpoint_manager as cm
+
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    ck = fastpersist.Checkpointer(local, stage_dir=shared, every=1, keep_last=10)
+    for s in (1, 2, 3):
+        ck.save(s, {"run": "A", "x": torch.tensor([s])})
+        ck.wait()
+    real, calls = cm.Checkpointer._set_aside, []
+
+    def interrupted(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(cm.Checkpointer, "_set_aside", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(1, {"run": "B", "x": torch.tensor([1])})
+    assert not [n for n in os.listdir(local) if n.startswith(".went-back")] and not ck._records
+    for s in (1, 2, 3):  # retried: the run goes on
+        ck.save(s, {"run": "B", "x": torch.tensor([s])})
+        ck.wait()
+    ck.close()
+    assert steps_in(shared) == [1, 2, 3]
+    again = fastpersist.Checkpointer(local, stage_dir=shared)
+    again.close()
+    assert steps_in(shared) == [1, 2, 3], sorted(os.listdir(shared))
+    for s in (1, 2, 3):
+        os.unlink(local / ckpt_name(s))  # read from the shared tier
+    step, state = fastpersist.Checkpointer(local, stage_dir=shared).load_latest(weights_only=False)
+    assert (step, state["run"]) == (3, "B")
+
+
 @pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
 def test_links_at_the_checkpointers_own_names_are_never_followed(tmp_path, mode):
     """Regression: a symbolic link at a checkpoint's name (``ckpt-<step>.pt``)
