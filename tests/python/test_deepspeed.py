@@ -400,3 +400,45 @@ def test_a_reused_tag_whose_save_fails_part_way_does_not_load_mixed(tmp_path, en
     with pytest.raises(fastpersist.WriteError):
         eng.commit(info(tmp_path, "other"))
     assert sorted(os.listdir(tmp_path / "other")) == ["model.pt"]
+
+
+def test_an_interrupted_commit_leaves_the_tag_pending_and_sets_nothing_aside(tmp_path, monkeypatch):
+    """Regression (found in a hunt): a Ctrl-C while ``commit()`` waited for
+    a reused tag's saves was taken for their failure: every file the saves
+    had committed durably was set aside (``.failed``), and the tag that
+    ``latest`` names no longer loaded. The tag now stays pending, as if
+    the commit had not been called: the next commit (here, at a load)
+    waits for its saves and commits it."""
+    import fastpersist.integrations.common as common
+
+    d = tmp_path / "last"
+    d.mkdir()
+    eng = FastPersistCheckpointEngine(decoupled=False)
+
+    def save(v):
+        eng.create(info(tmp_path, "last"))
+        for n in ("model.pt", "optim.pt"):
+            eng.save({"v": v, "w": torch.full((100,), float(v))}, str(d / n))
+
+    save(1)
+    assert eng.commit(info(tmp_path, "last")) is True
+    save(2)
+    eng.saves.settle()
+    real, calls = common.future_error, []
+
+    def interrupted(f, timeout=None):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C while commit() waits
+        return real(f, timeout)
+
+    monkeypatch.setattr(common, "future_error", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        eng.commit(info(tmp_path, "last"))
+    monkeypatch.undo()
+    assert not [n for n in os.listdir(d) if n.endswith(".failed")], sorted(os.listdir(d))
+    assert eng.commit_info is not None  # still pending
+    eng.commit_pending()
+    assert sorted(os.listdir(d)) == ["model.pt", "optim.pt"]
+    for n in ("model.pt", "optim.pt"):
+        assert eng.load(str(d / n))["v"] == 2

@@ -687,3 +687,35 @@ def test_ddp_a_save_after_fit_that_fails_raises_on_every_rank(tmp_path):
     )
     got = sorted(re.findall(r"rank (\d) (saved|raised \w+)", r.stdout))
     assert got == [("0", "raised WriteError"), ("1", "raised DistributedCheckpointError")], r.stdout + r.stderr[-3000:]
+
+
+def test_an_interrupted_wait_still_reports_the_failure_before_a_removal(tmp_path, monkeypatch):
+    """Regression (found in a hunt): ``BackgroundSaves.wait()`` took the
+    checkpoints in flight out of its list before it waited for them; a
+    Ctrl-C during that wait dropped them, every later wait returned at
+    once, and ``remove_checkpoint`` (which deletes an older checkpoint only
+    once the newer one is durable) deleted the last good checkpoint while
+    the newer one had failed. Those not waited for are put back."""
+    import fastpersist.integrations.common as common
+
+    a, b = tmp_path / "epoch=0.ckpt", tmp_path / "epoch=1.ckpt"
+    io = FastPersistCheckpointIO(mode="snapshot")
+    io.save_checkpoint({"w": torch.ones(4)}, a)
+    io.wait()
+    b.mkdir()  # the newer checkpoint's commit fails: its target is a directory
+    io.save_checkpoint({"w": torch.zeros(1000)}, b)
+    real, calls = common.future_error, []
+
+    def interrupted(f, timeout=None):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C while remove_checkpoint waits
+        return real(f, timeout)
+
+    monkeypatch.setattr(common, "future_error", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        io.remove_checkpoint(a)
+    monkeypatch.undo()
+    with pytest.raises(fastpersist.WriteError):
+        io.remove_checkpoint(a)  # the newer one failed: the older one stays
+    assert a.is_file()

@@ -148,16 +148,20 @@ class PendingCheckpoint:
             return all(f.done() for f in self.futures)
         return self._done.is_set()
 
+    def error(self) -> Optional[BaseException]:
+        """Wait until the checkpoint is committed; why it was not, or None.
+        What interrupts the wait (Ctrl-C) is raised: it is not the
+        checkpoint's outcome."""
+        if self._thread is None:
+            return self._wait_saves()
+        self._done.wait()
+        return self._error
+
     def result(self) -> None:
         """Wait until the checkpoint is committed; raise why it was not."""
-        if self._thread is None:
-            err = self._wait_saves()
-            if err is not None:
-                raise err
-            return
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
+        err = self.error()
+        if err is not None:
+            raise err
 
 
 class BackgroundSaves:
@@ -276,6 +280,16 @@ class BackgroundSaves:
             self._pending.append(pending)
         return pending
 
+    def reopen(self, pending: PendingCheckpoint) -> None:
+        """Take back the commit of ``pending`` (one with no ``finalize``),
+        whose caller was interrupted before it had its outcome: its saves
+        are the checkpoint not yet committed again."""
+        if pending._thread is not None:
+            raise ValueError("a checkpoint with a finalize step cannot be reopened")
+        with self._lock:
+            self._pending = [p for p in self._pending if p is not pending]
+            self._current[:0] = pending.futures
+
     def reported(self, pending: PendingCheckpoint) -> None:
         """``pending``'s outcome was reported by its caller (its result
         waited for and raised there): :meth:`check` and :meth:`wait` do
@@ -331,17 +345,24 @@ class BackgroundSaves:
             pending, self._pending = self._pending, []
         self._raise_first(pending)
 
-    @staticmethod
-    def _raise_first(pending: List[PendingCheckpoint]) -> None:
+    def _raise_first(self, pending: List[PendingCheckpoint]) -> None:
+        """Wait for ``pending``; raise the first failure (the rest logged).
+        A wait interrupted (Ctrl-C) puts back those not waited for: a later
+        :meth:`wait` still waits for them and raises their failures."""
         first: Optional[BaseException] = None
-        for p in pending:
+        for i, p in enumerate(pending):
             try:
-                p.result()
-            except BaseException as e:  # noqa: BLE001 - the first is raised, the rest logged
-                if first is None:
-                    first = e
-                else:
-                    log.error("fastpersist: checkpoint %s failed too: %r", p.name, e)
+                e = p.error()
+            except BaseException:
+                with self._lock:
+                    self._pending[:0] = pending[i:]
+                raise
+            if e is None:
+                continue
+            if first is None:
+                first = e
+            else:
+                log.error("fastpersist: checkpoint %s failed too: %r", p.name, e)
         if first is not None:
             raise first
 

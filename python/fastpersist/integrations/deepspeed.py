@@ -345,24 +345,24 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
         returns; then rank 0 has written ``latest`` (if ``info.save_latest``).
         Returns False, writing no ``latest``, for a tag dropped because one
         of its saves raised already (:meth:`drop_pending`)."""
-        err: Optional[BaseException] = None
         pending = self.saves.commit(str(info.tag))
         try:
-            pending.result()
-        except BaseException as e:  # noqa: BLE001 - agreed on by all ranks below
-            err = e
-        finally:
-            if pending.done():  # (an interrupt while it waited: a later wait still waits for it)
-                self.saves.reported(pending)  # raised here (or below), not again at the next load or cleanup
+            err = pending.error()  # (the saves' outcome: agreed on by all ranks below)
+        except BaseException:
+            # Interrupted while it waited (Ctrl-C): not the saves' outcome,
+            # and no file of the tag is set aside for it. The tag stays
+            # pending, as if this commit had not been called: the next one
+            # (at exit, before a load, at engine.destroy()) waits for its
+            # saves and decides.
+            self.saves.reopen(pending)
+            raise
+        self.saves.reported(pending)  # raised here (or below), not again at the next load or cleanup
         self.commit_info = None
         dropped, self._dropped = self._dropped, None
         try:
             return self._agree(info, pending, err, dropped)
         finally:
-            if pending.done():
-                self._unmark()  # durable, or set aside: no load of the tag mixes two saves
-            else:
-                self._markers = []  # (interrupted while saves still run: the markers stay)
+            self._unmark()  # durable, or set aside: no load of the tag mixes two saves
 
     def _agree(self, info: Any, pending: Any, err: Optional[BaseException], dropped: Optional[str]) -> bool:
         """:meth:`commit` once this rank's saves of ``info`` are done (``err``:
