@@ -292,9 +292,9 @@ FEEDBACK_AIM = 0.85
 MIN_SCALE = 1.0
 #: At most this many samples for a re-profile (the newest).
 TAIL_SAMPLES = 2048
-#: The newest quiet samples whose median tells whether the iteration time
-#: itself moved (see ``FrequencyTuner._feedback``).
-DRIFT_SAMPLES = 7
+#: The fewest quiet samples whose median may move the baseline between
+#: re-profiles (see ``FrequencyTuner._feedback``).
+DRIFT_SAMPLES = 11
 
 
 class FrequencyTuner:
@@ -322,12 +322,13 @@ class FrequencyTuner:
        iterations in the last eighths of the intervals since the last
        re-profile (the furthest from each save; at most ``TAIL_SAMPLES``,
        the newest), with no extra checkpoint and no pause in the schedule.
-       At once when the newest ``DRIFT_SAMPLES`` of them are off the
-       baseline by more than ``max_overhead``: the iterations themselves
-       got slower (or faster), and the checkpoints' overhead is measured
-       against what they take now (otherwise a lasting rise read as a
-       checkpoint cost no interval could bring down, and the interval ran
-       away to ``max_interval``).
+       Again when a second window in a row is over the bound (at least
+       ``DRIFT_SAMPLES`` quiet iterations gathered): when they moved off the
+       baseline by more than ``max_overhead``, the iterations themselves
+       got slower (or faster), the overhead is measured against what they
+       take now and the interval goes back to where it was (otherwise a
+       lasting rise read as a checkpoint cost no interval could bring down,
+       and the interval ran away to ``max_interval``).
     """
 
     def __init__(
@@ -367,11 +368,15 @@ class FrequencyTuner:
         self._window_sum = 0.0
         self._window_n = 0
         self._samples: List[float] = []
-        #: Quiet iterations in the second halves of the intervals since the
+        #: Quiet iterations in the last eighths of the intervals since the
         #: last re-profile (its samples; the newest ``TAIL_SAMPLES``).
         self._tail: Deque[float] = collections.deque(maxlen=TAIL_SAMPLES)
         #: The profiling checkpoint is in flight and nothing is measured yet.
         self._awaiting = False
+        #: Windows in a row over the bound, and the scale before the first
+        #: (see ``_feedback``).
+        self._over = 0
+        self._scale_before = 1.0
 
     def record_iteration(self, seconds: float, affected: bool) -> None:
         if not affected and self.baseline and seconds > STALL * self.baseline:
@@ -432,36 +437,48 @@ class FrequencyTuner:
         (``reprofile``: the baseline is first the median of the quiet
         iterations gathered since the last re-profile)."""
         tail = self._tail
-        newest = sorted(list(tail)[-DRIFT_SAMPLES:])
-        if len(newest) == DRIFT_SAMPLES and self.baseline:
-            now = newest[DRIFT_SAMPLES // 2]
-            if abs(now / self.baseline - 1.0) > self.max_overhead:
-                # The iterations furthest from the saves no longer take the
-                # baseline's time (the model, the data or the machine
-                # changed): the window is judged against what they take now.
-                self.baseline = now
-                self.observed_overhead = None
-                tail.clear()
         if reprofile and len(tail) >= self.profile_steps:
             self.baseline = sorted(tail)[len(tail) // 2]
             tail.clear()
         if self._window_n and self.baseline:
+            mean = self._window_sum / self._window_n
+            if self._over >= 1 and mean > (1.0 + self.max_overhead) * self.baseline and len(tail) >= DRIFT_SAMPLES:
+                # Over the bound again: before the interval grows once more,
+                # the baseline is taken again from the quiet iterations
+                # gathered since (the furthest from the saves). When they no
+                # longer take its time (the model, the data or the machine
+                # changed), the window is judged against what they take
+                # now, and the interval goes back to where it was before
+                # (a lasting rise read as a checkpoint cost ran the interval
+                # away to max_interval).
+                quiet = sorted(tail)[len(tail) // 2]
+                tail.clear()
+                if abs(quiet / self.baseline - 1.0) > self.max_overhead:
+                    self.baseline = quiet
+                    self.observed_overhead = None
+                    self._scale = min(self._scale, self._scale_before)
+                    self._over = 0
             # At most OUTLIER times the target: one stalled iteration in the
             # window must not multiply the interval for many checkpoints.
-            achieved = min((self._window_sum / self._window_n) / self.baseline - 1.0, OUTLIER * self.max_overhead)
+            achieved = min(mean / self.baseline - 1.0, OUTLIER * self.max_overhead)
             a = 0.5
             self.observed_overhead = (
                 achieved if self.observed_overhead is None else (1 - a) * self.observed_overhead + a * achieved
             )
             ratio = self.observed_overhead / self.max_overhead
             if ratio > 1.0:
+                if not self._over:
+                    self._scale_before = self._scale
+                self._over += 1
                 # Over the bound: the interval the window says meets it.
                 self._scale = min(self._scale * min(ratio, 2.0), float(self.max_interval))
-            elif ratio < FEEDBACK_AIM:
-                # Under: half the way (in log terms) to the interval that
-                # would reach the aim, so noise does not make it oscillate.
-                step = math.sqrt(max(ratio, 0.0) / FEEDBACK_AIM) if ratio > 0 else 0.5
-                self._scale = max(MIN_SCALE, self._scale * max(step, 0.5))
+            else:
+                self._over = 0
+                if ratio < FEEDBACK_AIM:
+                    # Under: half the way (in log terms) to the interval that
+                    # would reach the aim, so noise does not make it oscillate.
+                    step = math.sqrt(max(ratio, 0.0) / FEEDBACK_AIM) if ratio > 0 else 0.5
+                    self._scale = max(MIN_SCALE, self._scale * max(step, 0.5))
             self._retune()
         self._window_sum, self._window_n = 0.0, 0
 
@@ -852,13 +869,8 @@ class Checkpointer:
                 self._agree_previous()
         path = os.path.join(self.directory, ckpt_name(step))
         later = self._later_than(step)
-        with self._lock:
-            # (The stage in flight lands after this: set aside behind it.)
-            now = self._staging_now
-            copying = {now} - self._abandoned_stages if now is not None else set()
-            later_staged = tuple(sorted(s for s in self._staged | copying if s > step))
-        if later or later_staged:
-            self._went_back(step, later, later_staged)
+        if later or self._staged_after(step):
+            self._went_back(step, later)
         try:
             # A link at the checkpoint's name (this Checkpointer's own) is
             # replaced, not followed out of the directory.
@@ -963,10 +975,19 @@ class Checkpointer:
                     out.append(_Later(i, ident, h))
         return tuple(out)
 
-    def _went_back(self, step: int, later: Tuple[_Later, ...], staged: Tuple[int, ...]) -> None:
+    def _staged_after(self, step: int) -> Tuple[int, ...]:
+        """The steps after ``step`` staged by this process, and the one its
+        stager copies now unless it is set aside once it lands (the caller
+        holds ``_lock`` where it acts on them)."""
+        with self._lock:
+            now = self._staging_now
+            copying = {now} - self._abandoned_stages if now is not None else set()
+            return tuple(sorted(s for s in self._staged | copying if s > step))
+
+    def _went_back(self, step: int, later: Tuple[_Later, ...]) -> None:
         """A save of ``step`` begins while checkpoints of later steps are
-        there (``later``: this directory's and the replicas held here;
-        ``staged``: the staging tier's): they are from a run this one went
+        there (``later``: this directory's and the replicas held here; and
+        the staging tier's, :meth:`_staged_after`): they are from a run this one went
         back on (resumed from an earlier step after a loss spike, or past a
         damaged newest one). They are set aside before the save is written,
         not deleted: renamed ``<name>.abandoned`` (an object's commit marker
@@ -978,12 +999,22 @@ class Checkpointer:
         what a dying process left undone.
         Checkpoints written meanwhile (another process's) are left alone.
         The staging tier's are set aside on the staging thread, after any
-        copy it has begun."""
+        copy it has begun (that one by the stager itself, once it lands)."""
         record, n = os.path.join(self.directory, f".went-back-{step}.json"), 0
         with self._lock:
             while record in self._records or os.path.lexists(record):  # this step's earlier record, still kept
                 n += 1
                 record = os.path.join(self.directory, f".went-back-{step}-{n}.json")
+            # What the staging tier has past the step, taken in the same
+            # hold as the stager's bookkeeping is changed: a stage that
+            # lands or starts from here on sees it.
+            staged = self._staged_after(step)
+            if self._stager is not None:
+                self._abandoned_stages |= {s for s in self._stage_queue if s > step}
+                if self._staging_now is not None and self._staging_now > step:
+                    self._abandoned_stages.add(self._staging_now)  # (set aside by the stager when it lands)
+                self._staged -= set(staged)
+                self._stage_queue = {s for s in self._stage_queue if s <= step}
         entry = {
             "step": step,
             "later": [[x.holder, x.info.step, list(x.ident)] for x in later],
@@ -1009,19 +1040,11 @@ class Checkpointer:
         try:
             for x in later:
                 self._set_aside(x.info, x.ident)
-            if self._stager is not None:
-                if staged:  # (listing an object store costs a request per checkpoint)
-                    fut = self._stager.submit(self._abandon_staged, step, staged, record)
-                    handed = True
-                    self._stage_futures.append(fut)
-                with self._lock:
-                    self._abandoned_stages |= {s for s in self._stage_queue if s > step}
-                    if self._staging_now is not None and self._staging_now > step:
-                        self._abandoned_stages.add(self._staging_now)  # (not counted staged when it lands)
-                    self._staged -= set(staged)
-                    self._stage_queue = {s for s in self._stage_queue if s <= step}
-                if staged:
-                    return  # (the staging thread releases the record)
+            if self._stager is not None and staged:  # (listing an object store costs a request per checkpoint)
+                fut = self._stager.submit(self._abandon_staged, step, staged, record)
+                handed = True
+                self._stage_futures.append(fut)
+                return  # (the staging thread releases the record)
         except BaseException:
             # Interrupted (Ctrl-C) or failed part-way, in a process that
             # lives on: its record must not outlive it (the next Checkpointer
@@ -1231,22 +1254,26 @@ class Checkpointer:
                 dst = os.path.join(self.stage_dir, ckpt_name(step))
                 _copy_durably(src, dst)
         except BaseException as e:  # noqa: BLE001 - logged; the local copy stays
+            with self._lock:
+                self._staging_now = None
             log.error("fastpersist: staging step %d to %s failed: %r", step, where, e)
             self._log_event({"event": "stage_failed", "step": step, "error": repr(e)})
             return
-        finally:
-            with self._lock:
-                self._staging_now = None
-        with self._lock:
-            if step in self._abandoned_stages:
-                # A save went back past it while it was copied: the set-aside
-                # queued behind this stage takes it.
-                self._abandoned_stages.discard(step)
-                return
-            self._staged.add(step)
-            if self.store is None:
-                self._mark_valid(dst)
         tier = "object" if self.store is not None else "shared"
+        with self._lock:
+            self._staging_now = None
+            gone_back = step in self._abandoned_stages
+            if gone_back:
+                self._abandoned_stages.discard(step)
+            else:
+                self._staged.add(step)
+                if self.store is None:
+                    self._mark_valid(dst)
+        if gone_back:
+            # A save went back past it while it was copied: set aside here,
+            # before anything this thread does next.
+            self._set_aside(CheckpointInfo(step, dst, tier, 0))
+            return
         self._log_transfer("staged", step, src, time.perf_counter() - t0, tier, path=dst)
         if retain:
             self._retain()

@@ -326,7 +326,8 @@ def write_sharded(
         except BaseException as e:  # noqa: BLE001
             # Renamed in (its directory fsync failed, or an interrupt came
             # after it): the new save is the checkpoint now.
-            commit_err = ("in place" if file_identity(index) != before else "failed", describe_error(e), e)
+            renamed = isinstance(e, _core.DurabilityError) or file_identity(index) != before
+            commit_err = ("in place" if renamed else "failed", describe_error(e), e)
         if commit_err is None or commit_err[0] == "in place":
             _remove_old_shards(dirpath, {r[1] for r in results}, replaced)
     final = gather(commit_err[:2] if commit_err else None, g)[0]

@@ -875,16 +875,18 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         old_files, old_sidecar = replaced.result() if replaced is not None else _referenced(self.path, md_file)
         sidecar = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "save_id": self.save_id, "files": files}
         md_path = os.path.join(self.path, md_file)
-        before = file_identity(md_path)
+        before, writing = file_identity(md_path), "sidecar"
         try:
             _core.atomic_write(
                 os.path.join(self.path, sidecar_name(self.save_id)),
                 json.dumps(sidecar, separators=(",", ":")).encode(),
                 durable=self.sync_files,
             )
+            writing = "metadata"
             _core.atomic_write(md_path, pickle.dumps(metadata), durable=self.sync_files)
         except BaseException as e:
-            if file_identity(md_path) != before:
+            renamed = writing == "metadata" and isinstance(e, _core.DurabilityError)
+            if renamed or file_identity(md_path) != before:
                 # The metadata was renamed in (its directory fsync failed,
                 # or an interrupt came after it): the checkpoint now, its
                 # files are kept; the replaced one's are left to a later
