@@ -184,7 +184,9 @@ def _scan(directory: Optional[str], tier: str) -> Dict[int, CheckpointInfo]:
                 st = os.lstat(p)
             except OSError:
                 continue
-            if not stat.S_ISLNK(st.st_mode):  # (a link at the name is no checkpoint: not read, not removed)
+            if stat.S_ISREG(
+                st.st_mode
+            ):  # (a link, a folder or a FIFO at the name is no checkpoint: not read, not removed)
                 out[step] = CheckpointInfo(step, p, tier, st.st_size)
     return out
 
@@ -1087,9 +1089,14 @@ class Checkpointer:
             except OSError as e:  # (a link, or not readable now: left for later)
                 log.warning("fastpersist: cannot read the record %s: %s", record, e)
                 continue
+            try:
+                regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            except OSError:
+                regular = False
+            if not regular:  # (a folder at the name: open() would raise)
+                os.close(fd)
+                continue
             with open(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    continue
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until the record is done
                 except OSError:

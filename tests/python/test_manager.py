@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -972,6 +973,27 @@ def test_an_interrupted_going_back_leaves_no_record_for_the_next_checkpointer(tm
         os.unlink(local / ckpt_name(s))  # read from the shared tier
     step, state = fastpersist.Checkpointer(local, stage_dir=shared).load_latest(weights_only=False)
     assert (step, state["run"]) == (3, "B")
+
+
+def test_folders_and_fifos_at_the_checkpointers_names_are_no_checkpoints(tmp_path):
+    """Regression (found in a hunt): a folder named as a record of going
+    back (``.went-back-1.json``) made the Checkpointer's construction raise
+    IsADirectoryError (and leaked a descriptor); a FIFO at a checkpoint's
+    name was listed as a checkpoint, and staging it hung the save's
+    wait(); a folder at a checkpoint's name was renamed ``.abandoned``
+    by a run that went back. Only regular files are checkpoints."""
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    local.mkdir()
+    (local / ".went-back-1.json").mkdir()
+    os.mkfifo(local / ckpt_name(500))
+    (local / ckpt_name(400)).mkdir()
+    with fastpersist.Checkpointer(local, stage_dir=shared, every=1, keep_last=2) as ck:
+        assert ck.latest() is None
+        ck.save(5, {"x": torch.tensor([5])})
+        ck.wait()
+    assert (local / ".went-back-1.json").is_dir() and (local / ckpt_name(400)).is_dir()
+    assert stat.S_ISFIFO(os.lstat(local / ckpt_name(500)).st_mode)
+    assert steps_in(shared) == [5]
 
 
 @pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
