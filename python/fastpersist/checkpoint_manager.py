@@ -101,7 +101,7 @@ from .options import (
 )
 from .reader import read_state_dict
 from .replicas import ReplicaError, Ring, exchange, held_ranks, replica_dir
-from .tiers import ObjectStore, StoreListing, is_url
+from .tiers import ObjectStore, StoreListing, TierError, is_url
 from .verify import verify_file
 
 __all__ = [
@@ -125,6 +125,10 @@ TEMP_RE = re.compile(
 LOG_NAME = "checkpoints.jsonl"
 #: How often latest()/load_latest() list again when listed files vanish.
 _RELIST = 20
+#: How often a restore asks an object store that fails to answer, and the
+#: first wait between two tries (doubled each time).
+FETCH_TRIES = 3
+FETCH_BACKOFF = 0.5
 _T = TypeVar("_T")
 
 
@@ -1793,7 +1797,13 @@ class Checkpointer:
             except OSError as e:
                 log.warning("fastpersist: cannot list %s: %s", self.stage_url, e)
                 return None
-            return self._fetch(remote) if remote is not None else None
+            if remote is None:
+                return None
+            try:
+                return self._fetch(remote, raise_unavailable=False)
+            except FileNotFoundError as e:  # (gone since the listing)
+                log.warning("fastpersist: cannot restore %s: %s", remote.path, e)
+                return None
         if self.stage_dir is None:
             return None
         shared = os.path.join(self.stage_dir, ckpt_name(step))
@@ -1805,16 +1815,32 @@ class Checkpointer:
             log.warning("fastpersist: skipping %s: %s", shared, e)
             return None
 
-    def _fetch(self, c: CheckpointInfo) -> Optional[CheckpointInfo]:
+    def _fetch(self, c: CheckpointInfo, raise_unavailable: bool = True) -> Optional[CheckpointInfo]:
         """Download an object-tier checkpoint into the local directory (its
         CRCs verified before it replaces a damaged local copy); the local
-        copy's info, or None when the download fails or is damaged."""
+        copy's info, or None when it is damaged. FileNotFoundError when it
+        is gone since the listing (the caller lists again). A store that
+        fails to answer is asked ``FETCH_TRIES`` times, then its TierError
+        is raised (with ``raise_unavailable``; else None): taking an older
+        checkpoint for it would resume the run from there, and its next
+        save would set the newer progress aside as abandoned."""
         assert self.store is not None
         local = os.path.join(self.directory, ckpt_name(c.step))
-        try:
-            st = self.store.download(ckpt_name(c.step), local, require_identity=False)
-        except (FastPersistError, OSError) as e:
-            log.warning("fastpersist: cannot restore %s: %s", c.path, e)
+        for attempt in range(FETCH_TRIES):
+            try:
+                st = self.store.download(ckpt_name(c.step), local, require_identity=False)
+                break
+            except CorruptCheckpointError as e:
+                log.warning("fastpersist: cannot restore %s: %s", c.path, e)
+                return None
+            except TierError as e:
+                log.warning("fastpersist: cannot restore %s (try %d of %d): %s", c.path, attempt + 1, FETCH_TRIES, e)
+                if attempt + 1 == FETCH_TRIES:
+                    if raise_unavailable:
+                        raise
+                    return None
+                time.sleep(FETCH_BACKOFF * 2**attempt)
+        else:  # pragma: no cover - the loop breaks or returns
             return None
         with self._lock:
             self._mark_valid(local)

@@ -911,3 +911,51 @@ def test_a_killed_uploads_temporary_file_in_a_local_store_is_swept(tmp_path):
     for n, swept in left.items():
         assert (n not in names) == swept, (n, sorted(names))
     assert young.name in names
+
+
+@pytest.mark.parametrize("how", ["transient", "down", "gone"])
+def test_a_restore_from_the_store_never_takes_an_older_step_for_an_unavailable_one(tmp_path, monkeypatch, how):
+    """Regression (found in a hunt): a restore from the object tier took any
+    error downloading the newest checkpoint for damage and returned an older
+    one (one read timeout: 200 instead of 300), and the resumed run's first
+    save then set the store's 300 aside as abandoned; an object removed
+    between the listing and its download (a trainer's retention) made
+    ``load_latest()`` return None while a newer one was committed. A store
+    that fails to answer is asked again, then its error is raised; an
+    object gone since the listing makes the listing start again."""
+    import fastpersist.checkpoint_manager as cm
+
+    monkeypatch.setattr(cm, "FETCH_BACKOFF", 0.01, raising=False)
+    store = tmp_path / "store"
+    store.mkdir()
+    url = f"local://{store}"
+    with fastpersist.Checkpointer(tmp_path / "node1", stage_dir=url, every=1, keep_last=3) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, _state(s))
+            ck.wait()
+    ck = fastpersist.Checkpointer(tmp_path / "node2", stage_dir=url, every=1, keep_last=3)
+    real, calls = ck.store.download, []
+
+    def download(name, *a, **k):
+        calls.append(name)
+        if how == "transient" and len(calls) == 1:
+            raise fastpersist.tiers.TierError(f"download of {name} failed: ReadTimeoutError")
+        if how == "down":
+            raise fastpersist.tiers.TierError(f"download of {name} failed: ConnectionError")
+        if how == "gone" and len(calls) == 1:
+            with fastpersist.Checkpointer(tmp_path / "node1", stage_dir=url, every=1, keep_last=1) as trainer:
+                trainer.save(400, _state(400))  # ... and its retention removes 300
+                trainer.wait()
+            assert not (store / ckpt_name(300)).exists()
+            return real(name, *a, **k)
+        return real(name, *a, **k)
+
+    ck.store.download = download
+    if how == "down":
+        with pytest.raises(fastpersist.tiers.TierError, match="ConnectionError"):
+            ck.load_latest()
+        assert calls == [ckpt_name(300)] * cm.FETCH_TRIES
+        return
+    step, state = ck.load_latest()
+    assert (step, _same(state, _state(step))) == ((300, True) if how == "transient" else (400, True))
+    ck.close()
