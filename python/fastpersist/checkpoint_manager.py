@@ -388,7 +388,10 @@ class FrequencyTuner:
         if not affected and self.baseline and seconds > STALL * self.baseline:
             # A stall no checkpoint was in flight for (an evaluation, a wait
             # for data, not reported with pause()): not the checkpoints'
-            # cost, nor a clean iteration.
+            # cost, nor a clean iteration. It is a quiet sample all the
+            # same (one moves no median; iterations that all take this long
+            # from now on are the new baseline, see _feedback).
+            self._sample_tail(seconds)
             return
         self._window_sum += seconds
         self._window_n += 1
@@ -402,12 +405,18 @@ class FrequencyTuner:
             self._profiled += 1
             if self._profiled > self.profile_steps:
                 self._samples.append(seconds)
-        elif self.reprofile_every:
-            # Iteration _since_last + 1 after the last checkpoint: the last
-            # eighth of the interval is furthest from the last save's effects.
-            n = self._since_last + 1
-            if n > self.profile_steps and 8 * n > 7 * self.interval:
-                self._tail.append(seconds)
+        else:
+            self._sample_tail(seconds)
+
+    def _sample_tail(self, seconds: float) -> None:
+        """Keep a quiet iteration's time when it is in the last eighth of the
+        interval (iteration ``_since_last + 1`` after the last checkpoint:
+        the furthest from the last save's effects)."""
+        if self._profiling or not self.reprofile_every:
+            return
+        n = self._since_last + 1
+        if n > self.profile_steps and 8 * n > 7 * self.interval:
+            self._tail.append(seconds)
 
     def record_unmeasured(self) -> None:
         """A checkpoint ended without a measure of its cost (it failed, or

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import random
 import signal
@@ -230,6 +231,31 @@ def test_auto_interval_follows_a_lasting_change_of_the_iteration_time(seed, t2):
     gaps.sort()
     assert 0.4 * ideal <= gaps[len(gaps) // 2] <= 1.5 * ideal, (ideal, gaps[len(gaps) // 2])
     assert gaps[-1] <= 4 * ideal, gaps[-10:]
+
+
+@pytest.mark.parametrize("rise", [3.0, 12.0])
+def test_auto_interval_follows_a_rise_past_the_stall_threshold(rise):
+    """Regression (found in a hunt): quiet iterations over STALL times the
+    baseline are taken for stalls (an evaluation, a wait for data) and
+    left out of the measures, the samples that move the baseline included:
+    after a lasting 12x rise of the iteration time, every iteration was a
+    stall, the baseline never moved, and the interval ran away (10, 280,
+    560, ... 2240). Such iterations are quiet samples all the same."""
+    tu = FrequencyTuner("auto", max_overhead=0.05)
+    t, cost, in_flight = 1.0, 0.5, False
+    for i in range(6000):
+        if i == 2000:
+            t *= rise
+        due = tu.should_checkpoint()
+        if in_flight:  # the previous save was in flight during the last iteration
+            tu.record_iteration(t + cost, affected=True)
+            tu.record_checkpoint(cost, 0.2 * t)
+            in_flight = False
+        else:
+            tu.record_iteration(t, affected=False)
+        in_flight = due
+    assert tu.baseline == pytest.approx(t)
+    assert tu.interval == max(1, math.ceil(cost / (0.05 * t)))
 
 
 @pytest.mark.parametrize("noise, bound", [(0.03, 0.01), (0.07, 0.035), (0.10, 0.035)])
