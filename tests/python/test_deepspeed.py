@@ -367,11 +367,16 @@ def _save_last(tmp_path, eng, rounds, engine_fault):
 def test_a_second_failure_of_a_reused_tag_keeps_the_files_of_the_first(tmp_path, engine_fault):
     """Regression: the files a failed save of a reused tag had written are
     set aside (``<file>.failed``) and kept for inspection; a second failure
-    renamed its own over them."""
+    renamed its own over them. The newest two failures' are kept (not one
+    per try: a failure that recurs, a full disk, would fill it)."""
     eng = FastPersistCheckpointEngine(decoupled=False)
     d = _save_last(tmp_path, eng, ((1, False), (2, True), (3, True)), engine_fault)
     assert sorted(os.listdir(d)) == ["model.pt.failed", "model.pt.failed-1", "optim.pt"]
-    assert torch.load(d / "model.pt.failed", weights_only=True)["round"] == 2
+    assert torch.load(d / "model.pt.failed", weights_only=True)["round"] == 3
+    assert torch.load(d / "model.pt.failed-1", weights_only=True)["round"] == 2
+    _save_last(tmp_path, eng, ((4, True),), engine_fault)
+    assert sorted(os.listdir(d)) == ["model.pt.failed", "model.pt.failed-1", "optim.pt"]
+    assert torch.load(d / "model.pt.failed", weights_only=True)["round"] == 4
     assert torch.load(d / "model.pt.failed-1", weights_only=True)["round"] == 3
 
 

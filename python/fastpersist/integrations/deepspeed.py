@@ -76,7 +76,7 @@ from .. import _core
 from ..async_save import future_error
 from ..collectives import checkpoint_group, describe_error, fail_all, gather
 from ..errors import CorruptCheckpointError
-from ..options import aside_name, make_dirs, put_marker, remove_durably
+from ..options import make_dirs, put_marker, remove_durably
 from ..reader import detect_format, read_state_dict
 from .common import BackgroundSaves, after_first_step, check_version, never_raises, optimizers_have_state
 
@@ -148,14 +148,19 @@ def _set_aside_torn(info: Any, futures: List[Any]) -> None:
     otherwise mix new files with the old ones the failed saves did not
     replace (new model states, old optimizer states), and load without an
     error. Loading it now fails, naming the missing file, as it does after
-    a failed torch.save in place; the files are kept for inspection."""
+    a failed torch.save in place; the files are kept for inspection: the
+    newest failure's as ``<file>.failed``, the one before as
+    ``<file>.failed-1`` (no more: a failure that recurs, a full disk, must
+    not keep a copy of the tag per try)."""
     if not _names_latest(info):
         return  # a new tag: latest still names the previous one, which is whole
     for fut in futures:
         if not fut.done() or future_error(fut) is not None:
             continue
-        aside = aside_name(fut.path, FAILED_SUFFIX)  # (an earlier failure's files are kept)
+        aside = fut.path + FAILED_SUFFIX
         try:
+            if os.path.lexists(aside):
+                os.replace(aside, aside + "-1")  # (the failure before this one's; an older one goes)
             os.rename(fut.path, aside)
         except FileNotFoundError:
             continue
