@@ -176,7 +176,11 @@ class CheckpointInfo:
     bytes: int
 
 
-def _scan(directory: Optional[str], tier: str) -> Dict[int, CheckpointInfo]:
+def _scan(directory: Optional[str], tier: str, unreadable: bool = False) -> Dict[int, CheckpointInfo]:
+    """The checkpoints in ``directory``: regular files of a checkpoint's
+    name (a link, a folder or a FIFO at the name is no checkpoint: neither
+    read nor removed; ``unreadable`` lists folders and FIFOs too, for
+    ``fastpersist ls`` to flag them)."""
     out: Dict[int, CheckpointInfo] = {}
     if not directory or not os.path.isdir(directory):
         return out
@@ -188,9 +192,7 @@ def _scan(directory: Optional[str], tier: str) -> Dict[int, CheckpointInfo]:
                 st = os.lstat(p)
             except OSError:
                 continue
-            if stat.S_ISREG(
-                st.st_mode
-            ):  # (a link, a folder or a FIFO at the name is no checkpoint: not read, not removed)
+            if stat.S_ISREG(st.st_mode) or (unreadable and not stat.S_ISLNK(st.st_mode)):
                 out[step] = CheckpointInfo(step, p, tier, st.st_size)
     return out
 
@@ -255,15 +257,19 @@ def _unpack(payload: Any, path: str) -> Tuple[int, Any]:
 
 
 def list_checkpoints(
-    directory: str, stage_dir: Optional[str] = None, storage_options: Optional[Dict[str, Any]] = None
+    directory: str,
+    stage_dir: Optional[str] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
+    unreadable: bool = False,
 ) -> List[Tuple[int, List[CheckpointInfo]]]:
     """Committed checkpoints by step (newest first), each with its copies.
     ``stage_dir`` may be an object store URL (only checkpoints whose upload
-    completed are listed)."""
+    completed are listed). ``unreadable``: folders and FIFOs of a
+    checkpoint's name too (no checkpoints: a Checkpointer passes them by)."""
     if stage_dir is not None and is_url(stage_dir):
-        local, shared = _scan(directory, "local"), _scan_store(ObjectStore(stage_dir, storage_options))
+        local, shared = _scan(directory, "local", unreadable), _scan_store(ObjectStore(stage_dir, storage_options))
     else:
-        local, shared = _scan(directory, "local"), _scan(stage_dir, "shared")
+        local, shared = _scan(directory, "local", unreadable), _scan(stage_dir, "shared", unreadable)
     steps = sorted(set(local) | set(shared), reverse=True)
     return [(s, [c for c in (local.get(s), shared.get(s)) if c is not None]) for s in steps]
 

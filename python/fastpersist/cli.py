@@ -190,7 +190,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if into is not None:
             into[ev["step"]] = ev
     try:
-        rows = list_checkpoints(args.dir, args.stage_dir)
+        rows = list_checkpoints(args.dir, args.stage_dir, unreadable=True)
     except (TierError, ValueError) as e:  # --stage-dir: a missing bucket, a URL naming none
         print(f"fastpersist: {e}", file=sys.stderr)
         return EXIT_USAGE
