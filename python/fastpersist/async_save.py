@@ -1135,11 +1135,13 @@ if hasattr(os, "register_at_fork"):
 def _drain_at_exit() -> None:
     """Commit every save still in flight (of every saver) before the process
     exits; a failure among them is logged as an error."""
-    savers = list(_savers)
-    pending = [f for s in savers for f in s.pending()]
-    if pending:
-        log.warning("fastpersist: waiting for %d checkpoint save(s) in flight before exit", len(pending))
+    savers: List[Any] = []
     try:
+        # (All of it in the try: a Ctrl-C lands anywhere, in a log call too.)
+        savers = list(_savers)
+        pending = [f for s in savers for f in s.pending()]
+        if pending:
+            log.warning("fastpersist: waiting for %d checkpoint save(s) in flight before exit", len(pending))
         for s in savers:
             for f in s.wait_all():
                 log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, future_error(f))
@@ -1154,12 +1156,14 @@ def _drain_at_exit() -> None:
         # with the engine's threads inside the core would end them by
         # unwinding through it, which aborts the process (SIGABRT) and, as
         # likely, ended it with status 0 and the saves silently dropped.
-        left = [f.path for s in savers for f in s.pending()]
-        log.error("fastpersist: interrupted at exit: checkpoint(s) NOT saved: %s", ", ".join(map(str, left)) or "-")
-        for h in logging.getLogger().handlers + log.handlers:
+        try:
+            left = [f.path for s in savers for f in s.pending()]
+            log.error("fastpersist: interrupted at exit: checkpoint(s) NOT saved: %s", ", ".join(map(str, left)) or "-")
+            for h in logging.getLogger().handlers + log.handlers:
+                with contextlib.suppress(Exception):
+                    h.flush()
             with contextlib.suppress(Exception):
-                h.flush()
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(130)
+                sys.stdout.flush()
+                sys.stderr.flush()
+        finally:
+            os._exit(130)  # (also when a second Ctrl-C cuts the report short)
