@@ -1030,11 +1030,12 @@ class Checkpointer:
             # hold as the stager's bookkeeping is changed: a stage that
             # lands or starts from here on sees it.
             staged = self._staged_after(step)
+            was_staged = self._staged & set(staged)
             if self._stager is not None:
                 self._abandoned_stages |= {s for s in self._stage_queue if s > step}
                 if self._staging_now is not None and self._staging_now > step:
                     self._abandoned_stages.add(self._staging_now)  # (set aside by the stager when it lands)
-                self._staged -= set(staged)
+                self._staged -= was_staged
                 self._stage_queue = {s for s in self._stage_queue if s <= step}
         entry = {
             "step": step,
@@ -1070,8 +1071,11 @@ class Checkpointer:
             # Interrupted (Ctrl-C) or failed part-way, in a process that
             # lives on: its record must not outlive it (the next Checkpointer
             # on the directory would carry it out over what this run stages
-            # from now on). The save raises; a retry goes back again.
+            # from now on). The save raises; a retry goes back again, the
+            # staging tier's part included.
             if not handed:
+                with self._lock:
+                    self._staged |= was_staged
                 self._release_record(record)
             raise
         self._release_record(record)

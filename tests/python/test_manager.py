@@ -987,7 +987,10 @@ def test_an_interrupted_going_back_leaves_no_record_for_the_next_checkpointer(tm
     with pytest.raises(KeyboardInterrupt):
         ck.save(1, {"run": "B", "x": torch.tensor([1])})
     assert not [n for n in os.listdir(local) if n.startswith(".went-back")] and not ck._records
-    for s in (1, 2, 3):  # retried: the run goes on
+    ck.save(1, {"run": "B", "x": torch.tensor([1])})  # retried: it goes back again, staged part included
+    ck.wait()
+    assert steps_in(shared) == [1], sorted(os.listdir(shared))
+    for s in (2, 3):  # the run goes on
         ck.save(s, {"run": "B", "x": torch.tensor([s])})
         ck.wait()
     ck.close()
