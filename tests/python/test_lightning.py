@@ -719,3 +719,34 @@ def test_an_interrupted_wait_still_reports_the_failure_before_a_removal(tmp_path
     with pytest.raises(fastpersist.WriteError):
         io.remove_checkpoint(a)  # the newer one failed: the older one stays
     assert a.is_file()
+
+
+def test_an_interrupted_wait_keeps_a_failure_it_had_not_raised_yet(tmp_path, monkeypatch):
+    """Regression (found in a read of the fix above): a wait interrupted
+    after it had found one checkpoint's failure, while it waited for the
+    next, put back only the one it waited for: the failure was dropped,
+    and the next wait returned as if both were durable."""
+    import fastpersist.integrations.common as common
+
+    saves = common.BackgroundSaves(mode="snapshot")
+    (tmp_path / "a.pt").mkdir()  # the first checkpoint's commit fails: its target is a directory
+    saves.save({"w": torch.ones(10)}, str(tmp_path / "a.pt"))
+    saves.commit("a")
+    saves.save({"w": torch.ones(10)}, str(tmp_path / "b.pt"))
+    saves.commit("b")
+    saves.settle()
+    real, calls = common.future_error, []
+
+    def interrupted(f, timeout=None):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C while waiting for the second
+        return real(f, timeout)
+
+    monkeypatch.setattr(common, "future_error", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        saves.wait()
+    monkeypatch.undo()
+    with pytest.raises(fastpersist.WriteError):
+        saves.wait()
+    saves.close()

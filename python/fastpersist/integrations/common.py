@@ -347,20 +347,22 @@ class BackgroundSaves:
 
     def _raise_first(self, pending: List[PendingCheckpoint]) -> None:
         """Wait for ``pending``; raise the first failure (the rest logged).
-        A wait interrupted (Ctrl-C) puts back those not waited for: a later
-        :meth:`wait` still waits for them and raises their failures."""
+        A wait interrupted (Ctrl-C) puts back those not waited for, and a
+        failure not raised yet: a later :meth:`wait` still waits for them
+        and raises their failures."""
         first: Optional[BaseException] = None
+        first_at = 0
         for i, p in enumerate(pending):
             try:
                 e = p.error()
             except BaseException:
                 with self._lock:
-                    self._pending[:0] = pending[i:]
+                    self._pending[:0] = pending[first_at if first is not None else i :]
                 raise
             if e is None:
                 continue
             if first is None:
-                first = e
+                first, first_at = e, i
             else:
                 log.error("fastpersist: checkpoint %s failed too: %r", p.name, e)
         if first is not None:
