@@ -239,6 +239,12 @@ def _scan_store(store: Optional[ObjectStore], listing: Optional[StoreListing] = 
     return out
 
 
+def _names(back: int, staged: Optional[Tuple[int, ...]], step: int) -> bool:
+    """Whether a going back to ``back`` that sets aside the staged steps
+    ``staged`` (None: every one past ``back``) sets ``step`` aside."""
+    return step > back and (staged is None or step in staged)
+
+
 def _remove_quietly(path: str) -> None:
     """Remove this Checkpointer's own bookkeeping file ``path``; one
     already gone, or that cannot be removed (logged), is left."""
@@ -719,11 +725,23 @@ class Checkpointer:
         self._inflight: Optional[_InFlight] = None
         self._last_step_at: Optional[float] = None
         self._staged: set = set(_scan(self.stage_dir, "shared"))
+        #: Whether ``_staged`` holds every step staged before this process:
+        #: not when the store could not be listed here (a going back then
+        #: lists it, see _went_back).
+        self._staged_known = True
         if self.store is not None:
             try:
                 self._staged = set(_scan_store(self.store))
             except OSError as e:
+                self._staged_known = False
                 log.error("fastpersist: cannot list %s: %s", self.stage_url, e)
+        #: Going back whose staging tier part is not done (the tier could not
+        #: be listed, or a checkpoint not moved): its record -> (the step
+        #: gone back to, the staged steps to set aside, or None: every one
+        #: past that step). The stager tries again before each stage and
+        #: stages nothing past the step until it is done; the steps it names
+        #: are neither restored nor counted by retention meanwhile.
+        self._unfinished: Dict[str, Tuple[int, Optional[Tuple[int, ...]]]] = {}
         self._stage_futures: List[Any] = []
         #: Steps queued for staging, not started, when a save set later
         #: checkpoints aside (a run this one went back on): their stages
@@ -1020,7 +1038,11 @@ class Checkpointer:
         what a dying process left undone.
         Checkpoints written meanwhile (another process's) are left alone.
         The staging tier's are set aside on the staging thread, after any
-        copy it has begun (that one by the stager itself, once it lands)."""
+        copy it has begun (that one by the stager itself, once it lands);
+        while that cannot be done (the tier cannot be listed, or a move
+        fails), the record is kept and tried again before each stage,
+        nothing past ``step`` is staged, and the tier's checkpoints it
+        names are neither restored nor counted by retention."""
         record, n = os.path.join(self.directory, f".went-back-{step}.json"), 0
         with self._lock:
             while record in self._records or os.path.lexists(record):  # this step's earlier record, still kept
@@ -1029,8 +1051,12 @@ class Checkpointer:
             # What the staging tier has past the step, taken in the same
             # hold as the stager's bookkeeping is changed: a stage that
             # lands or starts from here on sees it.
-            staged = self._staged_after(step)
-            was_staged = self._staged & set(staged)
+            # (None: the tier could not be listed when this process
+            # began; every staged step past this one is the abandoned run's,
+            # listed on the stager.)
+            after = self._staged_after(step)
+            staged: Optional[Tuple[int, ...]] = after if self._staged_known else None
+            was_staged = self._staged & set(after)
             if self._stager is not None:
                 self._abandoned_stages |= {s for s in self._stage_queue if s > step}
                 if self._staging_now is not None and self._staging_now > step:
@@ -1040,7 +1066,7 @@ class Checkpointer:
         entry = {
             "step": step,
             "later": [[x.holder, x.info.step, list(x.ident)] for x in later],
-            "staged": list(staged),
+            "staged": list(staged) if staged is not None else None,
         }
         try:
             with _core.TempFile(record) as tmp:
@@ -1062,11 +1088,15 @@ class Checkpointer:
         try:
             for x in later:
                 self._set_aside(x.info, x.ident)
-            if self._stager is not None and staged:  # (listing an object store costs a request per checkpoint)
-                fut = self._stager.submit(self._abandon_staged, step, staged, record)
-                handed = True
-                self._stage_futures.append(fut)
-                return  # (the staging thread releases the record)
+            if self._stager is not None and (staged is None or staged):  # (a listing costs a request per checkpoint)
+                with self._lock:
+                    # Unfinished from here on: the stager carries it out
+                    # before it stages anything past the step, and keeps
+                    # the record (and stages nothing past it) while it cannot.
+                    self._unfinished[record] = (step, staged)
+                    handed = True
+                self._stage_futures.append(self._stager.submit(self._settle_going_back, step))
+                return
         except BaseException:
             # Interrupted (Ctrl-C) or failed part-way, in a process that
             # lives on: its record must not outlive it (the next Checkpointer
@@ -1139,8 +1169,10 @@ class Checkpointer:
                 path = os.path.join(self._holder_dir(holder), ckpt_name(later_step))
                 info = CheckpointInfo(later_step, path, "local", 0)
                 later.append(_Later(info, tuple(int(x) for x in ident), holder))
-            staged = tuple(int(s) for s in entry["staged"])
-            for s in staged:
+            # (None: the dead process did not know what was staged before
+            # it; it staged nothing past the step since, see _settle_going_back.)
+            staged = None if entry["staged"] is None else tuple(int(s) for s in entry["staged"])
+            for s in staged or ():
                 _check_step(s)
         except OSError as e:
             log.warning("fastpersist: cannot read the record %s: %s", record, e)
@@ -1152,65 +1184,105 @@ class Checkpointer:
         log.warning("fastpersist: %s: a run that went back to step %d died before it was done", record, step)
         for x in later:
             self._set_aside(x.info, x.ident)
-        if staged:
-            if self.store is None and not self.stage_dir:
+        if staged is None or staged:
+            if self._stager is None:
                 return  # the staging tier's part: for a Checkpointer that has it
             if not self._abandon_staged(step, staged, None):
-                return  # kept: the next Checkpointer tries again (nothing of this run is staged yet)
-            with self._lock:
-                self._staged -= set(staged)
+                # Kept, and taken on: this process tries again before each of
+                # its stages, and stages nothing past the step until it is
+                # done (what it stages must not be set aside later).
+                with self._lock:
+                    self._records[record] = os.dup(f.fileno())  # (the lock, kept)
+                    self._unfinished[record] = (step, staged)
+                    self._staged = {s for s in self._staged if not _names(step, staged, s)}
+                return
         _remove_quietly(record)
 
-    def _abandon_staged(self, step: int, staged: Tuple[int, ...], record: Optional[str]) -> bool:
-        """Set the staged steps ``staged`` aside; whether the tier could be
-        listed (``record``: this process's record, released either way)."""
+    def _abandon_staged(self, step: int, staged: Optional[Tuple[int, ...]], record: Optional[str]) -> bool:
+        """Set the staged steps ``staged`` aside (None: every staged step
+        past ``step``); whether all of it is done. ``record``: this
+        process's record, released once it is, else kept unfinished
+        (:meth:`_settle_going_back` tries again)."""
         where = self.stage_url or self.stage_dir
-        listed = False
+        done = False
         try:
             if self.store is None and not os.path.isdir(str(self.stage_dir)):
                 raise FileNotFoundError(errno.ENOENT, "not a directory now", where)
             found = _scan_store(self.store) if self.store is not None else _scan(self.stage_dir, "shared")
-            listed = True
         except OSError as e:
             log.warning("fastpersist: cannot list %s to set aside checkpoints past step %d: %s", where, step, e)
         else:
-            for s in staged:
-                if s in found:
-                    self._set_aside(found[s])
+            done = True
+            for s, info in sorted(found.items()):
+                if _names(step, staged, s):
+                    done = self._set_aside(info) and done
         if record is not None:
-            # Also after a failure (logged): a step left there must not be
-            # set aside later, once this run may have staged its own.
-            self._release_record(record)
-        return listed
+            with self._lock:
+                if record not in self._unfinished:
+                    return done  # (released already)
+                if done:
+                    self._unfinished.pop(record, None)
+                else:
+                    self._unfinished[record] = (step, staged)
+            if done:
+                self._release_record(record)
+            else:
+                log.warning(
+                    "fastpersist: %s is kept: nothing past step %d is staged until the checkpoints of the run "
+                    "this one went back on are set aside there",
+                    record,
+                    step,
+                )
+        return done
 
-    def _set_aside(self, info: CheckpointInfo, ident: Optional[Tuple[int, ...]] = None) -> None:
+    def _settle_going_back(self, step: int) -> bool:
+        """On the stager, before staging ``step``: try the unfinished going
+        back again; whether ``step`` may be staged (it is past none still
+        unfinished: an upload past it would be set aside with the abandoned
+        run's checkpoints, or replace one of them)."""
+        with self._lock:
+            todo = sorted(self._unfinished.items(), key=lambda kv: kv[1][0])
+        for record, (back, staged) in todo:
+            self._abandon_staged(back, staged, record)
+        with self._lock:
+            return all(step <= back for back, _ in self._unfinished.values())
+
+    def _held_back(self, step: int) -> bool:
+        """Whether the staging tier's ``step`` is one an unfinished going
+        back is to set aside (not restored, not counted, not deleted)."""
+        with self._lock:
+            return any(_names(back, staged, step) for back, staged in self._unfinished.values())
+
+    def _set_aside(self, info: CheckpointInfo, ident: Optional[Tuple[int, ...]] = None) -> bool:
         """Rename ``info`` (an object: move it) to ``<name>.abandoned``
         (``-1``, ``-2``, ... when taken); a file whose identity is no
-        longer ``ident`` (replaced since) is left."""
+        longer ``ident`` (replaced since) is left. Whether it is done (or
+        there is nothing to do): False when the move failed (logged)."""
         try:
             if info.tier == "object":
                 assert self.store is not None
                 moved = self.store.set_aside(ckpt_name(info.step), ABANDONED)
                 if moved is None:
-                    return
+                    return True
                 dst = self.store.url_of(moved)
             else:
                 if ident is not None and self._identity(info.path) != tuple(ident):
-                    return
+                    return True
                 dst = aside_name(info.path, ABANDONED)
                 os.rename(info.path, dst)
                 fsync_dir(os.path.dirname(info.path))
         except FileNotFoundError:
-            return
+            return True
         except OSError as e:
             log.warning("fastpersist: cannot set aside %s: %s", info.path, e)
-            return
+            return False
         log.warning(
             "fastpersist: %s is from a run this one went back on (an earlier step is committed since): set aside as %s",
             info.path,
             dst,
         )
         self._log_event({"event": "abandoned", "step": info.step, "path": dst, "tier": info.tier})
+        return True
 
     def wait(self) -> None:
         """Wait for the checkpoint in flight and for staging and replication
@@ -1238,6 +1310,13 @@ class Checkpointer:
         self._saver.close()
         if self._stager is not None:
             self._stager.shutdown(wait=True)
+        with self._lock:
+            # A going back still unfinished: its record stays, unlocked, for
+            # the next Checkpointer made on the directory.
+            for record in self._unfinished:
+                held = self._records.pop(record, None)
+                if held is not None:
+                    os.close(held)
         if self._replicator is not None:
             self._replicator.shutdown(wait=True)
 
@@ -1277,6 +1356,11 @@ class Checkpointer:
         t0 = time.perf_counter()
         where = self.stage_url or self.stage_dir
         try:
+            if not self._settle_going_back(step):
+                raise TierError(
+                    f"{where} still holds checkpoints of a run this one went back on, past step {step}: "
+                    "they are to be set aside first"
+                )
             if self.store is not None:
                 dst = self.store.upload(src, ckpt_name(step)).url
             else:
@@ -1493,8 +1577,11 @@ class Checkpointer:
                         _scan(replica_dir(self.directory, src), "peer"), lambda s: True, agreed, pending
                     ):
                         self._delete(info)
+            # (Those an unfinished going back is to set aside: left to it.)
             if self.stage_dir:
-                for info in self._doomed(_scan(self.stage_dir, "shared"), lambda s: True, agreed, pending):
+                shared = _scan(self.stage_dir, "shared")
+                held = {s for s in shared if self._held_back(s)}
+                for info in self._doomed(shared, lambda s: s not in held, agreed, pending, held):
                     self._delete(info)
                     self._staged.discard(info.step)
             if self.store is not None:
@@ -1509,7 +1596,8 @@ class Checkpointer:
                 # its marker: whole or not, its CRC32s tell at its download)
                 # is kept, and not counted for a checkpoint kept.
                 unconfirmed = {s for s in remote if listing and ckpt_name(s) in listing.unconfirmed}
-                for info in self._doomed(remote, lambda s: True, agreed, pending, unconfirmed):
+                held = {s for s in remote if self._held_back(s)}
+                for info in self._doomed(remote, lambda s: s not in held, agreed, pending, unconfirmed | held):
                     self._delete(info)
                     self._staged.discard(info.step)
                     remote.pop(info.step, None)
@@ -1553,11 +1641,19 @@ class Checkpointer:
 
     def checkpoints(self) -> List[Tuple[int, List[CheckpointInfo]]]:
         """Committed checkpoints by step (newest first), each with its copies."""
+        # (Not the staging tier's checkpoints an unfinished going back is to
+        # set aside: the run this one went back on.)
         if self.store is not None:
             local, remote = _scan(self.directory, "local"), _scan_store(self.store)
+            remote = {s: c for s, c in remote.items() if not self._held_back(s)}
             steps = sorted(set(local) | set(remote), reverse=True)
             return [(s, [c for c in (local.get(s), remote.get(s)) if c is not None]) for s in steps]
-        return list_checkpoints(self.directory, self.stage_dir)
+        out = []
+        for s, copies in list_checkpoints(self.directory, self.stage_dir):
+            kept = [c for c in copies if c.tier == "local" or not self._held_back(s)]
+            if kept:
+                out.append((s, kept))
+        return out
 
     def _first_good(self, attempt: Callable[[CheckpointInfo], Optional[_T]]) -> Optional[_T]:
         """``attempt`` on each copy, newest first, until one succeeds (not
@@ -1646,7 +1742,8 @@ class Checkpointer:
         object tier's steps."""
         remote: List[int] = []
         try:
-            remote = sorted(_scan_store(self.store) if self.store is not None else _scan(self.stage_dir, "shared"))
+            found = _scan_store(self.store) if self.store is not None else _scan(self.stage_dir, "shared")
+            remote = sorted(s for s in found if not self._held_back(s))
         except OSError as e:
             log.warning("fastpersist: cannot list %s: %s", self.stage_url, e)
         held: Dict[int, List[int]] = {}

@@ -840,10 +840,10 @@ def test_a_record_of_going_back_is_left_to_its_live_process_and_to_the_staging_t
 
     real_scan, shared_calls = cm._scan, []
 
-    def failing(directory, tier):  # the shared tier's second listing fails (ESTALE)
+    def failing(directory, tier):  # the shared tier's listings fail from the second on (ESTALE)
         if tier == "shared":
             shared_calls.append(directory)
-            if len(shared_calls) == 2:
+            if len(shared_calls) >= 2:
                 raise OSError(errno.ESTALE, "stale file handle (injected)", directory)
         return real_scan(directory, tier)
 

@@ -959,3 +959,133 @@ def test_a_restore_from_the_store_never_takes_an_older_step_for_an_unavailable_o
     step, state = ck.load_latest()
     assert (step, _same(state, _state(step))) == ((300, True) if how == "transient" else (400, True))
     ck.close()
+
+
+class _Outage:
+    """Makes the object stores' listings (``"list"``) or moves (``"move"``)
+    fail while ``down``."""
+
+    def __init__(self, monkeypatch, what: str) -> None:
+        self.down = False
+        store_cls = fastpersist.tiers.ObjectStore
+        name = {"list": "scan", "move": "set_aside"}[what]
+        real = getattr(store_cls, name)
+
+        def failing(store, *a, **k):
+            if self.down:
+                raise fastpersist.tiers.TierError(f"{name} of {store.url} failed: ConnectTimeoutError (injected)")
+            return real(store, *a, **k)
+
+        monkeypatch.setattr(store_cls, name, failing)
+
+
+def _store_names(store) -> list:
+    return sorted(n for n in os.listdir(store) if ".pt" in n and not n.endswith(".fpcommit"))
+
+
+@pytest.mark.parametrize("what", ["list", "move"])
+def test_going_back_while_the_store_fails_is_finished_before_anything_past_it_is_staged(tmp_path, monkeypatch, what):
+    """Regression (found in a hunt): a going back whose staged part failed
+    (the store could not be listed, or a checkpoint not moved) released its
+    record and was never tried again. The abandoned run's newest object
+    stayed committed: ``load_latest()`` took it over the new run's
+    checkpoints (after a node loss too), and retention counted it and
+    deleted the new run's uploads. Now the record is kept, the stager tries
+    again before each stage and stages nothing past the step until it is
+    done, and meanwhile those objects are neither restored nor counted."""
+    store = tmp_path / "store"
+    store.mkdir()
+    url, local = f"local://{store}", tmp_path / "local"
+    with fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=2) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, {"run": "A", "x": torch.tensor([s])})
+            ck.wait()
+    assert _store_names(store) == [ckpt_name(200), ckpt_name(300)]
+    outage = _Outage(monkeypatch, what)
+    ck = fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=2)
+    outage.down = True
+    ck.save(150, {"run": "B", "x": torch.tensor([150])})  # goes back past 200 and 300
+    ck.wait()
+    records = [n for n in os.listdir(local) if n.startswith(".went-back")]
+    assert records, "the record of an unfinished going back is kept"
+    ck.save(160, {"run": "B", "x": torch.tensor([160])})
+    ck.wait()
+    assert ckpt_name(160) not in _store_names(store)  # nothing past 150 while 200 and 300 are there
+    outage.down = False
+    if what == "move":
+        assert ckpt_name(150) in _store_names(store)  # (150 itself is staged, and not deleted by retention)
+    step, state = ck.load_latest(weights_only=False)
+    assert (step, state["run"]) == (160, "B")  # not 300 (the run gone back on)
+    ck.save(170, {"run": "B", "x": torch.tensor([170])})
+    ck.wait()
+    ck.close()
+    names = _store_names(store)
+    assert ckpt_name(170) in names and {ckpt_name(200), ckpt_name(300)}.isdisjoint(names), names
+    assert {ckpt_name(200) + ".abandoned", ckpt_name(300) + ".abandoned"} <= set(names), names
+    assert not [n for n in os.listdir(local) if n.startswith(".went-back")]
+    shutil.rmtree(local)  # node loss: the store decides
+    with fastpersist.Checkpointer(local, stage_dir=url) as ck:
+        step, state = ck.load_latest(weights_only=False)
+    assert (step, state["run"]) == (170, "B")
+
+
+def test_going_back_after_the_store_could_not_be_listed_at_the_start_lists_it_then(tmp_path, monkeypatch):
+    """Regression (found in a hunt): a Checkpointer that could not list the
+    store when it was made knew no staged step, so a going back never looked
+    at the store: the abandoned run's later objects stayed committed and a
+    node loss restored from them. Such a going back lists the store."""
+    store = tmp_path / "store"
+    store.mkdir()
+    url, local = f"local://{store}", tmp_path / "local"
+    with fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=3) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, {"run": "A", "x": torch.tensor([s])})
+            ck.wait()
+    outage = _Outage(monkeypatch, "list")
+    outage.down = True
+    ck = fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=3)
+    outage.down = False
+    ck.save(150, {"run": "B", "x": torch.tensor([150])})
+    ck.wait()
+    ck.close()
+    names = _store_names(store)
+    assert {ckpt_name(200), ckpt_name(300)}.isdisjoint(names) and ckpt_name(150) in names, names
+    shutil.rmtree(local)
+    with fastpersist.Checkpointer(local, stage_dir=url) as ck:
+        step, state = ck.load_latest(weights_only=False)
+    assert (step, state["run"]) == (150, "B")
+
+
+def test_a_record_a_dead_process_left_is_taken_on_when_the_store_fails(tmp_path, monkeypatch):
+    """Regression (found in a hunt): a record of going back that a dead
+    process left, found while the store could not move its objects, was
+    kept, unlocked, while the new run staged on: once the run reached a
+    recorded step again and uploaded it, the next Checkpointer carried the
+    record out over that upload (the new run's checkpoint set aside as
+    abandoned). The Checkpointer now takes the record on: it finishes it
+    before its first stage past the step."""
+    store = tmp_path / "store"
+    store.mkdir()
+    url, local = f"local://{store}", tmp_path / "local"
+    with fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=5) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, {"run": "A", "x": torch.tensor([s])})
+            ck.wait()
+    # What a process that went back to 150 left when it died: its local
+    # part done, the staged part not.
+    for s in (200, 300):
+        os.rename(local / ckpt_name(s), local / (ckpt_name(s) + ".abandoned"))
+    (local / ".went-back-150.json").write_text(json.dumps({"step": 150, "later": [], "staged": [200, 300]}))
+    outage = _Outage(monkeypatch, "move")
+    outage.down = True
+    ck = fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=5)
+    outage.down = False
+    for s in (150, 200):  # the new run reaches 200 again
+        ck.save(s, {"run": "C", "x": torch.tensor([s])})
+        ck.wait()
+    ck.close()
+    assert not (local / ".went-back-150.json").exists()
+    shutil.rmtree(local)  # node loss
+    with fastpersist.Checkpointer(local, stage_dir=url) as ck:
+        step, state = ck.load_latest(weights_only=False)
+    assert (step, state["run"]) == (200, "C")
