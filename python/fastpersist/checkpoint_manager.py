@@ -561,6 +561,8 @@ class _InFlight:
 #: What a checkpoint set aside by a run that went back on it is renamed
 #: with (``Checkpointer._went_back``).
 ABANDONED = ".abandoned"
+#: An object set aside (``<checkpoint name>.abandoned``, ``-1``, ...).
+_ASIDE = re.compile(r"(.+)" + re.escape(ABANDONED) + r"(?:-[0-9]+)?")
 
 #: The record of a run going back (``Checkpointer._went_back``), in its
 #: directory until every tier's later checkpoints are set aside
@@ -1608,15 +1610,21 @@ class Checkpointer:
         """Remove what uploads of steps before ``oldest`` (the oldest
         committed step the store keeps) left there: objects no marker
         commits, unfinished multipart uploads (a killed process's), a failed
-        deletion's data. No upload of such a step is still to come."""
+        deletion's data. No upload of such a step is still to come; nor a
+        set-aside of one (the temporary file of a killed one's marker for
+        ``<name>.abandoned``; its data is kept)."""
 
         def doomed(name: str) -> bool:
             s = _parse_ckpt(name)
             return s is not None and s < oldest
 
+        def doomed_temp(name: str) -> bool:
+            m = _ASIDE.fullmatch(name)
+            return doomed(m.group(1) if m is not None else name)
+
         assert self.store is not None
         try:
-            removed = self.store.sweep(doomed, listing)
+            removed = self.store.sweep(doomed, listing, doomed_temp)
         except OSError as e:
             log.warning("fastpersist: retention cannot clean up %s: %s", self.stage_url, e)
             return

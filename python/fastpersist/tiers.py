@@ -436,7 +436,12 @@ class ObjectStore:
                 unconfirmed[data] = int(objects[data]["size"])
         return out, objects, unconfirmed
 
-    def sweep(self, doomed: Callable[[str], bool], listing: Optional[StoreListing] = None) -> List[str]:
+    def sweep(
+        self,
+        doomed: Callable[[str], bool],
+        listing: Optional[StoreListing] = None,
+        doomed_temp: Optional[Callable[[str], bool]] = None,
+    ) -> List[str]:
         """Remove what uploads of the names ``doomed`` accepts left behind:
         an object no commit marker commits (an upload cut short, a name
         uploaded again whose new marker never came, a deletion whose second
@@ -448,9 +453,16 @@ class ObjectStore:
         aborted). Committed checkpoints (unconfirmed ones too: a copied
         store's are whole) and anything of another name are left alone.
         ``listing``: one :meth:`scan` made before (objects it does not list
-        are not removed). Returns what was removed (URLs)."""
-        removed: List[str] = []
+        are not removed); ``doomed_temp``: which names' temporary files go
+        (default ``doomed``). A move :meth:`set_aside` left half done is
+        finished first. Returns what was removed (URLs)."""
         committed, objects, unconfirmed = listing if listing is not None else self._scan()
+        finished = self._finish_moves(objects)
+        if finished:
+            for url in finished:
+                log.warning("fastpersist: %s: finished a move to it that a killed process left half done", url)
+            committed, objects, unconfirmed = self._scan()
+        removed: List[str] = []
         temps: List[str] = []
         for name in sorted(objects):
             marks_one = name.endswith(MARKER_SUFFIX) and name[: -len(MARKER_SUFFIX)] in objects
@@ -475,7 +487,8 @@ class ObjectStore:
                 removed.append(self.url_of(p))
         if temps:
             owners = {n: o for n, o in ((n, _temp_owner(n)) for n in temps) if o is not None}
-            gone = remove_stale_temps(self.root, lambda n: n in owners and doomed(owners[n]), TEMP_MIN_AGE)
+            temp_ok = doomed_temp or doomed
+            gone = remove_stale_temps(self.root, lambda n: n in owners and temp_ok(owners[n]), TEMP_MIN_AGE)
             removed += [self.url_of(n) for n in gone]
         if self.multipart:
             removed += self._abort_uploads(doomed)
@@ -589,6 +602,14 @@ class ObjectStore:
             new, n = f"{name}{suffix}-{n}", n + 1
         dst = self._path(new)
         self._call(f"move of {self.url_of(name)} to {self.url_of(new)}", self.fs.mv, src, dst)
+        self._mark_moved(name, new, raw)
+        return new
+
+    def _mark_moved(self, name: str, new: str, raw: bytes) -> None:
+        """The second half of a move of ``name`` to ``new`` (its data moved):
+        the marker ``raw`` (``name``'s) written for ``new``, then ``name``'s
+        removed."""
+        src, dst = self._path(name), self._path(new)
         try:
             marker = json.loads(raw)
             if isinstance(marker, dict):
@@ -602,7 +623,37 @@ class ObjectStore:
             self._call(f"delete of {src}{MARKER_SUFFIX}", self.fs.rm_file, src + MARKER_SUFFIX)
         except FileNotFoundError:
             pass
-        return new
+
+    def _finish_moves(self, objects: Mapping[str, Mapping[str, Any]]) -> List[str]:
+        """Finish the moves of :meth:`set_aside` that a killed process left
+        half done (``objects``: a listing): a marker whose object is gone,
+        beside an object of that name and a suffix (``<name>.<...>``) that
+        no marker commits, of the size the marker records: the data moved,
+        its marker did not. The marker is written for it, the old one
+        removed. Returns the URLs of the objects so committed."""
+        done: List[str] = []
+        for mname in sorted(objects):
+            name = mname[: -len(MARKER_SUFFIX)]
+            if not mname.endswith(MARKER_SUFFIX) or not name or name in objects:
+                continue
+            moved = [
+                o
+                for o in objects
+                if o.startswith(name + ".") and not o.endswith(MARKER_SUFFIX) and o + MARKER_SUFFIX not in objects
+            ]
+            if not moved:
+                continue
+            try:
+                raw = self._call(f"read of {self.url_of(mname)}", self.fs.cat_file, self._path(mname))
+                size = json.loads(raw).get("size")
+            except (FileNotFoundError, ValueError, AttributeError):
+                continue
+            for o in sorted(moved, reverse=True):
+                if isinstance(size, int) and objects[o].get("size") == size:
+                    self._mark_moved(name, o, raw)
+                    done.append(self.url_of(o))
+                    break
+        return done
 
     def delete(self, name: str) -> None:
         """Remove a checkpoint: its marker first (it is no longer listed),

@@ -1089,3 +1089,40 @@ def test_a_record_a_dead_process_left_is_taken_on_when_the_store_fails(tmp_path,
     with fastpersist.Checkpointer(local, stage_dir=url) as ck:
         step, state = ck.load_latest(weights_only=False)
     assert (step, state["run"]) == (200, "C")
+
+
+def test_a_set_aside_killed_between_the_move_and_its_marker_is_finished(tmp_path):
+    """Regression (found in a hunt): ``ObjectStore.set_aside`` moves the
+    data, then writes the new name's marker; a process killed in between
+    left ``<name>.abandoned`` with no marker (not committed: not
+    downloadable, never swept) and the old marker without its object, and
+    a killed marker write left its temporary file for ever. Retention's
+    sweep now finishes the move, and sweeps such a temporary file once its
+    step is older than every checkpoint kept."""
+    from fastpersist import _core
+
+    store = tmp_path / "store"
+    store.mkdir()
+    url, local = f"local://{store}", tmp_path / "local"
+    with fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=5) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, {"run": "A", "x": torch.tensor([s])})
+            ck.wait()
+    aside = ckpt_name(300) + ".abandoned"
+    os.rename(local / ckpt_name(300), local / aside)  # a going back past 300 ...
+    os.rename(store / ckpt_name(300), store / aside)  # ... killed here: the marker is still the old name's
+    stale = store / f".{ckpt_name(200)}.abandoned.fpcommit.999999.1{_core.TEMP_MARKER}"
+    stale.write_bytes(b"{")  # (a killed marker write of an older set-aside)
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    with fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=2) as ck:
+        for s in (400, 500):
+            ck.save(s, {"run": "A", "x": torch.tensor([s])})
+            ck.wait()
+    listed = fastpersist.tiers.ObjectStore(url).committed()
+    assert aside in listed and ckpt_name(300) not in listed, sorted(listed)
+    assert not (store / (ckpt_name(300) + ".fpcommit")).exists()
+    assert not stale.exists()
+    fastpersist.tiers.ObjectStore(url).download(aside, str(tmp_path / "inspect.pt"))
+    got = fastpersist.read_state_dict(tmp_path / "inspect.pt", weights_only=False)
+    assert (got["step"], got["state"]["run"]) == (300, "A")
