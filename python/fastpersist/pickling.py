@@ -1181,7 +1181,10 @@ class LocationScan:
             raise TypeError(f"{name} is given {len(args)} arguments, it takes {_REBUILD_ARGS[name]}")
         storage, offset, size, stride = args[:4]
         if isinstance(storage, _ScannedStorage):
-            reach = _checked_span(offset, size, stride) * storage.itemsize
+            itemsize = storage.itemsize
+            if name == "_rebuild_tensor_v3":  # (a dtype of its own, over untyped storage: elements of it)
+                itemsize = _scanned_itemsize(args[6], itemsize)
+            reach = _checked_span(offset, size, stride) * itemsize
             self.reach[storage.key] = max(self.reach.get(storage.key, 0), reach)
         return _Anything()
 
@@ -1289,6 +1292,7 @@ class _StorageLoader:
         if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] != "storage":
             raise CorruptCheckpointError(f"{self.path}: the pickle names an unknown persistent id {saved_id!r}")
         _, storage_type, key, location, numel = saved_id
+        key = str(key)  # (torch.load names the record f"data/{key}": an int key too)
         kept = self.typed.get(key)
         if kept is not None and (kept.dtype == _storage_dtype(storage_type) or not load_keeps_every_storage()):
             return kept  # the older rule hands it out whatever the dtype asked for
@@ -1561,17 +1565,32 @@ _STORAGE_TYPE: Any = getattr(torch.serialization, "StorageType", None)
 _MOVED_MODULES = {"torch.tensor": "torch._tensor"}
 
 
+def _scanned_itemsize(dtype: Any, default: int) -> int:
+    """Bytes per element of the dtype a scanned pickle names (its stand-in
+    global, ``torch.uint16``), or ``default`` for anything else."""
+    module, _, name = str(getattr(dtype, "global_name", "")).partition(".")
+    found = getattr(torch, name, None) if module == "torch" and name.isidentifier() else None
+    return found.itemsize if isinstance(found, torch.dtype) else default
+
+
 def _fitting(rebuild: Callable[..., Any]) -> Callable[..., Any]:
     """``rebuild`` (storage, offset, size, stride, ...), refusing a tensor
-    that reaches past its storage."""
+    that reaches past its storage (in bytes: ``_rebuild_tensor_v3`` views
+    an untyped storage as elements of a dtype of its own)."""
+    v3 = getattr(rebuild, "__name__", "") == "_rebuild_tensor_v3"
 
     @functools.wraps(rebuild)
     def checked(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any, **kw: Any) -> Any:
         span = tensor_span(offset, size, stride)
-        if span is not None and isinstance(storage, torch.storage.TypedStorage) and span > storage.size():
-            raise CorruptCheckpointError(
-                f"a tensor of {tuple(size)} at offset {offset} reaches past its storage of {storage.size()} elements"
-            )
+        if span is not None and isinstance(storage, torch.storage.TypedStorage):
+            dtype = (rest[2] if len(rest) > 2 else kw.get("dtype")) if v3 else storage.dtype
+            itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else storage.dtype.itemsize
+            held = storage._untyped_storage.nbytes()
+            if span * itemsize > held:
+                raise CorruptCheckpointError(
+                    f"a tensor of {tuple(size)} at offset {offset} ({span * itemsize} bytes of {dtype}) "
+                    f"reaches past its storage of {held} bytes"
+                )
         return rebuild(storage, offset, size, stride, *rest, **kw)
 
     return checked

@@ -29,7 +29,17 @@ from .collectives import check_group
 from .cuda_staging import DeviceRead, device_for, read_staged, read_targets, staging_setup
 from .distributed import is_sharded_dir, read_sharded
 from .errors import CorruptCheckpointError, UnsupportedFormatError, drop_frames
-from .options import EngineOptions, PathLike, RangeBuffer, ReadReq, check_path, gc_paused, open_for_read, read_records
+from .options import (
+    EngineOptions,
+    PathLike,
+    RangeBuffer,
+    ReadReq,
+    check_path,
+    checksums,
+    gc_paused,
+    open_for_read,
+    read_records,
+)
 from .pickling import (
     LocationScan,
     MapLocation,
@@ -392,6 +402,8 @@ def _read_torch(
         first_checks += [(r, zlib.crc32(b)) for r, b in few if r is not None and b is not None]
         unchecked += check_crcs(first_checks, unrecorded, path)
     if _torch_reads(order, version, map_location):
+        # (torch.load checks no CRC32: every record's here, first)
+        unchecked += _check_records(verify, fd, d, small, data_entries, headers is not None, unrecorded, path, opts)
         return _read_by_torch(fd, size, path, map_location, weights_only, len(records))
     keyed = [(r.name[len(data_prefix) :], r) for r in data_recs]
     targets = read_targets(pkl, map_location, [k for k, _ in keyed])
@@ -416,6 +428,32 @@ def _read_torch(
         intact = verify and pkl_rec.name not in unrecorded
         obj = unpickle(pkl, storages, path, map_location, weights_only, placed, fast, intact)
     return obj, nbytes, len(records)
+
+
+def _check_records(
+    verify: bool,
+    fd: int,
+    d: ZipDirectory,
+    small: List[ZipRecord],
+    data_entries: List[Tuple[str, int, int, int, bytes]],
+    predicted: bool,
+    unrecorded: Set[str],
+    path: str,
+    opts: EngineOptions,
+) -> List[str]:
+    """Check the CRC32 of every data record (``data_entries``, where their
+    headers say; ``small``: the other records, checked apart), see
+    :func:`check_crcs`; nothing without ``verify``."""
+    if not verify:
+        return []
+    recs = resolve_records(fd, d, data_entries, opts)
+    if predicted:  # (not checked for overlaps yet)
+        _no_overlap(small + recs, path)
+    try:
+        crcs = checksums(fd, [(r.data_offset, r.size) for r in recs], opts)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path}: {e}") from None
+    return check_crcs(list(zip(recs, crcs)), unrecorded, path)
 
 
 #: The zip format versions (the ``version`` record) read here: those torch

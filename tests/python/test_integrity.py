@@ -1411,3 +1411,146 @@ def test_directories_a_save_makes_are_fsynced_into_their_parents(tmp_path, monke
     synced.clear()
     fo.make_dirs(str(ck_dir))  # already there: nothing to make, nothing to sync
     assert synced == []
+
+
+def _handed_to_torch(path, version: bytes = b"3\n", byteorder: bytes = b"little") -> None:
+    """A torch.save zip that the reader hands to torch.load (a version
+    record spelled otherwise, or the other byte order), every CRC32 right,
+    then one bit of a data record flipped (its CRC32 now wrong)."""
+    import io
+    import zipfile
+
+    t = torch.arange(8, dtype=torch.float32)
+    buf = io.BytesIO()
+    torch.save({"w": t}, buf)
+    with zipfile.ZipFile(buf) as z:
+        recs = {n: z.read(n) for n in z.namelist()}
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
+        for n, data in recs.items():
+            if n.endswith("/version"):
+                data = version
+            elif n.endswith("/byteorder"):
+                data = byteorder
+            elif n.endswith("/data/0") and byteorder == b"big":
+                data = t.numpy().byteswap().tobytes()  # what a big-endian torch.save writes
+            out.writestr(n, data)
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    raw = bytearray(open(path, "rb").read())
+    at = info.header_offset + 30 + struct.unpack_from("<HH", raw, info.header_offset + 26)[0]
+    at += struct.unpack_from("<HH", raw, info.header_offset + 26)[1]
+    raw[at + 13] ^= 0x40
+    open(path, "wb").write(raw)
+
+
+@pytest.mark.parametrize(
+    "kind", [{"version": b"3\r\n"}, {"version": b" 3\n"}, {"version": b"+3\n"}, {"byteorder": b"big"}], ids=repr
+)
+def test_a_read_handed_to_torch_load_still_checks_every_crc(tmp_path, kind):
+    """Regression (found in a hunt): a file the reader hands to torch.load
+    (a version record torch reads as 3 and the reader's check does not, a
+    big-endian file) was checked only for its pickle's and small records'
+    CRC32s: a damaged data record loaded, wrong, and ``ReadStats.verified``
+    said True. torch.load checks none: every record is checked first."""
+    p = tmp_path / "handed.pt"
+    _handed_to_torch(p, **kind)
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="data/0.*CRC32"):
+        fastpersist.read_state_dict(p, verify=True)
+    fastpersist.read_state_dict(p, verify=False)  # (read unchecked when asked)
+
+
+class _Pid:
+    """Pickles as a persistent id (a storage reference)."""
+
+    def __init__(self, *pid) -> None:
+        self.pid = pid
+
+
+class _Call:
+    """Pickles as ``fn(*args)``."""
+
+    def __init__(self, fn, *args) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def _crafted_zip(path, obj, records: dict) -> None:
+    """A torch.save-shaped zip of the pickle of ``obj`` (``_Pid``s as
+    persistent ids) and the data ``records``, every CRC32 right."""
+    import io
+    import zipfile
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, o):
+            return o.pid if isinstance(o, _Pid) else None
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(obj)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", buf.getvalue())
+        z.writestr("archive/byteorder", "little")
+        for k, v in records.items():
+            z.writestr(f"archive/data/{k}", v)
+        z.writestr("archive/version", "3\n")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.complex128, torch.float8_e4m3fn])
+def test_a_tensor_of_a_dtype_of_its_own_is_measured_in_its_elements(tmp_path, dtype):
+    """Regression (found in a hunt): torch.save writes tensors of dtypes
+    with no storage class (uint16-64, float8, complex32, ...) with
+    ``_rebuild_tensor_v3`` over an untyped storage; the checks measured
+    their reach in the storage's 1-byte elements. A tensor claiming twice
+    its record's bytes passed ``verify``, and a read let torch's ``set_``
+    grow the storage it had read up to 16x before refusing it. Now each is
+    measured in its own dtype's elements: verify and the read refuse it
+    at once, and an intact one still reads."""
+    import collections
+
+    from fastpersist.verify import verify_file
+
+    n = 6 // dtype.itemsize if dtype.itemsize <= 6 else 1
+    nbytes = n * dtype.itemsize
+    storage = _Pid("storage", torch.UntypedStorage, "0", "cpu", nbytes)
+    hooks = collections.OrderedDict()
+    for claimed, ok in ((n, True), (2 * n, False)):
+        p = tmp_path / f"v3-{claimed}.pt"
+        tensor = _Call(torch._utils._rebuild_tensor_v3, storage, 0, (claimed,), (1,), False, hooks, dtype)
+        _crafted_zip(p, {"t": tensor}, {"0": bytes(range(nbytes))})
+        if ok:
+            verify_file(p)
+            for weights_only in (True, False):
+                import warnings
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # (torch.load warns of nothing: TypedStorage deprecation)
+                    got = fastpersist.read_state_dict(p, weights_only=weights_only)["t"]
+                assert got.dtype == dtype and got.shape == (n,)
+                assert bytes(got.view(torch.uint8).numpy()) == bytes(range(nbytes))
+            continue
+        with pytest.raises(fastpersist.CorruptCheckpointError):
+            verify_file(p)
+        for weights_only in (True, False):
+            with pytest.raises(fastpersist.CorruptCheckpointError, match="reaches"):
+                fastpersist.read_state_dict(p, weights_only=weights_only)
+
+
+@pytest.mark.parametrize("key", [0, "a/0"], ids=repr)
+def test_storage_keys_are_read_and_verified_as_torch_load_reads_them(tmp_path, key):
+    """Regression (found in a hunt): torch.load reads the record
+    ``data/{key}`` for any storage key; the reader looked an int key up as
+    is (and called the file damaged) while verify passed it, and verify
+    called a key holding "/" missing while the reader read it."""
+    from fastpersist.verify import verify_file
+
+    storage = _Pid("storage", torch.FloatStorage, key, "cpu", 2)
+    tensor = _Call(
+        torch._utils._rebuild_tensor_v2, storage, 0, (2,), (1,), False, __import__("collections").OrderedDict()
+    )
+    p = tmp_path / "keys.pt"
+    _crafted_zip(p, {"t": tensor}, {str(key): torch.tensor([1.0, 2.0]).numpy().tobytes()})
+    assert torch.load(p)["t"].tolist() == [1.0, 2.0]
+    verify_file(p)
+    for weights_only in (True, False):
+        assert fastpersist.read_state_dict(p, weights_only=weights_only)["t"].tolist() == [1.0, 2.0]
