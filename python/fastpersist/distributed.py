@@ -65,6 +65,7 @@ from .options import (
     abandoned,
     file_identity,
     make_dirs,
+    open_beneath,
     use_engine,
     write_stats,
 )
@@ -385,8 +386,15 @@ def _load_index(dirpath: str) -> Tuple[List[Dict[str, Any]], int]:
 def read_sharded(dirpath: str, group: Any, read: Callable[[str], Any]) -> Any:
     """With a group: this rank's shard. Without: every shard, in rank order."""
     shards, world = _load_index(dirpath)
+
+    def read_shard(name: str) -> Any:
+        # A shard is a file of the directory: not a folder (read as a
+        # sharded checkpoint of its own), nor a link out of it.
+        os.close(open_beneath(dirpath, name))
+        return read(os.path.join(dirpath, name))
+
     if group is None:
-        return [read(os.path.join(dirpath, s["file"])) for s in shards]
+        return [read_shard(s["file"]) for s in shards]
     import torch.distributed as dist
 
     rank, n = dist.get_rank(group), dist.get_world_size(group)
@@ -394,4 +402,4 @@ def read_sharded(dirpath: str, group: Any, read: Callable[[str], Any]) -> Any:
         raise ValueError(
             f"{dirpath} holds {world} shards; the group has {n} ranks (read without a group to get every shard)"
         )
-    return read(os.path.join(dirpath, shards[rank]["file"]))
+    return read_shard(shards[rank]["file"])

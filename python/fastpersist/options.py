@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar, Union, cast
 
 from . import _core
-from .errors import FallbackWarning, WriteError
+from .errors import CorruptCheckpointError, FallbackWarning, WriteError
 
 __all__ = [
     "PathLike",
@@ -633,6 +633,31 @@ def open_for_read(path: str) -> int:
             kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
             raise OSError(errno.ESPIPE, f"{kind}, not a checkpoint file (it cannot be read at offsets)", path)
         os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_beneath(directory: str, name: str) -> int:
+    """:func:`open_for_read` of the file ``name`` of a checkpoint
+    ``directory`` (a data file its index or metadata names), refusing one
+    that is, or resolves through a link to, anything outside it
+    (CorruptCheckpointError naming both): a checkpoint's files are read,
+    nothing else it points at."""
+    path = os.path.join(directory, name)
+    norm = os.path.normpath(name)
+    if os.path.isabs(name) or norm == ".." or norm.startswith(".." + os.sep):
+        raise CorruptCheckpointError(f"{directory}: {name!r} names a file outside it")
+    fd = open_for_read(path)
+    try:
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")  # (where the open landed: no race with a rename)
+        except OSError:
+            real = os.path.realpath(path)
+        root = os.path.realpath(directory)
+        if os.path.commonpath([root, real]) != root:
+            raise CorruptCheckpointError(f"{directory}: {name!r} resolves to {real}, outside it (a link)")
     except BaseException:
         os.close(fd)
         raise

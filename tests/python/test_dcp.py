@@ -872,6 +872,36 @@ def test_metadata_naming_a_file_outside_the_checkpoint(tmp_path):
     assert (tmp_path / "outside").read_bytes() == b"not yours"
 
 
+@pytest.mark.parametrize("kind", ["link-out", "dotted-name"])
+def test_data_files_are_the_checkpoints_own(tmp_path, kind):
+    """Regression (found in a hunt): a data file that was a link was
+    followed out of the checkpoint's directory (what it points at was
+    read); a name that only begins with ".." (``..data.distcp``, a file of
+    the directory) was refused as outside it. A link out is refused; the
+    name is read."""
+    sd = state()
+    ck = tmp_path / "ck"
+    dcp.save(sd, storage_writer=FastPersistWriter(ck))
+    data = sorted(n for n in os.listdir(ck) if n.endswith(".distcp"))
+    if kind == "link-out":
+        for n in data:
+            os.rename(ck / n, tmp_path / n)  # (the same bytes: their CRC32s hold)
+            os.symlink(tmp_path / n, ck / n)
+        with raises(CorruptCheckpointError, "outside it"):
+            load(ck, FastPersistReader(ck), sd)
+        return
+    md = pickle.load(open(ck / ".metadata", "rb"))
+    for n in data:
+        os.rename(ck / n, ck / (".." + n))
+    for k, v in md.storage_data.items():
+        md.storage_data[k] = dataclasses.replace(v, relative_path=".." + v.relative_path)
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    for n in os.listdir(ck):
+        if n not in (".metadata",) and not n.startswith(".."):
+            os.unlink(ck / n)  # (the sidecar names the old names: a stock DCP checkpoint now)
+    assert_equal(load(ck, FastPersistReader(ck), sd), sd)
+
+
 def test_missing_rank_file(tmp_path):
     """One of several data files gone: the error names it; the checkpoint's
     other files stay as they were."""

@@ -235,6 +235,38 @@ def test_a_hostile_shard_index_is_corrupt(tmp_path, index):
         fastpersist.read_state_dict(d)
 
 
+@pytest.mark.parametrize("kind", ["link-out", "link-in", "folder"])
+def test_a_shard_is_a_file_of_its_directory(tmp_path, kind):
+    """Regression (found in a hunt): a shard that was a link was followed
+    out of the checkpoint's directory (whatever it pointed at was read), and
+    a shard that was a folder was read as a sharded checkpoint of its own
+    (a list inside the list). A link out of the directory is refused; one
+    within it is read; a folder is an error naming it."""
+    name = "shard-1-00000-of-00001.pt"
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    outside = tmp_path / "outside.pt"
+    torch.save({"secret": torch.ones(2)}, outside)
+    if kind == "link-out":
+        os.symlink(outside, d / name)
+    elif kind == "link-in":
+        torch.save({"a": torch.ones(2)}, d / "real.pt")
+        os.symlink("real.pt", d / name)
+    else:
+        (d / name).mkdir()
+        torch.save({"a": torch.ones(2)}, d / name / name)
+        (d / name / "index.json").write_text(
+            json.dumps({"world_size": 1, "shards": [{"rank": 0, "file": name, "bytes": 1}]})
+        )
+    (d / "index.json").write_text(json.dumps({"world_size": 1, "shards": [{"rank": 0, "file": name, "bytes": 1}]}))
+    if kind == "link-in":
+        assert fastpersist.read_state_dict(d)[0]["a"].tolist() == [1.0, 1.0]
+        return
+    err = fastpersist.CorruptCheckpointError if kind == "link-out" else IsADirectoryError
+    with pytest.raises(err, match="outside it" if kind == "link-out" else name):
+        fastpersist.read_state_dict(d)
+
+
 # 9. Name patterns too broad.
 
 

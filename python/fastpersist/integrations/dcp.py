@@ -88,6 +88,7 @@ from ..options import (
     full_gc_deferral,
     gc_paused,
     make_dirs,
+    open_beneath,
     read_with,
     use_engine,
 )
@@ -1229,7 +1230,8 @@ class FastPersistReader(StorageReader):
             if info is None:
                 raise CorruptCheckpointError(f"{self.path}: .metadata has no storage entry for {req.storage_index}")
             rel = info.relative_path
-            if not isinstance(rel, str) or os.path.isabs(rel) or os.path.normpath(rel).startswith(".."):
+            norm = os.path.normpath(rel) if isinstance(rel, str) else ".."
+            if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
                 raise CorruptCheckpointError(f"{self.path}: item {req.storage_index.fqn} names a file outside it")
             per_file.setdefault(rel, []).append(req)
         for rel, reqs in per_file.items():
@@ -1241,9 +1243,10 @@ class FastPersistReader(StorageReader):
     def _read_file(self, rel: str, reqs: List[Any], planner: LoadPlanner) -> None:
         path = os.path.join(self.path, rel)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = open_beneath(self.path, rel)
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: data file missing (named by {self.path}/{METADATA})") from None
+
         try:
             size = os.fstat(fd).st_size
             batch = _ReadBatch()
