@@ -17,6 +17,7 @@ from .errors import (
     FallbackWarning,
     FastPersistError,
     InheritedSaveError,
+    NoSafetensorsDtypeError,
     ReadError,
     SerializationError,
     SharedTensorsError,
@@ -70,6 +71,7 @@ __all__ = [
     "TierError",
     "Patch",
     "PatchStats",
+    "NoSafetensorsDtypeError",
     "SharedTensorsError",
     "UnsupportedDtypeError",
 ]

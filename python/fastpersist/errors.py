@@ -131,6 +131,16 @@ class SharedTensorsError(SerializationError, RuntimeError):
     message names the groups."""
 
 
+class NoSafetensorsDtypeError(SerializationError, KeyError):
+    """``format="safetensors"`` was given a tensor of a dtype safetensors
+    has no name for (complex, quantized, bits): refused, as
+    ``safetensors.torch.save_file`` refuses it (a ``KeyError``). The
+    message names the entry and the dtype."""
+
+    def __str__(self) -> str:  # (not KeyError's quoted repr)
+        return str(self.args[0]) if self.args else ""
+
+
 class UnsupportedDtypeError(FastPersistError, TypeError):
     """A valid file holds a tensor whose dtype this torch cannot represent
     (safetensors' ``F6_E2M3``/``F6_E3M2``, a dtype newer than the installed

@@ -364,7 +364,7 @@ def _read_torch(
         return _read_by_torch(fd, size, path, map_location, weights_only, 0)
     if not d.entries:
         raise CorruptCheckpointError(f"{path}: the zip holds no records")
-    prefix = archive_prefix(d.entries[0][0])
+    prefix = archive_prefix(d.entries[0][0], f"{path}: ")
     data_prefix = prefix + "data/"
     data_entries = [e for e in d.entries if e[0].startswith(data_prefix)]
     small = resolve_records(fd, d, [e for e in d.entries if not e[0].startswith(data_prefix)], opts)

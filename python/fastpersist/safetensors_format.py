@@ -20,7 +20,14 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
-from .errors import CorruptCheckpointError, NoDataError, SerializationError, SharedTensorsError, UnsupportedDtypeError
+from .errors import (
+    CorruptCheckpointError,
+    NoDataError,
+    NoSafetensorsDtypeError,
+    SerializationError,
+    SharedTensorsError,
+    UnsupportedDtypeError,
+)
 from .pickling import check_extent
 from .plan import DATA_ALIGNMENT, Blob, Plan, Region
 
@@ -92,7 +99,7 @@ def _check_entry(name: Any, t: Any) -> None:
         raise NoDataError(f"[{name!r}]: a tensor on the meta device has no data to save")
     check_extent(t, f"[{name!r}]")
     if t.dtype not in _BY_DTYPE:
-        raise SerializationError(f"[{name!r}]: safetensors has no dtype for {t.dtype}")
+        raise NoSafetensorsDtypeError(f"[{name!r}]: safetensors has no dtype for {t.dtype}")
     if _BY_DTYPE[t.dtype] == "F4" and t.dim() == 0:
         raise SerializationError(
             f"[{name!r}]: a 0-dim {t.dtype} tensor has no safetensors shape (F4 counts the two values of "
@@ -105,7 +112,7 @@ def _check_metadata(metadata: Any) -> Optional[Dict[str, str]]:
     (``{}`` is written, as safetensors writes it). TypeError otherwise."""
     if metadata is None:
         return None
-    if not isinstance(metadata, Mapping):
+    if not isinstance(metadata, dict):  # (safetensors refuses any other mapping too)
         raise SerializationError(f"safetensors metadata must be a dict of str to str, not {type(metadata).__name__}")
     for k, v in metadata.items():
         if not isinstance(k, str) or not isinstance(v, str):

@@ -101,6 +101,12 @@ def _is_numpy(x: Any) -> bool:
     return np is not None and isinstance(x, (np.ndarray, np.generic))
 
 
+def _is_numpy_scalar(x: Any) -> bool:
+    """A numpy scalar (a value: no identity a load keeps)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, np.generic)
+
+
 def _storage_bytes(st: Any) -> bytes:
     if st.device.type != "cpu":
         st = st.cpu()
@@ -189,7 +195,8 @@ class _Comparison:
     def same(self, exp: Any, got: Any, where: str) -> None:
         if type(exp) is not type(got):
             self.fail(where, f"type {type(got).__qualname__}, expected {type(exp).__qualname__}")
-        if type(exp) not in _VALUES and not _is_numpy(exp) and self._met(exp, got, where):
+        # (an array met twice is one array after a load, as a tensor is)
+        if type(exp) not in _VALUES and not _is_numpy_scalar(exp) and self._met(exp, got, where):
             return
         if isinstance(exp, torch.Tensor):
             if exp.is_nested or got.is_nested:
@@ -325,6 +332,20 @@ class _Comparison:
         elif exp.tobytes() != got.tobytes():
             self.fail(where, "numpy values differ")
 
+    def wrapper(self, exp: torch.Tensor, got: torch.Tensor, where: str, parts: Tuple[Any, Any]) -> None:
+        """A wrapper subclass (``parts``: its inner tensors' names and its
+        context, from ``__tensor_flatten__``)."""
+        names, ctx = parts
+        got_names, got_ctx = _wrapper_parts(got) or ((), None)
+        if list(names) != list(got_names) or ctx != got_ctx:
+            self.fail(where, f"wrapper {got_names!r} {got_ctx!r}, expected {names!r} {ctx!r}")
+        for n in names:
+            self.same(getattr(exp, n), getattr(got, n), f"{where}.{n}")
+        # Its other attributes (a scale, ...), which a load keeps too.
+        own = [{k: v for k, v in t.__dict__.items() if k not in names} for t in (exp, got)]
+        if own[0] or own[1]:
+            self.same(own[0], own[1], f"{where}.__dict__")
+
     def tensor(self, exp: torch.Tensor, got: torch.Tensor, where: str) -> None:
         for attr in ("dtype", "shape", "layout", "requires_grad"):
             if getattr(exp, attr) != getattr(got, attr):
@@ -333,12 +354,7 @@ class _Comparison:
             self.fail(where, f"device {got.device}, expected {exp.device}")
         parts = _wrapper_parts(exp)
         if parts is not None:
-            names, ctx = parts
-            got_names, got_ctx = _wrapper_parts(got) or ((), None)
-            if list(names) != list(got_names) or ctx != got_ctx:
-                self.fail(where, f"wrapper {got_names!r} {got_ctx!r}, expected {names!r} {ctx!r}")
-            for n in names:
-                self.same(getattr(exp, n), getattr(got, n), f"{where}.{n}")
+            self.wrapper(exp, got, where, parts)
             return
         if exp.__dict__ or got.__dict__:
             self.same(dict(exp.__dict__), dict(got.__dict__), f"{where}.__dict__")

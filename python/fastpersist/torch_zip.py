@@ -526,12 +526,32 @@ class CompressedRecords(UnsupportedFormatError):
     torch.load, which ``read_state_dict`` hands it to."""
 
 
-def archive_prefix(first: str) -> str:
+def archive_prefix(first: str, where: str = "") -> str:
     """The folder of a torch zip's records, as torch's reader takes it:
     that of its first record, named ``first`` (``"archive/"``, a file's
-    stem, or ``""``). Its ``data.pkl`` and ``data/<key>`` records are the
-    checkpoint's; others of those names elsewhere are not read."""
-    return first.split("/", 1)[0] + "/" if "/" in first else ""
+    stem). Its ``data.pkl`` and ``data/<key>`` records are the
+    checkpoint's; others of those names elsewhere are not read. A first
+    record in no folder is a CorruptCheckpointError: torch.load refuses
+    such a file ("file in archive is not in a subdirectory")."""
+    if "/" not in first:
+        raise _corrupt(
+            f"{where}record {first!r} is not in a folder: torch.load refuses such a zip (torch.save writes "
+            "every record in one)"
+        )
+    return first.split("/", 1)[0] + "/"
+
+
+#: The records a load reads (under the archive's folder), besides ``data/<key>``.
+_LOADED = frozenset(
+    ("data.pkl", "byteorder", "version", ".data/version", ".data/serialization_id", ".storage_alignment")
+)
+
+
+def _loaded(name: str, prefix: str) -> bool:
+    """Whether a load reads the record ``name`` (of an archive whose folder
+    is ``prefix``)."""
+    rest = name[len(prefix) :] if name.startswith(prefix) else None
+    return rest is not None and (rest in _LOADED or rest.startswith("data/"))
 
 
 def _is_torchscript(names: List[str]) -> bool:
@@ -550,8 +570,12 @@ def _check_extents(entries: List[Tuple[str, int, int, int, bytes]], cd_off: int,
     overlapping another, so the records add up to less than the file."""
     names = set()
     spans = []
+    first = entries[0][0] if entries else ""
+    prefix = first.split("/", 1)[0] + "/" if "/" in first else ""
     for name, hoff, size, _, _ in entries:
-        if name in names:
+        if name in names and _loaded(name, prefix):
+            # (one a load does not read, twice, torch.load takes: a zip
+            # tool appended a file again)
             raise _corrupt(f"{where}record {name!r} appears twice in the central directory")
         names.add(name)
         end = hoff + _LOCAL.size + size  # at the least: the name and extra field come on top

@@ -205,7 +205,7 @@ def verify_fd(fd: int, path: str, *, direct: Optional[bool] = None) -> VerifyRes
         raise CorruptCheckpointError(f"{path}: {e}") from None
     if fmt == "torch":
         # The records' folder, as torch's reader takes it (the first record's).
-        prefix = archive_prefix(recs[0].name if recs else "")
+        prefix = archive_prefix(recs[0].name if recs else "", f"{path}: ")
         unchecked = _check_crcs(fd, recs, crcs, prefix, path)
         pkl_name = prefix + "data.pkl"
         pkl = [r for r in recs if r.name == pkl_name]

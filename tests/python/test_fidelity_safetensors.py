@@ -202,6 +202,8 @@ def test_17_7_disjoint_parts_of_one_storage_are_not_shared(tmp_path):
         ("not a tensor", {"a": 1}, ValueError),
         ("sparse", {"a": torch.eye(3).to_sparse()}, ValueError),
         ("meta", {"a": torch.empty(3, device="meta")}, NotImplementedError),
+        # Regression (found in a hunt): a SerializationError, not the KeyError safetensors raises.
+        ("no safetensors dtype", {"a": torch.zeros(2, dtype=torch.complex128)}, KeyError),
     ],
 )
 def test_17_8_refusals_have_safetensors_exception_types(tmp_path, what, obj, base):
@@ -219,6 +221,9 @@ def test_17_8_refusals_have_safetensors_exception_types(tmp_path, what, obj, bas
         ({"a": 1}, "'a': int"),
         ({1: "a"}, "1: str"),
         ({"a": None}, "NoneType"),
+        # Regression (found in a hunt): any mapping was taken; safetensors takes a dict only.
+        (__import__("types").MappingProxyType({"k": "v"}), "not mappingproxy"),
+        (__import__("collections").UserDict({"k": "v"}), "not UserDict"),
     ],
 )
 def test_17_8_bad_metadata_is_a_type_error(tmp_path, metadata, match):
@@ -231,6 +236,10 @@ def test_17_8_bad_metadata_is_a_type_error(tmp_path, metadata, match):
     with pytest.raises(TypeError, match=match):
         fastpersist.save_async(sd, tmp_path / "fp.safetensors", format="safetensors", metadata=metadata).result()
     assert not (tmp_path / "fp.safetensors").exists()
+    with fastpersist.patch():
+        with pytest.raises(TypeError):
+            save_file(sd, tmp_path / "patched.safetensors", metadata=metadata)
+    assert not (tmp_path / "patched.safetensors").exists()
 
 
 def test_17_8_names_that_utf8_cannot_encode(tmp_path):

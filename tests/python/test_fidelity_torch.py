@@ -1068,11 +1068,19 @@ def test_wrapper_subclasses_are_placed_by_map_location_as_torch_load_places_them
     assert load()["tt"].device.type == "cpu"
 
 
-def _rezipped(src, dst, compression=zipfile.ZIP_STORED, drop=()):
+def _rezipped(src, dst, compression=zipfile.ZIP_STORED, drop=(), rename=lambda n: n, extra=()):
+    """``src``'s records (but those ending in ``drop``) stored again in
+    ``dst`` (names through ``rename``), then the (name, bytes) records
+    ``extra`` appended, as a zip tool appends (a name again too)."""
     with zipfile.ZipFile(src) as zi, zipfile.ZipFile(dst, "w", compression=compression) as zo:
         for n in zi.namelist():
             if not n.endswith(drop) or not drop:
-                zo.writestr(n, zi.read(n))
+                zo.writestr(rename(n), zi.read(n))
+    for name, data in extra:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (zipfile warns of the duplicate name)
+            with zipfile.ZipFile(dst, "a", zipfile.ZIP_STORED) as out:
+                out.writestr(name, data)
 
 
 def _both_ways(p, **kw):
@@ -1170,3 +1178,41 @@ def test_backward_hooks_are_warned_about_as_torch_warns(tmp_path):
     for save in (torch.save, fastpersist.write_state_dict):
         with pytest.warns(UserWarning, match="backward hook"):
             save({"t": t}, tmp_path / "h.pt")
+
+
+def test_a_record_no_load_reads_may_be_in_the_zip_twice(tmp_path):
+    """Regression (found in a hunt): a zip tool's second copy of a record
+    that no load reads (a notes file appended again) made every read
+    refuse the file, which torch.load reads. Twice is still refused for a
+    record a load reads."""
+    sd = {"w": torch.arange(4.0)}
+    torch.save(sd, tmp_path / "src.pt")
+    p = tmp_path / "dup.pt"
+    _rezipped(tmp_path / "src.pt", p, extra=[("src/extra/notes.txt", b"a"), ("src/extra/notes.txt", b"bb")])
+    assert torch.equal(torch.load(p)["w"], sd["w"])
+    assert torch.equal(fastpersist.read_state_dict(p)["w"], sd["w"])
+    verify_file(p)
+    with fastpersist.patch():
+        assert torch.equal(torch.load(p)["w"], sd["w"])
+    q = tmp_path / "dup-data.pt"
+    _rezipped(tmp_path / "src.pt", q, extra=[("src/data/0", b"\0" * 16)])
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="appears twice"):
+        fastpersist.read_state_dict(q)
+
+
+def test_records_in_no_folder_are_refused_as_torch_refuses_them(tmp_path):
+    """Regression (found in a hunt): a zip whose records are in no folder
+    (``data.pkl`` at the top) was read; torch.load refuses it ("file in
+    archive is not in a subdirectory"). It is a CorruptCheckpointError (a
+    RuntimeError, as torch's), from the read, verify and the patch."""
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "src.pt")
+    p = tmp_path / "flat.pt"
+    _rezipped(tmp_path / "src.pt", p, rename=lambda n: n.split("/", 1)[1])
+    with pytest.raises(RuntimeError, match="not in a subdirectory"):
+        torch.load(p)
+    for read in (fastpersist.read_state_dict, verify_file):
+        with pytest.raises(fastpersist.CorruptCheckpointError, match="not in a folder"):
+            read(p)
+    with fastpersist.patch():
+        with pytest.raises(RuntimeError):
+            torch.load(p)

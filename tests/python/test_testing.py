@@ -303,3 +303,25 @@ def test_assert_roundtrip_of_safetensors_with_a_map_location_safetensors_does_no
 
     sd = {"a": torch.arange(6.0), "b": torch.ones(2, 3, dtype=torch.int32)}
     assert_roundtrip(sd, tmp_path / "x.safetensors", write_kwargs={"format": "safetensors"}, map_location=where)
+
+
+def test_comparison_sees_a_wrapper_subclass_attribute_and_numpy_identity():
+    """Regression (found in a hunt): assert_same_state passed a wrapper
+    subclass (TwoTensor) that lost an attribute of its own, and two
+    separate numpy arrays where one array was met twice; torch.load keeps
+    both."""
+    import numpy as np
+
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    t = two_tensor.TwoTensor(torch.ones(2), torch.zeros(2))
+    t.scale = 0.5
+    same = two_tensor.TwoTensor(torch.ones(2), torch.zeros(2))
+    same.scale = 0.5
+    assert_same_state(t, same)
+    with pytest.raises(AssertionError, match="scale"):
+        assert_same_state(t, two_tensor.TwoTensor(torch.ones(2), torch.zeros(2)))
+    arr = np.arange(3)
+    assert_same_state([arr, arr], [np.arange(3)] * 2)
+    with pytest.raises(AssertionError, match="again"):
+        assert_same_state([arr, arr], [np.arange(3), np.arange(3)])
+    assert_same_state([np.float32(1.0)] * 2, [np.float32(1.0), np.float32(1.0)])  # (scalars: values)
