@@ -831,24 +831,34 @@ class AsyncSaver:
         except BaseException:
             # Not handed to its thread (a thread that cannot start, an
             # interrupt): nothing is written, and nothing waits for it.
-            if fut is not None:
-                self._take_back(p, fut)
+            # Unless the interrupt came once it was queued and its thread
+            # has begun it: that save runs, and stays tracked.
+            if fut is not None and not self._take_back(p, fut):
+                held.registered = True
             raise
         return fut
 
-    def _take_back(self, p: str, fut: CheckpointFuture) -> None:
+    def _take_back(self, p: str, fut: CheckpointFuture) -> bool:
         """A save that was not handed to its thread, undone: off the path's
         pending list and the saver's, its snapshot phase ended (cancelled),
-        each step idempotent and none left to a callback."""
+        each step idempotent and none left to a callback. False (nothing
+        undone) when its thread has begun it already."""
         try:
-            fut.cancel()
-        finally:
-            forget_pending(p, fut)
-            self._inflight = [f for f in self._inflight if f is not fut]
-            if self._last is fut:
-                self._last = None
-            fut._snapshot.set()
-            self._slot_free.set()
+            if not fut.cancel():
+                return False  # (running, or done: as a save registered)
+        except BaseException:
+            self._untrack(p, fut)
+            raise
+        self._untrack(p, fut)
+        return True
+
+    def _untrack(self, p: str, fut: CheckpointFuture) -> None:
+        forget_pending(p, fut)
+        self._inflight = [f for f in self._inflight if f is not fut]
+        if self._last is fut:
+            self._last = None
+        fut._snapshot.set()
+        self._slot_free.set()
 
     def _after_fork_in_child(self) -> None:
         """In a child made by ``os.fork()``: the saves in flight are the

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import fastpersist
@@ -638,3 +639,43 @@ def test_an_interrupt_as_a_save_registers_leaves_no_save_that_never_runs(tmp_pat
     later.result()
     saver.close()
     assert torch.equal(torch.load(p)["w"], torch.zeros(4))
+
+
+def test_an_interrupt_once_a_save_is_queued_and_begun_leaves_it_tracked(tmp_path, monkeypatch):
+    """Regression (found in a hunt): a Ctrl-C landing in save_async right
+    after its save was queued, once its thread had begun it, took the save
+    back: it was dropped from the saver's list (``pending()``, ``wait_all()``
+    and ``close()`` no longer waited for it) and its version counters were
+    let go while it still wrote. A save its thread has begun stays tracked."""
+    import signal
+
+    from fastpersist import async_save
+
+    saver = AsyncSaver(max_pending=2)
+    p = tmp_path / "x.pt"
+    begun, release = threading.Event(), threading.Event()
+    real_wait, real_submit = async_save.wait_for_earlier, async_save._Worker.submit
+
+    def held_back(path, fut):
+        begun.set()
+        release.wait(30)
+        return real_wait(path, fut)
+
+    def submit(worker, fn, *args):
+        done = real_submit(worker, fn, *args)
+        assert begun.wait(30)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, right here
+        return done
+
+    monkeypatch.setattr(async_save, "wait_for_earlier", held_back)
+    monkeypatch.setattr(async_save._Worker, "submit", submit)
+    with pytest.raises(KeyboardInterrupt):
+        saver.save({"w": torch.ones(4)}, p)
+    monkeypatch.setattr(async_save._Worker, "submit", real_submit)
+    tracked = saver.pending()
+    release.set()
+    assert len(tracked) == 1 and not tracked[0].cancelled()
+    saver.wait_all(timeout=30)
+    assert tracked[0].done() and tracked[0].exception() is None
+    saver.close()
+    assert torch.equal(torch.load(p)["w"], torch.ones(4))
