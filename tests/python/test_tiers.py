@@ -983,6 +983,19 @@ def _store_names(store) -> list:
     return sorted(n for n in os.listdir(store) if ".pt" in n and not n.endswith(".fpcommit"))
 
 
+def _run_a(tmp_path, keep_last: int) -> tuple:
+    """A local store, and run A's checkpoints of steps 100, 200 and 300
+    saved and staged there: (store folder, its URL, the local directory)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    url, local = f"local://{store}", tmp_path / "local"
+    with fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=keep_last) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, {"run": "A", "x": torch.tensor([s])})
+            ck.wait()
+    return store, url, local
+
+
 @pytest.mark.parametrize("what", ["list", "move"])
 def test_going_back_while_the_store_fails_is_finished_before_anything_past_it_is_staged(tmp_path, monkeypatch, what):
     """Regression (found in a hunt): a going back whose staged part failed
@@ -993,13 +1006,7 @@ def test_going_back_while_the_store_fails_is_finished_before_anything_past_it_is
     deleted the new run's uploads. Now the record is kept, the stager tries
     again before each stage and stages nothing past the step until it is
     done, and meanwhile those objects are neither restored nor counted."""
-    store = tmp_path / "store"
-    store.mkdir()
-    url, local = f"local://{store}", tmp_path / "local"
-    with fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=2) as ck:
-        for s in (100, 200, 300):
-            ck.save(s, {"run": "A", "x": torch.tensor([s])})
-            ck.wait()
+    store, url, local = _run_a(tmp_path, keep_last=2)
     assert _store_names(store) == [ckpt_name(200), ckpt_name(300)]
     outage = _Outage(monkeypatch, what)
     ck = fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=2)
@@ -1034,13 +1041,7 @@ def test_going_back_after_the_store_could_not_be_listed_at_the_start_lists_it_th
     store when it was made knew no staged step, so a going back never looked
     at the store: the abandoned run's later objects stayed committed and a
     node loss restored from them. Such a going back lists the store."""
-    store = tmp_path / "store"
-    store.mkdir()
-    url, local = f"local://{store}", tmp_path / "local"
-    with fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=3) as ck:
-        for s in (100, 200, 300):
-            ck.save(s, {"run": "A", "x": torch.tensor([s])})
-            ck.wait()
+    store, url, local = _run_a(tmp_path, keep_last=3)
     outage = _Outage(monkeypatch, "list")
     outage.down = True
     ck = fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=3)
@@ -1064,13 +1065,7 @@ def test_a_record_a_dead_process_left_is_taken_on_when_the_store_fails(tmp_path,
     record out over that upload (the new run's checkpoint set aside as
     abandoned). The Checkpointer now takes the record on: it finishes it
     before its first stage past the step."""
-    store = tmp_path / "store"
-    store.mkdir()
-    url, local = f"local://{store}", tmp_path / "local"
-    with fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=5) as ck:
-        for s in (100, 200, 300):
-            ck.save(s, {"run": "A", "x": torch.tensor([s])})
-            ck.wait()
+    store, url, local = _run_a(tmp_path, keep_last=5)
     # What a process that went back to 150 left when it died: its local
     # part done, the staged part not.
     for s in (200, 300):
@@ -1101,13 +1096,7 @@ def test_a_set_aside_killed_between_the_move_and_its_marker_is_finished(tmp_path
     step is older than every checkpoint kept."""
     from fastpersist import _core
 
-    store = tmp_path / "store"
-    store.mkdir()
-    url, local = f"local://{store}", tmp_path / "local"
-    with fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=5) as ck:
-        for s in (100, 200, 300):
-            ck.save(s, {"run": "A", "x": torch.tensor([s])})
-            ck.wait()
+    store, url, local = _run_a(tmp_path, keep_last=5)
     aside = ckpt_name(300) + ".abandoned"
     os.rename(local / ckpt_name(300), local / aside)  # a going back past 300 ...
     os.rename(store / ckpt_name(300), store / aside)  # ... killed here: the marker is still the old name's
