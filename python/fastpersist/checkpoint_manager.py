@@ -257,9 +257,23 @@ def _remove_quietly(path: str) -> None:
 def _unpack(payload: Any, path: str) -> Tuple[int, Any]:
     """``(step, state)`` of a checkpoint's payload; CorruptCheckpointError
     for a file of a checkpoint's name that a Checkpointer did not write."""
+    _check_payload(payload, path)
+    return payload["step"], payload["state"]
+
+
+def _check_payload(payload: Any, path: str) -> None:
+    """A Checkpointer's payload is a dict ``{'step': int, 'state': ...}``
+    (a loaded one, or the top level :func:`verify_file` saw)."""
     if not isinstance(payload, dict) or "state" not in payload or type(payload.get("step")) is not int:
         raise CorruptCheckpointError(f"{path} is not a Checkpointer's checkpoint ({{'step': int, 'state': ...}})")
-    return payload["step"], payload["state"]
+
+
+def verify_checkpoint(path: str) -> None:
+    """:func:`verify_file`, and the file holds a Checkpointer's payload (as
+    :meth:`Checkpointer.load_latest` takes it): what ``latest()`` and
+    retention count as a checkpoint (a torch file of another shape at a
+    checkpoint's name is not one)."""
+    _check_payload(verify_file(path).top_level, path)
 
 
 def list_checkpoints(
@@ -1487,7 +1501,7 @@ class Checkpointer:
         ok = self._valid.get(ident)
         if ok is None:
             try:
-                verify_file(path)
+                verify_checkpoint(path)
                 ok = True
             except (FastPersistError, OSError) as e:  # damaged, or not a checkpoint we read
                 log.warning("fastpersist: %s is damaged; retention keeps newer valid checkpoints: %s", path, e)
@@ -1708,7 +1722,7 @@ class Checkpointer:
                     raise FileNotFoundError(c.path)
                 return c
             try:
-                verify_file(c.path)
+                verify_checkpoint(c.path)
                 return c
             except FileNotFoundError:
                 raise
@@ -1840,7 +1854,7 @@ class Checkpointer:
         mine: Optional[CheckpointInfo] = None
         try:
             if verify:
-                verify_file(local)
+                verify_checkpoint(local)
             mine = CheckpointInfo(step, local, "local", os.path.getsize(local))
         except FileNotFoundError:
             pass
@@ -1933,7 +1947,7 @@ class Checkpointer:
         shared = os.path.join(self.stage_dir, ckpt_name(step))
         try:
             if verify:
-                verify_file(shared)
+                verify_checkpoint(shared)
             return CheckpointInfo(step, shared, "shared", os.path.getsize(shared))
         except (FastPersistError, OSError) as e:
             log.warning("fastpersist: skipping %s: %s", shared, e)

@@ -13,7 +13,7 @@ import os
 import pickletools
 import struct
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from .errors import CorruptCheckpointError
 from .options import EngineOptions, PathLike, check_path, checksums, open_for_read
@@ -32,10 +32,17 @@ class VerifyResult(Tuple[str, int]):
     :attr:`fastpersist.ReadStats.unchecked`)."""
 
     unchecked: Tuple[str, ...]
+    #: A torch zip's top-level object, when it is a dict: its str keys,
+    #: each with its value when that is an int or a str (else None).
+    #: (What the Checkpointer tells its own payloads by, without a load.)
+    top_level: Optional[Dict[str, Any]]
 
-    def __new__(cls, fmt: str, records: int, unchecked: Iterable[str] = ()) -> VerifyResult:
+    def __new__(
+        cls, fmt: str, records: int, unchecked: Iterable[str] = (), top_level: Optional[Dict[str, Any]] = None
+    ) -> VerifyResult:
         self = super().__new__(cls, (fmt, records))
         self.unchecked = tuple(unchecked)
+        self.top_level = top_level
         return self
 
     @property
@@ -107,7 +114,7 @@ def inspect_file(path: PathLike) -> Tuple[str, List[RecordInfo]]:
         os.close(fd)
 
 
-def _check_pickle(data: bytes, recs: List[RecordInfo], prefix: str, path: str) -> None:
+def _check_pickle(data: bytes, recs: List[RecordInfo], prefix: str, path: str) -> Optional[Dict[str, Any]]:
     """The pickle is well formed, and every storage it names is a record
     of the file holding exactly the bytes of the storage its first
     reference, and each reference as another type, describes (as
@@ -126,7 +133,7 @@ def _check_pickle(data: bytes, recs: List[RecordInfo], prefix: str, path: str) -
             sizes[key], names[key] = r.bytes, r.name
     scan = LocationScan(data)
     try:
-        scan.load()
+        top = scan.load()
     except Exception as e:  # noqa: BLE001
         raise CorruptCheckpointError(f"{path}: data.pkl cannot be replayed: {type(e).__name__}: {e}") from None
     for key, (type_name, numel) in scan.storages.items():
@@ -155,6 +162,9 @@ def _check_pickle(data: bytes, recs: List[RecordInfo], prefix: str, path: str) -
             raise CorruptCheckpointError(
                 f"{path}: a tensor in the pickle reaches {reach} bytes into storage {key!r}, which holds {sizes[key]}"
             )
+    if not isinstance(top, dict):
+        return None
+    return {k: v if type(v) in (int, str) else None for k, v in top.items() if type(k) is str}
 
 
 def _check_crcs(fd: int, recs: List[RecordInfo], crcs: List[int], prefix: str, path: str) -> List[str]:
@@ -212,5 +222,6 @@ def verify_fd(fd: int, path: str, *, direct: Optional[bool] = None) -> VerifyRes
         if not pkl:
             raise CorruptCheckpointError(f"{path}: no data.pkl record where torch.load looks for it")
         data = os.pread(fd, pkl[0].bytes, pkl[0].offset)
-        _check_pickle(data, recs, prefix, path)
+        top = _check_pickle(data, recs, prefix, path)
+        return VerifyResult(fmt, len(recs) - len(unchecked), unchecked, top)
     return VerifyResult(fmt, len(recs) - len(unchecked), unchecked)

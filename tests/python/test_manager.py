@@ -1102,3 +1102,24 @@ def test_an_event_after_a_torn_log_line_is_a_line_of_its_own(tmp_path):
     lines = log_path.read_text().splitlines()
     assert lines[-2] == '{"time": 1, "event": "comm'
     assert json.loads(lines[-1])["event"] == "commit" and json.loads(lines[-1])["step"] == 2
+
+
+def test_a_torch_file_that_is_no_checkpointers_is_neither_latest_nor_counted(tmp_path):
+    """Regression (found in a hunt): a valid torch file at a checkpoint's
+    name that a Checkpointer did not write (not ``{'step': int, 'state':
+    ...}``) was ``latest()`` while ``load_latest()`` passed it by, and
+    retention counted it as a kept checkpoint: with ``keep_last=2`` a real
+    one was deleted in its place. Both now pass it by, as the load does."""
+    d = tmp_path / "ck"
+    with fastpersist.Checkpointer(d, every=1, keep_last=2) as ck:
+        ck.save(100, {"x": torch.tensor([100])})
+        ck.wait()
+    torch.save({"w": torch.ones(3)}, d / ckpt_name(200))  # someone else's file
+    ck = fastpersist.Checkpointer(d, every=1, keep_last=2)
+    assert ck.latest().step == 100
+    assert ck.load_latest()[0] == 100
+    ck.save(300, {"x": torch.tensor([300])})  # (200 is not a checkpoint: no going back)
+    ck.wait()
+    ck.close()
+    names = sorted(os.listdir(d))
+    assert {ckpt_name(100), ckpt_name(200), ckpt_name(300)} <= set(names), names
