@@ -447,3 +447,47 @@ def test_an_interrupted_commit_leaves_the_tag_pending_and_sets_nothing_aside(tmp
     assert sorted(os.listdir(d)) == ["model.pt", "optim.pt"]
     for n in ("model.pt", "optim.pt"):
         assert eng.load(str(d / n))["v"] == 2
+
+
+class _TwoLineEngine:
+    """What ``use_fastpersist`` wraps of a DeepSpeed engine: a
+    ``save_checkpoint`` that leaves its tag to the decoupled commit, and a
+    ``load_checkpoint`` that reads ``latest``."""
+
+    checkpoint_engine = None
+
+    def save_checkpoint(self, save_dir, tag):
+        ce = self.checkpoint_engine
+        ce.create(info(save_dir, tag))
+        ce.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+        ce.save({"tag": tag, "w": torch.full((1000,), float(tag[-1]))}, os.path.join(save_dir, tag, "model.pt"))
+
+    def load_checkpoint(self, load_dir, tag=None):
+        with open(os.path.join(load_dir, "latest")) as f:
+            tag = tag or f.read().strip()
+        return self.checkpoint_engine.load(os.path.join(load_dir, tag, "model.pt"), map_location="cpu")["tag"]
+
+
+def test_a_load_commits_what_another_engine_of_the_process_has_pending_there(tmp_path):
+    """Regression (found in a hunt): an engine's ``load_checkpoint``
+    committed only its own pending tag before reading ``latest``: a second
+    engine made in the process to load what the first had just saved read
+    the tag before (one checkpoint older, no error), or, for a reused tag,
+    refused it as a save killed part way. Tags other engines have pending
+    in that directory are committed first."""
+    from fastpersist.integrations.deepspeed import use_fastpersist
+
+    saver, loader = _TwoLineEngine(), _TwoLineEngine()
+    use_fastpersist(saver, prepare=False)
+    use_fastpersist(loader, prepare=False)
+    saver.save_checkpoint(str(tmp_path), "step1")
+    saver.checkpoint_engine.commit_pending()
+    saver.save_checkpoint(str(tmp_path), "step2")  # pending: its commit comes at the next save or load
+    assert loader.load_checkpoint(str(tmp_path)) == "step2"
+    saver.save_checkpoint(str(tmp_path), "step2")  # a reused tag, pending again
+    assert loader.load_checkpoint(str(tmp_path)) == "step2"
+    other = tmp_path / "other"
+    saver.save_checkpoint(str(other), "step3")  # another directory's pending tag is left to its engine
+    loader.load_checkpoint(str(tmp_path))
+    assert saver.checkpoint_engine.commit_info is not None
+    saver.checkpoint_engine.commit_pending()

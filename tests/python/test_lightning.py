@@ -46,10 +46,10 @@ class Tiny(pl.LightningModule):
 
 def trainer(tmp_path, io, callbacks=(), **kw):
     kw.setdefault("max_epochs", 3)
+    kw.setdefault("plugins", [io])
     return pl.Trainer(
         accelerator="cpu",
         devices=1,
-        plugins=[io],
         callbacks=list(callbacks),
         logger=False,
         enable_progress_bar=False,
@@ -750,3 +750,91 @@ def test_an_interrupted_wait_keeps_a_failure_it_had_not_raised_yet(tmp_path, mon
     with pytest.raises(fastpersist.WriteError):
         saves.wait()
     saves.close()
+
+
+def test_loggers_are_told_of_a_checkpoint_once_it_is_durable(tmp_path):
+    """Regression (found in a hunt): ``ModelCheckpoint`` tells the loggers
+    of a checkpoint (W&B's and MLflow's ``log_model``, which scan the
+    folder for checkpoints to upload) as soon as ``save_checkpoint``
+    returns, when an asynchronous save's file is not there yet: a logger
+    that scans found nothing. Its call is now held until the checkpoint is
+    durable."""
+    from lightning.pytorch.loggers.logger import Logger
+
+    d = tmp_path / "ck"
+    seen: list = []
+
+    class Scanning(Logger):
+        name, version = "scan", 0
+        experiment = None
+
+        def log_metrics(self, *a, **k) -> None:
+            pass
+
+        def log_hyperparams(self, *a, **k) -> None:
+            pass
+
+        def after_save_checkpoint(self, checkpoint_callback) -> None:
+            files = [p for p in ckpts(d) if _verifies(p)]
+            seen.append((os.path.basename(checkpoint_callback._last_checkpoint_saved), len(files)))
+
+    io = FastPersistCheckpointIO()
+    t = trainer(tmp_path, io, [top_k(str(d), -1)], max_epochs=1)
+    t.loggers = [Scanning()]
+    t.fit(Tiny())
+    assert len(seen) == BATCHES, seen
+    # Each call finds its own checkpoint durable, and every one before it.
+    assert [n for _, n in seen] == list(range(1, BATCHES + 1)), seen
+
+
+def test_a_slurm_requeue_finds_its_checkpoint_written(tmp_path, monkeypatch):
+    """Regression (found in a hunt): Lightning's SLURM auto-requeue saves
+    ``hpc_ckpt_<n>.ckpt`` and requeues the job at once (SLURM then kills
+    this one); the asynchronous save was still a temporary file when the
+    requeue ran. That save now returns once it is durable."""
+    import signal
+
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    found: list = []
+
+    def requeue(cmd, *a, **k):  # what scontrol would find when the job is requeued
+        found.append(sorted(n for n in os.listdir(tmp_path) if "hpc_ckpt" in n))
+        return 0
+
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_NAME", "test")
+    monkeypatch.setattr("lightning.pytorch.trainer.connectors.signal_connector.call", requeue)
+
+    class Signal(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == 2 and not found:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    io = FastPersistCheckpointIO()
+    t = trainer(tmp_path, io, [Signal()], max_epochs=1, plugins=[io, SLURMEnvironment(auto_requeue=True)])
+    old = signal.getsignal(signal.SIGUSR1)
+    try:
+        t.fit(Tiny())
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert found == [["hpc_ckpt_1.ckpt"]], found
+    assert _verifies(tmp_path / "hpc_ckpt_1.ckpt")
+
+
+def test_a_fabric_save_that_fails_raises(tmp_path, engine_fault):
+    """Regression (found in a hunt): Fabric has no stage and no teardown to
+    wait at: a failed asynchronous ``fabric.save`` was only logged at exit
+    (the script ended with status 0 and no checkpoint). ``fabric.save`` now
+    returns once the checkpoint is durable, and a failure raises there."""
+    import lightning as L
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FastPersistCheckpointIO()])
+    model = torch.nn.Linear(8, 8)
+    fabric.save(tmp_path / "a.ckpt", {"model": model})
+    assert _verifies(tmp_path / "a.ckpt")  # (there when save returns)
+    engine_fault(0, errno.ENOSPC)
+    with pytest.raises(fastpersist.WriteError):
+        fabric.save(tmp_path / "b.ckpt", {"model": model})
+    assert not (tmp_path / "b.ckpt").exists()

@@ -580,3 +580,28 @@ def test_rotation_never_enters_a_checkpoint_folder_that_is_a_link(tmp_path):
     assert sorted(os.listdir(archive)) == sorted(["trainer_state.json", CRC_SIDECAR, "model.safetensors"])
     assert (out / "checkpoint-1").is_symlink()
     assert latest_complete_checkpoint(str(out)) == str(out / "checkpoint-4")
+
+
+def test_a_callbacks_on_save_finds_the_checkpoint_complete(tmp_path):
+    """Regression (found in a hunt): the Trainer calls ``on_save`` as soon as
+    ``_save_checkpoint`` returns, and callbacks that upload the folder
+    (W&B's ``log_model="checkpoint"``, MLflow's ``log_artifacts``) found it
+    half written (no optimizer, scheduler, RNG state or trainer_state.json).
+    With such a callback the save is durable before it returns."""
+    out = tmp_path / "run"
+    seen: dict = {}
+
+    class Upload(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            folder = out / f"checkpoint-{state.global_step}"
+            seen[state.global_step] = sorted(n for n in os.listdir(folder) if not n.startswith("."))
+            return control
+
+    t = FPTrainer(model=model(), args=args(out, max_steps=4), train_dataset=data(), callbacks=[Upload()])
+    t.train()
+    plain = tmp_path / "plain"
+    Trainer(model=model(), args=args(plain, max_steps=2), train_dataset=data()).train()
+    stock = sorted(n for n in os.listdir(plain / "checkpoint-2") if not n.startswith("."))
+    assert set(seen) == {2, 4}
+    for step, names in seen.items():
+        assert set(stock) <= set(names), (step, names, stock)

@@ -447,6 +447,27 @@ class FastPersistCheckpointEngine(_base()):  # type: ignore[misc]
 _engines: weakref.WeakSet[FastPersistCheckpointEngine] = weakref.WeakSet()
 
 
+def _commit_pending_in(load_dir: str, loading: Optional[FastPersistCheckpointEngine]) -> None:
+    """Before an engine reads ``latest`` in ``load_dir``: commit the tags
+    other engines of this process still have pending there (an engine that
+    saved, and another made to load what it saved): ``latest`` named the
+    tag before, and the tag's folder is marked as a save in progress."""
+    try:
+        where = os.path.realpath(load_dir)
+    except (OSError, ValueError):
+        return
+    for eng in list(_engines):
+        info = eng.commit_info
+        if eng is loading or info is None:
+            continue
+        try:
+            same = os.path.realpath(info.save_dir) == where
+        except (OSError, ValueError, AttributeError):
+            same = False
+        if same:
+            eng.commit_pending()
+
+
 @atexit.register
 def _commit_at_exit() -> None:
     """Commit the tags still pending at exit (a script that saved at its end
@@ -483,6 +504,9 @@ def _wrap_engine(engine: Any) -> None:
         ce = ours()
         if ce is not None:
             ce.commit_pending()  # before DeepSpeed reads latest
+        load_dir = args[0] if args else kwargs.get("load_dir")
+        if isinstance(load_dir, (str, os.PathLike)):
+            _commit_pending_in(os.fspath(load_dir), ce)
         if real_load is not None:
             return real_load(*args, **kwargs)
         return cls.load_checkpoint(ref(), *args, **kwargs)

@@ -38,6 +38,11 @@ One class serves both import trees: it is a ``CheckpointIO`` of
   flight: a save followed by a link waits for the disk); if its save
   failed, the error is raised there and ``last.ckpt`` still names the
   previous checkpoint.
+* Loggers hear of a checkpoint (``after_save_checkpoint``: W&B's and
+  MLflow's ``log_model``) once it is durable: at the next save, ``wait()``,
+  ``remove_checkpoint`` or the stage's teardown.
+* ``fabric.save`` (Fabric has no stage nor teardown) and the save of a
+  SLURM auto-requeue return once the checkpoint is durable.
 * A checkpoint still being saved counts as existing for ``ModelCheckpoint``
   (it then names the next one ``-v1``, as with a synchronous save, rather
   than replacing it): the adapter wraps ``ModelCheckpoint.file_exists``.
@@ -150,6 +155,12 @@ class _FastPersistIO:
         #: Make the snapshot staging buffer ahead of the first save (see :meth:`prepare`).
         self.prepare_ahead = bool(prepare)
         self._torn_down = False
+        #: Saves from within a call that must find the file written when
+        #: it returns (a SLURM requeue's), waited for at once while > 0.
+        self._sync = 0
+        #: Loggers' ``after_save_checkpoint`` calls held until the
+        #: checkpoint each is about is durable: (its path, the call).
+        self._to_notify: List[Tuple[str, Callable[[], None]]] = []
         #: The exception being handled where the stage running was called
         #: (a retry inside the caller's ``except``): not Lightning's.
         self._outer: Optional[BaseException] = None
@@ -248,6 +259,14 @@ class _FastPersistIO:
         """Wait until every checkpoint saved so far is durable; raise a
         failed save's error."""
         self.saves.wait()
+        self._notify_loggers()
+
+    def _notify_loggers(self) -> None:
+        """Make the loggers' calls held for checkpoints no longer in flight
+        (in order: one still in flight holds back those after it)."""
+        while self._to_notify and not has_pending(self._to_notify[0][0]):
+            _, call = self._to_notify.pop(0)
+            call()
 
     def __getstate__(self) -> Dict[str, Any]:
         """The options, not the saves (``ddp_spawn``, ``copy.deepcopy``): a
@@ -301,8 +320,9 @@ class _FastPersistIO:
         if handling is self._outer or type(handling).__name__ == "_TunerExitException":
             handling = None  # not one Lightning raises: the caller's own, or one Lightning swallows
         try:
-            self.saves.wait()
+            self.wait()
         except Exception as e:  # handed to the exception Lightning is raising
+            self._to_notify.clear()  # (a stage that failed: its loggers finalize as failed)
             if handling is None:
                 raise
             log.error("fastpersist: a checkpoint failed while %s was raised: %r", type(handling).__name__, e)
@@ -382,8 +402,8 @@ def _durable_outside_a_stage() -> None:
             def save_checkpoint(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
                 out = _orig(self, *args, **kwargs)
                 io = _io_of(self)
-                if io is not None and (io._torn_down or not _running(self)):
-                    _durable_everywhere(self, io)
+                if io is not None and (io._torn_down or io._sync or not _running(self)):
+                    _durable_everywhere(self.strategy, io)
                 return out
 
             _replace(cls, "save_checkpoint", save_checkpoint, orig)
@@ -406,16 +426,17 @@ def _durable_outside_a_stage() -> None:
             _replace(cls, stage, start, run)
 
 
-def _durable_everywhere(trainer: Any, io: _FastPersistIO) -> None:
-    """Wait for ``io``'s saves, then agree across the ranks: the rank that
-    writes (global rank 0) tells the others whether it failed, and every
-    rank raises then (none is left waiting in a barrier)."""
+def _durable_everywhere(strategy: Any, io: _FastPersistIO) -> None:
+    """Wait for ``io``'s saves, then agree across the ranks (``strategy``'s
+    broadcast): the rank that writes (global rank 0) tells the others
+    whether it failed, and every rank raises then (none is left waiting in
+    a barrier)."""
     err: Optional[BaseException] = None
     try:
         io.wait()
     except Exception as e:  # noqa: BLE001 - told to every rank below
         err = e
-    said = trainer.strategy.broadcast(f"{type(err).__name__}: {err}" if err is not None else None, src=0)
+    said = strategy.broadcast(f"{type(err).__name__}: {err}" if err is not None else None, src=0)
     if err is not None:
         raise err
     if said is not None:
@@ -455,6 +476,108 @@ def _link_when_durable() -> None:
         return staticmethod(_link_checkpoint) if isinstance(orig, staticmethod) else _link_checkpoint
 
     _wrap_model_checkpoint("_link_checkpoint", wrap)
+
+
+def _loggers_told_when_durable() -> None:
+    """``ModelCheckpoint`` tells the loggers of a checkpoint
+    (``after_save_checkpoint``: W&B, MLflow, ... upload it, or scan the
+    folder for checkpoints to upload) as soon as ``save_checkpoint``
+    returns, when an asynchronous save's file is not there yet: they found
+    nothing, or a temporary file. With fastpersist's CheckpointIO each
+    such call is held until its checkpoint is durable, and made at the next
+    save, ``wait()``, ``remove_checkpoint`` or the stage's teardown,
+    whichever finds it so first (a failed save's loggers are told of it as
+    Lightning's own CheckpointIO tells them of a file it did write: never;
+    at teardown the held calls of a failed stage are dropped)."""
+
+    def wrap(orig: Any) -> Callable[..., None]:
+        def _save_checkpoint(self: Any, trainer: Any, filepath: str) -> None:
+            io = _io_of(trainer)
+            if io is None:
+                orig(self, trainer, filepath)
+                return
+            io._notify_loggers()
+            held = []
+            for logger in trainer.loggers:
+
+                def later(callback: Any, _logger: Any = logger, _path: str = os.fspath(filepath)) -> None:
+                    tell = functools.partial(type(_logger).after_save_checkpoint, _logger, callback)
+                    io._to_notify.append((_path, tell))
+
+                try:
+                    logger.after_save_checkpoint = later  # (an attribute of this instance, for this call)
+                except AttributeError:
+                    continue
+                held.append(logger)
+            try:
+                orig(self, trainer, filepath)
+            finally:
+                for logger in held:
+                    del logger.after_save_checkpoint
+            io._notify_loggers()  # (a synchronous save's: at once)
+
+        return _save_checkpoint
+
+    _wrap_model_checkpoint("_save_checkpoint", wrap)
+
+
+def _durable_for_a_requeue() -> None:
+    """Lightning's SLURM auto-requeue (``SIGUSR1``) saves ``hpc_ckpt_<n>.ckpt``
+    and requeues the job at once; SLURM kills this one soon after. With
+    fastpersist's CheckpointIO that save returns once it is durable, so the
+    requeued job finds it (not a temporary file)."""
+    import importlib
+
+    for modname in (
+        "lightning.pytorch.trainer.connectors.signal_connector",
+        "pytorch_lightning.trainer.connectors.signal_connector",
+    ):
+        try:
+            cls = importlib.import_module(modname)._SignalConnector
+        except (ImportError, AttributeError):
+            continue
+        orig = cls.__dict__.get("_slurm_sigusr_handler_fn")
+        if orig is None or getattr(orig, "_fastpersist", False):
+            continue
+
+        def handler(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+            io = _io_of(self.trainer)
+            if io is None:
+                return _orig(self, *args, **kwargs)
+            io._sync += 1
+            try:
+                return _orig(self, *args, **kwargs)
+            finally:
+                io._sync -= 1
+
+        _replace(cls, "_slurm_sigusr_handler_fn", handler, orig)
+
+
+def _durable_fabric_saves() -> None:
+    """``Fabric.save`` has no stage and no teardown to wait at: with
+    fastpersist's CheckpointIO it returns once the checkpoint is durable on
+    every rank (a failed save raises there, as with Fabric's own
+    CheckpointIO), not only logged at exit."""
+    import importlib
+
+    for modname in ("lightning.fabric.fabric", "lightning_fabric.fabric"):
+        try:
+            cls = importlib.import_module(modname).Fabric
+        except (ImportError, AttributeError):
+            continue
+        orig = cls.__dict__.get("save")
+        if orig is None or getattr(orig, "_fastpersist", False):
+            continue
+
+        def save(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+            out = _orig(self, *args, **kwargs)
+            strategy = getattr(self, "_strategy", None)
+            io = getattr(strategy, "checkpoint_io", None)
+            if isinstance(io, _FastPersistIO):
+                _durable_everywhere(strategy, io)
+            return out
+
+        _replace(cls, "save", save, orig)
 
 
 def _writes_local_state(strategy: Any) -> bool:
@@ -510,3 +633,6 @@ _see_pending_saves()
 _prepare_at_train_start()
 _link_when_durable()
 _durable_outside_a_stage()
+_loggers_told_when_durable()
+_durable_for_a_requeue()
+_durable_fabric_saves()

@@ -224,6 +224,18 @@ def _nothing() -> None:
     pass
 
 
+def _told_of_saves(handler: Any) -> bool:
+    """Whether a callback of the Trainer's ``handler`` does something on
+    ``on_save`` (overrides ``TrainerCallback.on_save``): it reads the
+    checkpoint folder just saved."""
+    from transformers import TrainerCallback
+
+    for cb in getattr(handler, "callbacks", ()):
+        if getattr(type(cb), "on_save", None) is not TrainerCallback.on_save:
+            return True
+    return False
+
+
 def _prepare_callback(trainer: Any) -> Any:
     """The ``TrainerCallback`` that makes the snapshot buffers at the start
     of training (:meth:`FastPersistTrainerMixin._fastpersist_arm`)."""
@@ -368,8 +380,12 @@ class FastPersistTrainerMixin:
                 _rotate(run_dir, limit, [folder, best])
 
         saves.commit(folder, finalize, with_stats=True)
-        if pushes:
-            saves.wait()  # the push uploads the folder: its files are durable first (a failure raised, nothing pushed)
+        if pushes or _told_of_saves(getattr(self, "callback_handler", None)):
+            # The push uploads the folder, and callbacks' on_save (W&B's,
+            # MLflow's artifact logging...), which the Trainer calls as this
+            # returns, read it: its files are durable first (a failure
+            # raised, nothing pushed or told).
+            saves.wait()
             for p in pushes:
                 super()._push_from_checkpoint(p)  # type: ignore[misc]
 
