@@ -758,6 +758,14 @@ class Checkpointer:
         #: stages nothing past the step until it is done; the steps it names
         #: are neither restored nor counted by retention meanwhile.
         self._unfinished: Dict[str, Tuple[int, Optional[Tuple[int, ...]]]] = {}
+        #: Records of going back in the directory that are not this
+        #: process's (another live process's, or a dead one's not carried
+        #: out yet), read at each restore, retention and stage: the steps
+        #: they name are held back as this process's own unfinished ones.
+        self._others: Dict[str, Tuple[int, Optional[Tuple[int, ...]]]] = {}
+        #: A going back in progress on the caller's thread, before its
+        #: record is handed to the stager (held back meanwhile too).
+        self._going_back: Dict[str, Tuple[int, Optional[Tuple[int, ...]]]] = {}
         self._stage_futures: List[Any] = []
         #: Steps queued for staging, not started, when a save set later
         #: checkpoints aside (a run this one went back on): their stages
@@ -790,6 +798,7 @@ class Checkpointer:
         self._outcome: Optional[Tuple[int, bool]] = None
         _checkpointers.add(self)
         self._resume_going_back()
+        self._refresh_others()
         self._sweep_leftovers(every_time=True)
         if self._stager is not None:
             # Catch up: local checkpoints newer than any staged one (an upload
@@ -822,6 +831,8 @@ class Checkpointer:
         for held in self._records.values():
             os.close(held)  # the parent's: it carries them out (the lock stays its own)
         self._records = {}
+        self._unfinished = {}  # (the parent's records: held back as others', see _refresh_others)
+        self._going_back = {}
         if self._inflight is not None:
             self.tuner.record_unmeasured()  # the parent's save: never measured here
         self._inflight = None
@@ -1073,6 +1084,8 @@ class Checkpointer:
             after = self._staged_after(step)
             staged: Optional[Tuple[int, ...]] = after if self._staged_known else None
             was_staged = self._staged & set(after)
+            if self._stager is not None and (staged is None or staged):
+                self._going_back[record] = (step, staged)  # (retention and restore pass them by from now on)
             if self._stager is not None:
                 self._abandoned_stages |= {s for s in self._stage_queue if s > step}
                 if self._staging_now is not None and self._staging_now > step:
@@ -1085,6 +1098,14 @@ class Checkpointer:
             "staged": list(staged) if staged is not None else None,
         }
         try:
+            self._carry_out(step, later, staged, record, was_staged, entry)
+        finally:
+            with self._lock:
+                self._going_back.pop(record, None)
+
+    def _write_record(self, record: str, entry: Dict[str, Any]) -> None:
+        """Write the record of a going back, durably, and keep its lock."""
+        try:
             with _core.TempFile(record) as tmp:
                 data = json.dumps(entry).encode()
                 tmp.write(data, 0)
@@ -1096,12 +1117,21 @@ class Checkpointer:
                     self._records[record] = held
                 tmp.commit(len(data))
         except OSError as e:  # the set-aside goes on; only a crash's recovery is lost
-            log.warning("fastpersist: cannot record going back to step %d in %s: %s", step, record, e)
-        except BaseException:
-            self._release_record(record)
-            raise
+            log.warning("fastpersist: cannot record going back to step %d in %s: %s", entry["step"], record, e)
+
+    def _carry_out(
+        self,
+        step: int,
+        later: Tuple[_Later, ...],
+        staged: Optional[Tuple[int, ...]],
+        record: str,
+        was_staged: Set[int],
+        entry: Dict[str, Any],
+    ) -> None:
+        """:meth:`_went_back`'s record, then its setting aside."""
         handed = False  # to the staging thread, which releases the record
         try:
+            self._write_record(record, entry)
             for x in later:
                 self._set_aside(x.info, x.ident)
             if self._stager is not None and (staged is None or staged):  # (a listing costs a request per checkpoint)
@@ -1135,61 +1165,108 @@ class Checkpointer:
         if held is not None:
             os.close(held)
 
-    def _resume_going_back(self) -> None:
-        """At construction: carry out the records of going back that a
-        process left (it died before every tier's later checkpoints were
-        set aside); a record whose process lives (its lock held) is that
-        process's, and one naming staged steps is kept for a Checkpointer
-        with the staging tier when this one has none. A local checkpoint is
-        set aside only if it is still the file recorded (a record names
-        steps, not paths: whatever it holds, only this Checkpointer's
-        checkpoint files are renamed); the staging tier's steps are those
-        the dead process staged, none of which it can have staged again
-        since (its staging thread set them aside before staging anything
-        newer)."""
+    def _records_here(self) -> List[str]:
+        """The records of going back in the directory that are not this
+        process's own."""
         try:
             names = os.listdir(self.directory)
         except OSError:
-            return
-        for name in sorted(n for n in names if _WENT_BACK.fullmatch(n)):
-            record = os.path.join(self.directory, name)
-            try:
-                fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-            except OSError as e:  # (a link, or not readable now: left for later)
-                log.warning("fastpersist: cannot read the record %s: %s", record, e)
+            return []
+        with self._lock:
+            mine = set(self._records)
+        paths = (os.path.join(self.directory, n) for n in sorted(names) if _WENT_BACK.fullmatch(n))
+        return [p for p in paths if p not in mine]
+
+    @staticmethod
+    def _open_record(record: str) -> Optional[int]:
+        """A descriptor of the record ``record``, a regular file (not
+        followed through a link; a folder or a FIFO at the name: None)."""
+        try:
+            fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # (a link, or not readable now: left for later)
+            log.warning("fastpersist: cannot read the record %s: %s", record, e)
+            return None
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except OSError:
+            regular = False
+        if not regular:
+            os.close(fd)
+            return None
+        return fd
+
+    def _parse_record(self, data: bytes) -> Tuple[int, List[_Later], Optional[Tuple[int, ...]]]:
+        """A record's step, its later local checkpoints and its staged steps
+        (None: every staged step past the step); ValueError, KeyError or
+        TypeError for a damaged one."""
+        entry = json.loads(data)
+        step = int(entry["step"])
+        later = []
+        for h, s, ident in entry["later"]:
+            holder, later_step = int(h), int(s)
+            _check_step(later_step)
+            path = os.path.join(self._holder_dir(holder), ckpt_name(later_step))
+            info = CheckpointInfo(later_step, path, "local", 0)
+            later.append(_Later(info, tuple(int(x) for x in ident), holder))
+        # (None: the process did not know what was staged before it; it
+        # staged nothing past the step since, see _settle_going_back.)
+        staged = None if entry["staged"] is None else tuple(int(s) for s in entry["staged"])
+        for s in staged or ():
+            _check_step(s)
+        return step, later, staged
+
+    def _refresh_others(self) -> None:
+        """Read the records of going back that are not this process's (no
+        lock taken): the staging tier's steps they name are held back."""
+        found: Dict[str, Tuple[int, Optional[Tuple[int, ...]]]] = {}
+        for record in self._records_here():
+            fd = self._open_record(record)
+            if fd is None:
                 continue
-            try:
-                regular = stat.S_ISREG(os.fstat(fd).st_mode)
-            except OSError:
-                regular = False
-            if not regular:  # (a folder at the name: open() would raise)
-                os.close(fd)
+            with open(fd, "rb") as f:
+                try:
+                    step, _, staged = self._parse_record(f.read(1 << 20))
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue
+            if staged is None or staged:
+                found[record] = (step, staged)
+        with self._lock:
+            self._others = found
+
+    def _resume_going_back(self, adopt: bool = False) -> None:
+        """Carry out the records of going back that a process left (it died
+        before every tier's later checkpoints were set aside): at
+        construction, and on the stager before each stage (``adopt``: one
+        whose staging tier part still cannot be done is then taken on, kept
+        locked and tried again before each stage, as this process's own).
+        A record whose process lives (its lock held) is that process's. A
+        local checkpoint is set aside only if it is still the file recorded
+        (a record names steps, not paths: whatever it holds, only this
+        Checkpointer's checkpoint files are renamed); the staging tier's
+        steps are those the dead process staged, none of which it, or a
+        process that took its record on, staged again since (nothing past
+        the step is staged while a record of it is there)."""
+        for record in self._records_here():
+            fd = self._open_record(record)
+            if fd is None:
                 continue
             with open(fd, "rb") as f:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until the record is done
+                    st, now = os.fstat(fd), os.lstat(record)
                 except OSError:
-                    continue  # its process lives and carries it out (or another recovers it now)
-                self._recover_going_back(record, f)
+                    continue  # its process lives and carries it out (or another recovers it now), or it is gone
+                if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+                    continue  # (carried out and removed as it was opened)
+                self._recover_going_back(record, f, adopt)
 
-    def _recover_going_back(self, record: str, f: Any) -> None:
+    def _recover_going_back(self, record: str, f: Any, adopt: bool) -> None:
         """Carry out the record of going back ``record`` (open as ``f``,
         locked) that a dead process left."""
         try:
-            entry = json.loads(f.read(1 << 20))
-            step = int(entry["step"])
-            later = []
-            for h, s, ident in entry["later"]:
-                holder, later_step = int(h), int(s)
-                _check_step(later_step)
-                path = os.path.join(self._holder_dir(holder), ckpt_name(later_step))
-                info = CheckpointInfo(later_step, path, "local", 0)
-                later.append(_Later(info, tuple(int(x) for x in ident), holder))
-            # (None: the dead process did not know what was staged before
-            # it; it staged nothing past the step since, see _settle_going_back.)
-            staged = None if entry["staged"] is None else tuple(int(s) for s in entry["staged"])
-            for s in staged or ():
-                _check_step(s)
+            step, later, staged = self._parse_record(f.read(1 << 20))
         except OSError as e:
             log.warning("fastpersist: cannot read the record %s: %s", record, e)
             return
@@ -1203,15 +1280,16 @@ class Checkpointer:
         if staged is None or staged:
             if self._stager is None:
                 return  # the staging tier's part: for a Checkpointer that has it
-            if not self._abandon_staged(step, staged, None):
-                # Kept, and taken on: this process tries again before each of
-                # its stages, and stages nothing past the step until it is
-                # done (what it stages must not be set aside later).
-                with self._lock:
+            done = self._abandon_staged(step, staged, None)
+            with self._lock:
+                self._staged = {s for s in self._staged if not _names(step, staged, s)}
+                if not done and adopt:
+                    # Taken on: tried again before each stage, nothing past
+                    # the step staged until it is done.
                     self._records[record] = os.dup(f.fileno())  # (the lock, kept)
                     self._unfinished[record] = (step, staged)
-                    self._staged = {s for s in self._staged if not _names(step, staged, s)}
-                return
+            if not done:
+                return  # (else kept for the next to try; held back meanwhile, see _refresh_others)
         _remove_quietly(record)
 
     def _abandon_staged(self, step: int, staged: Optional[Tuple[int, ...]], record: Optional[str]) -> bool:
@@ -1251,23 +1329,29 @@ class Checkpointer:
                 )
         return done
 
-    def _settle_going_back(self, step: int) -> bool:
+    def _settle_going_back(self, step: int) -> Optional[int]:
         """On the stager, before staging ``step``: try the unfinished going
-        back again; whether ``step`` may be staged (it is past none still
-        unfinished: an upload past it would be set aside with the abandoned
-        run's checkpoints, or replace one of them)."""
+        back again (this process's, then those a dead one left); the step
+        of one still unfinished that ``step`` is past (it may not be staged:
+        it would be set aside with the abandoned run's checkpoints, or
+        replace one of them), else None."""
         with self._lock:
             todo = sorted(self._unfinished.items(), key=lambda kv: kv[1][0])
         for record, (back, staged) in todo:
             self._abandon_staged(back, staged, record)
+        self._resume_going_back(adopt=True)
+        self._refresh_others()
         with self._lock:
-            return all(step <= back for back, _ in self._unfinished.values())
+            blocking = [b for b, _ in (*self._unfinished.values(), *self._others.values()) if step > b]
+        return min(blocking, default=None)
 
     def _held_back(self, step: int) -> bool:
         """Whether the staging tier's ``step`` is one an unfinished going
-        back is to set aside (not restored, not counted, not deleted)."""
+        back (this process's, or a record another left) is to set aside:
+        not restored, not counted, not deleted."""
         with self._lock:
-            return any(_names(back, staged, step) for back, staged in self._unfinished.values())
+            pending = (*self._unfinished.values(), *self._others.values(), *self._going_back.values())
+        return any(_names(back, staged, step) for back, staged in pending)
 
     def _set_aside(self, info: CheckpointInfo, ident: Optional[Tuple[int, ...]] = None) -> bool:
         """Rename ``info`` (an object: move it) to ``<name>.abandoned``
@@ -1372,10 +1456,11 @@ class Checkpointer:
         t0 = time.perf_counter()
         where = self.stage_url or self.stage_dir
         try:
-            if not self._settle_going_back(step):
+            back = self._settle_going_back(step)
+            if back is not None:
                 raise TierError(
-                    f"{where} still holds checkpoints of a run this one went back on, past step {step}: "
-                    "they are to be set aside first"
+                    f"{where} still holds checkpoints past step {back} of a run that went back to it: "
+                    f"they are set aside before step {step} is staged"
                 )
             if self.store is not None:
                 dst = self.store.upload(src, ckpt_name(step)).url
@@ -1566,6 +1651,8 @@ class Checkpointer:
 
     def _retain(self) -> None:
         self._sweep_leftovers()
+        if self._stager is not None:
+            self._refresh_others()
         with self._lock:
             staged = set(self._staged)
             # With staging, a local copy goes only once it (or a newer
@@ -1665,6 +1752,7 @@ class Checkpointer:
         """Committed checkpoints by step (newest first), each with its copies."""
         # (Not the staging tier's checkpoints an unfinished going back is to
         # set aside: the run this one went back on.)
+        self._refresh_others()
         if self.store is not None:
             local, remote = _scan(self.directory, "local"), _scan_store(self.store)
             remote = {s: c for s, c in remote.items() if not self._held_back(s)}
@@ -1763,6 +1851,7 @@ class Checkpointer:
         step chosen): its own steps, the replicas it holds, the shared or
         object tier's steps."""
         remote: List[int] = []
+        self._refresh_others()
         try:
             found = _scan_store(self.store) if self.store is not None else _scan(self.stage_dir, "shared")
             remote = sorted(s for s in found if not self._held_back(s))
@@ -1929,6 +2018,9 @@ class Checkpointer:
         return CheckpointInfo(step, local, "local", got.bytes)
 
     def _from_remote(self, step: int, verify: bool) -> Optional[CheckpointInfo]:
+        self._refresh_others()
+        if self._held_back(step):
+            return None  # (the staging tier's copy is the run this one went back on's)
         if self.store is not None:
             try:
                 remote = _scan_store(self.store).get(step)

@@ -1115,3 +1115,105 @@ def test_a_set_aside_killed_between_the_move_and_its_marker_is_finished(tmp_path
     fastpersist.tiers.ObjectStore(url).download(aside, str(tmp_path / "inspect.pt"))
     got = fastpersist.read_state_dict(tmp_path / "inspect.pt", weights_only=False)
     assert (got["step"], got["state"]["run"]) == (300, "A")
+
+
+def test_a_record_carried_out_at_the_start_forgets_the_steps_it_set_aside(tmp_path):
+    """Regression (found in review): a Checkpointer that carried out a dead
+    process's record at its start still counted the steps it set aside as
+    staged: the step gone back to, committed locally but never staged, was
+    not caught up, and the next save below those steps went back again."""
+    store, url, local = _run_a(tmp_path, keep_last=5)
+    for s in (200, 300):
+        os.rename(local / ckpt_name(s), local / (ckpt_name(s) + ".abandoned"))
+    (local / ".went-back-150.json").write_text(json.dumps({"step": 150, "later": [], "staged": [200, 300]}))
+    shutil.copy(local / ckpt_name(100), local / ckpt_name(150))  # (committed, never staged)
+    ck = fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=5)
+    ck.wait()
+    assert sorted(ck._staged) == [100, 150] and ckpt_name(150) in _store_names(store)
+    ck.save(160, {"run": "B", "x": torch.tensor([160])})
+    ck.wait()
+    ck.close()
+    assert not [n for n in os.listdir(local) if n.startswith(".went-back")]
+
+
+@pytest.mark.parametrize("who", ["evaluator", "live trainer"])
+def test_no_checkpointer_restores_what_a_record_of_going_back_still_holds(tmp_path, monkeypatch, who):
+    """Regression (found in review): only the process holding a record of
+    going back passed by the staging tier's steps it names. An evaluator
+    made during the outage took a dead process's record on (its lock kept
+    for life) and the restarted trainer, finding it locked, restored the
+    abandoned run; an evaluator beside a live trainer restored the
+    abandoned step and downloaded it into the trainer's directory, where
+    the restarted trainer resumed from it. Every Checkpointer now reads the
+    records it finds (another's too) and passes those steps by, and a
+    record is taken on only by a stage."""
+    store, url, local = _run_a(tmp_path, keep_last=5)
+    outage = _Outage(monkeypatch, "move")
+    outage.down = True
+    tr = fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=5)
+    tr.save(150, {"run": "B", "x": torch.tensor([150])})  # goes back; the store's 200 and 300 stay
+    tr.wait()
+    if who == "evaluator":
+        tr.close()  # (dies: its record stays)
+    ev = fastpersist.Checkpointer(local, stage_dir=url)
+    step, state = ev.load_latest(weights_only=False)
+    assert (step, state["run"]) == (150, "B")
+    assert ckpt_name(300) not in os.listdir(local)
+    outage.down = False
+    again = fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=5)
+    step, state = again.load_latest(weights_only=False)
+    assert (step, state["run"]) == (150, "B")
+    for ck in (again, ev, tr):
+        ck.close()
+
+
+GROUP_RESTORE_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.distributed as dist, fastpersist
+    from fastpersist.checkpoint_manager import ckpt_name
+    from fastpersist.tiers import ObjectStore, TierError
+
+    tmp = sys.argv[1]
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", world_size=1, rank=0)
+    down = [False]
+    real = ObjectStore.set_aside
+
+    def failing(self, *a, **k):
+        if down[0]:
+            raise TierError("set_aside failed (injected)")
+        return real(self, *a, **k)
+
+    ObjectStore.set_aside = failing
+    store, local = os.path.join(tmp, "store"), os.path.join(tmp, "local")
+    os.makedirs(os.path.join(store, "rank-0"))
+    kw = dict(stage_dir=f"local://{store}", every=1, keep_last=5, group=dist.group.WORLD)
+    with fastpersist.Checkpointer(local, **kw) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, {"run": "A", "x": torch.tensor([s])})
+            ck.wait()
+    down[0] = True
+    ck = fastpersist.Checkpointer(local, **kw)
+    for s in (150, 200):
+        ck.save(s, {"run": "B", "x": torch.tensor([s])})
+        ck.wait()
+    with open(os.path.join(local, ckpt_name(200)), "r+b") as f:  # B's own 200 is damaged
+        f.seek(os.path.getsize(f.name) // 2)
+        f.write(bytes(64))
+    step, state = ck.load_latest(weights_only=False)
+    print("RESTORED", step, state["run"])
+    ck.close()
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_a_group_restore_never_fetches_what_a_going_back_still_holds(tmp_path):
+    """Regression (found in review): a group restore fetched a step from the
+    staging tier when this rank's copy was damaged, though that step's
+    object was the abandoned run's, which an unfinished going back still
+    had to set aside: it restored the run gone back on."""
+    r = subprocess.run([sys.executable, "-c", GROUP_RESTORE_CHILD, str(tmp_path)], capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESTORED")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    assert lines[-1] == "RESTORED 150 B", lines
