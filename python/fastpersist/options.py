@@ -639,6 +639,16 @@ def open_for_read(path: str) -> int:
     return fd
 
 
+def names_outside(name: Any) -> bool:
+    """Whether ``name``, a path a checkpoint's index or metadata gives
+    relative to its directory, names something outside it (absolute, or
+    through ``..``; not a name that only begins with ".."), or is no str."""
+    if not isinstance(name, str):
+        return True
+    norm = os.path.normpath(name)
+    return os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep)
+
+
 def open_beneath(directory: str, name: str) -> int:
     """:func:`open_for_read` of the file ``name`` of a checkpoint
     ``directory`` (a data file its index or metadata names), refusing one
@@ -646,8 +656,7 @@ def open_beneath(directory: str, name: str) -> int:
     (CorruptCheckpointError naming both): a checkpoint's files are read,
     nothing else it points at."""
     path = os.path.join(directory, name)
-    norm = os.path.normpath(name)
-    if os.path.isabs(name) or norm == ".." or norm.startswith(".." + os.sep):
+    if names_outside(name):
         raise CorruptCheckpointError(f"{directory}: {name!r} names a file outside it")
     fd = open_for_read(path)
     try:

@@ -533,17 +533,31 @@ def archive_prefix(first: str, where: str = "") -> str:
     checkpoint's; others of those names elsewhere are not read. A first
     record in no folder is a CorruptCheckpointError: torch.load refuses
     such a file ("file in archive is not in a subdirectory")."""
-    if "/" not in first:
+    prefix = _folder(first)
+    if not prefix:
         raise _corrupt(
             f"{where}record {first!r} is not in a folder: torch.load refuses such a zip (torch.save writes "
             "every record in one)"
         )
-    return first.split("/", 1)[0] + "/"
+    return prefix
+
+
+def _folder(first: str) -> str:
+    """The folder of the record ``first`` (``"archive/"``), or ``""``."""
+    return first.split("/", 1)[0] + "/" if "/" in first else ""
 
 
 #: The records a load reads (under the archive's folder), besides ``data/<key>``.
 _LOADED = frozenset(
-    ("data.pkl", "byteorder", "version", ".data/version", ".data/serialization_id", ".storage_alignment")
+    (
+        "data.pkl",
+        "byteorder",
+        "version",
+        ".data/version",
+        ".format_version",
+        ".data/serialization_id",
+        ".storage_alignment",
+    )
 )
 
 
@@ -570,8 +584,7 @@ def _check_extents(entries: List[Tuple[str, int, int, int, bytes]], cd_off: int,
     overlapping another, so the records add up to less than the file."""
     names = set()
     spans = []
-    first = entries[0][0] if entries else ""
-    prefix = first.split("/", 1)[0] + "/" if "/" in first else ""
+    prefix = _folder(entries[0][0]) if entries else ""
     for name, hoff, size, _, _ in entries:
         if name in names and _loaded(name, prefix):
             # (one a load does not read, twice, torch.load takes: a zip

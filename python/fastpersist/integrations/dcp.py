@@ -88,6 +88,7 @@ from ..options import (
     full_gc_deferral,
     gc_paused,
     make_dirs,
+    names_outside,
     open_beneath,
     read_with,
     use_engine,
@@ -1230,8 +1231,7 @@ class FastPersistReader(StorageReader):
             if info is None:
                 raise CorruptCheckpointError(f"{self.path}: .metadata has no storage entry for {req.storage_index}")
             rel = info.relative_path
-            norm = os.path.normpath(rel) if isinstance(rel, str) else ".."
-            if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
+            if names_outside(rel):
                 raise CorruptCheckpointError(f"{self.path}: item {req.storage_index.fqn} names a file outside it")
             per_file.setdefault(rel, []).append(req)
         for rel, reqs in per_file.items():
