@@ -331,22 +331,29 @@ class _FastPersistIO:
                 add_note(f"fastpersist: a checkpoint save failed as well: {type(e).__name__}: {e}")
 
 
-def _wrap_model_checkpoint(name: str, wrap: Callable[[Any], Callable[..., Any]]) -> None:
-    """Replace ``ModelCheckpoint.<name>`` in both import trees (``lightning``
-    and ``pytorch_lightning``) by ``wrap(original)``, once per class."""
+def _wrap_method(modnames: Tuple[str, ...], cls_name: str, name: str, wrap: Callable[[Any], Any]) -> None:
+    """Replace ``<cls_name>.<name>`` of each module of ``modnames`` (both
+    import trees: ``lightning`` and ``pytorch_lightning``) by
+    ``wrap(original)``, once per class."""
     import importlib
 
-    for modname in ("lightning.pytorch.callbacks.model_checkpoint", "pytorch_lightning.callbacks.model_checkpoint"):
+    for modname in modnames:
         try:
-            cls = importlib.import_module(modname).ModelCheckpoint
+            cls = getattr(importlib.import_module(modname), cls_name)
         except (ImportError, AttributeError):
             continue
         orig = cls.__dict__.get(name)
         if orig is None or getattr(orig, "_fastpersist", False):
             continue
         new = wrap(orig)
-        new._fastpersist = True  # type: ignore[attr-defined]
+        new._fastpersist = True
         setattr(cls, name, new)
+
+
+def _wrap_model_checkpoint(name: str, wrap: Callable[[Any], Any]) -> None:
+    """:func:`_wrap_method` of ``ModelCheckpoint.<name>``."""
+    trees = ("lightning.pytorch.callbacks.model_checkpoint", "pytorch_lightning.callbacks.model_checkpoint")
+    _wrap_method(trees, "ModelCheckpoint", name, wrap)
 
 
 def _see_pending_saves() -> None:
@@ -526,31 +533,26 @@ def _durable_for_a_requeue() -> None:
     and requeues the job at once; SLURM kills this one soon after. With
     fastpersist's CheckpointIO that save returns once it is durable, so the
     requeued job finds it (not a temporary file)."""
-    import importlib
 
-    for modname in (
-        "lightning.pytorch.trainer.connectors.signal_connector",
-        "pytorch_lightning.trainer.connectors.signal_connector",
-    ):
-        try:
-            cls = importlib.import_module(modname)._SignalConnector
-        except (ImportError, AttributeError):
-            continue
-        orig = cls.__dict__.get("_slurm_sigusr_handler_fn")
-        if orig is None or getattr(orig, "_fastpersist", False):
-            continue
-
-        def handler(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+    def wrap(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
             io = _io_of(self.trainer)
             if io is None:
-                return _orig(self, *args, **kwargs)
+                return orig(self, *args, **kwargs)
             io._sync += 1
             try:
-                return _orig(self, *args, **kwargs)
+                return orig(self, *args, **kwargs)
             finally:
                 io._sync -= 1
 
-        _replace(cls, "_slurm_sigusr_handler_fn", handler, orig)
+        return handler
+
+    trees = (
+        "lightning.pytorch.trainer.connectors.signal_connector",
+        "pytorch_lightning.trainer.connectors.signal_connector",
+    )
+    _wrap_method(trees, "_SignalConnector", "_slurm_sigusr_handler_fn", wrap)
 
 
 def _durable_fabric_saves() -> None:
@@ -558,26 +560,20 @@ def _durable_fabric_saves() -> None:
     fastpersist's CheckpointIO it returns once the checkpoint is durable on
     every rank (a failed save raises there, as with Fabric's own
     CheckpointIO), not only logged at exit."""
-    import importlib
 
-    for modname in ("lightning.fabric.fabric", "lightning_fabric.fabric"):
-        try:
-            cls = importlib.import_module(modname).Fabric
-        except (ImportError, AttributeError):
-            continue
-        orig = cls.__dict__.get("save")
-        if orig is None or getattr(orig, "_fastpersist", False):
-            continue
-
-        def save(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
-            out = _orig(self, *args, **kwargs)
+    def wrap(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def save(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig(self, *args, **kwargs)
             strategy = getattr(self, "_strategy", None)
             io = getattr(strategy, "checkpoint_io", None)
             if isinstance(io, _FastPersistIO):
                 _durable_everywhere(strategy, io)
             return out
 
-        _replace(cls, "save", save, orig)
+        return save
+
+    _wrap_method(("lightning.fabric.fabric", "lightning_fabric.fabric"), "Fabric", "save", wrap)
 
 
 def _writes_local_state(strategy: Any) -> bool:
