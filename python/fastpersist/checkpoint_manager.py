@@ -239,6 +239,12 @@ def _scan_store(store: Optional[ObjectStore], listing: Optional[StoreListing] = 
     return out
 
 
+#: What parsing a damaged (or hostile) record of going back raises: JSON
+#: errors, missing or mistyped fields, ``Infinity`` for an int, nesting too
+#: deep for the decoder.
+_DAMAGED_RECORD = (ValueError, KeyError, TypeError, OverflowError, RecursionError)
+
+
 def _names(back: int, staged: Optional[Tuple[int, ...]], step: int) -> bool:
     """Whether a going back to ``back`` that sets aside the staged steps
     ``staged`` (None: every one past ``back``) sets ``step`` aside."""
@@ -1159,9 +1165,9 @@ class Checkpointer:
     def _release_record(self, record: str) -> None:
         """Remove a record of going back this process wrote, then let go of
         its lock."""
+        _remove_quietly(record)  # (first: while it is there, it is this process's, not another's)
         with self._lock:
             held = self._records.pop(record, None)
-        _remove_quietly(record)
         if held is not None:
             os.close(held)
 
@@ -1203,6 +1209,7 @@ class Checkpointer:
         TypeError for a damaged one."""
         entry = json.loads(data)
         step = int(entry["step"])
+        _check_step(step)
         later = []
         for h, s, ident in entry["later"]:
             holder, later_step = int(h), int(s)
@@ -1228,7 +1235,7 @@ class Checkpointer:
             with open(fd, "rb") as f:
                 try:
                     step, _, staged = self._parse_record(f.read(1 << 20))
-                except (OSError, ValueError, KeyError, TypeError):
+                except (OSError, *_DAMAGED_RECORD):
                     continue
             if staged is None or staged:
                 found[record] = (step, staged)
@@ -1270,7 +1277,7 @@ class Checkpointer:
         except OSError as e:
             log.warning("fastpersist: cannot read the record %s: %s", record, e)
             return
-        except (ValueError, KeyError, TypeError) as e:
+        except _DAMAGED_RECORD as e:
             log.warning("fastpersist: ignoring the damaged record %s: %s", record, e)
             _remove_quietly(record)
             return

@@ -1123,3 +1123,40 @@ def test_a_torch_file_that_is_no_checkpointers_is_neither_latest_nor_counted(tmp
     ck.close()
     names = sorted(os.listdir(d))
     assert {ckpt_name(100), ckpt_name(200), ckpt_name(300)} <= set(names), names
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"step": Infinity, "later": [], "staged": [5]}', "[" * 200000, '{"step": -3, "later": [], "staged": null}'],
+    ids=["infinity", "deep", "negative"],
+)
+@pytest.mark.parametrize("locked", [True, False])
+def test_a_malformed_record_of_going_back_stops_nothing(tmp_path, text, locked):
+    """Regression (found in review): records are read (another live
+    process's too, without its lock) at every restore, retention and
+    stage; one whose step is ``Infinity`` (OverflowError) or whose JSON
+    nests too deep (RecursionError) made ``Checkpointer()`` and
+    ``latest()`` raise, and a negative step was taken. Such a record is
+    passed by (and, once it can be locked, removed)."""
+    import fcntl
+
+    d, shared = tmp_path / "ck", tmp_path / "shared"
+    with fastpersist.Checkpointer(d, stage_dir=shared, every=1, keep_last=5) as ck:
+        for s in (1, 2):
+            ck.save(s, {"x": torch.tensor([s])})
+            ck.wait()
+    record = d / ".went-back-5.json"
+    record.write_text(text)
+    fd = os.open(record, os.O_RDONLY)
+    if locked:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # (a live process's)
+    try:
+        with fastpersist.Checkpointer(d, stage_dir=shared, every=1, keep_last=5) as ck:
+            assert ck.latest().step == 2
+            ck.save(3, {"x": torch.tensor([3])})
+            ck.wait()
+            assert ck.load_latest()[0] == 3
+        assert record.exists() == locked
+        assert {ckpt_name(s) for s in (1, 2, 3)} <= set(os.listdir(shared))  # (nothing set aside for it)
+    finally:
+        os.close(fd)

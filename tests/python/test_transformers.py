@@ -605,3 +605,31 @@ def test_a_callbacks_on_save_finds_the_checkpoint_complete(tmp_path):
     assert set(seen) == {2, 4}
     for step, names in seen.items():
         assert set(stock) <= set(names), (step, names, stock)
+
+
+def test_a_callback_set_up_to_do_nothing_on_save_keeps_saves_in_the_background():
+    """transformers' W&B callback acts on ``on_save`` only with
+    ``WANDB_LOG_MODEL=checkpoint`` and Trackio's never (found in review:
+    either made every save wait); any other callback that overrides
+    ``on_save`` makes the save durable before it runs."""
+    from types import SimpleNamespace
+
+    from fastpersist.integrations.transformers import _told_of_saves
+
+    def handler(*cbs):
+        return SimpleNamespace(callbacks=list(cbs))
+
+    def named(name, **attrs):
+        cls = type(name, (TrainerCallback,), {"on_save": lambda self, *a, **k: None})
+        cb = cls()
+        cb.__dict__.update(attrs)
+        return cb
+
+    class Mode(str, __import__("enum").Enum):
+        CHECKPOINT = "checkpoint"
+        FALSE = "false"
+
+    assert not _told_of_saves(handler(TrainerCallback(), named("WandbCallback", _log_model=Mode.FALSE)))
+    assert not _told_of_saves(handler(named("TrackioCallback")))
+    assert _told_of_saves(handler(named("WandbCallback", _log_model=Mode.CHECKPOINT)))
+    assert _told_of_saves(handler(named("MLflowCallback")))

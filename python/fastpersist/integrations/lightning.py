@@ -161,6 +161,9 @@ class _FastPersistIO:
         #: Loggers' ``after_save_checkpoint`` calls held until the
         #: checkpoint each is about is durable: (its path, the call).
         self._to_notify: List[Tuple[str, Callable[[], None]]] = []
+        #: The checkpoint in flight to each path (its outcome decides
+        #: whether the loggers hear of it).
+        self._in_flight: Dict[str, Any] = {}
         #: The exception being handled where the stage running was called
         #: (a retry inside the caller's ``except``): not Lightning's.
         self._outer: Optional[BaseException] = None
@@ -229,7 +232,7 @@ class _FastPersistIO:
             write_state_dict(checkpoint, p, **{**self.saves.options, **storage_options})
             return
         self.saves.save(checkpoint, p)
-        self.saves.commit(p)
+        self._in_flight[os.path.abspath(p)] = self.saves.commit(p)
 
     def load_checkpoint(
         self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
@@ -249,7 +252,7 @@ class _FastPersistIO:
         """Delete a checkpoint once every save in flight is durable (a
         failed one raises here and nothing is deleted)."""
         p = _local_path(path)
-        self.saves.wait()
+        self.wait()
         if os.path.islink(p) or os.path.isfile(p):
             os.unlink(p)
         elif os.path.isdir(p):
@@ -262,11 +265,20 @@ class _FastPersistIO:
         self._notify_loggers()
 
     def _notify_loggers(self) -> None:
-        """Make the loggers' calls held for checkpoints no longer in flight
-        (in order: one still in flight holds back those after it)."""
-        while self._to_notify and not has_pending(self._to_notify[0][0]):
-            _, call = self._to_notify.pop(0)
-            call()
+        """Make the loggers' held calls once no checkpoint is in flight: a
+        call reads the callback's state (``last_model_path``,
+        ``best_k_models``), which names the newest checkpoints, all durable
+        then. The call about a checkpoint that failed is dropped."""
+        if not self._to_notify:
+            return
+        if any(not c.done() for c in self._in_flight.values()) or any(has_pending(p) for p, _ in self._to_notify):
+            return
+        todo, self._to_notify = self._to_notify, []
+        failed = {p for p, c in self._in_flight.items() if c.error() is not None}
+        self._in_flight = {}
+        for path, call in todo:
+            if os.path.abspath(path) not in failed:
+                call()
 
     def __getstate__(self) -> Dict[str, Any]:
         """The options, not the saves (``ddp_spawn``, ``copy.deepcopy``): a
@@ -283,6 +295,7 @@ class _FastPersistIO:
         del state["saves"]
         state["_disarm"] = None  # optimizer hooks of this process
         state["_outer"] = None
+        state["_in_flight"], state["_to_notify"], state["_sync"] = {}, [], 0  # (this process's saves and loggers)
         state["_saves_config"] = {
             "mode": saves.mode,
             "async_save": saves.async_save,
@@ -319,10 +332,14 @@ class _FastPersistIO:
         handling = sys.exc_info()[1]
         if handling is self._outer or type(handling).__name__ == "_TunerExitException":
             handling = None  # not one Lightning raises: the caller's own, or one Lightning swallows
+        if handling is not None:
+            # Lightning finalized the loggers ("failed") before this: they
+            # hear of nothing more.
+            self._to_notify.clear()
         try:
             self.wait()
         except Exception as e:  # handed to the exception Lightning is raising
-            self._to_notify.clear()  # (a stage that failed: its loggers finalize as failed)
+            self._to_notify.clear()
             if handling is None:
                 raise
             log.error("fastpersist: a checkpoint failed while %s was raised: %r", type(handling).__name__, e)
@@ -485,6 +502,9 @@ def _link_when_durable() -> None:
     _wrap_model_checkpoint("_link_checkpoint", wrap)
 
 
+_NONE = object()
+
+
 def _loggers_told_when_durable() -> None:
     """``ModelCheckpoint`` tells the loggers of a checkpoint
     (``after_save_checkpoint``: W&B, MLflow, ... upload it, or scan the
@@ -506,21 +526,27 @@ def _loggers_told_when_durable() -> None:
             io._notify_loggers()
             held = []
             for logger in trainer.loggers:
+                real = getattr(logger, "after_save_checkpoint", None)
+                own = vars(logger).get("after_save_checkpoint", _NONE) if hasattr(logger, "__dict__") else _NONE
+                if real is None:
+                    continue
 
-                def later(callback: Any, _logger: Any = logger, _path: str = os.fspath(filepath)) -> None:
-                    tell = functools.partial(type(_logger).after_save_checkpoint, _logger, callback)
-                    io._to_notify.append((_path, tell))
+                def later(callback: Any, _real: Any = real, _path: str = os.fspath(filepath)) -> None:
+                    io._to_notify.append((_path, functools.partial(_real, callback)))
 
                 try:
                     logger.after_save_checkpoint = later  # (an attribute of this instance, for this call)
                 except AttributeError:
-                    continue
-                held.append(logger)
+                    continue  # (told at once)
+                held.append((logger, own))
             try:
                 orig(self, trainer, filepath)
             finally:
-                for logger in held:
-                    del logger.after_save_checkpoint
+                for logger, own in held:
+                    if own is _NONE:
+                        del logger.after_save_checkpoint
+                    else:
+                        logger.after_save_checkpoint = own  # (its own hook, put back)
             io._notify_loggers()  # (a synchronous save's: at once)
 
         return _save_checkpoint
@@ -540,6 +566,9 @@ def _durable_for_a_requeue() -> None:
             io = _io_of(self.trainer)
             if io is None:
                 return orig(self, *args, **kwargs)
+            io.saves.settle()  # (the loggers hear of what is durable before Lightning finalizes them)
+            io._notify_loggers()
+            io._to_notify.clear()
             io._sync += 1
             try:
                 return orig(self, *args, **kwargs)

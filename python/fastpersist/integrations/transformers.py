@@ -224,14 +224,32 @@ def _nothing() -> None:
     pass
 
 
+#: transformers' own callbacks whose ``on_save`` does nothing as set up
+#: (class name -> whether it acts): W&B uploads only with
+#: ``WANDB_LOG_MODEL=checkpoint``, Trackio's is empty.
+_ON_SAVE_ACTS: Dict[str, Callable[[Any], bool]] = {
+    "WandbCallback": lambda cb: _setting(getattr(cb, "_log_model", "checkpoint")) == "checkpoint",
+    "TrackioCallback": lambda cb: False,
+}
+
+
+def _setting(v: Any) -> str:
+    """An enum setting's value (``WandbLogModel.CHECKPOINT``: "checkpoint")."""
+    return str(getattr(v, "value", v)).lower()
+
+
 def _told_of_saves(handler: Any) -> bool:
     """Whether a callback of the Trainer's ``handler`` does something on
-    ``on_save`` (overrides ``TrainerCallback.on_save``): it reads the
-    checkpoint folder just saved."""
+    ``on_save`` (overrides ``TrainerCallback.on_save``, and is not one of
+    transformers' own set up to do nothing there): it reads the checkpoint
+    folder just saved."""
     from transformers import TrainerCallback
 
     for cb in getattr(handler, "callbacks", ()):
-        if getattr(type(cb), "on_save", None) is not TrainerCallback.on_save:
+        if getattr(type(cb), "on_save", None) is TrainerCallback.on_save:
+            continue
+        acts = _ON_SAVE_ACTS.get(type(cb).__name__)
+        if acts is None or acts(cb):
             return True
     return False
 
