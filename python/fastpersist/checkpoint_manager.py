@@ -1205,8 +1205,8 @@ class Checkpointer:
 
     def _parse_record(self, data: bytes) -> Tuple[int, List[_Later], Optional[Tuple[int, ...]]]:
         """A record's step, its later local checkpoints and its staged steps
-        (None: every staged step past the step); ValueError, KeyError or
-        TypeError for a damaged one."""
+        (None: every staged step past the step); one of
+        :data:`_DAMAGED_RECORD` for a damaged one."""
         entry = json.loads(data)
         step = int(entry["step"])
         _check_step(step)

@@ -39,8 +39,9 @@ One class serves both import trees: it is a ``CheckpointIO`` of
   failed, the error is raised there and ``last.ckpt`` still names the
   previous checkpoint.
 * Loggers hear of a checkpoint (``after_save_checkpoint``: W&B's and
-  MLflow's ``log_model``) once it is durable: at the next save, ``wait()``,
-  ``remove_checkpoint`` or the stage's teardown.
+  MLflow's ``log_model``) once no checkpoint is in flight: at the next
+  save, ``wait()``, ``remove_checkpoint`` or the stage's teardown that
+  finds it so; never of one whose save failed.
 * ``fabric.save`` (Fabric has no stage nor teardown) and the save of a
   SLURM auto-requeue return once the checkpoint is durable.
 * A checkpoint still being saved counts as existing for ``ModelCheckpoint``
@@ -511,11 +512,12 @@ def _loggers_told_when_durable() -> None:
     folder for checkpoints to upload) as soon as ``save_checkpoint``
     returns, when an asynchronous save's file is not there yet: they found
     nothing, or a temporary file. With fastpersist's CheckpointIO each
-    such call is held until its checkpoint is durable, and made at the next
-    save, ``wait()``, ``remove_checkpoint`` or the stage's teardown,
-    whichever finds it so first (a failed save's loggers are told of it as
-    Lightning's own CheckpointIO tells them of a file it did write: never;
-    at teardown the held calls of a failed stage are dropped)."""
+    such call is held, and made at the next save, ``wait()``,
+    ``remove_checkpoint`` or the stage's teardown that finds no checkpoint
+    in flight (a call reads the callback's state, which names the newest
+    checkpoints: all durable then). The call about a checkpoint whose save
+    failed is dropped, and so are those held when a stage fails (Lightning
+    has finalized the loggers by its teardown)."""
 
     def wrap(orig: Any) -> Callable[..., None]:
         def _save_checkpoint(self: Any, trainer: Any, filepath: str) -> None:
