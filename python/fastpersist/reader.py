@@ -403,7 +403,8 @@ def _read_torch(
         unchecked += check_crcs(first_checks, unrecorded, path)
     if _torch_reads(order, version, map_location):
         # (torch.load checks no CRC32: every record's here, first)
-        unchecked += _check_records(verify, fd, d, small, data_entries, headers is not None, unrecorded, path, opts)
+        checked_recs = None if headers is not None else data_recs  # (predicted records: read where the headers say)
+        unchecked += _check_records(verify, fd, d, small, data_entries, checked_recs, unrecorded, path, opts)
         return _read_by_torch(fd, size, path, map_location, weights_only, len(records))
     keyed = [(r.name[len(data_prefix) :], r) for r in data_recs]
     targets = read_targets(pkl, map_location, [k for k, _ in keyed])
@@ -436,18 +437,19 @@ def _check_records(
     d: ZipDirectory,
     small: List[ZipRecord],
     data_entries: List[Tuple[str, int, int, int, bytes]],
-    predicted: bool,
+    recs: Optional[List[ZipRecord]],
     unrecorded: Set[str],
     path: str,
     opts: EngineOptions,
 ) -> List[str]:
-    """Check the CRC32 of every data record (``data_entries``, where their
-    headers say; ``small``: the other records, checked apart), see
-    :func:`check_crcs`; nothing without ``verify``."""
+    """Check the CRC32 of every data record (``recs``, located where their
+    headers say already; None: ``data_entries`` located now; ``small``:
+    the other records, checked apart), see :func:`check_crcs`; nothing
+    without ``verify``."""
     if not verify:
         return []
-    recs = resolve_records(fd, d, data_entries, opts)
-    if predicted:  # (not checked for overlaps yet)
+    if recs is None:  # (predicted so far: located now, and checked for overlaps)
+        recs = resolve_records(fd, d, data_entries, opts)
         _no_overlap(small + recs, path)
     try:
         crcs = checksums(fd, [(r.data_offset, r.size) for r in recs], opts)

@@ -926,13 +926,7 @@ def test_a_restore_from_the_store_never_takes_an_older_step_for_an_unavailable_o
     import fastpersist.checkpoint_manager as cm
 
     monkeypatch.setattr(cm, "FETCH_BACKOFF", 0.01, raising=False)
-    store = tmp_path / "store"
-    store.mkdir()
-    url = f"local://{store}"
-    with fastpersist.Checkpointer(tmp_path / "node1", stage_dir=url, every=1, keep_last=3) as ck:
-        for s in (100, 200, 300):
-            ck.save(s, _state(s))
-            ck.wait()
+    store, url, _ = _run_a(tmp_path, keep_last=3, local="node1", state=_state)
     ck = fastpersist.Checkpointer(tmp_path / "node2", stage_dir=url, every=1, keep_last=3)
     real, calls = ck.store.download, []
 
@@ -983,17 +977,20 @@ def _store_names(store) -> list:
     return sorted(n for n in os.listdir(store) if ".pt" in n and not n.endswith(".fpcommit"))
 
 
-def _run_a(tmp_path, keep_last: int) -> tuple:
+def _run_a(
+    tmp_path, keep_last: int, local: str = "local", state=lambda s: {"run": "A", "x": torch.tensor([s])}
+) -> tuple:
     """A local store, and run A's checkpoints of steps 100, 200 and 300
-    saved and staged there: (store folder, its URL, the local directory)."""
+    (``state(step)``) saved in ``tmp_path / local`` and staged there:
+    (store folder, its URL, the local directory)."""
     store = tmp_path / "store"
     store.mkdir()
-    url, local = f"local://{store}", tmp_path / "local"
-    with fastpersist.Checkpointer(local, stage_dir=url, every=1, keep_last=keep_last) as ck:
+    url, where = f"local://{store}", tmp_path / local
+    with fastpersist.Checkpointer(where, stage_dir=url, every=1, keep_last=keep_last) as ck:
         for s in (100, 200, 300):
-            ck.save(s, {"run": "A", "x": torch.tensor([s])})
+            ck.save(s, state(s))
             ck.wait()
-    return store, url, local
+    return store, url, where
 
 
 @pytest.mark.parametrize("what", ["list", "move"])
