@@ -50,10 +50,20 @@ impl Fault {
     /// `errno` (io_uring only).
     pub const WAIT: u64 = u64::MAX;
 
+    /// The offset of a fault that fails every I/O beginning at an offset
+    /// that is not a multiple of 512 with `errno` (EINVAL), as file systems
+    /// do that check a direct I/O's alignment before the end of the file
+    /// (those on the kernel's older direct-I/O code, `fs/direct-io.c`).
+    pub const UNALIGNED: u64 = u64::MAX - 1;
+
     fn hits(fault: Option<Fault>, job: &Job) -> Option<i32> {
         fault
             .filter(|f| {
-                f.offset >= job.offset && f.offset < job.offset.saturating_add(job.len as u64)
+                if f.offset == Self::UNALIGNED {
+                    job.offset % 512 != 0
+                } else {
+                    f.offset >= job.offset && f.offset < job.offset.saturating_add(job.len as u64)
+                }
             })
             .filter(|f| f.errno != 0)
             .map(|f| f.errno)
@@ -371,7 +381,7 @@ impl Sink for UringSink {
                 continue;
             }
             if let (true, Ok(n)) = (job.read, done.map(|n| n.min(job.len))) {
-                if n == 0 || n == job.len {
+                if n == 0 || n == job.len || reaches_end(fd, job.offset + n as u64) {
                     // Nothing more (end of file: the tail reads as zeros;
                     // the reader checks that the file did not shrink past
                     // its requests), or all of it.
@@ -485,12 +495,13 @@ impl PoolSink {
                                     // from there.
                                     let (head, rest) = (Job { len: k, ..job }, job.rest(k));
                                     if job.read {
-                                        pread_all(fd, &head).and_then(|()| pread_all(fd, &rest))
+                                        pread_all(fd, &head, fault)
+                                            .and_then(|()| pread_all(fd, &rest, fault))
                                     } else {
                                         pwrite_all(fd, &head).and_then(|()| pwrite_all(fd, &rest))
                                     }
                                 }
-                                (None, None) if job.read => pread_all(fd, &job),
+                                (None, None) if job.read => pread_all(fd, &job, fault),
                                 (None, None) => pwrite_all(fd, &job),
                             }
                         };
@@ -546,6 +557,20 @@ fn job_offset(job: &Job, done: usize) -> std::result::Result<libc::off_t, Error>
         .ok_or_else(|| write_error(libc::EFBIG, job))
 }
 
+/// Whether byte `end` of `fd` is at or past its end: a read that came
+/// back short there is done, not made again from `end` (a direct read
+/// from there would be unaligned, which some file systems refuse with
+/// EINVAL before they look at the file's length). False when `fd` cannot
+/// be stat'ed: the rest is read, as from a network file system's short
+/// read.
+fn reaches_end(fd: RawFd, end: u64) -> bool {
+    // SAFETY: `stat` is plain integers, for which all-zero bytes are valid.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes only into the struct we pass; `fd` is the read's.
+    let ok = unsafe { libc::fstat(fd, &raw mut st) } == 0;
+    ok && u64::try_from(st.st_size).is_ok_and(|len| len <= end)
+}
+
 /// The byte count of a positional read or write, or its errno (EINTR: retry).
 fn io_result(n: isize) -> std::result::Result<usize, i32> {
     usize::try_from(n).map_err(|_| {
@@ -572,10 +597,18 @@ fn pwrite_all(fd: RawFd, job: &Job) -> std::result::Result<(), Error> {
     Ok(())
 }
 
-fn pread_all(fd: RawFd, job: &Job) -> std::result::Result<(), Error> {
+/// Read all of `job`, or up to the end of the file (the rest of its
+/// buffer is zeroed); `fault`: as [`Fault::hits`] for each read made.
+fn pread_all(fd: RawFd, job: &Job, fault: Option<Fault>) -> std::result::Result<(), Error> {
     let mut done = 0usize;
     while done < job.len {
+        if done > 0 && reaches_end(fd, job.offset + done as u64) {
+            break;
+        }
         let offset = job_offset(job, done)?;
+        if let Some(errno) = Fault::hits(fault, &job.rest(done)).filter(|_| done > 0) {
+            return Err(write_error(errno, job));
+        }
         // SAFETY: `job.ptr + done .. job.ptr + job.len` is inside the buffer
         // given to this read, which nobody touches until it is reported done.
         let n = unsafe {

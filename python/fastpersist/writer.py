@@ -217,9 +217,10 @@ def write_torch_zip(
         with use_engine(opts) as eng:
             if ctx is not None:
                 ctx.bind(eng)
-            session = eng.begin(path, head_end)
+            session: Any = None
             head: Optional[PartWriter] = None
             try:
+                session = eng.begin(path, head_end)
                 head = PartWriter(session, ctx, layout.guard)
                 tp = time.perf_counter()
                 for part in layout.head_parts():
@@ -238,7 +239,8 @@ def write_torch_zip(
                     ctx.bind(eng)
                 raw = send(session, tail, ctx, layout.file_len, gathered, layout.guard)
             except BaseException:
-                abandon(session, head, ctx)  # the parts not begun are not written
+                if session is not None:
+                    abandon(session, head, ctx)  # the parts not begun are not written
                 raise
             finally:
                 del layout.keepalive[:]
@@ -337,9 +339,10 @@ def write_streamed(
     ctx: Optional[DeviceContext] = None
     try:
         with use_engine(opts, index) as eng:
-            session = eng.begin(path, size_hint)
+            session: Any = None
             writer: Optional[PartWriter] = None
             try:
+                session = eng.begin(path, size_hint)
                 writer = PartWriter(session, None, plan.guard)
                 for part in parts:
                     writer.put(part)
@@ -351,7 +354,8 @@ def write_streamed(
                     ctx.bind(eng)
                 raw = send(session, plan, ctx, plan.file_len, on_gathered, plan.guard if plan.guard else None)
             except BaseException:
-                abandon(session, writer, ctx)  # the parts not begun are not written
+                if session is not None:
+                    abandon(session, writer, ctx)  # the parts not begun are not written
                 raise
     finally:
         if ctx is not None:
