@@ -150,24 +150,16 @@ def read_state_dict(
     if stats is not None and not callable(getattr(stats, "append", None)):
         raise TypeError(f"stats must be a list (it receives a ReadStats), not {type(stats).__name__}")
     check_group(group, "read_state_dict()")
-    if is_sharded_dir(p):
-        return read_sharded(
-            p,
-            group,
-            lambda shard: read_state_dict(
-                shard,
-                map_location=map_location,
-                weights_only=weights_only,
-                verify=verify,
-                direct=direct,
-                io_uring=io_uring,
-                stats=stats,
-            ),
-        )
     # A read of many tensors makes objects that all live on (storages,
     # tensors, the containers): cyclic collections meanwhile free nothing
     # and cost (10,000 tensors: 80 of 220 ms of unpickling), as for saves.
     with gc_paused():
+        if is_sharded_dir(p):
+            return read_sharded(
+                p,
+                group,
+                lambda shard, fd: _read_file(shard, map_location, weights_only, verify, direct, io_uring, stats, fd),
+            )
         return _read_file(p, map_location, weights_only, verify, direct, io_uring, stats)
 
 
@@ -179,10 +171,19 @@ def _read_file(
     direct: Optional[bool],
     io_uring: Optional[bool],
     stats: Optional[List[ReadStats]],
+    fd: Optional[int] = None,
 ) -> Any:
-    t0 = time.perf_counter()
-    opts = EngineOptions.resolve(direct=direct, io_uring=io_uring)
-    fd = open_for_read(p)
+    """Read the checkpoint file ``p``, from ``fd`` when given (an fd of it
+    already opened and checked, which this closes)."""
+    try:
+        t0 = time.perf_counter()
+        opts = EngineOptions.resolve(direct=direct, io_uring=io_uring)
+        if fd is None:
+            fd = open_for_read(p)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, HEAD_BYTES, 0)

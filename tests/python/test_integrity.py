@@ -267,6 +267,31 @@ def test_a_shard_is_a_file_of_its_directory(tmp_path, kind):
         fastpersist.read_state_dict(d)
 
 
+def test_a_shard_swapped_for_a_link_after_its_check_is_not_followed(tmp_path, monkeypatch):
+    """Regression: a shard was checked (a file of its directory, not a link
+    out of it) and then opened again by its path, so a link swapped in
+    between was followed out of the directory. The checked file is read."""
+    import fastpersist.distributed as fpd
+
+    name = "shard-1-00000-of-00001.pt"
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    torch.save({"a": torch.ones(2)}, d / name)
+    (d / "index.json").write_text(json.dumps({"world_size": 1, "shards": [{"rank": 0, "file": name, "bytes": 1}]}))
+    outside = tmp_path / "outside.pt"
+    torch.save({"secret": torch.zeros(2)}, outside)
+    checked = fpd.open_beneath
+
+    def then_swapped(directory, n):
+        fd = checked(directory, n)
+        os.replace(d / name, tmp_path / "moved.pt")
+        os.symlink(outside, d / name)
+        return fd
+
+    monkeypatch.setattr(fpd, "open_beneath", then_swapped)
+    assert fastpersist.read_state_dict(d)[0]["a"].tolist() == [1.0, 1.0]
+
+
 # 9. Name patterns too broad.
 
 
