@@ -176,15 +176,29 @@ class CheckpointInfo:
     bytes: int
 
 
-def _scan(directory: Optional[str], tier: str, unreadable: bool = False) -> Dict[int, CheckpointInfo]:
+def _listing(directory: Optional[str]) -> Optional[List[str]]:
+    """The names in ``directory``, listed once for the several looks a step
+    takes at it (its records of going back, its checkpoints: one listing
+    where each is a round trip, on a network file system); None when it
+    cannot be listed (each look then goes on as alone)."""
+    try:
+        return os.listdir(directory) if directory else None
+    except OSError:
+        return None
+
+
+def _scan(
+    directory: Optional[str], tier: str, unreadable: bool = False, names: Optional[List[str]] = None
+) -> Dict[int, CheckpointInfo]:
     """The checkpoints in ``directory``: regular files of a checkpoint's
     name (a link, a folder or a FIFO at the name is no checkpoint: neither
     read nor removed; ``unreadable`` lists folders and FIFOs too, for
-    ``fastpersist ls`` to flag them)."""
+    ``fastpersist ls`` to flag them). ``names``: its listing, when taken
+    (see :func:`_listing`)."""
     out: Dict[int, CheckpointInfo] = {}
-    if not directory or not os.path.isdir(directory):
+    if not directory or (names is None and not os.path.isdir(directory)):
         return out
-    for name in os.listdir(directory):
+    for name in os.listdir(directory) if names is None else names:
         step = _parse_ckpt(name)
         if step is not None:
             p = os.path.join(directory, name)
@@ -287,15 +301,18 @@ def list_checkpoints(
     stage_dir: Optional[str] = None,
     storage_options: Optional[Dict[str, Any]] = None,
     unreadable: bool = False,
+    names: Optional[List[str]] = None,
 ) -> List[Tuple[int, List[CheckpointInfo]]]:
     """Committed checkpoints by step (newest first), each with its copies.
     ``stage_dir`` may be an object store URL (only checkpoints whose upload
     completed are listed). ``unreadable``: folders and FIFOs of a
-    checkpoint's name too (no checkpoints: a Checkpointer passes them by)."""
+    checkpoint's name too (no checkpoints: a Checkpointer passes them by).
+    ``names``: ``directory``'s listing, when taken."""
+    local = _scan(directory, "local", unreadable, names)
     if stage_dir is not None and is_url(stage_dir):
-        local, shared = _scan(directory, "local", unreadable), _scan_store(ObjectStore(stage_dir, storage_options))
+        shared = _scan_store(ObjectStore(stage_dir, storage_options))
     else:
-        local, shared = _scan(directory, "local", unreadable), _scan(stage_dir, "shared", unreadable)
+        shared = _scan(stage_dir, "shared", unreadable)
     steps = sorted(set(local) | set(shared), reverse=True)
     return [(s, [c for c in (local.get(s), shared.get(s)) if c is not None]) for s in steps]
 
@@ -803,8 +820,9 @@ class Checkpointer:
         #: The last save started here and its outcome, not yet agreed.
         self._outcome: Optional[Tuple[int, bool]] = None
         _checkpointers.add(self)
-        self._resume_going_back()
-        self._refresh_others()
+        names = _listing(self.directory)
+        self._resume_going_back(names=names)
+        self._refresh_others(names)
         self._sweep_leftovers(every_time=True)
         if self._stager is not None:
             # Catch up: local checkpoints newer than any staged one (an upload
@@ -1171,12 +1189,12 @@ class Checkpointer:
         if held is not None:
             os.close(held)
 
-    def _records_here(self) -> List[str]:
+    def _records_here(self, names: Optional[List[str]] = None) -> List[str]:
         """The records of going back in the directory that are not this
-        process's own."""
-        try:
-            names = os.listdir(self.directory)
-        except OSError:
+        process's own (``names``: its listing, when taken)."""
+        if names is None:
+            names = _listing(self.directory)
+        if names is None:
             return []
         with self._lock:
             mine = set(self._records)
@@ -1224,11 +1242,12 @@ class Checkpointer:
             _check_step(s)
         return step, later, staged
 
-    def _refresh_others(self) -> None:
+    def _refresh_others(self, names: Optional[List[str]] = None) -> None:
         """Read the records of going back that are not this process's (no
-        lock taken): the staging tier's steps they name are held back."""
+        lock taken): the staging tier's steps they name are held back.
+        ``names``: the directory's listing, when taken."""
         found: Dict[str, Tuple[int, Optional[Tuple[int, ...]]]] = {}
-        for record in self._records_here():
+        for record in self._records_here(names):
             fd = self._open_record(record)
             if fd is None:
                 continue
@@ -1242,7 +1261,7 @@ class Checkpointer:
         with self._lock:
             self._others = found
 
-    def _resume_going_back(self, adopt: bool = False) -> None:
+    def _resume_going_back(self, adopt: bool = False, names: Optional[List[str]] = None) -> None:
         """Carry out the records of going back that a process left (it died
         before every tier's later checkpoints were set aside): at
         construction, and on the stager before each stage (``adopt``: one
@@ -1254,8 +1273,9 @@ class Checkpointer:
         Checkpointer's checkpoint files are renamed); the staging tier's
         steps are those the dead process staged, none of which it, or a
         process that took its record on, staged again since (nothing past
-        the step is staged while a record of it is there)."""
-        for record in self._records_here():
+        the step is staged while a record of it is there). ``names``: the
+        directory's listing, when taken."""
+        for record in self._records_here(names):
             fd = self._open_record(record)
             if fd is None:
                 continue
@@ -1346,8 +1366,9 @@ class Checkpointer:
             todo = sorted(self._unfinished.items(), key=lambda kv: kv[1][0])
         for record, (back, staged) in todo:
             self._abandon_staged(back, staged, record)
-        self._resume_going_back(adopt=True)
-        self._refresh_others()
+        names = _listing(self.directory)
+        self._resume_going_back(adopt=True, names=names)
+        self._refresh_others(names)  # (a record carried out meanwhile is gone: passed by)
         with self._lock:
             blocking = [b for b, _ in (*self._unfinished.values(), *self._others.values()) if step > b]
         return min(blocking, default=None)
@@ -1658,8 +1679,9 @@ class Checkpointer:
 
     def _retain(self) -> None:
         self._sweep_leftovers()
+        names = _listing(self.directory)  # (a checkpoint committed since is not deleted now: safe)
         if self._stager is not None:
-            self._refresh_others()
+            self._refresh_others(names)
         with self._lock:
             staged = set(self._staged)
             # With staging, a local copy goes only once it (or a newer
@@ -1679,7 +1701,7 @@ class Checkpointer:
             def local_ok(s: int) -> bool:
                 return (not tiered or any(x >= s for x in staged)) and (not peered or any(x >= s for x in replicated))
 
-            for info in self._doomed(_scan(self.directory, "local"), local_ok, agreed, pending):
+            for info in self._doomed(_scan(self.directory, "local", names=names), local_ok, agreed, pending):
                 self._delete(info)
             if self._ring is not None:
                 for src in self._ring.sources():
@@ -1759,14 +1781,15 @@ class Checkpointer:
         """Committed checkpoints by step (newest first), each with its copies."""
         # (Not the staging tier's checkpoints an unfinished going back is to
         # set aside: the run this one went back on.)
-        self._refresh_others()
+        names = _listing(self.directory)
+        self._refresh_others(names)
         if self.store is not None:
-            local, remote = _scan(self.directory, "local"), _scan_store(self.store)
+            local, remote = _scan(self.directory, "local", names=names), _scan_store(self.store)
             remote = {s: c for s, c in remote.items() if not self._held_back(s)}
             steps = sorted(set(local) | set(remote), reverse=True)
             return [(s, [c for c in (local.get(s), remote.get(s)) if c is not None]) for s in steps]
         out = []
-        for s, copies in list_checkpoints(self.directory, self.stage_dir):
+        for s, copies in list_checkpoints(self.directory, self.stage_dir, names=names):
             kept = [c for c in copies if c.tier == "local" or not self._held_back(s)]
             if kept:
                 out.append((s, kept))
@@ -1858,7 +1881,8 @@ class Checkpointer:
         step chosen): its own steps, the replicas it holds, the shared or
         object tier's steps."""
         remote: List[int] = []
-        self._refresh_others()
+        names = _listing(self.directory)
+        self._refresh_others(names)
         try:
             found = _scan_store(self.store) if self.store is not None else _scan(self.stage_dir, "shared")
             remote = sorted(s for s in found if not self._held_back(s))
@@ -1872,7 +1896,7 @@ class Checkpointer:
         return {
             "rank": ring.rank if ring is not None else None,
             "replicate": self.replicate,
-            "local": sorted(_scan(self.directory, "local")),
+            "local": sorted(_scan(self.directory, "local", names=names)),
             "held": held,
             "remote": remote,
         }

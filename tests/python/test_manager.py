@@ -46,6 +46,32 @@ def test_fixed_interval_and_retention(tmp_path):
     assert steps_in(tmp_path / "b") == [3, 6, 9]
 
 
+def test_a_look_at_the_checkpoints_lists_the_directory_once(tmp_path, monkeypatch):
+    """Regression: ``checkpoints()`` listed the local directory twice (for
+    records of going back, then for the checkpoints), and so did the
+    stager before each stage: each listing is a round trip on a network
+    file system."""
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    with fastpersist.Checkpointer(local, every=1, keep_last=2, stage_dir=shared) as ck:
+        ck.save(1, state(1)).result()
+        ck.wait()
+        listed = []
+        real = os.listdir
+
+        def counting(d="."):
+            listed.append(os.path.realpath(d))
+            return real(d)
+
+        monkeypatch.setattr(os, "listdir", counting)
+        ck.checkpoints()
+        assert listed.count(os.path.realpath(local)) == 1
+        del listed[:]
+        ck._settle_going_back(2)
+        assert listed.count(os.path.realpath(local)) == 1
+    monkeypatch.undo()
+    assert [s for s, _ in fastpersist.Checkpointer(local, stage_dir=shared).checkpoints()] == [1]
+
+
 def test_latest_skips_damaged_and_cleans_temp_files(tmp_path):
     with fastpersist.Checkpointer(tmp_path, every=1, keep_last=5) as ck:
         for s in range(1, 4):
