@@ -925,7 +925,15 @@ class Checkpointer:
         fl = self._inflight
         if fl is not None:
             t = self.clock()
-            fl.future.wait_snapshot()
+            try:
+                fl.future.wait_snapshot()
+            except Exception:
+                if not fl.future.snapshot_done():
+                    raise
+                # The save failed (in pipelined mode, its write is what the
+                # fence waits for): the tensors are free, and the failure
+                # is logged where the save is finished, as every failed
+                # checkpoint's is; training goes on.
             fl.stall += self.clock() - t
 
     def prepare(self, state: Any, background: bool = True) -> None:

@@ -72,6 +72,30 @@ def test_a_look_at_the_checkpoints_lists_the_directory_once(tmp_path, monkeypatc
     assert [s for s, _ in fastpersist.Checkpointer(local, stage_dir=shared).checkpoints()] == [1]
 
 
+@pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
+def test_a_failed_checkpoint_does_not_stop_the_loop_at_its_fence(tmp_path, engine_fault, mode, caplog, monkeypatch):
+    """Regression (found in a hunt): in pipelined mode (the default) the
+    fence waits for the write (of a checkpoint larger than the arena), and
+    a failed write (ENOSPC, EIO, a read-only file system) was raised from
+    ``fence()`` into the training loop; a Checkpointer logs a failed
+    checkpoint and goes on."""
+    from fastpersist.options import EngineOptions, get_engine
+
+    monkeypatch.setenv("FASTPERSIST_ARENA_BYTES", str(4 << 20))
+    with fastpersist.Checkpointer(tmp_path, every=1, keep_last=5, mode=mode) as ck:
+        for s in range(1, 4):
+            if s == 2:
+                ck.wait()
+                engine_fault(4 << 20, errno.EIO)
+            ck.step(s, {"w": torch.full((4 << 20,), float(s))})
+            ck.fence()  # the documented loop: before optimizer.step()
+            if s == 2:
+                ck.wait()
+                get_engine(EngineOptions.resolve())[1].set_fault(None)
+    assert steps_in(tmp_path) == [1, 3]
+    assert "checkpoint of step 2 failed" in caplog.text
+
+
 def test_latest_skips_damaged_and_cleans_temp_files(tmp_path):
     with fastpersist.Checkpointer(tmp_path, every=1, keep_last=5) as ck:
         for s in range(1, 4):
