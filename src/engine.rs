@@ -416,6 +416,9 @@ impl Engine {
         io: impl FnOnce(&mut Lending<'_>, &mut Arena, &mut Vec<usize>) -> Result<T>,
     ) -> Result<T> {
         self.check_process()?;
+        if self.uring.is_none() && self.pool.is_none() {
+            self.pool = Some(PoolSink::new(self.opts.pool_threads)?);
+        }
         let mut free = std::mem::take(&mut self.free);
         self.held.reclaim(&mut free);
         let ids = self.opts.queue_depth + 2 * self.opts.gather_threads + 1;
@@ -441,15 +444,14 @@ impl Engine {
         res
     }
 
-    /// The I/O back end (io_uring, else the pwrite pool, made on first use)
-    /// with its fault hook set, and the arena.
+    /// The I/O back end (io_uring, else the pwrite pool, made on first use
+    /// by [`Engine::with_lending`]) with its fault hook set, and the arena.
     fn parts(&mut self) -> (&mut dyn Sink, &mut Arena) {
         let fault = self.opts.fault;
-        let sink: &mut dyn Sink = match self.uring.as_mut() {
-            Some(u) => u,
-            None => self
-                .pool
-                .get_or_insert_with(|| PoolSink::new(self.opts.pool_threads)),
+        let sink: &mut dyn Sink = match (self.uring.as_mut(), self.pool.as_mut()) {
+            (Some(u), _) => u,
+            (None, Some(p)) => p,
+            (None, None) => unreachable!("with_lending makes the pool first"),
         };
         sink.set_fault(fault);
         (sink, &mut self.arena)

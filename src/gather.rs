@@ -204,7 +204,7 @@ pub(crate) fn pump_parallel(
                 done_rx,
             )
         },
-    )
+    )?
 }
 
 /// Run `coordinate` on the calling thread with `threads` scoped workers:
@@ -217,20 +217,38 @@ pub(crate) fn with_workers<T: Send, R: Send, O>(
     threads: usize,
     work: impl Fn(T) -> R + Sync,
     coordinate: impl FnOnce(&mpsc::Sender<T>, &mpsc::Receiver<R>) -> O,
-) -> O {
+) -> Result<O> {
     let (task_tx, task_rx) = mpsc::channel::<T>();
     let task_rx = Mutex::new(task_rx);
     let (done_tx, done_rx) = mpsc::channel::<R>();
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
+        let mut started = 0;
+        let mut refused = None;
         for _ in 0..threads {
             let (rx, tx, work, stop) = (&task_rx, done_tx.clone(), &work, &stop);
-            scope.spawn(move || serve(rx, &tx, work, stop));
+            // A thread the system will not start (EAGAIN: a process or
+            // memory limit) is one worker fewer, not a panic (which would
+            // poison the engine held meanwhile).
+            match std::thread::Builder::new()
+                .spawn_scoped(scope, move || serve(rx, &tx, work, stop))
+            {
+                Ok(_) => started += 1,
+                Err(e) => {
+                    refused = Some(e);
+                    break;
+                }
+            }
         }
         drop(done_tx);
+        if started == 0 {
+            if let Some(e) = refused {
+                return Err(Error::from_io(&e, "cannot start a worker thread", None));
+            }
+        }
         let out = coordinate(&task_tx, &done_rx);
         drop(task_tx);
-        out
+        Ok(out)
     })
 }
 
@@ -496,7 +514,9 @@ mod tests {
                     Ok(out)
                 },
             );
-            let done = got.expect_err("one task never gives a result");
+            let done = got
+                .expect("the workers start")
+                .expect_err("one task never gives a result");
             assert!(done.len() < 8 && !done.contains(&6), "{done:?}");
         }
     }

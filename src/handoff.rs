@@ -119,7 +119,7 @@ impl Engine {
                         }
                     },
                     |tx, rx| hand.run(Some((tx, rx))),
-                )
+                )?
             } else {
                 hand.run(None)
             }

@@ -877,10 +877,14 @@ impl PyEngine {
                  (a read's consumer or a save's callback); use another engine there",
             ));
         }
-        let guard = self
-            .inner
-            .lock()
-            .map_err(|_| Error::option("engine poisoned by an earlier panic"))?;
+        let guard = self.inner.lock().map_err(|_| {
+            // A bug panicked while the engine was held: its state is not
+            // to be trusted. Retired, so the next call gets a new engine;
+            // this one's error is no option or layout error (a reader
+            // would take those for a damaged file).
+            self.retired.store(libc::EIO, Ordering::SeqCst);
+            Error::internal("the engine was given up after an internal error (a panic); the next call makes a new one")
+        })?;
         self.owner.store(thread_token(), Ordering::SeqCst);
         Ok(EngineGuard {
             guard,
@@ -1099,7 +1103,11 @@ impl PySession {
                 })
             })
             .map_err(|e| {
-                PyRuntimeError::new_err(format!("cannot start the write-behind thread: {e}"))
+                to_py(Error::from_io(
+                    &e,
+                    "cannot start the write-behind thread",
+                    None,
+                ))
             })?;
         Ok(Behind { parts: tx, thread })
     }
@@ -1690,6 +1698,8 @@ fn temp_name_part<'py>(py: Python<'py>, name: &[u8]) -> Bound<'py, PyBytes> {
 
 /// More parts than any job has ranks: a bound on the list `split_ranges` makes.
 const MAX_PARTS: usize = 1 << 20;
+/// The most segment bytes `partition` (a test helper) allocates.
+const MAX_PARTITION_BYTES: usize = 1 << 30;
 
 /// The segments of a session call's pieces, read with the GIL handed to a
 /// waiting engine thread as they are ([`extract_handing_off`]): the
@@ -1766,6 +1776,27 @@ fn partition(
         Vec<(u64, usize, Vec<(usize, u64, usize, usize)>)>,
     )>,
 > {
+    // A helper for tests, which holds its segments' bytes: sizes it could
+    // not hold are refused, not an abort of the process.
+    if parts == 0 || parts > MAX_PARTS {
+        return Err(PyValueError::new_err(format!(
+            "parts must be in 1..={MAX_PARTS}, got {parts}"
+        )));
+    }
+    let total = segments
+        .iter()
+        .try_fold(0usize, |acc, &(_, len)| acc.checked_add(len))
+        .filter(|&t| t <= MAX_PARTITION_BYTES);
+    if total.is_none() {
+        return Err(PyValueError::new_err(format!(
+            "the segments may hold at most {MAX_PARTITION_BYTES} bytes in all"
+        )));
+    }
+    if max_len == 0 || file_len / max_len as u64 > MAX_PARTS as u64 {
+        return Err(PyValueError::new_err(format!(
+            "max_len {max_len} makes more than {MAX_PARTS} extents of {file_len} bytes"
+        )));
+    }
     let segs = segments
         .into_iter()
         .map(|(offset, len)| Segment {

@@ -477,7 +477,7 @@ fn read_parallel(
                 plan, sink, arena, free, hashers, threads, prefault, task_tx, done_rx,
             )
         },
-    )
+    )?
 }
 
 /// The destination memory of the read's last `budget` bytes (pieces of at

@@ -470,12 +470,16 @@ pub struct PoolSink {
 }
 
 impl PoolSink {
-    pub fn new(threads: usize) -> Self {
+    /// A pool of `threads` writer threads (fewer when the system will not
+    /// start them all: EAGAIN, a process or memory limit; an error when it
+    /// starts none).
+    pub fn new(threads: usize) -> Result<Self> {
         let (jtx, jrx) = channel::<(RawFd, Job, Option<Fault>)>();
         let (dtx, drx) = channel::<Done>();
         let jrx = Arc::new(Mutex::new(jrx));
-        let workers = (0..threads.max(1))
-            .map(|i| {
+        let mut refused = None;
+        let workers: Vec<_> = (0..threads.max(1))
+            .map_while(|i| {
                 let jrx = Arc::clone(&jrx);
                 let dtx = dtx.clone();
                 std::thread::Builder::new()
@@ -509,17 +513,22 @@ impl PoolSink {
                             return;
                         }
                     })
-                    .expect("spawn writer thread")
+                    .map_err(|e| refused = Some(e))
+                    .ok()
             })
             .collect();
-        PoolSink {
+        if workers.is_empty() {
+            let e = refused.unwrap_or_else(|| std::io::Error::from_raw_os_error(libc::EAGAIN));
+            return Err(Error::from_io(&e, "cannot start a writer thread", None));
+        }
+        Ok(PoolSink {
             jobs: Some(jtx),
             done: drx,
             workers,
             inflight: 0,
             syncs: 0,
             fault: None,
-        }
+        })
     }
 
     fn take(&mut self, d: Done, free: &mut Vec<usize>, err: &mut Option<Error>) {

@@ -565,3 +565,54 @@ def test_a_request_the_kernel_cancels_for_a_signal_is_submitted_again(tmp_path, 
     fastpersist.write_state_dict(sd, p)
     assert torch.equal(fastpersist.read_state_dict(p)["w"], sd["w"])
     assert torch.equal(torch.load(p)["w"], sd["w"])
+
+
+@pytest.mark.skipif(not is_root(), reason="drops to another user, for RLIMIT_NPROC to apply")
+def test_threads_the_system_will_not_start_fail_that_call_only():
+    """Regression (found in a hunt): a worker thread the system would not
+    start (EAGAIN under RLIMIT_NPROC) panicked while the engine was held,
+    and the poisoned engine failed every later call of the process: saves
+    with ValueError, and reads of valid checkpoints as
+    CorruptCheckpointError (so ``Checkpointer.load_latest()`` skipped every
+    checkpoint and returned None). Now that call fails, or runs on the
+    threads that did start, and the next calls work."""
+    import shutil
+    import tempfile
+
+    tmp_path = tempfile.mkdtemp(prefix="fp-nproc-")  # (pytest's is root's alone)
+    os.chmod(tmp_path, 0o777)
+    code = textwrap.dedent(
+        f"""
+        import os, resource, torch, fastpersist
+        d = {str(tmp_path)!r}
+        sd = {{f"w{{i}}": torch.randn(1 << 20) for i in range(8)}}
+        good = os.path.join(d, "good.pt")
+        fastpersist.write_state_dict(sd, good)
+        with fastpersist.Checkpointer(os.path.join(d, "ck"), every=1) as ck:
+            ck.save(1, {{"s": 1}}).result()
+        os.system("chmod -R 777 " + d)
+        os.setgroups([]); os.setresgid(65534, 65534, 65534)
+        resource.setrlimit(resource.RLIMIT_NPROC, (1, 4096))
+        os.setresuid(65534, 65534, 65534)
+        for opts in ({{}}, {{"io_uring": False}}):
+            try:
+                fastpersist.write_state_dict(sd, os.path.join(d, "x.pt"), **opts)
+            except OSError as e:
+                print("refused:", e)
+            try:
+                fastpersist.read_state_dict(good, **opts)
+            except OSError as e:
+                print("refused:", e)
+        resource.setrlimit(resource.RLIMIT_NPROC, (4096, 4096))
+        for opts in ({{}}, {{"io_uring": False}}):
+            assert torch.equal(fastpersist.read_state_dict(good, **opts)["w3"], sd["w3"])
+            fastpersist.write_state_dict(sd, os.path.join(d, "y.pt"), **opts)
+        assert fastpersist.Checkpointer(os.path.join(d, "ck")).load_latest()[0] == 1
+        print("ok")
+        """
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout[-2000:], out.stderr[-3000:])

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import zipfile
 
 import fastpersist
+import pytest
 import torch
 from fastpersist import _core
 from helpers import all_dtypes, assert_same, make
@@ -120,3 +123,22 @@ def test_random_state_dicts_round_trip(sd, backends):
         assert_same(sd, torch.load(p, weights_only=True))
         assert_same(sd, torch.load(p, mmap=True, weights_only=True))
         assert os.listdir(d) == ["r.pt"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        "[(0, 10)], 4096, 4096, 4096, 2**40",
+        "[(0, 2**62)], 2**62, 4096, 4096, 1",
+        "[(0, 10)], 2**60, 4096, 1, 1",
+        "[(0, 10)], 4096, 4096, 4096, 0",
+    ],
+    ids=["parts", "segment", "extents", "no-parts"],
+)
+def test_partition_refuses_sizes_it_cannot_hold(args):
+    """Regression (found in a review): ``_core.partition`` with a huge
+    ``parts``, segment or extent count aborted the interpreter (an
+    allocation failure), where ``split_ranges`` raises ValueError."""
+    code = f"from fastpersist import _core\ntry:\n    _core.partition({args})\nexcept ValueError as e:\n    print('ValueError', e)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("ValueError"), (out.returncode, out.stdout, out.stderr[-500:])
