@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
 import time
 import warnings
@@ -323,6 +324,7 @@ def write_sharded(
         index = os.path.join(dirpath, INDEX_NAME)
         before = file_identity(index)
         try:
+            _check_shards_here(dirpath, results)
             _commit_index(dirpath, save_id, world, results)
         except BaseException as e:  # noqa: BLE001
             # Renamed in (its directory fsync failed, or an interrupt came
@@ -344,6 +346,24 @@ def write_sharded(
         fail_all([final[1]] + [None] * (world - 1), what, commit_err[2] if commit_err else None)
     assert stats is not None
     return stats
+
+
+def _check_shards_here(dirpath: str, results: List[Tuple[Any, str, int]]) -> None:
+    """Before rank 0 commits the index (and removes the shards it
+    replaces): every rank's shard is a file of ``dirpath`` as rank 0 sees
+    it. Ranks that were given different directories, or the same path on
+    disks of their own, would otherwise commit an index that names shards
+    rank 0 has not got (and lose the previous checkpoint)."""
+    for r, (_, name, _) in enumerate(results):
+        try:
+            ok = stat.S_ISREG(os.lstat(os.path.join(dirpath, name)).st_mode)
+        except FileNotFoundError:
+            ok = False
+        if not ok:
+            raise DistributedCheckpointError(
+                f"{dirpath}: rank {r}'s shard {name} is not in this directory as rank 0 sees it: every rank must "
+                "pass the same directory, on a file system they all share (nothing was committed)"
+            )
 
 
 def _unlink(p: str) -> None:

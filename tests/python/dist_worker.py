@@ -77,6 +77,17 @@ def main() -> None:  # noqa: C901 - one branch per scenario
                 at = plan_torch_save(state(0)).file_len * 3 // (2 * world)
                 get_engine(EngineOptions.resolve())[1].set_fault(at, 5)
             fastpersist.write_state_dict(state(0), os.path.join(out, "ckpt.pt"), group=dist.group.WORLD)
+        elif scenario == "sharded-apart":
+            # The last rank is given another directory (or: the same path,
+            # on a disk of its own): nothing may be committed, nor the
+            # previous checkpoint lost.
+            d = os.path.join(out, "sharded" if rank != world - 1 else "elsewhere")
+            os.makedirs(d, exist_ok=True)
+            try:
+                fastpersist.write_state_dict(state(200 + rank), d, group=dist.group.WORLD, sharded=True)
+                result["raised"] = None
+            except fastpersist.DistributedCheckpointError as e:
+                result["raised"] = str(e)
         elif scenario == "fail-sharded":
             obj = state(rank) if rank != world - 1 else {"f": lambda: 0}
             fastpersist.write_state_dict(obj, os.path.join(out, "sharded"), group=dist.group.WORLD, sharded=True)

@@ -111,6 +111,22 @@ def test_different_objects_are_refused(tmp_path):
     assert not (tmp_path / "ckpt.pt").exists()
 
 
+def test_ranks_given_different_directories_commit_nothing(tmp_path):
+    """Regression (found in a hunt): ranks that passed different directories
+    to a sharded save (or one path on disks of their own) all returned
+    success; rank 0 committed an index naming a shard it had not got and
+    removed the previous checkpoint's shards, so nothing could be read."""
+    res = run_ranks("sharded", 2, tmp_path)
+    assert all(r["ok"] for r in res), res
+    before = sorted(os.listdir(tmp_path / "sharded"))
+    res = run_ranks("sharded-apart", 2, tmp_path)
+    assert all(r["ok"] for r in res), res
+    assert all(r["raised"] and "every rank must pass the same directory" in r["raised"] for r in res), res
+    assert sorted(os.listdir(tmp_path / "sharded")) == before
+    assert [s["n"] for s in fastpersist.read_state_dict(tmp_path / "sharded")] == [100, 101]
+    assert not [n for n in os.listdir(tmp_path / "elsewhere") if n.startswith("shard-")]
+
+
 def test_sharded_needs_a_group(tmp_path):
     with pytest.raises(ValueError, match="group"):
         fastpersist.write_state_dict({}, tmp_path / "d", sharded=True)
