@@ -967,6 +967,94 @@ def test_async_save_with_fastpersist_stager(tmp_path):
     w.close()
 
 
+def test_a_planner_that_reads_through_one_scratch_buffer_gets_every_item(tmp_path):
+    """Regression (found in a hunt): the reader resolved every item of a
+    read batch first, read them all into what ``resolve_tensor`` gave and
+    committed them after; a planner handing out one scratch buffer (and
+    copying it out at ``commit_tensor``, as DCP's planner allows) got the
+    last item's data in every tensor, with every CRC32 passing. Items whose
+    destinations share memory are now read and committed one after the
+    other, and each item's destination is resolved once."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    resolved = []
+
+    class Scratch(DefaultLoadPlanner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scratch = torch.empty(1 << 16)
+
+        def resolve_tensor(self, read_item):
+            resolved.append(read_item.dest_index.fqn)
+            dest = super().resolve_tensor(read_item)
+            return self.scratch[: dest.numel()].view(dest.shape)
+
+        def commit_tensor(self, read_item, tensor):
+            super().resolve_tensor(read_item).copy_(tensor)
+
+    sd = {f"t{i}": torch.full((1000,), float(i)) for i in range(5)}
+    sd["h"] = torch.arange(10, dtype=torch.float64)  # another dtype: not read in place
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path), planner=Scratch())
+    assert_equal(out, sd)
+    assert sorted(resolved) == sorted(sd)
+
+
+def test_items_dcp_stored_through_its_extensions_are_read_as_dcp_reads_them(tmp_path):
+    """Regression (found in a hunt): items DCP's writer stored through a
+    stream extension (``FileSystemWriter(_extensions=[...])``: compressed,
+    their ``transform_descriptors`` in .metadata) were read raw: bytes items
+    failed to unpickle and tensor items came back as the compressed bytes.
+    They are read by DCP's own reader, which undoes the transform."""
+    import gzip
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+
+    class Gzip(StreamTransformExtension):
+        @staticmethod
+        def registry_name():
+            return "stream.gzip"
+
+        @staticmethod
+        def from_descriptor(version):
+            return Gzip()
+
+        def get_descriptor(self):
+            return "stream.gzip/1"
+
+        def transform_to(self, output):
+            return gzip.GzipFile(fileobj=output, mode="wb")
+
+        def transform_from(self, input):
+            return gzip.GzipFile(fileobj=input, mode="rb")
+
+    sd = {"w": torch.arange(1000, dtype=torch.float32), "blob": io.BytesIO(b"payload")}
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path, _extensions=[Gzip()]))
+    reg = ExtensionRegistry()
+    reg.register(Gzip)
+    out = {"w": torch.zeros(1000), "blob": io.BytesIO()}
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path, _extension_registry=reg))
+    assert torch.equal(out["w"], sd["w"]) and out["blob"].getvalue() == b"payload"
+
+
+def test_async_save_stages_dict_subclasses(tmp_path):
+    """Regression (found in a hunt): the writer's stager rebuilt every dict
+    as ``type(d)(items)``, so a defaultdict (an optimizer's state often is
+    one) raised TypeError from ``dcp.async_save``, which DCP's own stager
+    saves. A dict subclass is staged as a copy of its own type."""
+    import collections
+
+    sd = {"opt": collections.defaultdict(dict, {"step": torch.tensor(3.0)}), "w": torch.ones(4)}
+    w = FastPersistWriter(tmp_path)
+    dcp.async_save(sd, storage_writer=w).result()
+    w.close()
+    out = {"opt": {"step": torch.tensor(0.0)}, "w": torch.zeros(4)}
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path))
+    assert float(out["opt"]["step"]) == 3.0 and torch.equal(out["w"], torch.ones(4))
+
+
 def test_staged_and_viewed_tensors_are_written_from_where_they_lie(tmp_path, monkeypatch):
     # Every tensor DCP's async_save staged through the writer is a view into
     # the staging buffer, and state dicts hold views of their own (slices of

@@ -40,6 +40,7 @@ caller names no storage (``dcp.save(sd, checkpoint_id=path)``);
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import contextlib
 import copy
@@ -545,7 +546,18 @@ def _map_tensors(obj: Any, fn: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
-        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
+        items = [(k, _map_tensors(v, fn)) for k, v in obj.items()]
+        if type(obj) is dict:
+            return dict(items)
+        try:
+            # A dict subclass keeps its type and what it was made with (a
+            # defaultdict's factory): a shallow copy, its values replaced.
+            out = copy.copy(obj)
+            for k, v in items:
+                dict.__setitem__(out, k, v)
+            return out
+        except Exception:  # noqa: BLE001 - a subclass that cannot be copied
+            return dict(items)  # (as DCP's own stager stages one)
     if isinstance(obj, list):
         return [_map_tensors(v, fn) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
@@ -1020,6 +1032,7 @@ class _Pending(NamedTuple):
     lengths: List[int]
     target: Any  # tensor read into, or a byte buffer
     direct: bool  # read straight into the destination
+    dest: Any = None  # the destination, when resolved already (resolved once)
 
 
 class _ReadBatch:
@@ -1040,6 +1053,27 @@ class _ReadBatch:
         # The chunk small pieces are cut from: its address and bytes left.
         self._piece_at = 0
         self._piece_room = 0
+        # The memory of the destinations resolved for its items, by device:
+        # sorted, disjoint (start, end) byte spans.
+        self._dests: Dict[Any, Tuple[List[int], List[int]]] = {}
+
+    def claims(self, dest: Optional[torch.Tensor]) -> bool:
+        """Take ``dest``'s memory for an item of this batch; False (nothing
+        taken) when an item of it already has some of that memory. A
+        planner may resolve every item to one scratch buffer and copy it
+        out at ``commit_tensor``: such items go to separate batches, each
+        read and committed before the next is resolved into."""
+        span = _span(dest) if dest is not None else None
+        if span is None:
+            return True
+        key, lo, hi = span
+        starts, ends = self._dests.setdefault(key, ([], []))
+        i = bisect.bisect_right(starts, lo)
+        if (i > 0 and ends[i - 1] > lo) or (i < len(starts) and starts[i] < hi):
+            return False
+        starts.insert(i, lo)
+        ends.insert(i, hi)
+        return True
 
     def add(self, off: int, n: int, addr: Optional[int] = None) -> int:
         """A request for ``n`` bytes at ``off`` into ``addr`` (else into a
@@ -1093,10 +1127,21 @@ class FastPersistReader(StorageReader):
     the writer committed (checkpoints without one, e.g. from DCP's own
     writer, are read unchecked). ``defer_gc`` and ``engine_options`` as for
     the writer (full collections deferred from ``set_up_storage_reader`` to
-    the end of ``read_data``)."""
+    the end of ``read_data``). Items DCP's writer stored through its
+    extensions (compressed, say) are read by DCP's ``FileSystemReader``,
+    with ``_extension_registry`` as it takes it (experimental in DCP)."""
 
-    def __init__(self, path: Any, *, verify: bool = True, defer_gc: bool = True, **engine_options: Any) -> None:
+    def __init__(
+        self,
+        path: Any,
+        *,
+        verify: bool = True,
+        defer_gc: bool = True,
+        _extension_registry: Any = None,
+        **engine_options: Any,
+    ) -> None:
         super().__init__()
+        self._extension_registry = _extension_registry
         self.path = _dir(path)
         self.verify = bool(verify)
         self.defer_gc = bool(defer_gc)
@@ -1165,6 +1210,7 @@ class FastPersistReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         _begin_gc_deferral(self)  # until read_data, this rank's last call
         self.rank = kwargs.get("rank")
+        self.metadata = metadata
         self.storage_data = metadata.storage_data
         self.chunks = {}
         for fqn, md in metadata.state_dict_metadata.items():
@@ -1226,6 +1272,7 @@ class FastPersistReader(StorageReader):
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         per_file: Dict[str, List[Any]] = {}
+        transformed = []
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
             if info is None:
@@ -1233,12 +1280,25 @@ class FastPersistReader(StorageReader):
             rel = info.relative_path
             if names_outside(rel):
                 raise CorruptCheckpointError(f"{self.path}: item {req.storage_index.fqn} names a file outside it")
-            per_file.setdefault(rel, []).append(req)
+            if getattr(info, "transform_descriptors", None):
+                transformed.append(req)  # (compressed, say, by DCP's writer's extensions)
+            else:
+                per_file.setdefault(rel, []).append(req)
+        if transformed:
+            self._read_transformed(transformed, planner)
         for rel, reqs in per_file.items():
             self._read_file(rel, sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset), planner)
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _read_transformed(self, reqs: List[Any], planner: LoadPlanner) -> None:
+        """Items that DCP's writer stored through its extensions (their
+        ``transform_descriptors``: a compression, say) are read by DCP's
+        own reader, which undoes them (fastpersist's writer uses none)."""
+        reader = FileSystemReader(self.path, _extension_registry=self._extension_registry)
+        reader.set_up_storage_reader(self.metadata, False)
+        reader.read_data(dataclasses.replace(LoadPlan(items=[]), items=reqs), planner).wait()
 
     def _read_file(self, rel: str, reqs: List[Any], planner: LoadPlanner) -> None:
         path = os.path.join(self.path, rel)
@@ -1265,11 +1325,13 @@ class FastPersistReader(StorageReader):
                         f"{path}: item {_name(req)} ({info.length} bytes at {info.offset}) has no CRC32 in the "
                         "sidecar: the sidecar and .metadata disagree"
                     )
-                if info.length and info.offset in batch.items:
+                fast = self._fast_target(req, crc, planner) if req.type != LoadItemType.BYTE_IO else None
+                if (info.length and info.offset in batch.items) or not batch.claims(fast and fast[2]):
                     self._read_batch(fd, path, batch, planner)
                     batch = _ReadBatch()
+                    batch.claims(fast and fast[2])
                 batch.items.add(info.offset)
-                self._plan_item(batch, path, req, info, crc, planner)
+                self._plan_item(batch, path, req, info, crc, fast)
                 # Items read straight into their destinations cost no memory:
                 # only the temporary buffers bound a batch.
                 if batch.temp_bytes >= READ_BATCH_BYTES:
@@ -1281,12 +1343,18 @@ class FastPersistReader(StorageReader):
             os.close(fd)
 
     def _plan_item(
-        self, batch: _ReadBatch, path: str, req: Any, info: Any, crc: Optional[List[int]], planner: Any
+        self,
+        batch: _ReadBatch,
+        path: str,
+        req: Any,
+        info: Any,
+        crc: Optional[List[int]],
+        fast: Optional[Tuple[torch.Tensor, bool, Optional[torch.Tensor]]],
     ) -> None:
-        """Add the reads of one item to ``batch``."""
+        """Add the reads of one item to ``batch`` (``fast``: its
+        :meth:`_fast_target`)."""
         if crc is not None and crc[1] != info.length:
             raise CorruptCheckpointError(f"{path}: item {_name(req)}: sidecar and .metadata disagree on its size")
-        fast = self._fast_target(req, crc, planner) if req.type != LoadItemType.BYTE_IO else None
         if fast is None:
             buf = torch.empty(info.length, dtype=torch.uint8)
             i = batch.add(info.offset, info.length, buf.data_ptr() if info.length else None)
@@ -1294,7 +1362,7 @@ class FastPersistReader(StorageReader):
             batch.temp_bytes += info.length
             batch.pending.append(_Pending(req, info, crc, [i], [info.length], buf, False))
             return
-        target, direct = fast
+        target, direct, dest = fast
         assert crc is not None
         data_off, data_len = crc[3], crc[4]
         tail = info.length - data_off - data_len
@@ -1307,7 +1375,7 @@ class FastPersistReader(StorageReader):
             batch.staged.append((info.offset + data_off, target.untyped_storage(), data_len))
             parts.append(-len(batch.staged))  # a staged read's CRC, by its index
         parts.append(batch.add(info.offset + data_off + data_len, tail))
-        batch.pending.append(_Pending(req, info, crc, parts, [data_off, data_len, tail], target, direct))
+        batch.pending.append(_Pending(req, info, crc, parts, [data_off, data_len, tail], target, direct, dest))
 
     def _read_batch(self, fd: int, path: str, batch: _ReadBatch, planner: Any) -> None:
         reqs, staged = batch.reqs, batch.staged
@@ -1322,11 +1390,15 @@ class FastPersistReader(StorageReader):
         for p in batch.pending:
             self._finish_item(path, p, got, staged_got, planner)
 
-    def _fast_target(self, req: Any, crc: Optional[List[int]], planner: Any) -> Optional[Tuple[torch.Tensor, bool]]:
+    def _fast_target(
+        self, req: Any, crc: Optional[List[int]], planner: Any
+    ) -> Optional[Tuple[torch.Tensor, bool, Optional[torch.Tensor]]]:
         """Where an item's tensor data is read to without parsing its blob
         (the sidecar says where the data lies): the destination itself when
         the item is all of it, dense, of the same dtype (``True``); else a
-        fresh tensor of the saved chunk on the destination's device."""
+        fresh tensor of the saved chunk on the destination's device. Third:
+        the destination, when resolved here (each item's is resolved once,
+        as DCP's own reader does)."""
         # The sidecar entry: offset, length, CRC32, data offset and length,
         # head CRC32, kind (version 2).
         if crc is None or crc[3] < 0 or len(crc) < 7:
@@ -1346,12 +1418,12 @@ class FastPersistReader(StorageReader):
         # is_cpu / is_cuda: no device object made (this runs once per item).
         if dest is not None and dest.dtype == dtype and tuple(dest.shape) == sizes and not _lazy(dest):
             if dest.is_cpu and dest.is_contiguous():
-                return dest, True
+                return dest, True, dest
             if dest.is_cuda and _exact(dest):
-                return dest, True
+                return dest, True, dest
         if dest is not None and dest.is_cuda:
-            return torch.empty(sizes, dtype=dtype, device=dest.device), False
-        return torch.empty(sizes, dtype=dtype), False
+            return torch.empty(sizes, dtype=dtype, device=dest.device), False, dest
+        return torch.empty(sizes, dtype=dtype), False, dest
 
     def _finish_item(self, path: str, p: _Pending, got: List[int], staged_crcs: List[int], planner: Any) -> None:
         crc_parts = [staged_crcs[-i - 1] if i < 0 else got[i] for i in p.parts]
@@ -1386,13 +1458,23 @@ class FastPersistReader(StorageReader):
         else:
             t = p.target
         t = _narrow(t, req.storage_offsets, req.lengths)
-        dest = planner.resolve_tensor(req).detach()
+        dest = p.dest if p.dest is not None else planner.resolve_tensor(req).detach()
         if dest.size() != t.size():
             raise CorruptCheckpointError(
                 f"{path}: item {_name(req)} has size {tuple(t.size())}, expected {tuple(dest.size())}"
             )
         dest.copy_(t)
         planner.commit_tensor(req, dest)
+
+
+def _span(t: torch.Tensor) -> Optional[Tuple[Any, int, int]]:
+    """The bytes ``t``'s elements lie in: (device, first, past the last);
+    None for no element."""
+    if t.numel() == 0:
+        return None
+    reach = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+    lo = t.data_ptr()
+    return (t.device, lo, lo + reach * t.element_size())
 
 
 def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
