@@ -93,9 +93,11 @@ fn to_py(e: Error) -> PyErr {
 /// The GIL as a [`GatherGuard`]: caller memory (tensor storages) is read
 /// (by this thread or by gather threads) only while this thread holds the
 /// GIL, after the storage was found as planned in `guard._owners` (a
-/// `fastpersist.plan.MemoryGuard`); no Python thread can resize a storage
-/// in between. Released whenever the engine waits for the device. What a
-/// failed check found is kept in `err`, for the caller to raise.
+/// `fastpersist.plan.MemoryGuard`); no Python thread can begin a resize of
+/// a storage in between (torch gives the GIL up inside `resize_()`, so one
+/// begun by another thread before the check is not excluded: see
+/// `MemoryGuard`). Released whenever the engine waits for the device. What
+/// a failed check found is kept in `err`, for the caller to raise.
 struct GilGuard {
     guard: PyObject,
     state: Option<pyo3::ffi::PyGILState_STATE>,
@@ -213,7 +215,7 @@ impl GatherGuard for GilGuard {
 
     fn check(&mut self, crc_id: u32) -> Result<(), Error> {
         if self.checked.contains(&crc_id) {
-            return Ok(()); // checked since the GIL was taken: cannot have changed
+            return Ok(()); // checked since the GIL was taken: no resize begun since
         }
         // No Python code runs here, also when the storage has changed (the
         // GIL must not move while gather threads read under it): the
@@ -988,6 +990,23 @@ impl Drop for PySession {
                 Python::with_gil(|py| py.allow_threads(|| drop(behind.join())));
             } else {
                 behind.forget();
+            }
+        }
+        // Dropped unfinished (its caller gave up without `abort`): its
+        // writes in flight are settled before its file is closed, as
+        // `abort` does. Else a write the engine makes again (a short or
+        // interrupted one) would go by the file's descriptor number to
+        // whatever file was opened with that number since.
+        if mine && !self.engine.get().held_here() {
+            let session = self.session.lock().ok().and_then(|mut g| g.take());
+            if let Some(s) = session {
+                let engine = self.engine.get();
+                Python::with_gil(|py| {
+                    py.allow_threads(|| match engine.engine() {
+                        Ok(mut e) => e.abort(s),
+                        Err(_) => drop(s),
+                    });
+                });
             }
         }
     }

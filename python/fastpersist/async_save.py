@@ -654,13 +654,16 @@ class AsyncSaver:
 
     def __init__(self, max_pending: int = 2, nice: Optional[int] = None) -> None:
         check_max_pending(max_pending)
+        where = ""
         if nice is None:
             nice = env_int("FASTPERSIST_BACKGROUND_NICE", DEFAULT_NICE)
+            if os.environ.get("FASTPERSIST_BACKGROUND_NICE"):
+                where = " (from the environment variable FASTPERSIST_BACKGROUND_NICE)"
         if isinstance(nice, bool) or not isinstance(nice, int):
             # Else the threads die on os.setpriority and every save hangs.
             raise TypeError(f"nice must be an int from 0 to 19, not {type(nice).__name__}")
         if not 0 <= nice <= 19:
-            raise ValueError(f"nice must be between 0 and 19, not {nice}")
+            raise ValueError(f"nice must be between 0 and 19, not {nice}{where}")
         self._closed = False
         self.nice = nice
         self._max_pending = max_pending

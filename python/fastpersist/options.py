@@ -112,12 +112,21 @@ def env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
 
 
+#: How an on/off environment variable may be spelled (case aside).
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def env_flag(name: str, default: bool) -> bool:
-    """A boolean from the environment: 0, false, no and off are false."""
+    """A boolean from the environment: 1, true, yes, on or 0, false, no,
+    off (any case); anything else is a ValueError naming the variable (a
+    typo such as ``FASTPERSIST_DIRECT=of`` would otherwise mean on)."""
     v = os.environ.get(name)
     if v is None or v == "":
         return default
-    return v.strip().lower() not in ("0", "false", "no", "off")
+    word = v.strip().lower()
+    if word in _ON or word in _OFF:
+        return word in _ON
+    raise ValueError(f"environment variable {name}={v!r} is not on or off (1, true, yes, on / 0, false, no, off)")
 
 
 def _flag(name: str, given: Any, env: Optional[str]) -> bool:

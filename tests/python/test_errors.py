@@ -219,6 +219,35 @@ def test_env_forces_fallbacks(tmp_path, monkeypatch, env, field):
     assert bits(torch.load(tmp_path / "e.pt")["t"]) == bits(sd["t"])
 
 
+@pytest.mark.parametrize("env", ["FASTPERSIST_DIRECT", "FASTPERSIST_IO_URING", "FASTPERSIST_ZERO_COPY"])
+@pytest.mark.parametrize("value,on", [("garbage", None), ("of", None), ("OFF", False), (" yes ", True), ("1", True)])
+def test_an_on_off_environment_variable_is_read_or_refused_by_name(tmp_path, monkeypatch, env, value, on):
+    """Regression (found in a hunt): any value not spelled 0/false/no/off
+    meant on (``FASTPERSIST_DIRECT=of``, a typo, kept O_DIRECT), where the
+    same word given as an option is refused. A value that is neither on nor
+    off is a ValueError naming the variable."""
+    from fastpersist.options import EngineOptions
+
+    monkeypatch.setenv(env, value)
+    field = env[len("FASTPERSIST_") :].lower()
+    if on is None:
+        with pytest.raises(ValueError, match=env):
+            EngineOptions.resolve()
+        with pytest.raises(ValueError, match=env):
+            fastpersist.write_state_dict({"t": torch.ones(4)}, tmp_path / "x.pt")
+        assert not (tmp_path / "x.pt").exists()
+    else:
+        assert getattr(EngineOptions.resolve(), field) is on
+
+
+def test_a_background_niceness_out_of_range_names_its_variable(monkeypatch):
+    from fastpersist.async_save import AsyncSaver
+
+    monkeypatch.setenv("FASTPERSIST_BACKGROUND_NICE", "100")
+    with pytest.raises(ValueError, match="FASTPERSIST_BACKGROUND_NICE"):
+        AsyncSaver()
+
+
 def _small_fs(tmp_path, size="2m"):
     mnt = tmp_path / "small"
     mnt.mkdir()
@@ -616,3 +645,44 @@ def test_threads_the_system_will_not_start_fail_that_call_only():
     finally:
         shutil.rmtree(tmp_path, ignore_errors=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout[-2000:], out.stderr[-3000:])
+
+
+def test_a_session_dropped_unfinished_writes_into_no_other_file(tmp_path):
+    """Regression (found in a review): a write session dropped without
+    ``abort()`` (a caller's exception between ``begin`` and its ``try``)
+    closed its file while its writes were in flight; a write the engine
+    made again (a short or interrupted one: EAGAIN here) went by the
+    descriptor number to the file opened with it since. The session's
+    writes are now settled when it is dropped, as ``abort()`` does."""
+    from fastpersist import _core
+
+    code = textwrap.dedent(
+        f"""
+        import ctypes, errno, os
+        from fastpersist import _core
+        d = {str(tmp_path)!r}
+        eng = _core.Engine(arena_bytes=64 << 20, block_size=1 << 20, io_uring=True, direct=True,
+                           durable=True, flush_every=1 << 20, pool_threads=1, queue_depth=64)
+        eng.set_fault(40 << 20, errno.EAGAIN)
+        s = eng.begin(os.path.join(d, "ckpt.pt"), 48 << 20)
+        for i in range(48):
+            idx, addr = s.take_buffer()
+            ctypes.memset(addr, 0xAB, 1 << 20)
+            s.write_buffer(idx, i << 20, 1 << 20)
+        del s
+        victims = [os.open(os.path.join(d, f"victim{{i}}"), os.O_RDWR | os.O_CREAT, 0o644) for i in range(4)]
+        for v in victims:
+            os.write(v, b"victim data\\n")
+        try:
+            eng.crc_ranges(os.path.join(d, "victim0"), [(0, 1)])  # (settles what is in flight)
+        except OSError:
+            pass
+        for v in victims:
+            os.close(v)
+        print(sorted((n, os.path.getsize(os.path.join(d, n))) for n in os.listdir(d)))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == str([(f"victim{i}", 12) for i in range(4)]), out.stdout
+    del _core
