@@ -82,12 +82,15 @@ class MemoryGuard:
     The plan holds the storage objects, so they cannot be freed; what holding
     them cannot stop is ``storage.resize_()`` (or a tensor grown in place)
     replacing their memory. So caller memory is read only under the GIL
-    (which any resize needs), right after the storage it lies in was found
-    unchanged: the engine does that for each extent it gathers (the
-    extension's GIL guard reads ``_owners`` without running Python code, so
-    the GIL cannot move in between), as do ``_core.copy_memory`` and
-    ``_core.crc32_ranges``. A changed storage raises
-    :class:`StorageChangedError`; the save is abandoned.
+    (which a resize called from Python code needs to begin), right after
+    the storage it lies in was found unchanged: the engine does that for
+    each extent it gathers (the extension's GIL guard reads ``_owners``
+    without running Python code, so the GIL cannot move in between), as do
+    ``_core.copy_memory`` and ``_core.crc32_ranges``. A changed storage
+    raises :class:`StorageChangedError`; the save is abandoned. Not
+    covered: torch gives the GIL up inside ``resize_()``, so a resize begun
+    by another thread before the check and ending during the read frees
+    the memory being read (a data race between threads, see the README).
     """
 
     def __init__(self) -> None:
