@@ -178,11 +178,19 @@ impl Session {
         Ok(())
     }
 
-    /// Mark the session failed by `e`, naming its temporary file.
+    /// Mark the session failed by `e`, naming the file the caller asked
+    /// for (the checkpoint's path, as `torch.save` names it), the
+    /// temporary file written in its message.
     pub(crate) fn fail(&mut self, mut e: Error) -> Error {
         self.failed = true;
-        e.path
-            .get_or_insert_with(|| self.tmp.temp_path().to_path_buf());
+        if e.path.is_none() {
+            e.context = format!(
+                "{}, in the temporary file {}",
+                e.context,
+                self.tmp.temp_path().display()
+            );
+            e.path = Some(self.target.clone());
+        }
         e
     }
 

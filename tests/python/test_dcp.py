@@ -1039,6 +1039,16 @@ def test_items_dcp_stored_through_its_extensions_are_read_as_dcp_reads_them(tmp_
     assert torch.equal(out["w"], sd["w"]) and out["blob"].getvalue() == b"payload"
 
 
+def test_a_rank_with_nothing_to_write_leaves_no_file(tmp_path):
+    """Regression (found in a hunt): a rank with no items wrote an empty
+    data file at every save; nothing named it, so each save left one more
+    behind (until a sweep minutes later)."""
+    for _ in range(3):
+        dcp.save({}, storage_writer=FastPersistWriter(tmp_path))
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".distcp")], os.listdir(tmp_path)
+    dcp.load({}, storage_reader=FastPersistReader(tmp_path))
+
+
 def test_async_save_stages_dict_subclasses(tmp_path):
     """Regression (found in a hunt): the writer's stager rebuilt every dict
     as ``type(d)(items)``, so a defaultdict (an optimizer's state often is

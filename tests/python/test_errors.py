@@ -166,7 +166,9 @@ def test_injected_eio_surfaces_and_keeps_previous(tmp_path, engine_fault, uring,
     with pytest.raises(fastpersist.WriteError) as ei:
         fastpersist.write_state_dict({"t": make((4 << 20,), torch.float32)}, p, direct=direct, io_uring=uring)
     assert ei.value.errno == errno.EIO
-    assert "offset" in str(ei.value) and ei.value.filename
+    # The path the caller gave (as torch.save names it), not the temporary
+    # file (found in a hunt), which is named in the message.
+    assert "offset" in str(ei.value) and ei.value.filename == str(p) and ".fptmp" in str(ei.value)
     assert p.read_bytes() == before
     assert listing(tmp_path) == ["ckpt.pt"]
 

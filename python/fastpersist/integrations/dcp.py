@@ -445,9 +445,12 @@ def _item_size(item: WriteItem) -> int:
 
 
 def _buckets(items: Sequence[WriteItem], n: int) -> List[List[WriteItem]]:
-    """``n`` files of balanced tensor bytes; byte items spread round-robin."""
+    """``n`` files of balanced tensor bytes; byte items spread round-robin.
+    No file for no items (a rank with nothing to write makes none: each
+    save's names are its own, so an empty file nothing names would be left
+    behind by every save)."""
     if n <= 1:
-        return [list(items)]
+        return [list(items)] if items else []
     out: List[List[WriteItem]] = [[] for _ in range(n)]
     sizes = [0] * n
     byte_items = [it for it in items if it.type == WriteItemType.BYTE_IO]
