@@ -403,16 +403,21 @@ def _load_index(dirpath: str) -> Tuple[List[Dict[str, Any]], int]:
     return shards, world
 
 
-def read_sharded(dirpath: str, group: Any, read: Callable[[str, int], Any]) -> Any:
+def read_sharded(dirpath: str, group: Any, read: Callable[..., Any], *, with_fd: bool = False) -> Any:
     """With a group: this rank's shard. Without: every shard, in rank order.
-    ``read(path, fd)`` reads a shard from ``fd``, which it closes: the file
-    checked to be the directory's, not one a link swapped in since."""
+    ``read(path)`` reads a shard; with ``with_fd``, ``read(path, fd)`` reads
+    it from ``fd``, which it closes: the file checked to be the
+    directory's, not one a link swapped in since."""
     shards, world = _load_index(dirpath)
 
     def read_shard(name: str) -> Any:
         # A shard is a file of the directory: not a folder (read as a
         # sharded checkpoint of its own), nor a link out of it.
-        return read(os.path.join(dirpath, name), open_beneath(dirpath, name))
+        fd = open_beneath(dirpath, name)
+        if with_fd:
+            return read(os.path.join(dirpath, name), fd)
+        os.close(fd)
+        return read(os.path.join(dirpath, name))
 
     if group is None:
         return [read_shard(s["file"]) for s in shards]

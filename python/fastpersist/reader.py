@@ -159,6 +159,7 @@ def read_state_dict(
                 p,
                 group,
                 lambda shard, fd: _read_file(shard, map_location, weights_only, verify, direct, io_uring, stats, fd),
+                with_fd=True,
             )
         return _read_file(p, map_location, weights_only, verify, direct, io_uring, stats)
 

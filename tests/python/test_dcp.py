@@ -992,13 +992,35 @@ def test_a_planner_that_reads_through_one_scratch_buffer_gets_every_item(tmp_pat
         def commit_tensor(self, read_item, tensor):
             super().resolve_tensor(read_item).copy_(tensor)
 
+    class Split(Scratch):
+        # Reads "t0" in two halves, as a resharded load does: items that are
+        # not a whole saved chunk (copied in at their finish, not read in).
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            items = []
+            for it in plan.items:
+                if it.dest_index.fqn == "t0":
+                    h = it.lengths[0] // 2
+                    items.append(dataclasses.replace(it, lengths=torch.Size([h])))
+                    rest = torch.Size([it.lengths[0] - h])
+                    items.append(
+                        dataclasses.replace(
+                            it, dest_offsets=torch.Size([h]), storage_offsets=torch.Size([h]), lengths=rest
+                        )
+                    )
+                else:
+                    items.append(it)
+            return dataclasses.replace(plan, items=items)
+
     sd = {f"t{i}": torch.full((1000,), float(i)) for i in range(5)}
-    sd["h"] = torch.arange(10, dtype=torch.float64)  # another dtype: not read in place
+    sd["h"] = torch.arange(10, dtype=torch.float64)
     dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
-    out = {k: torch.zeros_like(v) for k, v in sd.items()}
-    dcp.load(out, storage_reader=FastPersistReader(tmp_path), planner=Scratch())
-    assert_equal(out, sd)
-    assert sorted(resolved) == sorted(sd)
+    for planner, items in ((Scratch(), len(sd)), (Split(), len(sd) + 1)):
+        del resolved[:]
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(out, storage_reader=FastPersistReader(tmp_path), planner=planner)
+        assert_equal(out, sd)
+        assert len(resolved) == items and set(resolved) == set(sd)
 
 
 def test_items_dcp_stored_through_its_extensions_are_read_as_dcp_reads_them(tmp_path):

@@ -139,6 +139,9 @@ _OWN_SIDECAR = re.compile(rf"\.fastpersist-([0-9a-f]{{{_TAG_LEN}}})\.crc32")
 _DATA_FILE = re.compile(rf"__\d+_\d+(\.[0-9a-f]{{{_TAG_LEN}}})?\.distcp")
 #: Bytes of temporary buffers one read call fills at most.
 READ_BATCH_BYTES = 256 << 20
+#: And at most this many items (what checking their destinations' memory
+#: for overlaps costs grows with a batch's items).
+READ_BATCH_ITEMS = 4096
 #: The small pieces a read batch reads only for their CRC32s (the heads and
 #: tails of items' blobs) share temporary chunks of this many bytes.
 PIECE_CHUNK = 256 << 10
@@ -1299,6 +1302,17 @@ class FastPersistReader(StorageReader):
         """Items that DCP's writer stored through its extensions (their
         ``transform_descriptors``: a compression, say) are read by DCP's
         own reader, which undoes them (fastpersist's writer uses none)."""
+        for rel in {self.storage_data[r.storage_index].relative_path for r in reqs}:
+            # A file of the checkpoint, not a link out of it (DCP's reader
+            # opens it by path); and one that fastpersist's sidecar, when
+            # there is one, would have covered (its writer uses no
+            # extensions).
+            os.close(open_beneath(self.path, rel))
+        if self.verified:
+            raise CorruptCheckpointError(
+                f"{self.path}: item {reqs[0].storage_index.fqn!r} was stored through DCP's extensions, which the "
+                "CRC32 sidecar's writer does not use: the sidecar and .metadata disagree"
+            )
         reader = FileSystemReader(self.path, _extension_registry=self._extension_registry)
         reader.set_up_storage_reader(self.metadata, False)
         reader.read_data(dataclasses.replace(LoadPlan(items=[]), items=reqs), planner).wait()
@@ -1329,12 +1343,23 @@ class FastPersistReader(StorageReader):
                         "sidecar: the sidecar and .metadata disagree"
                     )
                 fast = self._fast_target(req, crc, planner) if req.type != LoadItemType.BYTE_IO else None
-                if (info.length and info.offset in batch.items) or not batch.claims(fast and fast[2]):
+                # Every tensor item's destination, resolved now (once) and
+                # claimed: a batch holds no two items whose destinations
+                # share memory (one read in, the other copied in at its
+                # finish, would overwrite it before its commit).
+                dest = None
+                if req.type != LoadItemType.BYTE_IO:
+                    dest = fast[2] if fast is not None and fast[2] is not None else planner.resolve_tensor(req).detach()
+                if (
+                    (info.length and info.offset in batch.items)
+                    or len(batch.pending) >= READ_BATCH_ITEMS
+                    or not batch.claims(dest)
+                ):
                     self._read_batch(fd, path, batch, planner)
                     batch = _ReadBatch()
-                    batch.claims(fast and fast[2])
+                    batch.claims(dest)
                 batch.items.add(info.offset)
-                self._plan_item(batch, path, req, info, crc, fast)
+                self._plan_item(batch, path, req, info, crc, fast, dest)
                 # Items read straight into their destinations cost no memory:
                 # only the temporary buffers bound a batch.
                 if batch.temp_bytes >= READ_BATCH_BYTES:
@@ -1353,9 +1378,10 @@ class FastPersistReader(StorageReader):
         info: Any,
         crc: Optional[List[int]],
         fast: Optional[Tuple[torch.Tensor, bool, Optional[torch.Tensor]]],
+        dest: Optional[torch.Tensor] = None,
     ) -> None:
         """Add the reads of one item to ``batch`` (``fast``: its
-        :meth:`_fast_target`)."""
+        :meth:`_fast_target`; ``dest``: its destination, resolved)."""
         if crc is not None and crc[1] != info.length:
             raise CorruptCheckpointError(f"{path}: item {_name(req)}: sidecar and .metadata disagree on its size")
         if fast is None:
@@ -1363,9 +1389,9 @@ class FastPersistReader(StorageReader):
             i = batch.add(info.offset, info.length, buf.data_ptr() if info.length else None)
             batch.keep.append(buf)
             batch.temp_bytes += info.length
-            batch.pending.append(_Pending(req, info, crc, [i], [info.length], buf, False))
+            batch.pending.append(_Pending(req, info, crc, [i], [info.length], buf, False, dest))
             return
-        target, direct, dest = fast
+        target, direct, _ = fast
         assert crc is not None
         data_off, data_len = crc[3], crc[4]
         tail = info.length - data_off - data_len
@@ -1472,8 +1498,8 @@ class FastPersistReader(StorageReader):
 
 def _span(t: torch.Tensor) -> Optional[Tuple[Any, int, int]]:
     """The bytes ``t``'s elements lie in: (device, first, past the last);
-    None for no element."""
-    if t.numel() == 0:
+    None for no element, or no memory (a meta tensor)."""
+    if t.numel() == 0 or t.is_meta or t.data_ptr() == 0:
         return None
     reach = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
     lo = t.data_ptr()
