@@ -419,6 +419,7 @@ impl Engine {
         if self.uring.is_none() && self.pool.is_none() {
             self.pool = Some(PoolSink::new(self.opts.pool_threads)?);
         }
+        crate::vanish::install(); // (caller memory read meanwhile may vanish)
         let mut free = std::mem::take(&mut self.free);
         self.held.reclaim(&mut free);
         let ids = self.opts.queue_depth + 2 * self.opts.gather_threads + 1;

@@ -30,6 +30,9 @@ pub enum ErrorKind {
     /// system: a worker thread ended early, or a consumer of a handed read
     /// broke its contract.
     Internal,
+    /// Caller memory being read was freed meanwhile (a storage resized by
+    /// another thread, see [`crate::vanish`]): nothing was committed.
+    Vanished,
 }
 
 #[derive(Debug)]
@@ -107,6 +110,16 @@ impl Error {
                  and cannot use it (it makes its own)",
                 std::process::id()
             ),
+        }
+    }
+
+    /// See [`ErrorKind::Vanished`].
+    pub fn vanished(msg: impl Into<String>) -> Self {
+        Error {
+            kind: ErrorKind::Vanished,
+            errno: None,
+            path: None,
+            context: msg.into(),
         }
     }
 

@@ -86,14 +86,15 @@ fn copy_extent_in_steps(
                 continue;
             }
         };
-        match seg.crc_id {
+        // Caller memory may vanish under the read (crate::vanish).
+        crate::vanish::read_noting(src.as_ptr() as usize, src.len(), || match seg.crc_id {
             Some(id) => {
                 let mut h = Hasher::new();
                 copy_checksummed(dst, src, &mut h, step);
                 out.push((id, h));
             }
             None => crate::crc_copy::copy_nontemporal(dst, src),
-        }
+        });
         pos = p.buf_offset + p.len;
     }
     buf[pos..].fill(0);
@@ -165,6 +166,8 @@ struct Gathered {
     addr: usize,
     lent: bool,
     partials: Vec<(u32, Hasher)>,
+    /// Caller memory it read was freed meanwhile (crate::vanish).
+    vanished: bool,
 }
 
 /// What [`pump_parallel`] needs from the writer, grouped.
@@ -296,7 +299,7 @@ fn gather_task(layout: &Layout, extents: &[Extent], t: Task) -> Gathered {
         // segment (`Lending::source`), valid for reads for the call
         // (`MemRef`'s contract); nobody writes it through this crate.
         let mem = unsafe { std::slice::from_raw_parts(t.addr as *const u8, ext.len) };
-        checksum_extent(layout, ext, mem)
+        crate::vanish::read_noting(t.addr, ext.len, || checksum_extent(layout, ext, mem))
     } else {
         // SAFETY: buffer `t.buf` (at `t.addr`, at least `ext.len` bytes: an
         // extent is at most one buffer) was taken off the free list for this
@@ -311,6 +314,7 @@ fn gather_task(layout: &Layout, extents: &[Extent], t: Task) -> Gathered {
         addr: t.addr,
         lent: t.lent,
         partials,
+        vanished: crate::vanish::take(),
     }
 }
 
@@ -440,6 +444,9 @@ fn submit(
     p: &mut Pumping<'_>,
     before_block: &mut dyn FnMut() -> Result<()>,
 ) -> Result<()> {
+    if d.vanished {
+        return Err(crate::vanish::error());
+    }
     if p.flush_every > 0 && *p.unflushed >= p.flush_every {
         before_block()?;
         sink.submit_datasync(p.fd)?;

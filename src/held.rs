@@ -264,6 +264,10 @@ impl Engine {
                 len: at,
             };
             gather(&head, ext, &mut mem[..at], hashers);
+            if crate::vanish::take() {
+                free.push(buf);
+                return Err(crate::vanish::error());
+            }
             if let Some(c) = crc_id {
                 hashers[c as usize].update(&mem[at..]);
             }

@@ -92,6 +92,11 @@ impl<'a> Lending<'a> {
         Some(id)
     }
 
+    /// Give back an id from [`Lending::take`] whose write was not made.
+    pub(crate) fn give_back(&mut self, id: usize) {
+        self.ids.push(id);
+    }
+
     /// The checksum ids of the memory lent through this sink.
     pub(crate) fn lent_ids(&self) -> &BTreeSet<u32> {
         &self.lent_ids

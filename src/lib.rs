@@ -51,6 +51,7 @@ pub mod pickle;
 pub mod reader;
 pub(crate) mod sink;
 pub mod unpickle;
+pub(crate) mod vanish;
 pub mod writer;
 pub mod zip;
 

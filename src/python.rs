@@ -87,7 +87,25 @@ fn to_py(e: Error) -> PyErr {
         ErrorKind::Cancelled | ErrorKind::Forked | ErrorKind::Internal => {
             PyRuntimeError::new_err(e.to_string())
         }
+        ErrorKind::Vanished => storage_changed(e.to_string()),
     }
+}
+
+/// `fastpersist.StorageChangedError(msg)` (a RuntimeError, if that module
+/// cannot be imported).
+fn storage_changed(msg: String) -> PyErr {
+    Python::with_gil(|py| {
+        match py
+            .import("fastpersist.errors")
+            .and_then(|m| m.getattr("StorageChangedError"))
+        {
+            Ok(cls) => match cls.call1((msg.clone(),)) {
+                Ok(v) => PyErr::from_value(v),
+                Err(_) => PyRuntimeError::new_err(msg),
+            },
+            Err(_) => PyRuntimeError::new_err(msg),
+        }
+    })
 }
 
 /// The GIL as a [`GatherGuard`]: caller memory (tensor storages) is read
@@ -509,6 +527,11 @@ struct PyEngine {
     block_size: usize,
     /// Called before the arena is unmapped (`at_close`).
     at_close: Mutex<Vec<PyObject>>,
+    /// Sessions dropped unfinished while the engine was in use: aborted
+    /// (their writes in flight settled, then their files closed and
+    /// removed) by the next user of the engine, or with it (after `inner`,
+    /// whose ring and pool are gone by then).
+    orphans: Mutex<Vec<Session>>,
 }
 
 impl Drop for PyEngine {
@@ -588,6 +611,7 @@ impl PyEngine {
             arena_bytes: eng.arena().len(),
             block_size,
             at_close: Mutex::new(Vec::new()),
+            orphans: Mutex::new(Vec::new()),
             pid: eng.owner_pid(),
             retired: eng.retired(),
             inner: Mutex::new(eng),
@@ -888,10 +912,53 @@ impl PyEngine {
             Error::internal("the engine was given up after an internal error (a panic); the next call makes a new one")
         })?;
         self.owner.store(thread_token(), Ordering::SeqCst);
-        Ok(EngineGuard {
+        let mut held = EngineGuard {
             guard,
             owner: &self.owner,
-        })
+        };
+        self.abort_orphans(&mut held);
+        Ok(held)
+    }
+
+    /// [`PyEngine::engine`] when nobody holds it now; None when somebody
+    /// does (or it is poisoned: left to `engine`).
+    fn try_engine(&self) -> Option<EngineGuard<'_>> {
+        if std::process::id() != self.pid || self.held_here() {
+            return None;
+        }
+        let guard = self.inner.try_lock().ok()?;
+        self.owner.store(thread_token(), Ordering::SeqCst);
+        let mut held = EngineGuard {
+            guard,
+            owner: &self.owner,
+        };
+        self.abort_orphans(&mut held);
+        Some(held)
+    }
+
+    /// Abort the sessions dropped unfinished while the engine was in use.
+    fn abort_orphans(&self, held: &mut EngineGuard<'_>) {
+        let orphans = match self.orphans.lock() {
+            Ok(mut o) if !o.is_empty() => std::mem::take(&mut *o),
+            _ => return,
+        };
+        for s in orphans {
+            held.abort(s);
+        }
+    }
+
+    /// A session dropped unfinished: aborted now if the engine is free,
+    /// else by its next user (it keeps its file open until then, so no
+    /// write still in flight can reach another file by its descriptor).
+    fn abort_dropped(&self, session: Session) {
+        match self.try_engine() {
+            Some(mut e) => e.abort(session),
+            None => {
+                if let Ok(mut o) = self.orphans.lock() {
+                    o.push(session);
+                }
+            }
+        }
     }
 
     /// Whether this thread holds the engine (and runs Python code under it).
@@ -997,16 +1064,18 @@ impl Drop for PySession {
         // `abort` does. Else a write the engine makes again (a short or
         // interrupted one) would go by the file's descriptor number to
         // whatever file was opened with that number since.
-        if mine && !self.engine.get().held_here() {
-            let session = self.session.lock().ok().and_then(|mut g| g.take());
+        // (Never waits for the engine: a drop at interpreter exit must not
+        // hang on a thread that holds it and will not run again.)
+        if mine {
+            let session = if self.engine.get().held_here() {
+                // The write-behind thread, forgotten, may still hold it.
+                self.session.try_lock().ok().and_then(|mut g| g.take())
+            } else {
+                self.session.lock().ok().and_then(|mut g| g.take())
+            };
             if let Some(s) = session {
                 let engine = self.engine.get();
-                Python::with_gil(|py| {
-                    py.allow_threads(|| match engine.engine() {
-                        Ok(mut e) => e.abort(s),
-                        Err(_) => drop(s),
-                    });
-                });
+                Python::with_gil(|py| py.allow_threads(|| engine.abort_dropped(s)));
             }
         }
     }
@@ -1903,19 +1972,30 @@ fn crc32_ranges(
         // guard, checked just before each is read, under the GIL).
         .map(|(p, n, id)| (unsafe { MemRef::new(p as *const u8, n) }, id))
         .collect();
+    crate::vanish::install();
+    // (Memory freed under a read, by a resize another thread began: see
+    // crate::vanish.)
+    let hash = |m: &MemRef| {
+        crate::vanish::read(m.addr(), m.len(), || crc32fast::hash(m.slice(0, m.len())))
+    };
     let Some(guard) = guard else {
-        return Ok(py.allow_threads(|| {
-            refs.iter()
-                .map(|(m, _)| crc32fast::hash(m.slice(0, m.len())))
-                .collect()
-        }));
+        let sums: Vec<(u32, bool)> =
+            py.allow_threads(|| refs.iter().map(|(m, _)| hash(m)).collect());
+        if sums.iter().any(|&(_, vanished)| vanished) {
+            return Err(to_py(crate::vanish::error()));
+        }
+        return Ok(sums.into_iter().map(|(c, _)| c).collect());
     };
     let mut out = Vec::with_capacity(refs.len());
     for (m, id) in &refs {
         if let Ok(id) = u32::try_from(*id) {
             check_owner(&guard, id)?;
         }
-        out.push(crc32fast::hash(m.slice(0, m.len())));
+        let (crc, vanished) = hash(m);
+        if vanished {
+            return Err(to_py(crate::vanish::error()));
+        }
+        out.push(crc);
     }
     Ok(out)
 }
@@ -1958,17 +2038,22 @@ fn copy_memory(
     check_owner(guard, crc_id)?;
     // SAFETY: the caller (fastpersist.async_save, writer) passes two ranges
     // of `n` bytes inside storages it holds, checked above not to overlap;
-    // the source storage was just checked and, with the GIL held, cannot be
-    // resized before the copy ends.
+    // the source storage was just checked and, with the GIL held, no resize
+    // can begin before the copy ends (one another thread began before the
+    // check may free it under the copy: crate::vanish covers the read).
     let (d, s) = unsafe {
         (
             std::slice::from_raw_parts_mut(dst as *mut u8, n),
             std::slice::from_raw_parts(src as *const u8, n),
         )
     };
+    crate::vanish::install();
     // A snapshot goes to the device by DMA (lent), not back through the
     // cache: non-temporal stores.
-    crate::crc_copy::copy_nontemporal(d, s);
+    let ((), vanished) = crate::vanish::read(src, n, || crate::crc_copy::copy_nontemporal(d, s));
+    if vanished {
+        return Err(to_py(crate::vanish::error()));
+    }
     Ok(())
 }
 

@@ -183,7 +183,7 @@ impl Session {
     /// temporary file written in its message.
     pub(crate) fn fail(&mut self, mut e: Error) -> Error {
         self.failed = true;
-        if e.path.is_none() {
+        if e.path.is_none() && e.kind == crate::error::ErrorKind::Os {
             e.context = format!(
                 "{}, in the temporary file {}",
                 e.context,
@@ -740,7 +740,12 @@ fn pump(
         let lent = memory.and_then(|(m, id)| Some((m, id, sink.take(m, id)?)));
         let job = if let Some((m, crc_id, id)) = lent {
             if let Some(c) = crc_id {
-                hashers[c as usize].update(m.slice(0, m.len()));
+                let h = &mut hashers[c as usize];
+                crate::vanish::read_noting(m.addr(), m.len(), || h.update(m.slice(0, m.len())));
+                if crate::vanish::take() {
+                    sink.give_back(id);
+                    return Err(crate::vanish::error());
+                }
             }
             Job {
                 buf: id,
@@ -757,6 +762,10 @@ fn pump(
             }
             let b = free.pop().expect("a free buffer");
             gather(layout, ext, &mut arena.buf_mut(b)[..ext.len], hashers);
+            if crate::vanish::take() {
+                free.push(b);
+                return Err(crate::vanish::error());
+            }
             Job {
                 buf: b,
                 ptr: arena.buf_ptr(b),
@@ -836,7 +845,8 @@ pub fn gather(layout: &Layout, ext: Extent, buf: &mut [u8], hashers: &mut [Hashe
             }
             Source::Mem(m) => {
                 let src = m.slice(so, p.len);
-                match seg.crc_id {
+                // Caller memory may vanish under the read (crate::vanish).
+                crate::vanish::read_noting(src.as_ptr() as usize, src.len(), || match seg.crc_id {
                     // Checksummed from the copy, as the gather threads do.
                     Some(id) => crate::gather::copy_checksummed(
                         dst,
@@ -845,7 +855,7 @@ pub fn gather(layout: &Layout, ext: Extent, buf: &mut [u8], hashers: &mut [Hashe
                         crate::gather::STEP,
                     ),
                     None => crate::crc_copy::copy_nontemporal(dst, src),
-                }
+                });
             }
             Source::Crc32(id) => {
                 let v = hashers[*id as usize].clone().finalize().to_le_bytes();

@@ -87,10 +87,11 @@ class MemoryGuard:
     each extent it gathers (the extension's GIL guard reads ``_owners``
     without running Python code, so the GIL cannot move in between), as do
     ``_core.copy_memory`` and ``_core.crc32_ranges``. A changed storage
-    raises :class:`StorageChangedError`; the save is abandoned. Not
-    covered: torch gives the GIL up inside ``resize_()``, so a resize begun
-    by another thread before the check and ending during the read frees
-    the memory being read (a data race between threads, see the README).
+    raises :class:`StorageChangedError`; the save is abandoned. torch gives
+    the GIL up inside ``resize_()``, so a resize begun by another thread
+    before the check can free the memory during the read: the core's reads
+    of caller memory then go on over zero pages and fail the save with the
+    same error (``src/vanish.rs``; see the README for what is left).
     """
 
     def __init__(self) -> None:

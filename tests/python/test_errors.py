@@ -688,3 +688,56 @@ def test_a_session_dropped_unfinished_writes_into_no_other_file(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == str([(f"victim{i}", 12) for i in range(4)]), out.stdout
     del _core
+
+
+@pytest.mark.parametrize("how", ["copy_memory", "crc32_ranges", "engine", "engine-threads", "engine-pool"])
+def test_memory_freed_under_a_read_is_a_storage_changed_error_not_a_crash(tmp_path, how):
+    """Regression (found in a review): torch gives the GIL up inside
+    ``Tensor.resize_()``, so a resize another thread began before a save
+    checked a storage can free (munmap) the memory while the save reads
+    it: the snapshot copy (``copy_memory``), the distributed checksums
+    (``crc32_ranges``) and the engine's gather crashed the process
+    (SIGSEGV), where ``torch.save`` reads through the kernel and goes on.
+    Here the memory is unmapped before the read, which meets the same
+    fault deterministically: now StorageChangedError, nothing written."""
+    code = textwrap.dedent(
+        f"""
+        import ctypes, os, faulthandler
+        faulthandler.enable()  # (as pytest does: installed before fastpersist's handler)
+        import fastpersist
+        from fastpersist import _core
+        from fastpersist.plan import MemoryGuard
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        n = 8 << 20
+        # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS, far below where the kernel
+        # places new mappings (threads' stacks): the hole left stays a hole.
+        addr = libc.mmap(0x200000000000, n, 3, 0x22, -1, 0)
+        ctypes.memset(addr, 7, n)
+        assert libc.munmap(addr + n // 2, n // 2) == 0  # the second half freed, as a resize would
+        class Storage:  # what the guard watches: unchanged, as when the check ran
+            def data_ptr(self): return addr
+            def nbytes(self): return n
+        g = MemoryGuard(); g.watch(0, Storage(), "w")
+        dst = bytearray(n)
+        path = os.path.join({str(tmp_path)!r}, "x.bin")
+        how = {how!r}
+        try:
+            if how == "copy_memory":
+                _core.copy_memory(ctypes.addressof(ctypes.c_char.from_buffer(dst)), addr, n, g, 0)
+            elif how == "crc32_ranges":
+                _core.crc32_ranges([(addr, n, 0)], g)
+            else:
+                eng = _core.Engine(arena_bytes=16 << 20, block_size=1 << 20, gather_threads=3 if how == "engine-threads" else 1,
+                                   io_uring=how != "engine-pool", direct=True, durable=True, flush_every=0, pool_threads=2, queue_depth=8)
+                eng.write_file(path, [], [(0, addr, n, 0)], [(n, 0)], n + 4)
+            print("no error")
+        except fastpersist.StorageChangedError as e:
+            print("StorageChangedError", os.path.exists(path), e)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.startswith("StorageChangedError False"), out.stdout
