@@ -951,13 +951,15 @@ impl PyEngine {
     /// else by its next user (it keeps its file open until then, so no
     /// write still in flight can reach another file by its descriptor).
     fn abort_dropped(&self, session: Session) {
-        match self.try_engine() {
-            Some(mut e) => e.abort(session),
-            None => {
-                if let Ok(mut o) = self.orphans.lock() {
-                    o.push(session);
-                }
+        if let Some(mut e) = self.try_engine() {
+            e.abort(session);
+        } else {
+            if let Ok(mut o) = self.orphans.lock() {
+                o.push(session);
             }
+            // The holder may have let the engine go before the push: then
+            // nobody would abort it until the engine's next use.
+            drop(self.try_engine());
         }
     }
 
@@ -1185,6 +1187,16 @@ impl PySession {
                                 end = Err((e, err));
                             }
                             state.pending.fetch_sub(1, Ordering::SeqCst);
+                        }
+                        if state.cancel.load(Ordering::SeqCst) {
+                            // Given up (aborted, or dropped by code the
+                            // engine ran, which could not take the session
+                            // while this thread held it): aborted here, its
+                            // writes settled before its file is closed.
+                            let s = session.lock().ok().and_then(|mut g| g.take());
+                            if let Some(s) = s {
+                                engine.get().abort_dropped(s);
+                            }
                         }
                         end
                     })

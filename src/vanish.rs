@@ -19,9 +19,8 @@
 //! have).
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
-use std::time::Instant;
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use crate::error::Error;
 
@@ -63,50 +62,39 @@ static PAGE: AtomicUsize = AtomicUsize::new(4096);
 /// `si_code` of a fault on an address that is not mapped (Linux's
 /// `SEGV_MAPERR`, which the libc crate does not export).
 const SEGV_MAPERR: libc::c_int = 1;
-/// When [`install`] last looked (microseconds since `START`, plus one; 0:
-/// never), and how often it looks again at most.
-static LAST_CHECK: AtomicU64 = AtomicU64::new(0);
-static START: OnceLock<Instant> = OnceLock::new();
-const CHECK_EVERY_US: u64 = 20_000;
-/// Serialises installs.
-static INSTALL: Mutex<()> = Mutex::new(());
+/// Reads in progress (any thread): the handler looks at its thread's
+/// state only while some read is (a thread's first use of this module's
+/// thread-locals may allocate, which a signal handler must not do for a
+/// fault that is not ours).
+static READS: AtomicUsize = AtomicUsize::new(0);
+/// Whether [`install`] has run.
+static INSTALLED: OnceLock<()> = OnceLock::new();
 
-/// Make sure our handler is the one SIGSEGV reaches (another may have been
-/// installed over it since, e.g. Python's `faulthandler.enable()`; that one
-/// becomes the one ours passes other faults to). A syscall or two; called
-/// once per call that reads caller memory, not per read.
+/// Install our handler, once per process, over the one SIGSEGV has then
+/// (Python's `faulthandler`, or the default), to which every other fault
+/// goes. Never again after: a handler installed over ours later (say
+/// `faulthandler.enable()`) saves ours as its own previous one, and taking
+/// SIGSEGV back would make the two pass a fault to each other for ever;
+/// such a handler then sees a vanished read's fault first (a crash, as
+/// without this module).
 pub(crate) fn install() {
-    // At most every CHECK_EVERY: a snapshot of many small tensors calls
-    // this once per tensor.
-    let now = START.get_or_init(Instant::now).elapsed().as_micros() as u64 + 1;
-    let last = LAST_CHECK.load(Ordering::Relaxed);
-    if last != 0 && now.saturating_sub(last) < CHECK_EVERY_US {
-        return;
-    }
-    let Ok(_g) = INSTALL.lock() else {
-        return;
-    };
-    LAST_CHECK.store(now, Ordering::Relaxed);
-    // SAFETY: sigaction with a null new action only reads the current one
-    // into the zeroed struct we own.
-    unsafe {
-        let mut now: libc::sigaction = std::mem::zeroed();
-        if libc::sigaction(libc::SIGSEGV, std::ptr::null(), &raw mut now) != 0 {
-            return;
+    INSTALLED.get_or_init(|| {
+        // SAFETY: sigaction reads the current action into a zeroed struct
+        // we own, then installs ours; the previous one is published first.
+        unsafe {
+            let mut now: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(libc::SIGSEGV, std::ptr::null(), &raw mut now) != 0 {
+                return;
+            }
+            PAGE.store(crate::arena::page_size(), Ordering::SeqCst);
+            PREVIOUS.store(Box::into_raw(Box::new(now)), Ordering::SeqCst);
+            let mut ours: libc::sigaction = std::mem::zeroed();
+            ours.sa_sigaction = on_segv as *const () as libc::sighandler_t;
+            ours.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_NODEFER;
+            libc::sigemptyset(&raw mut ours.sa_mask);
+            libc::sigaction(libc::SIGSEGV, &raw const ours, std::ptr::null_mut());
         }
-        if now.sa_sigaction == on_segv as *const () as libc::sighandler_t {
-            return;
-        }
-        PAGE.store(crate::arena::page_size(), Ordering::SeqCst);
-        // The previous handler is published before ours can run.
-        let prev = Box::into_raw(Box::new(now));
-        PREVIOUS.store(prev, Ordering::SeqCst);
-        let mut ours: libc::sigaction = std::mem::zeroed();
-        ours.sa_sigaction = on_segv as *const () as libc::sighandler_t;
-        ours.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_NODEFER;
-        libc::sigemptyset(&raw mut ours.sa_mask);
-        libc::sigaction(libc::SIGSEGV, &raw const ours, std::ptr::null_mut());
-    }
+    });
 }
 
 /// Run `f`, which reads the caller memory `[start, start + len)` on this
@@ -114,7 +102,9 @@ pub(crate) fn install() {
 /// the read (what `f` read there is zeros, and not to be used).
 pub(crate) fn read<R>(start: usize, len: usize, f: impl FnOnce() -> R) -> (R, bool) {
     READING.with(|r| r.set((start, start.saturating_add(len))));
+    READS.fetch_add(1, Ordering::SeqCst);
     let out = f();
+    READS.fetch_sub(1, Ordering::SeqCst);
     READING.with(|r| r.set((0, 0)));
     let (runs, n) = MAPPED.with(Cell::get);
     if n == 0 {
@@ -143,7 +133,10 @@ extern "C" fn on_segv(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut li
     // everything below is async-signal-safe (thread-local cells of plain
     // data, mmap, sigaction, atomics).
     unsafe {
-        if (*info).si_code == SEGV_MAPERR && fix_up((*info).si_addr() as usize) {
+        if (*info).si_code == SEGV_MAPERR
+            && READS.load(Ordering::SeqCst) > 0
+            && fix_up((*info).si_addr() as usize)
+        {
             return; // the faulting read is made again, over a zero page
         }
         pass_on(sig, info, ctx);
@@ -204,13 +197,18 @@ unsafe fn pass_on(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::
     let act = unsafe { prev.as_ref() };
     let handler = act.map_or(libc::SIG_DFL, |a| a.sa_sigaction);
     if handler == libc::SIG_DFL || handler == libc::SIG_IGN {
-        // Back to the default action, then return: the faulting instruction
-        // runs again and the kernel acts as if we had never been there.
-        // SAFETY: sigaction is async-signal-safe; the struct is ours.
+        // Back to the default action. A fault's instruction runs again when
+        // we return and the kernel acts as if we had never been there; a
+        // signal sent (kill, raise: no fault to repeat) is sent again.
+        // SAFETY: sigaction, raise and the siginfo read are
+        // async-signal-safe; the struct is ours.
         unsafe {
             let mut dfl: libc::sigaction = std::mem::zeroed();
             dfl.sa_sigaction = libc::SIG_DFL;
             libc::sigaction(sig, &raw const dfl, std::ptr::null_mut());
+            if (*info).si_code <= 0 {
+                libc::raise(sig);
+            }
         }
         return;
     }

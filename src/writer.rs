@@ -161,7 +161,13 @@ impl Session {
                 }
                 // Bytes before `cut` were written (and checksummed) already.
                 let skip = cut.saturating_sub(s.offset) as usize;
-                let owned = m.slice(skip, m.len() - skip).to_vec();
+                let src = m.slice(skip, m.len() - skip);
+                let (owned, vanished) =
+                    crate::vanish::read(src.as_ptr() as usize, src.len(), || src.to_vec());
+                if vanished {
+                    guard::before_block();
+                    return Err(crate::vanish::error());
+                }
                 s.offset += skip as u64;
                 s.source = Source::Bytes(owned);
             }

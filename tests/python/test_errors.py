@@ -741,3 +741,30 @@ def test_memory_freed_under_a_read_is_a_storage_changed_error_not_a_crash(tmp_pa
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert out.stdout.startswith("StorageChangedError False"), out.stdout
+
+
+@pytest.mark.parametrize("how", ["fault", "fault-faulthandler-after", "kill"])
+def test_a_crash_that_is_not_a_vanished_read_still_crashes(tmp_path, how):
+    """Regression (found in a review of the handler above): a fault of
+    other code, with Python's faulthandler enabled after fastpersist's
+    handler, went back and forth between the two for ever (endless
+    tracebacks, never exiting); a SIGSEGV sent by ``kill`` was swallowed.
+    The process dies of the signal, as it would without fastpersist."""
+    code = textwrap.dedent(
+        f"""
+        import ctypes, faulthandler, os, signal, torch, fastpersist
+        p = os.path.join({str(tmp_path)!r}, "x.pt")
+        fastpersist.write_state_dict({{"t": torch.ones(1 << 20)}}, p)  # the handler is installed
+        if {how!r} == "fault-faulthandler-after":
+            faulthandler.enable()
+        fastpersist.write_state_dict({{"t": torch.ones(1 << 20)}}, p)
+        if {how!r} == "kill":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        else:
+            ctypes.string_at(0)
+        print("survived")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -11, (out.returncode, out.stdout[-500:], out.stderr[-1500:])
+    assert out.stderr.count("Fatal Python error") <= 1
