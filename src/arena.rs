@@ -261,6 +261,25 @@ pub fn physical_memory() -> Option<u64> {
         .and_then(|p| p.checked_mul(page_size() as u64))
 }
 
+/// A fresh private anonymous read-write mapping of `len` bytes, for tests
+/// (the caller unmaps it).
+#[cfg(test)]
+pub(crate) fn anonymous_mapping(len: usize) -> *mut libc::c_void {
+    // SAFETY: mmap of new anonymous memory; no existing memory is touched.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    p
+}
+
 pub fn page_size() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
@@ -307,18 +326,7 @@ mod tests {
     /// written before keeps its value.
     fn faults_in_whole_pages_and_keeps_the_bytes(fill: unsafe fn(usize, usize)) {
         let len = 6 << 20;
-        // SAFETY: a fresh anonymous private mapping, checked, unmapped below.
-        let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(raw, libc::MAP_FAILED);
+        let raw = anonymous_mapping(len); // (unmapped below)
         let page = page_size();
         let resident = || {
             let mut v = vec![0u8; len / page];

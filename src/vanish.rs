@@ -237,18 +237,7 @@ mod tests {
         install();
         let page = crate::arena::page_size();
         let len = 16 * page;
-        // SAFETY: a fresh private anonymous mapping of `len` bytes.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
+        let p = crate::arena::anonymous_mapping(len);
         let start = p as usize;
         // SAFETY: the mapping above.
         unsafe { std::ptr::write_bytes(p.cast::<u8>(), 7, len) };
