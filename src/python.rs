@@ -911,13 +911,7 @@ impl PyEngine {
             self.retired.store(libc::EIO, Ordering::SeqCst);
             Error::internal("the engine was given up after an internal error (a panic); the next call makes a new one")
         })?;
-        self.owner.store(thread_token(), Ordering::SeqCst);
-        let mut held = EngineGuard {
-            guard,
-            owner: &self.owner,
-        };
-        self.abort_orphans(&mut held);
-        Ok(held)
+        Ok(self.hold(guard))
     }
 
     /// [`PyEngine::engine`] when nobody holds it now; None when somebody
@@ -927,24 +921,25 @@ impl PyEngine {
             return None;
         }
         let guard = self.inner.try_lock().ok()?;
+        Some(self.hold(guard))
+    }
+
+    /// The engine, just locked by this thread: marked as held here, and
+    /// the sessions dropped unfinished while somebody else held it aborted.
+    fn hold<'a>(&'a self, guard: std::sync::MutexGuard<'a, Engine>) -> EngineGuard<'a> {
         self.owner.store(thread_token(), Ordering::SeqCst);
         let mut held = EngineGuard {
             guard,
             owner: &self.owner,
         };
-        self.abort_orphans(&mut held);
-        Some(held)
-    }
-
-    /// Abort the sessions dropped unfinished while the engine was in use.
-    fn abort_orphans(&self, held: &mut EngineGuard<'_>) {
         let orphans = match self.orphans.lock() {
             Ok(mut o) if !o.is_empty() => std::mem::take(&mut *o),
-            _ => return,
+            _ => return held,
         };
         for s in orphans {
             held.abort(s);
         }
+        held
     }
 
     /// A session dropped unfinished: aborted now if the engine is free,
