@@ -54,6 +54,7 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
 
 from __future__ import annotations
 
+import atexit
 import collections
 import errno
 import fcntl
@@ -725,6 +726,8 @@ class Checkpointer:
             raise TypeError(f"clock must be a function returning seconds, not {type(clock).__name__}")
         self.tuner = FrequencyTuner(every, max_overhead)  # checked before any directory is made
         self._closed = False
+        #: Finishing at exit (see _at_exit).
+        self._exiting = False
         self.directory = os.path.abspath(_local_dir("directory", directory))
         self.replicate = replicate
         self.group = group
@@ -1432,6 +1435,17 @@ class Checkpointer:
             f.result()
         self._replica_futures.clear()
 
+    def _at_exit(self) -> None:
+        """At exit, not closed: the checkpoint in flight is waited for and
+        committed (its ``commit`` line, retention, and its copy to the
+        staging tier, made on this thread: the stager takes no work once
+        the interpreter is shutting down). Not replicated: the peers are
+        exiting too."""
+        if self._closed or self._inflight is None:
+            return
+        self._exiting = True
+        self._finish(self._inflight, wait=True, tune=False)
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Checkpointer is closed: make a new one to checkpoint again")
@@ -1466,6 +1480,9 @@ class Checkpointer:
 
     def _queue_stage(self, step: int, src: str, retain: bool = True) -> None:
         assert self._stager is not None
+        if self._exiting:
+            self._stage(step, src, retain)
+            return
         with self._lock:
             self._stage_queue.add(step)
             self._abandoned_stages.discard(step)
@@ -1503,7 +1520,13 @@ class Checkpointer:
             else:
                 assert self.stage_dir is not None
                 dst = os.path.join(self.stage_dir, ckpt_name(step))
-                _copy_durably(src, dst)
+                try:
+                    _copy_durably(src, dst)
+                except OSError as e:
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._make_room(step):
+                        raise
+                    log.warning("fastpersist: %s was full; made room for step %d and copying it again", where, step)
+                    _copy_durably(src, dst)
         except BaseException as e:  # noqa: BLE001 - logged; the local copy stays
             with self._lock:
                 self._staging_now = None
@@ -1536,6 +1559,9 @@ class Checkpointer:
         failed; the holders still take part, so the pairs stay in step).
         Every rank queues one per checkpointed step, in step order."""
         if self._replicator is None:
+            return
+        if self._exiting:
+            log.warning("fastpersist: step %d is not replicated: the process exits with its Checkpointer open", step)
             return
         self._replica_futures = [f for f in self._replica_futures if not f.done()]
         self._replica_futures.append(self._replicator.submit(self._replicate, step, path))
@@ -1637,6 +1663,7 @@ class Checkpointer:
         agreed: Optional[Set[int]] = None,
         pending: Optional[int] = None,
         uncounted: Optional[Set[int]] = None,
+        keep: Optional[int] = None,
     ) -> List[CheckpointInfo]:
         """The checkpoints of one tier that retention removes: those older
         than the ``keep_last``-th newest *valid* one, not kept by
@@ -1647,7 +1674,9 @@ class Checkpointer:
         rank's newest commit, whose outcome elsewhere is not known yet) only
         those steps count, and the newest valid agreed one always survives:
         the ranks keep a step in common. Steps in ``uncounted`` are never
-        counted as valid."""
+        counted as valid. ``keep`` in place of ``keep_last``: fewer, to
+        make room for one more."""
+        keep = self.keep_last if keep is None else keep
         valid = 0
         cutoff: Optional[int] = None
         anchored = agreed is None
@@ -1661,7 +1690,7 @@ class Checkpointer:
             if infos[s].tier == "object" or self._is_valid(infos[s].path):
                 valid += 1
                 anchored = anchored or (agreed is not None and s in agreed)
-                if valid >= self.keep_last and anchored:
+                if valid >= keep and anchored:
                     cutoff = s
                     break
         if cutoff is None:
@@ -1702,9 +1731,7 @@ class Checkpointer:
             # With a group, only steps every rank committed are counted (and
             # this rank's newest, not agreed yet): a rank whose saves failed
             # still shares a step with the others, and a group restore finds it.
-            agreed = set(self._agreed) if self._ctl is not None else None
-            mine = self._outcome
-            pending = mine[0] if mine is not None and mine[1] else None
+            agreed, pending = self._counted()
 
             def local_ok(s: int) -> bool:
                 return (not tiered or any(x >= s for x in staged)) and (not peered or any(x >= s for x in replicated))
@@ -1717,13 +1744,8 @@ class Checkpointer:
                         _scan(replica_dir(self.directory, src), "peer"), lambda s: True, agreed, pending
                     ):
                         self._delete(info)
-            # (Those an unfinished going back is to set aside: left to it.)
             if self.stage_dir:
-                shared = _scan(self.stage_dir, "shared")
-                held = {s for s in shared if self._held_back(s)}
-                for info in self._doomed(shared, lambda s: s not in held, agreed, pending, held):
-                    self._delete(info)
-                    self._staged.discard(info.step)
+                self._retain_shared(agreed, pending, self.keep_last)
             if self.store is not None:
                 try:
                     listing: Optional[StoreListing] = self.store.scan()
@@ -1743,6 +1765,43 @@ class Checkpointer:
                     remote.pop(info.step, None)
                 if remote:
                     self._sweep_store(min(remote), listing)
+
+    def _counted(self) -> Tuple[Optional[Set[int]], Optional[int]]:
+        """(Under the lock.) The steps retention counts with a group: those
+        every rank committed, and this rank's newest commit, whose outcome
+        elsewhere is not known yet (None, None without a group)."""
+        agreed = set(self._agreed) if self._ctl is not None else None
+        mine = self._outcome
+        return agreed, (mine[0] if mine is not None and mine[1] else None)
+
+    def _retain_shared(self, agreed: Optional[Set[int]], pending: Optional[int], keep: int) -> int:
+        """(Under the lock.) Retention on the shared tier, keeping the
+        ``keep`` newest valid checkpoints; how many it removed. Those an
+        unfinished going back is to set aside are left to it."""
+        shared = _scan(self.stage_dir, "shared")
+        held = {s for s in shared if self._held_back(s)}
+        doomed = self._doomed(shared, lambda s: s not in held, agreed, pending, held, keep)
+        for info in doomed:
+            self._delete(info)
+            self._staged.discard(info.step)
+        return len(doomed)
+
+    def _make_room(self, step: int) -> bool:
+        """The shared tier was full (ENOSPC, EDQUOT) as ``step`` was copied
+        to it: remove there what the copy, once there, would retire (all
+        but the ``keep_last - 1`` newest valid checkpoints, ``keep_every``'s
+        kept), so that a tier with room for ``keep_last`` checkpoints goes
+        on taking them; whether anything was removed. Never the newest
+        valid one: with ``keep_last=1`` nothing is (such a tier needs room
+        for two: the new copy is made before the old one goes)."""
+        if self.keep_last < 2:
+            return False
+        with self._lock:
+            agreed, pending = self._counted()
+            removed = self._retain_shared(agreed, pending, self.keep_last - 1)
+        if removed:
+            self._log_event({"event": "stage_made_room", "step": step, "removed": removed})
+        return removed > 0
 
     def _sweep_store(self, oldest: int, listing: Optional[StoreListing] = None) -> None:
         """Remove what uploads of steps before ``oldest`` (the oldest
@@ -2180,3 +2239,18 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """Checkpointers not closed at exit: each one's checkpoint in flight is
+    committed as close() would, logged, retained and staged (registered
+    after ``async_save``'s drain, so it runs before it)."""
+    for ck in list(_checkpointers):
+        try:
+            ck._at_exit()
+        except KeyboardInterrupt:
+            log.error("fastpersist: interrupted at exit: the Checkpointer on %s was not finished", ck.directory)
+            return  # (the saves in flight are the drain's)
+        except Exception as e:  # noqa: BLE001 - logged: the process is ending
+            log.error("fastpersist: finishing the Checkpointer on %s at exit failed: %r", ck.directory, e)

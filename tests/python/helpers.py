@@ -195,3 +195,27 @@ def full_device(directory: Any) -> str:
     except (PermissionError, OSError) as e:
         pytest.skip(f"cannot make a device node here: {e}")
     return path
+
+
+@contextlib.contextmanager
+def small_tmpfs(directory: Any, size: str = "2m"):
+    """A tmpfs of ``size`` mounted at ``directory``/small for the length of
+    the block (a real full file system: ENOSPC from the kernel); skips the
+    test where it cannot be mounted (not root). The engine's background
+    frees of replaced files are waited for before it is unmounted."""
+    import subprocess
+
+    import fastpersist
+    import pytest
+
+    mnt = os.path.join(os.fspath(directory), "small")
+    os.makedirs(mnt, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small file system: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        fastpersist._core.wait_for_frees(30.0)
+        if subprocess.run(["umount", mnt], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", mnt], capture_output=True)

@@ -8,12 +8,13 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import fastpersist
 import pytest
 import torch
 from conftest import is_root
-from helpers import bits, make
+from helpers import bits, make, small_tmpfs
 
 
 def listing(d):
@@ -250,15 +251,6 @@ def test_a_background_niceness_out_of_range_names_its_variable(monkeypatch):
         AsyncSaver()
 
 
-def _small_fs(tmp_path, size="2m"):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small file system: {r.stderr.decode().strip()}")
-    return mnt
-
-
 @pytest.mark.skipif(not is_root(), reason="needs root to mount ramfs")
 @pytest.mark.parametrize("how", ["write", "pipelined", "snapshot", "safetensors"])
 def test_a_file_system_that_refuses_o_direct_at_open_gets_buffered_writes(tmp_path, how):
@@ -296,8 +288,8 @@ def test_a_file_system_that_refuses_o_direct_at_open_gets_buffered_writes(tmp_pa
 @pytest.mark.skipif(not is_root(), reason="needs root to mount a small file system")
 @pytest.mark.parametrize("uring", [True, False])
 def test_disk_full_enospc(tmp_path, uring):
-    mnt = _small_fs(tmp_path)
-    try:
+    with small_tmpfs(tmp_path) as small:
+        mnt = Path(small)
         p = mnt / "ckpt.pt"
         fastpersist.write_state_dict({"small": make((1000,), torch.float32)}, p, io_uring=uring)
         before = p.read_bytes()
@@ -306,12 +298,6 @@ def test_disk_full_enospc(tmp_path, uring):
         assert ei.value.errno == errno.ENOSPC
         assert p.read_bytes() == before
         assert listing(mnt) == ["ckpt.pt"]
-    finally:
-        # The replaced file is freed in the background (its O_PATH handle
-        # keeps the file system busy until then).
-        fastpersist._core.wait_for_frees(30.0)
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 @pytest.mark.skipif(not is_root(), reason="needs root to mount a small file system")
@@ -321,8 +307,8 @@ def test_a_save_that_fits_a_nearly_full_tmpfs_is_not_refused(tmp_path, how):
     whole file's room was checked again at the end of the save, when most
     of it was written, without counting what the file already held: a
     4 MiB save needed about 8 MiB free and failed with ENOSPC."""
-    mnt = _small_fs(tmp_path, size="6m")
-    try:
+    with small_tmpfs(tmp_path, size="6m") as small:
+        mnt = Path(small)
         p = mnt / "ckpt.pt"
         sd = {"w": make((1 << 20,), torch.float32)}  # 4 MiB
         if how == "write":
@@ -331,10 +317,6 @@ def test_a_save_that_fits_a_nearly_full_tmpfs_is_not_refused(tmp_path, how):
             fastpersist.save_async(sd, p, mode=how).result(timeout=60)
         assert bits(torch.load(p)["w"]) == bits(sd["w"])
         assert listing(mnt) == ["ckpt.pt"]
-    finally:
-        fastpersist._core.wait_for_frees(30.0)
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 @pytest.mark.skipif(not is_root(), reason="needs root for an immutable directory")

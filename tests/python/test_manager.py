@@ -19,7 +19,7 @@ import fastpersist
 import pytest
 import torch
 from fastpersist.checkpoint_manager import FrequencyTuner, ckpt_name
-from helpers import cli_exe
+from helpers import cli_exe, small_tmpfs
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -130,6 +130,55 @@ def test_staging_to_shared_tier(tmp_path):
     assert ck.load_latest()[0] == 5
     lines = (local / "checkpoints.jsonl").read_text().splitlines()
     assert any('"staged"' in line for line in lines) and any('"commit"' in line for line in lines)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small file system")
+def test_a_shared_tier_with_room_for_keep_last_checkpoints_goes_on_taking_them(tmp_path):
+    """Regression: a shared tier with room for ``keep_last`` checkpoints
+    and not one more failed every copy after it filled (ENOSPC), for ever:
+    its retention ran only after a copy that succeeded, and the local
+    copies it had not taken were kept, so the local disk filled too. Now a
+    copy that finds the tier full first removes what the copy would retire
+    there (never the newest valid one) and is tried again."""
+    sd = lambda i: {"w": torch.full((1 << 18,), float(i)), "i": i}  # noqa: E731 - 1 MiB
+    local = tmp_path / "local"
+    with small_tmpfs(tmp_path, size="2600k") as shared:
+        with fastpersist.Checkpointer(local, every=1, keep_last=2, stage_dir=shared) as ck:
+            for s in range(1, 7):
+                ck.step(s, sd(s))
+                ck.fence()
+                for f in ck._stage_futures:
+                    f.result(timeout=60)
+        assert steps_in(shared) == [5, 6]
+        assert steps_in(local) == [5, 6]
+        ck = fastpersist.Checkpointer(local, stage_dir=shared)
+        os.unlink(local / ckpt_name(6))
+        step, got = ck.load_latest()
+        assert step == 6 and got["i"] == 6 and torch.equal(got["w"], sd(6)["w"])
+    events = [json.loads(line) for line in (local / "checkpoints.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e.get("event") == "stage_failed"]
+
+
+def test_a_checkpointer_left_open_at_exit_commits_stages_and_retains_its_last_checkpoint(tmp_path):
+    """Regression: a Checkpointer never closed left its last save to the
+    saver's drain at exit: the file was committed, but with no ``commit``
+    line in its log, no retention (``keep_last`` exceeded) and no copy to
+    the staging tier, which never had the run's last checkpoint."""
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    script = textwrap.dedent(
+        """
+        import sys, torch, fastpersist
+        ck = fastpersist.Checkpointer(sys.argv[1], every=1, keep_last=1, stage_dir=sys.argv[2])
+        for s in range(1, 4):
+            ck.step(s, {"w": torch.full((1000,), float(s)), "i": s})
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script, str(local), str(shared)], capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    assert steps_in(local) == [3] and steps_in(shared) == [3]
+    events = [json.loads(line) for line in (local / "checkpoints.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "commit"] == [1, 2, 3]
+    assert 3 in [e["step"] for e in events if e["event"] == "staged"]
 
 
 def test_tuner_with_a_fake_clock():
