@@ -207,7 +207,7 @@ def check_extent(t: torch.Tensor, what: str = "") -> None:
         last = t.storage_offset() + n - 1
     else:
         last = t.storage_offset() + sum((k - 1) * st for k, st in zip(t.shape, t.stride()))
-    need = (last + 1) * t.element_size()
+    need = span_bytes(last + 1, t.dtype)
     have = t.untyped_storage().nbytes()
     if need > have and t.device.type != "meta":
         named = f"{what}: " if what else ""
@@ -317,6 +317,23 @@ def element_size(dtype: torch.dtype) -> int:
     if n is None:
         n = _elem_sizes[dtype] = torch.empty((), dtype=dtype).element_size()
     return n
+
+
+#: Values a byte of torch's packed quantized types hold (their
+#: ``element_size`` is 1: a storage of them counts bytes, a tensor values).
+_PER_BYTE: Dict[torch.dtype, int] = {
+    d: n for d, n in ((getattr(torch, "quint4x2", None), 2), (getattr(torch, "quint2x4", None), 4)) if d is not None
+}
+
+
+def span_bytes(span: Any, dtype: Optional[torch.dtype], itemsize: int = 1) -> Any:
+    """The bytes of a storage that ``span`` elements (an int, or a SymInt) of ``dtype`` take
+    (``itemsize`` a byte each where ``dtype`` is None): a byte for several
+    values of a packed quantized type (quint4x2: two; quint2x4: four)."""
+    per = _PER_BYTE.get(dtype) if dtype is not None else None
+    if per is not None:
+        return -(-span // per)
+    return span * (element_size(dtype) if dtype is not None else itemsize)
 
 
 #: Whether :func:`pickle_obj` tries its fast path first (tests turn it off
@@ -473,7 +490,12 @@ def pickle_obj(
                 add_note(f"fastpersist: while pickling {what}")
             raise
         cls = UnpicklableError if isinstance(e, AttributeError) else SerializationError
-        raise cls(f"cannot serialize {what}: {type(e).__name__}: {e}") from e
+        err = cls(f"cannot serialize {what}: {type(e).__name__}: {e}")
+        # pickle's own refusal, after the objects' own pickling code ran:
+        # torch.save refuses it alike (a caller trying torch.save after it
+        # would run that code again for the same refusal).
+        err.torch_refuses = True
+        raise err from e
     return buf.getvalue(), pickler.storages
 
 
@@ -1040,9 +1062,15 @@ def storage_element_size(type_name: str) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _storage_element_sizes(type_name: str) -> Optional[int]:
-    cls = getattr(torch, type_name, None) if type_name.endswith("Storage") and type_name.isidentifier() else None
-    dtype = _class_dtype(cls) if isinstance(cls, type) else None
+    dtype = _storage_type_dtype(type_name)
     return element_size(dtype) if dtype is not None else None
+
+
+@functools.lru_cache(maxsize=256)
+def _storage_type_dtype(type_name: str) -> Optional[torch.dtype]:
+    """The dtype of torch's typed storage class ``type_name``, or None."""
+    cls = getattr(torch, type_name, None) if type_name.endswith("Storage") and type_name.isidentifier() else None
+    return _class_dtype(cls) if isinstance(cls, type) else None
 
 
 @functools.lru_cache(maxsize=64)
@@ -1096,9 +1124,12 @@ class _ScannedStorage(_Anything):
     """What a scan's ``persistent_load`` gives for a storage: its key and
     the bytes of one element of the type this reference names."""
 
-    def __init__(self, key: str, itemsize: int) -> None:
+    def __init__(self, key: str, itemsize: int, dtype: Optional[torch.dtype] = None) -> None:
         self.key = key
         self.itemsize = itemsize
+        #: The type's dtype, where torch has it (packed types count their reach
+        #: in values, several a byte).
+        self.dtype = dtype
 
 
 def _checked_span(offset: Any, size: Any, stride: Any) -> int:
@@ -1181,10 +1212,10 @@ class LocationScan:
             raise TypeError(f"{name} is given {len(args)} arguments, it takes {_REBUILD_ARGS[name]}")
         storage, offset, size, stride = args[:4]
         if isinstance(storage, _ScannedStorage):
-            itemsize = storage.itemsize
+            itemsize, dtype = storage.itemsize, storage.dtype
             if name == "_rebuild_tensor_v3":  # (a dtype of its own, over untyped storage: elements of it)
-                itemsize = _scanned_itemsize(args[6], itemsize)
-            reach = _checked_span(offset, size, stride) * itemsize
+                itemsize, dtype = _scanned_itemsize(args[6], itemsize), None
+            reach = span_bytes(_checked_span(offset, size, stride), dtype, itemsize)
             self.reach[storage.key] = max(self.reach.get(storage.key, 0), reach)
         return _Anything()
 
@@ -1213,7 +1244,7 @@ class LocationScan:
             prev = self.storages.get(key)
             if prev is None or numel * itemsize > prev[1] * storage_element_size(prev[0]):
                 self.storages[key] = (type_name, numel)
-            return _ScannedStorage(key, itemsize)
+            return _ScannedStorage(key, itemsize, _storage_type_dtype(type_name))
         if isinstance(pid, tuple) and len(pid) == 4 and pid[0] == "module" and isinstance(pid[1], type):
             return pid[1]  # a legacy save of a module object: its class (and its source, to compare)
         return _Anything()
@@ -1584,11 +1615,11 @@ def _fitting(rebuild: Callable[..., Any]) -> Callable[..., Any]:
         span = tensor_span(offset, size, stride)
         if span is not None and isinstance(storage, torch.storage.TypedStorage):
             dtype = (rest[2] if len(rest) > 2 else kw.get("dtype")) if v3 else storage.dtype
-            itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else storage.dtype.itemsize
+            need = span_bytes(span, dtype if isinstance(dtype, torch.dtype) else storage.dtype)
             held = storage._untyped_storage.nbytes()
-            if span * itemsize > held:
+            if need > held:
                 raise CorruptCheckpointError(
-                    f"a tensor of {tuple(size)} at offset {offset} ({span * itemsize} bytes of {dtype}) "
+                    f"a tensor of {tuple(size)} at offset {offset} ({need} bytes of {dtype}) "
                     f"reaches past its storage of {held} bytes"
                 )
         return rebuild(storage, offset, size, stride, *rest, **kw)

@@ -1216,3 +1216,65 @@ def test_records_in_no_folder_are_refused_as_torch_refuses_them(tmp_path):
     with fastpersist.patch():
         with pytest.raises(RuntimeError):
             torch.load(p)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per")
+@pytest.mark.parametrize("dtype", ["quint4x2", "quint2x4"])
+@pytest.mark.parametrize("writer", ["fastpersist", "torch", "torch legacy"])
+def test_packed_quantized_tensors_are_read_as_torch_reads_them(tmp_path, dtype, writer):
+    """Regression: quint4x2 and quint2x4 hold two and four values a byte,
+    and a tensor's reach into its storage was counted a byte a value: every
+    such tensor, in any file, was refused as reaching past its storage
+    (read, verify, the patched torch.load, and a Checkpointer skipped the
+    checkpoint as damaged)."""
+    dt = getattr(torch, dtype, None)
+    if dt is None:
+        pytest.skip(f"torch has no {dtype}")
+    q = torch.quantize_per_tensor(torch.linspace(-1, 1, 12).view(3, 4), 0.1, 3, dt)
+    sd = {"q": q, "v": q[1:], "t": torch.arange(5.0)}
+    p = tmp_path / "q.pt"
+    if writer == "fastpersist":
+        fastpersist.write_state_dict(sd, p)
+    else:
+        torch.save(sd, p, _use_new_zipfile_serialization=writer == "torch")
+    want = torch.load(p, weights_only=False)
+    for weights_only in (True, False):
+        got = fastpersist.read_state_dict(p, weights_only=weights_only)
+        for k, w in want.items():
+            # (the same storage bytes, viewed alike: torch's int_repr of a
+            # quint2x4 view reads past its values)
+            g = got[k]
+            assert (g.dtype, g.shape, g.stride(), g.storage_offset()) == (
+                w.dtype,
+                w.shape,
+                w.stride(),
+                w.storage_offset(),
+            )
+            assert bytes(g.untyped_storage()) == bytes(w.untyped_storage())
+        assert torch.equal(got["q"].int_repr(), q.int_repr()) and torch.equal(got["t"], sd["t"])
+    verify_file(p)
+    with fastpersist.patch():
+        assert torch.equal(torch.load(p, weights_only=False)["q"].int_repr(), q.int_repr())
+    r = subprocess.run([cli_exe(), "verify", str(p)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per")
+def test_a_packed_quantized_tensor_past_its_storage_is_still_refused(tmp_path):
+    """The packed types' reach is counted in their own units: a view that
+    reaches one byte past the storage is refused."""
+    q = torch.quantize_per_tensor(torch.zeros(8), 0.1, 0, torch.quint4x2)  # 4 bytes
+    p = tmp_path / "q.pt"
+    torch.save({"q": q}, p)
+    with zipfile.ZipFile(p) as z:
+        name = next(n for n in z.namelist() if n.endswith("data.pkl"))
+        pkl = z.read(name)
+    # (8,) -> (10,): one byte past the four the storage holds
+    bad = pkl.replace(b"K\x08\x85", b"K\x0a\x85", 1)
+    assert bad != pkl
+    out = tmp_path / "bad.pt"
+    with zipfile.ZipFile(p) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info, bad if info.filename == name else zin.read(info.filename))
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="past|reaches"):
+        fastpersist.read_state_dict(out, weights_only=False)
