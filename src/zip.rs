@@ -308,15 +308,24 @@ fn torchscript_name(name: &str) -> bool {
         .is_some_and(|(_, rest)| rest == "constants.pkl" || rest.starts_with("code/"))
 }
 
+/// General purpose flags of a record torch's reader does not read:
+/// encrypted (bit 0), compressed patch data (bit 5), strong encryption
+/// (bit 6), masked local header (bit 13).
+const UNREAD_FLAGS: u16 = 0x0001 | 0x0020 | 0x0040 | 0x2000;
+
+/// The MS-DOS "directory" bit of a central entry's external attributes.
+const DOS_DIRECTORY: u32 = 0x10;
+
 /// The `n` entries of the central directory `cd`, which starts at file
 /// offset `cd_offset`, when every one is plainly well-formed: signatures
 /// right, nothing truncated, names UTF-8 (ASCII where the UTF-8 flag is
 /// off, as a cp437 reader decodes them the same), every record stored
 /// (not compressed) with its zip64 fields where marked, no TorchScript
-/// record, names unique, and each record (its local header's fixed part
-/// and its data, at the least) before the central directory and apart
-/// from the others. None for anything else: the caller's full reader
-/// looks at those files and names what is wrong.
+/// record, none encrypted, on another disk or marked a folder, names
+/// unique, and each record (its local header's fixed part and its data,
+/// at the least) before the central directory and apart from the others.
+/// None for anything else: the caller's full reader looks at those files
+/// and names what is wrong.
 #[must_use]
 pub fn plain_central_entries(cd: &[u8], n: u64, cd_offset: u64) -> Option<Vec<CentralEntry<'_>>> {
     let mut entries = Vec::with_capacity(usize::try_from(n).ok()?.min(cd.len() / CENTRAL_LEN));
@@ -334,6 +343,14 @@ pub fn plain_central_entries(cd: &[u8], n: u64, cd_offset: u64) -> Option<Vec<Ce
         let xlen = usize::from(le16(fixed, 30)?);
         let clen = usize::from(le16(fixed, 32)?);
         let hoff = u64::from(le32(fixed, 42)?);
+        // Records torch's reader would not read as written (encrypted, on
+        // another disk, marked a folder) are the Python parser's to name.
+        if flags & UNREAD_FLAGS != 0
+            || le16(fixed, 34)? != 0
+            || le32(fixed, 38)? & DOS_DIRECTORY != 0
+        {
+            return None;
+        }
         let name_at = p + CENTRAL_LEN;
         let end = name_at + nlen + xlen + clen;
         let raw = cd.get(name_at..name_at + nlen)?;
@@ -350,7 +367,7 @@ pub fn plain_central_entries(cd: &[u8], n: u64, cd_offset: u64) -> Option<Vec<Ce
         } else {
             (usize_, csize, hoff)
         };
-        if method != 0 || csize != usize_ || torchscript_name(name) {
+        if method != 0 || csize != usize_ || torchscript_name(name) || name.ends_with('/') {
             return None;
         }
         entries.push(CentralEntry {
@@ -444,6 +461,17 @@ mod tests {
         let mut sizes = cd.clone();
         sizes[20] ^= 1;
         assert!(plain_central_entries(&sizes, 2, 2000).is_none());
+        // Encrypted, on another disk, marked a folder (torch's reader takes
+        // such a record for one and reads no data from it).
+        for (at, bit) in [(8, 0x01), (8, 0x40), (9, 0x20), (34, 0x01), (38, 0x10)] {
+            let mut odd = cd.clone();
+            odd[at] ^= bit;
+            assert!(
+                plain_central_entries(&odd, 2, 2000).is_none(),
+                "byte {at} bit {bit:#x}"
+            );
+        }
+        assert!(plain_central_entries(&directory(&[("a/data/", 0, 1, 0)]), 1, 100).is_none());
         // Names: not UTF-8; not ASCII without the UTF-8 flag.
         let mut latin = directory(&[("a/data/\u{e9}", 0, 1, 0)]);
         assert!(plain_central_entries(&latin, 1, 100).is_some());

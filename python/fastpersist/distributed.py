@@ -253,7 +253,8 @@ def _indexed_shards(dirpath: str) -> set:
     """The shard files the index committed at ``dirpath`` names (nothing
     when there is none or it cannot be read)."""
     try:
-        with open(os.path.join(dirpath, INDEX_NAME), "rb") as f:
+        # (a file of the directory: not a link out of it, nor a FIFO a read would wait on)
+        with os.fdopen(open_beneath(dirpath, INDEX_NAME), "rb") as f:
             index = json.loads(f.read(1 << 24))
         return {s["file"] for s in index["shards"] if isinstance(s.get("file"), str) and SHARD_RE.fullmatch(s["file"])}
     except Exception:  # noqa: BLE001 - no usable index: nothing is removed on its account
@@ -383,7 +384,8 @@ def _count(v: Any, what: str) -> int:
 
 def _load_index(dirpath: str) -> Tuple[List[Dict[str, Any]], int]:
     try:
-        with open(os.path.join(dirpath, INDEX_NAME), "rb") as f:
+        # (a file of the directory: not a link out of it, nor a FIFO a read would wait on)
+        with os.fdopen(open_beneath(dirpath, INDEX_NAME), "rb") as f:
             index = json.loads(f.read(1 << 24))
         world = _count(index["world_size"], "world_size")
         shards = sorted(index["shards"], key=lambda s: _count(s["rank"], "rank"))

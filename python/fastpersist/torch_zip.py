@@ -444,9 +444,13 @@ def _corrupt(msg: str) -> Exception:
     return CorruptCheckpointError(msg)
 
 
-def _end_of_directory(fd: int, file_len: int, where: str) -> Tuple[int, int, int, int]:
-    """(entries, central directory size, its offset, end record offset),
-    from the end record (and the zip64 one when present)."""
+def _end_of_directory(fd: int, file_len: int, where: str) -> Tuple[int, int, int, int, int]:
+    """(entries, central directory size, its offset, end record offset, the
+    end of the zip: past the end record and its comment), from the end
+    record, and the zip64 one where its locator comes before it (torch's
+    reader then takes the zip64 record's numbers: they must be the end
+    record's wherever that one does not say "see zip64"). A split
+    (multi-disk) archive, which torch's reader refuses, is refused too."""
     tail_len = min(file_len, _EOCD.size + 0xFFFF)
     tail = os.pread(fd, tail_len, file_len - tail_len)
     if len(tail) != tail_len:
@@ -455,38 +459,73 @@ def _end_of_directory(fd: int, file_len: int, where: str) -> Tuple[int, int, int
     if pos < 0 or pos + _EOCD.size > len(tail):
         raise _corrupt(f"{where}no zip end-of-central-directory record (truncated or not a checkpoint)")
     eocd_off = file_len - tail_len + pos
-    _, _, _, _, n, cd_size, cd_off, _ = _EOCD.unpack_from(tail, pos)
-    if n == _U16 or cd_size == _U32 or cd_off == _U32:
-        loc_at = eocd_off - _LOCATOR64.size
-        if loc_at < 0:
-            raise _corrupt(f"{where}zip64 locator missing")
-        loc = os.pread(fd, _LOCATOR64.size, loc_at)
-        if len(loc) != _LOCATOR64.size or loc[:4] != _EOCD64_LOC_SIG:
-            raise _corrupt(f"{where}zip64 locator missing")
-        _, _, e64_off, _ = _LOCATOR64.unpack(loc)
+    _, disk, cd_disk, n_here, n, cd_size, cd_off, clen = _EOCD.unpack_from(tail, pos)
+    end = eocd_off + _EOCD.size + clen
+    loc_at = eocd_off - _LOCATOR64.size
+    loc = os.pread(fd, _LOCATOR64.size, loc_at) if loc_at >= 0 else b""
+    if len(loc) == _LOCATOR64.size and loc[:4] == _EOCD64_LOC_SIG:
+        _, _, e64_off, disks = _LOCATOR64.unpack(loc)
         if e64_off + _EOCD64.size > loc_at:
             raise _corrupt(f"{where}zip64 end record points outside the file")
         e64 = os.pread(fd, _EOCD64.size, e64_off)
         if len(e64) != _EOCD64.size or e64[:4] != b"PK\x06\x06":
             raise _corrupt(f"{where}bad zip64 end record")
-        (_, _, _, _, _, _, _, n, cd_size, cd_off) = _EOCD64.unpack(e64)
+        (_, rec_size, _, _, disk64, cd_disk64, n_here64, n64, cd_size64, cd_off64) = _EOCD64.unpack(e64)
+        if rec_size < _EOCD64.size - 12:
+            raise _corrupt(f"{where}zip64 end record gives its size as {rec_size}")
+        if disks != 1:
+            raise _corrupt(f"{where}zip64 locator counts {disks} disks: a split archive torch.load cannot read")
+        for name, short, full, sat in (
+            ("entries", n, n64, _U16),
+            ("entries on this disk", n_here, n_here64, _U16),
+            ("central directory size", cd_size, cd_size64, _U32),
+            ("central directory offset", cd_off, cd_off64, _U32),
+            ("disk", disk, disk64, _U16),
+            ("central directory disk", cd_disk, cd_disk64, _U16),
+        ):
+            if short != sat and short != full:
+                raise _corrupt(f"{where}the end record gives the {name} as {short}, the zip64 end record {full}")
+        disk, cd_disk, n_here, n, cd_size, cd_off = disk64, cd_disk64, n_here64, n64, cd_size64, cd_off64
         eocd_off = e64_off
+    elif n == _U16 or cd_size == _U32 or cd_off == _U32:
+        raise _corrupt(f"{where}zip64 locator missing")
+    if n_here != n or ((disk | cd_disk) != 0 and (disk, cd_disk) != (1, 1)):
+        raise _corrupt(
+            f"{where}the end record describes a split archive (disk {disk}, central directory on disk {cd_disk}, "
+            f"{n_here} of {n} entries here), which torch.load cannot read"
+        )
     if cd_off + cd_size > eocd_off or n * _CENTRAL.size > cd_size:
         raise _corrupt(f"{where}central directory ({n} entries, {cd_size} bytes at {cd_off}) does not fit in the file")
-    return n, cd_size, cd_off, eocd_off
+    return n, cd_size, cd_off, eocd_off, end
 
 
-def _central_entries(cd: bytes, n: int, where: str) -> List[Tuple[str, int, int, int, bytes]]:
+#: General purpose flags of a record torch's reader does not read:
+#: encrypted (bit 0), compressed patch data (bit 5), strong encryption
+#: (bit 6), masked local header (bit 13).
+_UNREAD_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000
+
+#: The MS-DOS "directory" bit of a central entry's external attributes:
+#: torch's reader takes such a record for a folder and reads no data from it.
+_DOS_DIRECTORY = 0x10
+
+
+def _central_entries(
+    cd: bytes, n: int, where: str, fd: int = -1, cd_off: int = 0
+) -> List[Tuple[str, int, int, int, bytes]]:
     """(name, local header offset, size, crc, name as stored) of every
-    central entry."""
+    central entry. Records a load reads must be ones torch's reader reads
+    as written: not encrypted, on this disk, not marked a folder. ``fd``
+    (with ``cd_off``): the file, to tell a compressed record from a
+    central entry whose method is damaged (its local header says stored)."""
     entries = []
-    compressed: List[Tuple[str, int]] = []
+    compressed: List[Tuple[str, int, int]] = []
+    odd: List[Tuple[str, str]] = []
     p = 0
     for i in range(n):
         if p + _CENTRAL.size > len(cd):
             raise _corrupt(f"{where}central directory entry {i} is truncated")
-        (sig, _, _, flags, method, _, _, crc, csize, usize, nlen, xlen, clen, _, _, _, hoff) = _CENTRAL.unpack_from(
-            cd, p
+        (sig, _, _, flags, method, _, _, crc, csize, usize, nlen, xlen, clen, disk, _, attrs, hoff) = (
+            _CENTRAL.unpack_from(cd, p)
         )
         if sig != 0x02014B50:
             raise _corrupt(f"{where}central directory entry {i} has a bad signature")
@@ -502,22 +541,54 @@ def _central_entries(cd: bytes, n: int, where: str) -> List[Tuple[str, int, int,
         if usize == _U32 or csize == _U32 or hoff == _U32:
             usize, csize, hoff = _zip64_fields(extra, usize, csize, hoff, name, where)
         if method != 0:
-            compressed.append((name, method))
+            compressed.append((name, method, hoff))
         elif csize != usize:
             raise _corrupt(f"{where}record {name!r} is stored (not compressed) but gives {csize} bytes as {usize}")
+        odd.append((name, _unread(name, flags, disk, attrs)))
         entries.append((name, hoff, usize, crc, raw_name))
         p = end
+    prefix = _folder(entries[0][0]) if entries else ""
+    for name, what in odd:
+        if what and _loaded(name, prefix):
+            raise _corrupt(f"{where}record {name!r} {what}")
     if _is_torchscript([e[0] for e in entries]):
         raise UnsupportedFormatError(
             f"{where}a TorchScript archive (torch.jit.save), not a torch.save checkpoint: load it with torch.jit.load"
         )
+    _refuse_compressed(compressed, fd, cd_off, where)
+    return entries
+
+
+def _unread(name: str, flags: int, disk: int, attrs: int) -> str:
+    """Why torch's reader would not read the record of a central entry
+    (its name, general purpose flags, disk and external attributes) as
+    written, or ""."""
+    if flags & _UNREAD_FLAGS:
+        return f"is marked encrypted (flags {flags:#06x})"
+    if disk > 1:
+        return f"is on disk {disk} of a split archive"
+    if attrs & _DOS_DIRECTORY or name.endswith("/"):
+        return "is marked a folder: torch.load reads no data from it"
+    return ""
+
+
+def _refuse_compressed(compressed: List[Tuple[str, int, int]], fd: int, cd_off: int, where: str) -> None:
+    """Central entries that say compressed (name, method, local header
+    offset): a CompressedRecords, or CorruptCheckpointError where a local
+    header says stored (a damaged central entry, not a zip tool's
+    compressed record; ``fd`` -1: not checked)."""
+    for name, method, hoff in compressed:
+        head = os.pread(fd, _LOCAL.size, hoff) if fd >= 0 and hoff + _LOCAL.size <= cd_off else b""
+        if len(head) == _LOCAL.size and head[:4] == b"PK\x03\x04" and _LOCAL.unpack(head)[3] == 0:
+            raise _corrupt(
+                f"{where}record {name!r}: its central entry says compressed (method {method}), its local header stored"
+            )
     if compressed:
-        name, method = compressed[0]
+        name, method, _ = compressed[0]
         raise CompressedRecords(
             f"{where}record {name!r} is compressed (method {method}): fastpersist reads and verifies records "
             "stored uncompressed, as torch.save stores them (a zip tool made this file); torch.load reads it"
         )
-    return entries
 
 
 class CompressedRecords(UnsupportedFormatError):
@@ -636,6 +707,9 @@ class ZipDirectory:
     entries: List[Tuple[str, int, int, int, bytes]]
     cd_offset: int
     where: str
+    #: Where the zip ends: past its end record and that record's comment
+    #: (torch.save writes nothing after it).
+    end: int = 0
 
 
 #: Whether the central directory of a plainly well-formed file is parsed and
@@ -649,15 +723,15 @@ def read_central_directory(fd: int, file_len: int, path: str = "") -> ZipDirecto
     checked against the file and the records against each other (names
     unique, no overlaps) before anything is sized from them."""
     where = f"{path}: " if path else ""
-    n, cd_size, cd_off, _ = _end_of_directory(fd, file_len, where)
+    n, cd_size, cd_off, _, end = _end_of_directory(fd, file_len, where)
     cd = os.pread(fd, cd_size, cd_off)
     if len(cd) != cd_size:
         raise _corrupt(f"{where}short read of the central directory")
     entries = _core.zip_central_entries(cd, n, cd_off) if FAST_DIRECTORY else None
     if entries is None:  # not plainly well-formed: parsed here, to name what is wrong
-        entries = _central_entries(cd, n, where)
+        entries = _central_entries(cd, n, where, fd, cd_off)
         _check_extents(entries, cd_off, where)
-    return ZipDirectory(entries, cd_off, where)
+    return ZipDirectory(entries, cd_off, where, end)
 
 
 def _local_record(
@@ -712,14 +786,20 @@ def resolve_records(
     return records
 
 
-def read_zip_directory(fd: int, file_len: int, path: str = "", opts: Optional[EngineOptions] = None) -> List[ZipRecord]:
+def read_zip_directory(
+    fd: int, file_len: int, path: str = "", opts: Optional[EngineOptions] = None, whole: bool = False
+) -> List[ZipRecord]:
     """Parse the central directory (zip64 included) and every local header.
     Every offset and length is checked against the file, and the records
     against each other, before anything is sized from them; anything odd
     raises :class:`~fastpersist.CorruptCheckpointError` naming what is wrong.
     ``opts``: of the engine that reads the local headers of a file with
-    many records (default: the environment's)."""
+    many records (default: the environment's). ``whole``: bytes after the
+    zip's end (appended to it: not as it was written) are corrupt too
+    (a read takes the zip they follow, as torch.load does)."""
     d = read_central_directory(fd, file_len, path)
+    if whole and d.end != file_len:
+        raise _corrupt(f"{d.where}{file_len - d.end} bytes follow the zip's end record (the file was appended to)")
     return resolve_records(fd, d, d.entries, opts)
 
 

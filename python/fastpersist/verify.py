@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from .distributed import INDEX_NAME, read_sharded
 from .errors import CorruptCheckpointError
 from .options import EngineOptions, PathLike, check_path, checksums, open_for_read
 from .pickling import LocationScan, storage_element_size
@@ -77,14 +78,16 @@ def _alignment(off: int) -> int:
     return a
 
 
-def _inspect_fd(fd: int, size: int, path: str) -> Tuple[str, List[RecordInfo]]:
+def _inspect_fd(fd: int, size: int, path: str, whole: bool = False) -> Tuple[str, List[RecordInfo]]:
+    """The format and records of the file at ``fd``; ``whole``: a zip must
+    end where the file does (nothing appended)."""
     fmt = detect(os.pread(fd, HEAD_BYTES, 0), size, path)
     if fmt == "torch-legacy":
         return fmt, []
     if fmt == "torch":
         return fmt, [
             RecordInfo(r.name, r.data_offset, r.size, r.crc32, _alignment(r.data_offset))
-            for r in read_zip_directory(fd, size, path)
+            for r in read_zip_directory(fd, size, path, whole=whole)
         ]
     (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
     start, entries, _ = parse_header(os.pread(fd, 8 + min(n, size), 0), size, path)
@@ -189,14 +192,32 @@ def verify_file(path: PathLike, *, direct: Optional[bool] = None) -> VerifyResul
     :class:`VerifyResult`: (format, records checked), and the records whose
     CRC32 torch did not record (``unchecked``). torch's legacy format has
     no checksums: its structure is checked (format ``"torch-legacy"``,
-    records: its storages). Raises CorruptCheckpointError, or
-    UnsupportedFormatError for a TorchScript archive."""
+    records: its storages). A sharded checkpoint's directory: its index
+    and every shard (format ``"sharded"``). Raises CorruptCheckpointError,
+    or UnsupportedFormatError for a TorchScript archive."""
     p = check_path(path)
+    if os.path.isdir(p) and os.path.lexists(os.path.join(p, INDEX_NAME)):
+        return _verify_sharded(p, direct)
     fd = open_for_read(p)
     try:
         return verify_fd(fd, p, direct=direct)
     finally:
         os.close(fd)
+
+
+def _verify_sharded(dirpath: str, direct: Optional[bool]) -> VerifyResult:
+    """A sharded checkpoint (a directory with an index): the index, and
+    every shard it names (each a file of the directory) verified; format
+    ``"sharded"``, the records of all of them."""
+
+    def one(path: str, fd: int) -> VerifyResult:
+        try:
+            return verify_fd(fd, path, direct=direct)
+        finally:
+            os.close(fd)
+
+    results = read_sharded(dirpath, None, one, with_fd=True)
+    return VerifyResult("sharded", sum(r.records for r in results), [u for r in results for u in r.unchecked])
 
 
 def verify_fd(fd: int, path: str, *, direct: Optional[bool] = None) -> VerifyResult:
@@ -206,7 +227,7 @@ def verify_fd(fd: int, path: str, *, direct: Optional[bool] = None) -> VerifyRes
     opts = EngineOptions.resolve(direct=direct)
     unchecked: List[str] = []
     size = os.fstat(fd).st_size
-    fmt, recs = _inspect_fd(fd, size, path)
+    fmt, recs = _inspect_fd(fd, size, path, whole=True)
     if fmt == "torch-legacy":
         return VerifyResult(fmt, check_legacy(fd, size, path))
     try:

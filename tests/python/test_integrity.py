@@ -284,12 +284,61 @@ def test_a_shard_swapped_for_a_link_after_its_check_is_not_followed(tmp_path, mo
 
     def then_swapped(directory, n):
         fd = checked(directory, n)
-        os.replace(d / name, tmp_path / "moved.pt")
-        os.symlink(outside, d / name)
+        if n == name:
+            os.replace(d / name, tmp_path / "moved.pt")
+            os.symlink(outside, d / name)
         return fd
 
     monkeypatch.setattr(fpd, "open_beneath", then_swapped)
     assert fastpersist.read_state_dict(d)[0]["a"].tolist() == [1.0, 1.0]
+
+
+def test_a_sharded_index_that_is_a_fifo_or_a_link_out_is_not_read(tmp_path):
+    """Regression: a sharded checkpoint's index was opened by path: a FIFO
+    at its name held the read (and verify) for ever, and a link was
+    followed out of the directory."""
+    from fastpersist.verify import verify_file
+
+    name = "shard-1-00000-of-00001.pt"
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    torch.save({"a": torch.ones(2)}, d / name)
+    os.mkfifo(d / "index.json")
+    for check in (fastpersist.read_state_dict, verify_file):
+        with pytest.raises(fastpersist.CorruptCheckpointError, match="FIFO"):
+            check(d)
+    os.unlink(d / "index.json")
+    outside = tmp_path / "index.json"
+    outside.write_text(json.dumps({"world_size": 1, "shards": [{"rank": 0, "file": name, "bytes": 1}]}))
+    os.symlink(outside, d / "index.json")
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="outside it"):
+        fastpersist.read_state_dict(d)
+
+
+def test_verify_checks_a_sharded_checkpoint_whole(tmp_path):
+    """Regression: verify of a sharded checkpoint's directory said "Is a
+    directory", and of its index.json CORRUPT: a valid checkpoint could
+    not be checked. Its index and every shard are verified now."""
+    from fastpersist import cli
+    from fastpersist.verify import verify_file
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    names = [f"shard-1-{r:05d}-of-00002.pt" for r in range(2)]
+    for r, n in enumerate(names):
+        fastpersist.write_state_dict({"w": torch.full((1000,), float(r))}, d / n)
+    (d / "index.json").write_text(
+        json.dumps({"world_size": 2, "shards": [{"rank": r, "file": n, "bytes": 1} for r, n in enumerate(names)]})
+    )
+    res = verify_file(d)
+    assert res.format == "sharded" and res.records == 2 * verify_file(d / names[0]).records
+    assert cli.main(["verify", str(d)]) == 0
+    raw = bytearray((d / names[1]).read_bytes())
+    raw[raw.find(struct.pack("<f", 1.0) * 4)] ^= 1
+    (d / names[1]).write_bytes(bytes(raw))
+    with pytest.raises(fastpersist.CorruptCheckpointError, match=names[1]):
+        verify_file(d)
+    assert cli.main(["verify", str(d)]) == 1
 
 
 # 9. Name patterns too broad.

@@ -709,3 +709,94 @@ def test_a_safetensors_header_whose_length_reads_as_a_zip_signature_is_safetenso
     torch.save({"a": torch.ones(3)}, tmp_path / "t.pt")
     for q in (p, tmp_path / "t.pt"):
         assert fastpersist.detect_format(q) == "torch"
+
+
+def _zip_fields(raw: bytes):
+    """Offsets of a torch zip's central entry of ``data/0``, end record,
+    and zip64 end record (-1 where there is none)."""
+    cd = raw.find(b"PK\x01\x02")
+    while not raw[cd + 46 : cd + 46 + struct.unpack_from("<H", raw, cd + 28)[0]].endswith(b"/data/0"):
+        cd = raw.find(b"PK\x01\x02", cd + 4)
+    return cd, raw.rfind(b"PK\x05\x06"), raw.rfind(b"PK\x06\x06")
+
+
+# (where, bit): a central entry's flags (encrypted, strong encryption), its
+# disk, its MS-DOS folder bit; the end record's disk and entry counts; the
+# zip64 end record's disk and central directory offset.
+_UNREADABLE_BY_TORCH = {
+    "encrypted": ("cd", 8, 0x01),
+    "strongly encrypted": ("cd", 8, 0x40),
+    "on disk 2": ("cd", 34, 0x02),
+    "marked a folder": ("cd", 38, 0x10),
+    "end record on disk 2": ("eocd", 4, 0x02),
+    "entries on this disk": ("eocd", 8, 0x01),
+    "zip64 disk": ("e64", 16, 0x02),
+    "zip64 directory offset": ("e64", 48, 0x01),
+}
+
+
+@pytest.mark.parametrize("writer", ["fastpersist", "torch"])
+@pytest.mark.parametrize("case", sorted(_UNREADABLE_BY_TORCH))
+def test_zip_fields_torch_reads_otherwise_are_corrupt(tmp_path, writer, case):
+    """Regression: one bit in a central entry or an end record that makes
+    torch.load refuse the file, or read a record as a folder (no data: its
+    tensor's memory uninitialized), was passed by verify and read: the
+    parsers looked at neither the general purpose flags, the disk numbers
+    nor the external attributes, and took the end record's numbers where
+    torch's reader takes the zip64 record's (the two must now agree)."""
+    from fastpersist.verify import verify_file
+
+    sd = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.tensor([1, 2, 3])}
+    p = tmp_path / "ok.pt"
+    fastpersist.write_state_dict(sd, p) if writer == "fastpersist" else torch.save(sd, p)
+    raw = bytearray(p.read_bytes())
+    where, off, bit = _UNREADABLE_BY_TORCH[case]
+    at = dict(zip(("cd", "eocd", "e64"), _zip_fields(bytes(raw))))[where]
+    if at < 0:
+        pytest.skip(f"{writer}'s file has no zip64 end record")
+    raw[at + off] ^= bit
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        verify_file(bad)
+    with pytest.raises(fastpersist.CorruptCheckpointError):
+        fastpersist.read_state_dict(bad)
+    if case == "marked a folder":  # torch.load reads it, wrong
+        got = torch.load(bad)
+        assert not all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("writer", ["fastpersist", "torch"])
+def test_a_central_entry_whose_method_is_damaged_is_corrupt_not_a_compressed_zip(tmp_path, writer):
+    """Regression: a central entry's method flipped to 8 (deflate) while its
+    local header says stored was taken for a zip tool's compressed file:
+    verify said "unsupported" (status 2) and pointed at torch.load, which
+    returned garbage."""
+    from fastpersist.verify import verify_file
+
+    sd = {"w": torch.arange(12.0)}
+    p = tmp_path / "ok.pt"
+    fastpersist.write_state_dict(sd, p) if writer == "fastpersist" else torch.save(sd, p)
+    raw = bytearray(p.read_bytes())
+    cd = raw.find(b"PK\x01\x02")
+    raw[cd + 10] = 8
+    p.write_bytes(bytes(raw))
+    for check in (verify_file, fastpersist.read_state_dict):
+        with pytest.raises(fastpersist.CorruptCheckpointError, match="local header"):
+            check(p)
+
+
+def test_bytes_appended_to_a_zip_fail_verify_and_are_read_past(tmp_path):
+    """Regression: verify passed a checkpoint with bytes appended after its
+    end record (torch.load refuses one with 4 KiB or more). A read takes
+    the zip they follow, as torch.load does for a few."""
+    from fastpersist.verify import verify_file
+
+    sd = {"w": torch.arange(12.0)}
+    p = tmp_path / "ok.pt"
+    fastpersist.write_state_dict(sd, p)
+    with open(p, "ab") as f:
+        f.write(b"x" * 100)
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="100 bytes follow"):
+        verify_file(p)
+    assert torch.equal(fastpersist.read_state_dict(p)["w"], sd["w"])
