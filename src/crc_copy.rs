@@ -37,12 +37,25 @@ use crc32fast::Hasher;
 /// fused loop's set-up, alignment and final reduction are not worth it.
 pub const MIN_FUSED: usize = 4096;
 
-/// Whether `FASTPERSIST_FUSED_COPY=0` turned the one-pass and
-/// non-temporal copies off (read once).
+/// Whether `FASTPERSIST_FUSED_COPY` turned the one-pass and non-temporal
+/// copies off (read once): 0, false, no or off, any case, as every on/off
+/// variable is spelled (the binding refuses other values where it can
+/// name the variable).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn switched_off() -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OFF.get_or_init(|| std::env::var_os("FASTPERSIST_FUSED_COPY").is_some_and(|v| v == "0"))
+    *OFF.get_or_init(|| {
+        std::env::var_os("FASTPERSIST_FUSED_COPY").is_some_and(|v| v.to_str().is_some_and(off_word))
+    })
+}
+
+/// An on/off variable's "off": 0, false, no or off (any case, spaces
+/// around it aside).
+fn off_word(v: &str) -> bool {
+    matches!(
+        v.trim().to_ascii_lowercase().as_str(),
+        "0" | "false" | "no" | "off"
+    )
 }
 
 /// Whether this CPU runs the fused loop (`FASTPERSIST_FUSED_COPY=0` turns
@@ -477,6 +490,16 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn off_is_spelled_as_every_on_off_variable_is() {
+        for v in ["0", "false", "No", " OFF ", "off\n"] {
+            assert!(off_word(v), "{v:?}");
+        }
+        for v in ["1", "true", "on", "yes", "", "of", "00"] {
+            assert!(!off_word(v), "{v:?}");
+        }
+    }
 
     fn pattern(n: usize, seed: u64) -> Vec<u8> {
         let mut x = seed | 1;

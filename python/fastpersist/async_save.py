@@ -1144,7 +1144,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-@atexit.register
 def _drain_at_exit() -> None:
     """Commit every save still in flight (of every saver) before the process
     exits; a failure among them is logged as an error."""
@@ -1180,3 +1179,18 @@ def _drain_at_exit() -> None:
                 sys.stderr.flush()
         finally:
             os._exit(130)  # (also when a second Ctrl-C cuts the report short)
+
+
+def register_exit(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the process exits: at ``atexit`` (after the threads
+    that are not daemons are joined), and before that with threading's
+    own exit callbacks, the only ones a process ``multiprocessing`` forked
+    runs (it ends in ``os._exit`` without ``atexit``: a save in flight
+    there was dropped without a word). ``fn`` must bear running twice."""
+    atexit.register(fn)
+    hook = getattr(threading, "_register_atexit", None)  # (CPython 3.9+)
+    if hook is not None:
+        hook(fn)
+
+
+register_exit(_drain_at_exit)

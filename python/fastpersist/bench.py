@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -16,17 +15,10 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 
 from . import _core
+from .options import parse_size
 
 MiB = 1 << 20
 GiB = 1 << 30
-
-
-def parse_size(s: str) -> int:
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", s, re.I)
-    if not m:
-        raise ValueError(f"bad size {s!r} (use e.g. 2GiB, 512MiB)")
-    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
-    return int(float(m.group(1)) * mult)
 
 
 def gpt_state_dict(total: int, seed: int = 0) -> Dict[str, torch.Tensor]:

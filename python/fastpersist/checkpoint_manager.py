@@ -22,8 +22,11 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
   only when no process holds the file's lock (a save in progress on any
   host or in any container holds it) and only when the file is older than
   :data:`TEMP_MIN_AGE` seconds and than any save this process has seen.
-* Retention keeps the last ``keep_last`` *valid* checkpoints and every
-  ``keep_every``-th step, deletes only files older than a committed, valid
+* One Checkpointer saves into a directory at a time (:data:`WRITER_LOCK`,
+  taken at its first save): a second one's first save is refused.
+* Retention keeps the last ``keep_last`` *valid* checkpoints and one every
+  ``keep_every`` steps (a multiple of it, or the first checkpoint after
+  one where the multiple was not checkpointed), deletes only files older than a committed, valid
   newer checkpoint (and, with staging, one that has reached the shared
   tier), never the newest valid one, and only files named exactly as it
   names checkpoints. Validity is known for saves this process committed and
@@ -54,7 +57,6 @@ max_overhead=0.035, stage_dir=None, mode="pipelined")``:
 
 from __future__ import annotations
 
-import atexit
 import collections
 import errno
 import fcntl
@@ -64,6 +66,7 @@ import logging
 import math
 import os
 import re
+import socket
 import stat
 import threading
 import time
@@ -76,6 +79,7 @@ from typing import (
     Deque,
     Dict,
     Hashable,
+    Iterable,
     List,
     NamedTuple,
     Optional,
@@ -88,8 +92,16 @@ from typing import (
 )
 
 from . import _core
-from .async_save import AsyncSaver, CheckpointFuture, check_save_options, future_error
-from .collectives import DistributedCheckpointError, agree_outcome, check_group, dedicated_groups, gather, group_ranks
+from .async_save import AsyncSaver, CheckpointFuture, check_save_options, future_error, register_exit
+from .collectives import (
+    DistributedCheckpointError,
+    agree_outcome,
+    check_group,
+    dedicated_groups,
+    fail_all,
+    gather,
+    group_ranks,
+)
 from .errors import CorruptCheckpointError, FastPersistError
 from .options import (
     TEMP_MIN_AGE,
@@ -124,6 +136,9 @@ TEMP_RE = re.compile(
     r"\.(ckpt-[0-9]{12,20}\.pt|\.went-back-[0-9]+(-[0-9]+)?\.json)\.[0-9]+\.[0-9]+" + re.escape(_core.TEMP_MARKER)
 )
 LOG_NAME = "checkpoints.jsonl"
+#: The lock a Checkpointer that saves holds on its directory (the holder's
+#: pid and host inside, for the message of one refused).
+WRITER_LOCK = ".fastpersist-writer.lock"
 #: How often latest()/load_latest() list again when listed files vanish.
 _RELIST = 20
 #: How often a restore asks an object store that fails to answer, and the
@@ -282,10 +297,16 @@ def _unpack(payload: Any, path: str) -> Tuple[int, Any]:
     return payload["step"], payload["state"]
 
 
+def is_payload(payload: Any) -> bool:
+    """Whether ``payload`` is a Checkpointer's: a dict ``{'step': int,
+    'state': ...}`` (a loaded one, or the top level :func:`verify_file`
+    saw)."""
+    return isinstance(payload, dict) and "state" in payload and type(payload.get("step")) is int
+
+
 def _check_payload(payload: Any, path: str) -> None:
-    """A Checkpointer's payload is a dict ``{'step': int, 'state': ...}``
-    (a loaded one, or the top level :func:`verify_file` saw)."""
-    if not isinstance(payload, dict) or "state" not in payload or type(payload.get("step")) is not int:
+    """:func:`is_payload`, or CorruptCheckpointError naming ``path``."""
+    if not is_payload(payload):
         raise CorruptCheckpointError(f"{path} is not a Checkpointer's checkpoint ({{'step': int, 'state': ...}})")
 
 
@@ -491,11 +512,18 @@ class FrequencyTuner:
         if not self.auto or not self.clean_time or self.cost is None:
             return
         t = self.clean_time
-        k_overhead = math.ceil(max(self.cost, 0.0) / (self.max_overhead * t) - 1e-9)
-        k_write = math.ceil((self.write_time or 0.0) / t - 1e-9)
-        self._model_interval = max(1, k_overhead)
-        k = max(math.ceil(self._model_interval * self._scale - 1e-9), k_write, 1)
-        self.interval = int(min(self.max_interval, k))
+        self._model_interval = self._iterations(max(self.cost, 0.0), self.max_overhead * t)
+        k_write = self._iterations(self.write_time or 0.0, t)
+        self.interval = max(self._iterations(self._model_interval * self._scale, 1.0), k_write)
+
+    def _iterations(self, num: float, den: float) -> int:
+        """``ceil(num / den)``, at least 1 and at most ``max_interval``: also
+        where the quotient is past a float's range or ``den`` is 0 (a tiny
+        ``max_overhead`` times a short iteration)."""
+        q = num / den if den > 0 else (math.inf if num > 0 else 0.0)
+        if not q < self.max_interval:  # (inf, nan)
+            return self.max_interval
+        return max(1, math.ceil(q - 1e-9))
 
     def _feedback(self, reprofile: bool) -> None:
         """Called when a checkpoint is due: judge the window since the last
@@ -636,7 +664,27 @@ def _local_dir(name: str, value: Any) -> str:
         path = path[len("file://") :]
     if not path:
         raise ValueError(f"{name} must name a directory, not {value!r}")
+    if is_url(path):
+        # (not a local folder named "s3:")
+        raise ValueError(
+            f"{name} must be a local directory, not the URL {path!r}: an object store is a tier, give it as stage_dir="
+        )
     return path
+
+
+def _archived(steps: Iterable[int], keep_every: Optional[int]) -> Set[int]:
+    """The steps of a tier (holding ``steps``) that ``keep_every`` keeps:
+    its multiples, and the first checkpoint after a multiple (and before
+    the next one) where the multiple itself was not checkpointed: an
+    interval that does not divide ``keep_every`` (``every=5`` from step 0
+    checkpoints 4, 9, 14, ...), or ``every="auto"``, keeps one checkpoint
+    per ``keep_every`` steps too."""
+    if not keep_every:
+        return set()
+    first: Dict[int, int] = {}
+    for s in sorted(steps, reverse=True):
+        first[s // keep_every] = s
+    return {s for w, s in first.items() if w >= 1} | {s for s in steps if s % keep_every == 0}
 
 
 def _check_options(mode: str, options: Dict[str, Any], keep_last: Any, keep_every: Any) -> None:
@@ -666,8 +714,9 @@ class Checkpointer:
     holding ``{"step": step, "state": state}``, committed atomically.
     ``every`` is a fixed interval in iterations or ``"auto"`` (CheckFreq's
     tuning, keeping the measured overhead under ``max_overhead``).
-    ``keep_last`` valid checkpoints are kept, plus every ``keep_every``-th
-    step. ``stage_dir`` (a shared file system) receives a copy of each
+    ``keep_last`` valid checkpoints are kept, plus one every ``keep_every``
+    steps (a multiple of it, or the first checkpoint after one where the
+    multiple itself was not checkpointed). ``stage_dir`` (a shared file system) receives a copy of each
     committed checkpoint in the background (one that a newer checkpoint
     overtook while it waited is skipped, unless ``keep_every`` keeps it). ``mode`` is that of
     :func:`~fastpersist.save_async`; in either mode call :meth:`fence`
@@ -728,6 +777,9 @@ class Checkpointer:
         self._closed = False
         #: Finishing at exit (see _at_exit).
         self._exiting = False
+        #: The directory's writer lock, once taken (-1: not checked there).
+        self._writer_fd: Optional[int] = None
+        self._writer_release: Optional[weakref.finalize] = None
         self.directory = os.path.abspath(_local_dir("directory", directory))
         self.replicate = replicate
         self.group = group
@@ -749,6 +801,9 @@ class Checkpointer:
         if self.store is not None:
             stage_dir = None
         self.stage_dir = os.path.abspath(_local_dir("stage_dir", stage_dir)) if stage_dir is not None else None
+        if self.stage_dir and os.path.realpath(self.stage_dir) == os.path.realpath(self.directory):
+            # (one copy, listed twice: a tier that is no second copy)
+            raise ValueError(f"stage_dir {self.stage_dir!r} is the Checkpointer's directory itself")
         make_dirs(self.directory)
         if self.stage_dir:
             make_dirs(self.stage_dir)
@@ -855,6 +910,12 @@ class Checkpointer:
         neither waits for them nor logs them, and stages with threads of
         its own."""
         self._lock = threading.RLock()
+        if self._writer_release is not None:
+            # The parent's lock (it stays held there): this process saving
+            # here too would be a second writer, and is refused as one.
+            self._writer_release.detach()
+            os.close(self._writer_fd)  # type: ignore[arg-type]
+            self._writer_fd, self._writer_release = None, None
         for held in self._records.values():
             os.close(held)  # the parent's: it carries them out (the lock stays its own)
         self._records = {}
@@ -863,6 +924,7 @@ class Checkpointer:
         if self._inflight is not None:
             self.tuner.record_unmeasured()  # the parent's save: never measured here
         self._inflight = None
+        _saving.discard(self)
         self._last_step_at = None
         self._stage_futures = []
         self._stage_queue = set()
@@ -955,9 +1017,53 @@ class Checkpointer:
         every rank, with the same step)."""
         return self._start(step, state)
 
+    def _take_directory(self) -> None:
+        """At the first save: the directory's writer lock (every rank's, with
+        a group: one refused is every rank's error). Two Checkpointers
+        saving into one directory (two jobs, or ranks given one path without
+        ``group=``) would each take the other's newer checkpoints for a run
+        it went back on and set them aside, and readers would find none."""
+        why = None if self._writer_fd is not None else self._lock_writer()
+        if self._ctl is not None:
+            fail_all(gather(why, self._ctl), "taking the checkpoint directories")
+        elif why is not None:
+            raise RuntimeError(why)
+
+    def _lock_writer(self) -> Optional[str]:
+        """Take :data:`WRITER_LOCK` (held until close(), or until this
+        Checkpointer is gone); why not, when another holds it. A file system
+        without locks is not checked (a warning)."""
+        path = os.path.join(self.directory, WRITER_LOCK)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            return f"cannot open {path}, the lock of a Checkpointer saving into {self.directory}: {e}"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "?"
+            os.close(fd)
+            return (
+                f"another Checkpointer (pid and host: {holder}) is saving into {self.directory}: one Checkpointer "
+                "saves into a directory at a time (give each process its own, or the ranks of a job group=)"
+            )
+        except OSError as e:
+            os.close(fd)
+            log.warning(
+                "fastpersist: %s has no file locks (%s): another Checkpointer saving there is not seen", path, e
+            )
+            self._writer_fd = -1
+            return None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        self._writer_fd = fd
+        self._writer_release = weakref.finalize(self, os.close, fd)
+        return None
+
     def _start(self, step: int, state: Any) -> CheckpointFuture:
         self._check_open()
         _check_step(step)
+        self._take_directory()
         t0 = self.clock()
         try:
             if self._inflight is not None:
@@ -982,6 +1088,7 @@ class Checkpointer:
             self.tuner.record_unmeasured()  # (the tuner waits for no measure of it)
             raise
         self._inflight = _InFlight(step, fut, t0, self.clock() - t0)
+        _saving.add(self)
         clock = self.clock  # (the callback holds neither self nor the _InFlight: no cycle)
         fut.add_done_callback(lambda f: setattr(f, "done_at", clock()))
         return fut
@@ -1016,6 +1123,7 @@ class Checkpointer:
         exc = future_error(fl.future, None if wait else 0)
         waited = self.clock() - t
         self._inflight = None
+        _saving.discard(self)
         self._outcome = (fl.step, exc is None)
         if exc is not None:
             log.error("fastpersist: checkpoint of step %d failed: %r", fl.step, exc)
@@ -1443,6 +1551,8 @@ class Checkpointer:
         exiting too."""
         if self._closed or self._inflight is None:
             return
+        for f in list(self._stage_futures):  # (the copies queued before it, in order)
+            f.result()
         self._exiting = True
         self._finish(self._inflight, wait=True, tune=False)
 
@@ -1469,6 +1579,8 @@ class Checkpointer:
                     os.close(held)
         if self._replicator is not None:
             self._replicator.shutdown(wait=True)
+        if self._writer_release is not None:
+            self._writer_release()  # (another Checkpointer may save here now)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -1500,7 +1612,7 @@ class Checkpointer:
             if step in self._abandoned_stages:
                 self._abandoned_stages.discard(step)
                 return  # set aside meanwhile: a run this one went back on
-            skip = newer > step and not (self.keep_every and step % self.keep_every == 0)
+            skip = newer > step and step not in _archived(self._local_steps() | {step}, self.keep_every)
             if not skip:
                 self._staging_now = step
         if skip:
@@ -1656,6 +1768,11 @@ class Checkpointer:
             self._valid[ident] = ok
         return ok
 
+    def _local_steps(self) -> Set[int]:
+        """The steps of the checkpoints in this Checkpointer's directory
+        (none listed without ``keep_every``, which alone asks)."""
+        return set(_scan(self.directory, "local")) if self.keep_every else set()
+
     def _doomed(
         self,
         infos: Dict[int, CheckpointInfo],
@@ -1695,11 +1812,8 @@ class Checkpointer:
                     break
         if cutoff is None:
             return []
-        return [
-            info
-            for s, info in sorted(infos.items())
-            if s < cutoff and not (self.keep_every and s % self.keep_every == 0) and may_delete(s)
-        ]
+        archived = _archived(infos, self.keep_every)
+        return [info for s, info in sorted(infos.items()) if s < cutoff and s not in archived and may_delete(s)]
 
     def _sweep_leftovers(self, every_time: bool = False) -> None:
         """Remove the temporary files killed saves left in this
@@ -1935,7 +2049,7 @@ class Checkpointer:
                 return _unpack(payload, c.path)
             except FileNotFoundError:
                 raise
-            except (FastPersistError, OSError, KeyError, TypeError, IndexError) as e:
+            except (FastPersistError, OSError) as e:
                 log.warning("fastpersist: skipping damaged checkpoint %s: %s", c.path, e)
                 return None
 
@@ -2011,7 +2125,7 @@ class Checkpointer:
                 try:
                     payload = read_state_dict(info.path, **load)
                     out = _unpack(payload, info.path)
-                except (FastPersistError, OSError, KeyError, TypeError, IndexError) as e:
+                except (FastPersistError, OSError) as e:
                     err = f"{info.path} does not load: {e}"
                 except Exception as e:  # noqa: BLE001 - not damage (weights_only refusing a class): every rank raises
                     raised = e
@@ -2231,6 +2345,10 @@ class Checkpointer:
 #: Every live Checkpointer, for the reset in a fork child.
 _checkpointers: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
+#: Checkpointers with a save in flight, kept alive until it is finished: one
+#: dropped without close() still commits, logs, retains and stages it at exit.
+_saving: Set[Checkpointer] = set()
+
 
 def _after_fork_in_child() -> None:
     for ck in list(_checkpointers):
@@ -2241,12 +2359,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-@atexit.register
 def _finish_at_exit() -> None:
     """Checkpointers not closed at exit: each one's checkpoint in flight is
     committed as close() would, logged, retained and staged (registered
     after ``async_save``'s drain, so it runs before it)."""
-    for ck in list(_checkpointers):
+    for ck in list(_checkpointers):  # (those with a save in flight among them: kept alive)
         try:
             ck._at_exit()
         except KeyboardInterrupt:
@@ -2254,3 +2371,6 @@ def _finish_at_exit() -> None:
             return  # (the saves in flight are the drain's)
         except Exception as e:  # noqa: BLE001 - logged: the process is ending
             log.error("fastpersist: finishing the Checkpointer on %s at exit failed: %r", ck.directory, e)
+
+
+register_exit(_finish_at_exit)

@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import sys
 import tempfile
 from typing import Dict, List, Optional, Tuple
@@ -236,41 +237,57 @@ def _num(ev: dict, key: str, fmt: str, scale: float = 1) -> str:
     v = ev.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (fmt == "d" and not isinstance(v, int)):
         return "-"
-    return format(v * scale if scale != 1 else v, fmt)
+    try:
+        return format(v * scale if scale != 1 else v, fmt)
+    except OverflowError:  # an int past a float's range, for a float's format
+        return "-"
 
 
 def _log_events(path: str) -> List[dict]:
     """The events of a Checkpointer's log that name a step; a line that
     does not parse (a damaged or foreign line) is skipped."""
-    out = []
+    from .options import parse_json
+
+    out: List[dict] = []
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(ev, dict) and isinstance(ev.get("step"), int) and not isinstance(ev["step"], bool):
-                    out.append(ev)
+        # (without waiting for a writer: a FIFO at the name is no log)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        pass
+        return out
+    except OSError as e:
+        print(f"fastpersist: {path}: {e.strerror or e} (the log is not shown)", file=sys.stderr)
+        return out
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        print(f"fastpersist: {path} is not a regular file (the log is not shown)", file=sys.stderr)
+        return out
+    with open(fd, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                ev = parse_json(line)
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and isinstance(ev.get("step"), int) and not isinstance(ev["step"], bool):
+                out.append(ev)
     return out
 
 
 def _verified(path: str) -> str:
-    """``ls --verify``'s status of one file: verified, CORRUPT, or
+    """``ls --verify``'s status of one file: verified, CORRUPT, FOREIGN (a
+    whole file, not a Checkpointer's payload: ``latest()`` passes it by) or
     UNREADABLE (not a checkpoint file it can read: a directory, a FIFO, an
     I/O error)."""
+    from .checkpoint_manager import is_payload
     from .errors import CorruptCheckpointError, UnsupportedFormatError
     from .verify import verify_file
 
     try:
-        verify_file(path)
-        return "verified"
+        top = verify_file(path).top_level
     except CorruptCheckpointError:
         return "CORRUPT"
     except (OSError, UnsupportedFormatError):
         return "UNREADABLE"
+    return "verified" if is_payload(top) else "FOREIGN"
 
 
 def _ls_replicas(directory: str, verify: bool) -> int:
@@ -421,7 +438,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from .errors import CorruptCheckpointError, UnsupportedFormatError
+    from .options import EngineOptions
 
+    try:
+        # The environment's options, checked before any file: a bad value is
+        # a usage error (status 1 would say a checkpoint is corrupt).
+        EngineOptions.resolve()
+    except (ValueError, TypeError) as e:
+        print(f"fastpersist: {e}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return int(args.fn(args))
     except CorruptCheckpointError as e:

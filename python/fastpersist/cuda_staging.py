@@ -100,6 +100,8 @@ __all__ = [
 log = logging.getLogger("fastpersist")
 
 DEFAULT_CHUNK = 16 << 20
+#: The largest ``FASTPERSIST_STAGE_CHUNK`` taken (three such chunks are pinned).
+MAX_CHUNK = 1 << 30
 SLOTS = 3
 
 #: Events recorded on the caller's current stream of each device, by device.
@@ -972,10 +974,11 @@ def send(
 
 def stage_chunk() -> int:
     """Bytes per device-to-host copy (``FASTPERSIST_STAGE_CHUNK``, default
-    16 MiB, a multiple of 4096); three chunks of staging memory are used."""
-    n = env_int("FASTPERSIST_STAGE_CHUNK", DEFAULT_CHUNK)
-    if n <= 0 or n % 4096:
-        raise ValueError(f"FASTPERSIST_STAGE_CHUNK={n} must be a positive multiple of 4096")
+    16 MiB, a multiple of 4096 of at most 1 GiB; ``32MiB`` spelled so
+    too); three chunks of staging memory are used."""
+    n = env_int("FASTPERSIST_STAGE_CHUNK", DEFAULT_CHUNK, size=True)
+    if n <= 0 or n % 4096 or n > MAX_CHUNK:
+        raise ValueError(f"FASTPERSIST_STAGE_CHUNK={n} must be a positive multiple of 4096 of at most 1 GiB")
     return n
 
 

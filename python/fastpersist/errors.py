@@ -41,6 +41,10 @@ class SerializationError(FastPersistError, TypeError, ValueError, RuntimeError, 
     ``pickle.PicklingError`` (objects pickle refuses), ``ValueError``
     (safetensors: non-tensor values, non-dicts)."""
 
+    #: Whether torch.save refuses the object alike (pickle's own refusal,
+    #: met while pickling it): not worth trying torch.save after.
+    torch_refuses: bool = False
+
 
 class NoDataError(SerializationError, NotImplementedError):
     """A storage on the ``meta`` device saved as such (not a meta tensor,

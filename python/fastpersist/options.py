@@ -34,6 +34,7 @@ import errno
 import functools
 import gc
 import inspect
+import json
 import logging
 import os
 import re
@@ -50,6 +51,7 @@ from . import _core
 from .errors import CorruptCheckpointError, FallbackWarning, WriteError
 
 __all__ = [
+    "parse_json",
     "PathLike",
     "EngineOptions",
     "WriteStats",
@@ -101,15 +103,35 @@ DEFAULT_QUEUE_DEPTH = 16
 MAX_OPTION_SETS = 4
 
 
-def env_int(name: str, default: int) -> int:
-    """An integer from the environment (decimal, or 0x/0o/0b prefixed)."""
+def parse_size(s: str) -> int:
+    """A size in bytes: a number with an optional binary unit (``2GiB``,
+    ``512M``, ``64 KiB``, ``1.5G``; K, M, G and T are powers of 1024)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGT]?)(i?B)?\s*", s, re.I | re.ASCII)
+    if not m:
+        raise ValueError(f"bad size {s!r} (use e.g. 2GiB, 512MiB)")
+    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * mult)
+
+
+def env_int(name: str, default: int, size: bool = False) -> int:
+    """An integer from the environment: decimal (leading zeros too), or
+    0x/0o/0b prefixed; ``size``: bytes, where a unit may follow
+    (:func:`parse_size`: ``32MiB``). Anything else is a ValueError naming
+    the variable."""
     v = os.environ.get(name)
     if v is None or v == "":
         return default
-    try:
-        return int(v, 0)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+    text = v.strip()
+    parsers: List[Callable[[str], int]] = [lambda t: int(t, 0), lambda t: int(t, 10)]  # (int(t, 0) refuses "010")
+    if size:
+        parsers.append(parse_size)
+    for parse in parsers if text.isascii() else ():  # (int() takes other scripts' digits)
+        try:
+            return parse(text)
+        except ValueError:
+            continue
+    kind = "a size in bytes (e.g. 33554432 or 32MiB)" if size else "an integer"
+    raise ValueError(f"environment variable {name}={v!r} is not {kind}")
 
 
 #: How an on/off environment variable may be spelled (case aside).
@@ -140,10 +162,11 @@ def _flag(name: str, given: Any, env: Optional[str]) -> bool:
     raise TypeError(f"{name} must be True, False or None (the default), not {given!r}")
 
 
-def _count(name: str, given: Optional[int], env: str, default: int) -> int:
+def _count(name: str, given: Optional[int], env: str, default: int, size: bool = False) -> int:
     """A positive integer option (the parameter, else ``env``, else the
-    default), or a ValueError/TypeError that says where the value came from."""
-    value = given if given is not None else env_int(env, default)
+    default; ``size``: bytes, the variable may give a unit), or a
+    ValueError/TypeError that says where the value came from."""
+    value = given if given is not None else env_int(env, default, size)
     where = "" if given is not None or not os.environ.get(env) else f" (from the environment variable {env})"
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
@@ -152,6 +175,15 @@ def _count(name: str, given: Optional[int], env: str, default: int) -> int:
     if value >= 1 << 63:
         raise ValueError(f"{name}={value} is out of range{where}")
     return value
+
+
+#: The environment variable of each count option.
+_ENV = {
+    "block_size": "FASTPERSIST_BLOCK_SIZE",
+    "arena_bytes": "FASTPERSIST_ARENA_BYTES",
+    "queue_depth": "FASTPERSIST_QUEUE_DEPTH",
+    "gather_threads": "FASTPERSIST_GATHER_THREADS",
+}
 
 
 def _usable_cores() -> int:
@@ -216,27 +248,33 @@ class EngineOptions:
         that is not an int or an on/off option that is not a bool or None."""
         threads = default_background_gather_threads() if background else default_gather_threads()
         opts = cls(
-            block_size=_count("block_size", block_size, "FASTPERSIST_BLOCK_SIZE", DEFAULT_BLOCK_SIZE),
-            arena_bytes=_count("arena_bytes", arena_bytes, "FASTPERSIST_ARENA_BYTES", DEFAULT_ARENA_BYTES),
-            queue_depth=_count("queue_depth", queue_depth, "FASTPERSIST_QUEUE_DEPTH", DEFAULT_QUEUE_DEPTH),
+            block_size=_count("block_size", block_size, _ENV["block_size"], DEFAULT_BLOCK_SIZE, size=True),
+            arena_bytes=_count("arena_bytes", arena_bytes, _ENV["arena_bytes"], DEFAULT_ARENA_BYTES, size=True),
+            queue_depth=_count("queue_depth", queue_depth, _ENV["queue_depth"], DEFAULT_QUEUE_DEPTH),
             direct=_flag("direct", direct, "FASTPERSIST_DIRECT"),
             io_uring=_flag("io_uring", io_uring, "FASTPERSIST_IO_URING"),
             # No environment variable: a checkpoint is durable unless the
             # call says otherwise (None is that default, never "off").
             durable=_flag("durable", durable, None),
-            gather_threads=_count("gather_threads", gather_threads, "FASTPERSIST_GATHER_THREADS", threads),
+            gather_threads=_count("gather_threads", gather_threads, _ENV["gather_threads"], threads),
             zero_copy=_flag("zero_copy", zero_copy, "FASTPERSIST_ZERO_COPY"),
         )
         # The engine's own limits (block size a multiple of the page, an arena
         # of at least one block and no more than the machine's memory, queue
         # depth, gather threads), here where the options are given rather
-        # than when the first save makes the engine.
-        _core.check_engine_options(
-            block_size=opts.block_size,
-            arena_bytes=opts.arena_bytes,
-            queue_depth=opts.queue_depth,
-            gather_threads=opts.gather_threads,
-        )
+        # than when the first save makes the engine; a limit a variable's
+        # value is past names the variable.
+        counts = {"block_size": block_size, "arena_bytes": arena_bytes, "queue_depth": queue_depth}
+        counts["gather_threads"] = gather_threads
+        try:
+            _core.check_engine_options(**{k: getattr(opts, k) for k in counts})
+        except ValueError as e:
+            envs = [_ENV[k] for k, given in counts.items() if given is None and os.environ.get(_ENV[k]) and k in str(e)]
+            if not envs:
+                raise
+            raise ValueError(f"{e} (from the environment variable {', '.join(envs)})") from None
+        # (read by the core itself: checked here, where a bad value can be named)
+        env_flag("FASTPERSIST_FUSED_COPY", True)
         return opts
 
     @classmethod
@@ -1087,3 +1125,13 @@ def write_stats(
         commit_seconds=raw["commit_seconds"],
         zero_copy_bytes=raw["zero_copy_bytes"],
     )
+
+
+def parse_json(raw: Union[str, bytes]) -> Any:
+    """``json.loads``, where nesting too deep for the decoder (a damaged or
+    hostile file: a sidecar, a marker, a log line) is a ValueError like any
+    other malformed JSON, not a RecursionError."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to parse") from None

@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tup
 
 from . import _core
 from .errors import CorruptCheckpointError, FastPersistError
-from .options import TEMP_MIN_AGE, open_for_read, pwrite_all, read_range, remove_stale_temps
+from .options import TEMP_MIN_AGE, open_for_read, parse_json, pwrite_all, read_range, remove_stale_temps
 from .verify import verify_fd, verify_file
 
 __all__ = [
@@ -427,7 +427,7 @@ class ObjectStore:
             if data not in objects:
                 continue
             try:
-                marker = json.loads(self._call("marker read", self.fs.cat_file, self._path(name)))
+                marker = parse_json(self._call("marker read", self.fs.cat_file, self._path(name)))
             except (FileNotFoundError, ValueError):
                 continue
             if _commits(marker, objects[data]):
@@ -542,7 +542,7 @@ class ObjectStore:
             # would no longer commit it.
             raise ValueError(f"{local} is {url} itself: download it elsewhere")
         try:
-            marker = json.loads(self._call(f"commit marker of {url}", self.fs.cat_file, src + MARKER_SUFFIX))
+            marker = parse_json(self._call(f"commit marker of {url}", self.fs.cat_file, src + MARKER_SUFFIX))
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "no committed checkpoint (no commit marker)", url) from None
         except ValueError as e:
@@ -611,7 +611,7 @@ class ObjectStore:
         removed."""
         src, dst = self._path(name), self._path(new)
         try:
-            marker = json.loads(raw)
+            marker = parse_json(raw)
             if isinstance(marker, dict):
                 # (a copy is another object: S3 gives it its own ETag)
                 marker["identity"] = _identity(self._call("listing", self.fs.info, dst), local=self._local())
@@ -645,7 +645,7 @@ class ObjectStore:
                 continue
             try:
                 raw = self._call(f"read of {self.url_of(mname)}", self.fs.cat_file, self._path(mname))
-                size = json.loads(raw).get("size")
+                size = parse_json(raw).get("size")
             except (FileNotFoundError, ValueError, AttributeError):
                 continue
             for o in sorted(moved, reverse=True):

@@ -679,3 +679,43 @@ def test_an_interrupt_once_a_save_is_queued_and_begun_leaves_it_tracked(tmp_path
     assert tracked[0].done() and tracked[0].exception() is None
     saver.close()
     assert torch.equal(torch.load(p)["w"], torch.ones(4))
+
+
+_FORKED_WORKER = textwrap.dedent(
+    """
+    import json, multiprocessing as mp, os, sys, torch, fastpersist
+
+    def work(d, how):
+        sd = {f"w{k}": torch.full((256, 1024), float(k)) for k in range(16)}
+        if how == "checkpointer":
+            ck = fastpersist.Checkpointer(d, every=1)
+            ck.step(1, sd)
+        else:
+            fastpersist.save_async(sd, os.path.join(d, "p.pt"), mode=how)
+        # returns with the save in flight: the process ends in os._exit
+
+    if __name__ == "__main__":
+        p = mp.get_context("fork").Process(target=work, args=sys.argv[1:])
+        p.start()
+        p.join(120)
+        print(p.exitcode)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["pipelined", "snapshot", "checkpointer"])
+def test_a_save_in_flight_when_a_forked_worker_returns_is_committed(tmp_path, how):
+    """Regression: a process multiprocessing forks ends in os._exit after
+    threading's exit callbacks, never running atexit's: a save_async (or a
+    Checkpointer's save) still in flight when its target returned was
+    dropped without a word (status 0, no file)."""
+    r = subprocess.run(
+        [sys.executable, "-c", _FORKED_WORKER, str(tmp_path), how], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "0", r.stdout + r.stderr[-3000:]
+    if how == "checkpointer":
+        got = fastpersist.Checkpointer(tmp_path).load_latest()
+        assert got is not None and got[0] == 1 and torch.all(got[1]["w3"] == 3)
+        assert '"commit"' in (tmp_path / "checkpoints.jsonl").read_text()
+    else:
+        assert torch.all(fastpersist.read_state_dict(tmp_path / "p.pt")["w3"] == 3)

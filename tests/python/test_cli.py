@@ -236,11 +236,20 @@ def test_a_path_that_names_no_file_is_a_usage_error(cmd):
 
 @pytest.mark.parametrize(
     "line",
-    [b"5", b'{"event":"commit"}', b'{"event":"commit","step":1,"stall_s":"x","gbps":null}', b"\xff\xfe", b"[1]"],
+    [
+        b"5",
+        b'{"event":"commit"}',
+        b'{"event":"commit","step":1,"stall_s":"x","gbps":null}',
+        b"\xff\xfe",
+        b"[1]",
+        b"[" * 100_000,  # nested past the decoder's recursion
+        b'{"event":"commit","step":1,"stall_s":1' + b"0" * 400 + b"}",  # an int past a float's range
+    ],
 )
 def test_ls_skips_a_damaged_log_line(tmp_path, capsys, line):
     """Regression: a log line that is not an event with a step (a number,
-    no step, a string where a number goes, bytes that are not UTF-8) gave a
+    no step, a string where a number goes, bytes that are not UTF-8, JSON
+    nested too deep to parse, an int too large for a float) gave a
     traceback and status 1 instead of the listing."""
     from fastpersist import cli
 
@@ -256,12 +265,55 @@ def test_ls_verify_lists_every_checkpoint_when_one_cannot_be_read(tmp_path, caps
     directory, a FIFO) stopped the listing with status 2 after its header."""
     from fastpersist import cli
 
-    fastpersist.write_state_dict({"a": torch.ones(2)}, tmp_path / "ckpt-000000000001.pt")
+    fastpersist.write_state_dict({"step": 1, "state": {"a": torch.ones(2)}}, tmp_path / "ckpt-000000000001.pt")
     os.mkdir(tmp_path / "ckpt-000000000002.pt")
     os.mkfifo(tmp_path / "ckpt-000000000003.pt")
     assert cli.main(["ls", "--verify", str(tmp_path)]) == 1
     rows = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[1:]}
     assert "verified" in rows["1"] and "UNREADABLE" in rows["2"] and "UNREADABLE" in rows["3"], rows
+
+
+def test_ls_verify_marks_a_whole_file_that_is_no_checkpointers_payload(tmp_path, capsys):
+    """Regression: ``ls --verify`` said "verified" of a whole torch file at
+    a checkpoint's name that is not a Checkpointer's payload, which
+    ``latest()`` and retention pass by."""
+    from fastpersist import cli
+
+    with fastpersist.Checkpointer(tmp_path, every=1) as ck:
+        ck.step(1, {"a": torch.ones(2)})
+    fastpersist.write_state_dict({"a": torch.ones(2)}, tmp_path / "ckpt-000000000002.pt")
+    assert cli.main(["ls", "--verify", str(tmp_path)]) == 1
+    rows = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[1:]}
+    assert "verified" in rows["1"] and "FOREIGN" in rows["2"], rows
+    assert fastpersist.Checkpointer(tmp_path).latest().step == 1
+
+
+@pytest.mark.parametrize("cmd", ["verify", "ls"])
+def test_a_bad_environment_variable_is_a_usage_error(tmp_path, monkeypatch, capsys, cmd):
+    """Regression: a bad FASTPERSIST_* value gave a traceback and status 1
+    (which says a checkpoint is corrupt) for a valid checkpoint."""
+    from fastpersist import cli
+
+    p = tmp_path / "ckpt-000000000001.pt"
+    fastpersist.write_state_dict({"a": torch.ones(2)}, p)
+    monkeypatch.setenv("FASTPERSIST_DIRECT", "of")
+    assert cli.main([cmd, str(p if cmd == "verify" else tmp_path)]) == 2
+    assert "FASTPERSIST_DIRECT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_ls_lists_checkpoints_whose_log_is_no_regular_file(tmp_path, capsys, kind):
+    """Regression: a FIFO at the log's name held ``ls`` for ever (a plain
+    open waits for a writer); a folder there failed the listing (status
+    2). The listing is shown without the log."""
+    from fastpersist import cli
+
+    fastpersist.write_state_dict({"step": 1, "state": {}}, tmp_path / "ckpt-000000000001.pt")
+    log = tmp_path / "checkpoints.jsonl"
+    os.mkfifo(log) if kind == "fifo" else log.mkdir()
+    assert cli.main(["ls", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[1].split()[0] == "1" and "checkpoints.jsonl" in err
 
 
 def test_a_closed_output_pipe_ends_quietly(tmp_path):

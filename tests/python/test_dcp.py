@@ -858,6 +858,17 @@ def test_damaged_sidecar(tmp_path):
     assert_equal(load(tmp_path, dcp.FileSystemReader(tmp_path), sd), sd)  # stock readers never open it
 
 
+def test_a_sidecar_nested_too_deep_to_parse_is_a_damaged_sidecar(tmp_path):
+    """A sidecar of JSON nested past the decoder's recursion is damaged,
+    like any other that does not parse."""
+    sd = state()
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path))
+    md = pickle.load(open(tmp_path / ".metadata", "rb"))
+    (tmp_path / sidecar_name(md.storage_meta.save_id)).write_bytes(b"[" * 100_000)
+    with raises(CorruptCheckpointError, "damaged CRC32 sidecar"):
+        load(tmp_path, FastPersistReader(tmp_path), sd)
+
+
 def test_metadata_naming_a_file_outside_the_checkpoint(tmp_path):
     sd = state()
     (tmp_path / "outside").write_bytes(b"not yours")

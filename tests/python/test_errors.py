@@ -243,6 +243,78 @@ def test_an_on_off_environment_variable_is_read_or_refused_by_name(tmp_path, mon
         assert getattr(EngineOptions.resolve(), field) is on
 
 
+@pytest.mark.parametrize("value", ["garbage", "of", "2"])
+def test_the_fused_copy_variable_is_read_or_refused_as_every_on_off_variable(monkeypatch, value):
+    """Regression: FASTPERSIST_FUSED_COPY was off only for "0" (the core
+    reads it): "off", "false" or "no" left the fused copy on, and any
+    other value was taken silently."""
+    from fastpersist.options import EngineOptions
+
+    monkeypatch.setenv("FASTPERSIST_FUSED_COPY", value)
+    with pytest.raises(ValueError, match="FASTPERSIST_FUSED_COPY"):
+        EngineOptions.resolve()
+
+
+def test_the_fused_copy_is_off_for_every_spelling_of_off(tmp_path):
+    """The core reads the variable once per process: each spelling in a
+    process of its own."""
+    probe = "import fastpersist; print(fastpersist._core.copy_kernel() is not None)"
+    got = {}
+    for value in ("0", "off", " False ", "NO", "1", "on"):
+        env = {**os.environ, "FASTPERSIST_FUSED_COPY": value}
+        r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        got[value] = r.stdout.strip()
+    if got["1"] != "True":
+        pytest.skip("this CPU has no fused copy")
+    assert got == {"0": "False", "off": "False", " False ": "False", "NO": "False", "1": "True", "on": "True"}
+
+
+@pytest.mark.parametrize(
+    "env,value,want",
+    [
+        ("FASTPERSIST_ARENA_BYTES", "32MiB", 32 << 20),
+        ("FASTPERSIST_ARENA_BYTES", "64 M", 64 << 20),
+        ("FASTPERSIST_BLOCK_SIZE", "1MiB", 1 << 20),
+        ("FASTPERSIST_BLOCK_SIZE", "0x100000", 1 << 20),
+        ("FASTPERSIST_QUEUE_DEPTH", "010", 10),
+        ("FASTPERSIST_QUEUE_DEPTH", " 8 ", 8),
+        ("FASTPERSIST_QUEUE_DEPTH", "8MiB", None),
+        ("FASTPERSIST_QUEUE_DEPTH", "\u0661\u0662", None),
+        ("FASTPERSIST_ARENA_BYTES", "1e3", None),
+        ("FASTPERSIST_BLOCK_SIZE", "7", None),
+        ("FASTPERSIST_QUEUE_DEPTH", "5000", None),
+        ("FASTPERSIST_ARENA_BYTES", "4096", None),
+        ("FASTPERSIST_GATHER_THREADS", "1000", None),
+    ],
+)
+def test_a_count_variable_is_read_in_its_spellings_or_refused_by_name(monkeypatch, env, value, want):
+    """Regression: sizes with units (the README's own
+    ``FASTPERSIST_ARENA_BYTES=32MiB``) and decimals with a leading zero
+    were refused as "not an integer"; a value past the engine's own limits
+    was refused naming the option (``block_size 7 must be ...``), not the
+    variable it came from."""
+    from fastpersist.options import EngineOptions
+
+    monkeypatch.setenv(env, value)
+    field = env[len("FASTPERSIST_") :].lower()
+    if want is None:
+        with pytest.raises(ValueError, match=env):
+            EngineOptions.resolve()
+    else:
+        assert getattr(EngineOptions.resolve(), field) == want
+
+
+def test_a_stage_chunk_too_large_names_its_variable(monkeypatch):
+    from fastpersist.cuda_staging import stage_chunk
+
+    monkeypatch.setenv("FASTPERSIST_STAGE_CHUNK", "64MiB")
+    assert stage_chunk() == 64 << 20
+    monkeypatch.setenv("FASTPERSIST_STAGE_CHUNK", "1TiB")
+    with pytest.raises(ValueError, match="FASTPERSIST_STAGE_CHUNK"):
+        stage_chunk()
+
+
 def test_a_background_niceness_out_of_range_names_its_variable(monkeypatch):
     from fastpersist.async_save import AsyncSaver
 

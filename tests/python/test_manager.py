@@ -181,6 +181,95 @@ def test_a_checkpointer_left_open_at_exit_commits_stages_and_retains_its_last_ch
     assert 3 in [e["step"] for e in events if e["event"] == "staged"]
 
 
+class _Renamed:
+    """A class whose state no longer loads (changed since it was saved)."""
+
+    def __init__(self):
+        self.field = 1
+
+    def __setstate__(self, state):
+        raise KeyError("field renamed")
+
+
+@pytest.mark.parametrize("how", ["map_location", "unpickle"])
+def test_load_latest_raises_an_error_that_is_not_damage(tmp_path, how):
+    """Regression: load_latest() took a KeyError, TypeError or IndexError
+    for damage: a map_location that raised one skipped every valid
+    checkpoint (None: a resume from scratch, whose first save set them all
+    aside), and an object whose class changed made it load an older
+    checkpoint without a word. Only damage (and I/O errors) is skipped."""
+    with fastpersist.Checkpointer(tmp_path, every=1, keep_last=3) as ck:
+        for s in (1, 2, 3):
+            st_ = state(s)
+            if how == "unpickle" and s == 3:
+                st_["obj"] = _Renamed()
+            ck.step(s, st_)
+            ck.fence()
+    ck = fastpersist.Checkpointer(tmp_path)
+    with pytest.raises(KeyError):
+        if how == "map_location":
+            ck.load_latest(map_location=lambda storage, loc: storage.to({"cuda:0": "cpu"}[loc]))
+        else:
+            ck.load_latest(weights_only=False)
+    assert steps_in(tmp_path) == [1, 2, 3]
+    assert ck.latest().step == 3
+
+
+def test_a_url_or_the_directory_itself_is_refused_where_a_local_directory_goes(tmp_path, monkeypatch):
+    """Regression: Checkpointer("s3://bucket/run") wrote to a local folder
+    ``./s3:/bucket/run``; a stage_dir that is the directory itself was
+    taken (no second copy, each file listed as both tiers)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="local directory"):
+        fastpersist.Checkpointer("s3://bucket/run")
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="stage_dir"):
+        fastpersist.Checkpointer(tmp_path / "a", stage_dir=tmp_path / "a" / ".." / "a")
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    with pytest.raises(ValueError, match="stage_dir"):
+        fastpersist.Checkpointer(tmp_path / "a", stage_dir=tmp_path / "b")
+
+
+def test_keep_every_keeps_one_checkpoint_per_period_whatever_the_interval_s_phase(tmp_path):
+    """Regression: keep_every kept only steps that are its multiples; a
+    fixed interval counted from step 0 (every=5: steps 4, 9, 14, ...) or
+    every="auto" never lands on them, so nothing was ever kept. The first
+    checkpoint after each multiple is kept where the multiple was not
+    checkpointed."""
+    with fastpersist.Checkpointer(tmp_path / "a", every=5, keep_last=2, keep_every=10) as ck:
+        for s in range(50):
+            ck.fence()
+            ck.step(s, state(s))
+    assert steps_in(tmp_path / "a") == [14, 24, 34, 44, 49]
+    with fastpersist.Checkpointer(tmp_path / "b", every=1, keep_last=1, keep_every=10) as ck:
+        for s in range(1, 40, 3):  # 1, 4, 7, 10, 13, ...: 10 is checkpointed, 20 and 30 are not
+            ck.fence()
+            ck.step(s, state(s))
+    assert steps_in(tmp_path / "b") == [10, 22, 31, 37]
+
+
+def test_a_second_checkpointer_saving_into_a_directory_is_refused(tmp_path):
+    """Regression: two Checkpointers saving into one directory (two jobs, or
+    every rank given one path without group=) each took the other's newer
+    checkpoints for a run it went back on and set them aside, and a reader
+    found no checkpoint about one time in ten. The second one's first save
+    is refused, naming the first; one that only reads is not."""
+    first = fastpersist.Checkpointer(tmp_path, every=1)
+    first.step(1, state(1))
+    first.wait()
+    second = fastpersist.Checkpointer(tmp_path, every=1)
+    with pytest.raises(RuntimeError, match=f"another Checkpointer .*{os.getpid()}"):
+        second.step(2, state(2))
+    assert second.load_latest()[0] == 1  # reading is never refused
+    first.fence()
+    first.step(3, state(3))
+    first.close()
+    second.step(4, state(4))
+    second.close()
+    assert steps_in(tmp_path) == [1, 3, 4]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".abandoned")]
+
+
 def test_tuner_with_a_fake_clock():
     t = FrequencyTuner("auto", max_overhead=0.035, profile_steps=3)
     for _ in range(6):  # 3 to settle, 3 measured
@@ -198,6 +287,21 @@ def test_tuner_with_a_fake_clock():
     assert [fixed.should_checkpoint() for _ in range(8)] == [False, False, False, True] * 2
     with pytest.raises(ValueError):
         FrequencyTuner(0)
+
+
+@pytest.mark.parametrize("max_overhead", [5e-324, 1e-320, 1e-300])
+def test_a_tiny_max_overhead_gives_the_longest_interval(max_overhead):
+    """Regression: a max_overhead so small that cost / (max_overhead x
+    iteration) divided by zero or overflowed raised ZeroDivisionError or
+    OverflowError out of every later step() (its checkpoints neither
+    logged nor retained)."""
+    t = FrequencyTuner("auto", max_overhead=max_overhead, profile_steps=3)
+    for _ in range(6):
+        t.should_checkpoint()
+        t.record_iteration(1.0, affected=False)
+    assert t.should_checkpoint()
+    t.record_checkpoint(cost=0.35, write_seconds=2.0)
+    assert t.interval == t.max_interval
 
 
 def test_auto_interval_in_a_loop_with_fake_clock(tmp_path):

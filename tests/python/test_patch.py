@@ -675,3 +675,37 @@ def test_a_fallback_save_commits_torch_own_bytes(tmp_path, monkeypatch):
     assert p.read_bytes() == want.getvalue()
     assert oct(os.stat(p).st_mode & 0o777) == oct(0o640)
     assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+class _GrowsItsDict:
+    """Adds a key to the dict being pickled: pickle's iteration refuses it
+    (RuntimeError, "dictionary changed size during iteration")."""
+
+    calls = 0
+
+    def __init__(self, d):
+        self.d = d
+
+    def __reduce__(self):
+        type(self).calls += 1
+        self.d[f"added{type(self).calls}"] = 1
+        return (int, (0,))
+
+
+def test_a_refusal_pickle_meets_is_raised_not_tried_again_with_torch_save(tmp_path):
+    """Regression: the patched torch.save, after fastpersist's pickling met
+    pickle's refusal (raised as a SerializationError), handed the call to
+    torch.save, which ran the objects' pickling code again; it succeeded
+    the second time and wrote a file where torch.save raises."""
+    d = {"t": torch.ones(2)}
+    d["m"] = _GrowsItsDict(d)
+    with pytest.raises(RuntimeError, match="changed size"):
+        torch.save(d, tmp_path / "plain.pt")
+    d = {"t": torch.ones(2)}
+    d["m"] = _GrowsItsDict(d)
+    _GrowsItsDict.calls = 0
+    with fastpersist.patch():
+        with pytest.raises(RuntimeError, match="changed size"):
+            torch.save(d, tmp_path / "patched.pt")
+    assert _GrowsItsDict.calls == 1
+    assert not (tmp_path / "patched.pt").exists()

@@ -692,6 +692,21 @@ def test_two_uploads_of_one_name_to_a_local_store_never_list_a_checkpoint_that_f
     assert store.committed() == {name: b.stat().st_size}
 
 
+def test_a_marker_nested_too_deep_to_parse_is_a_damaged_marker(tmp_path):
+    """Regression: a commit marker of JSON nested past the decoder's
+    recursion raised RecursionError out of the listing and the download."""
+    (tmp_path / "store").mkdir()
+    store = fastpersist.tiers.ObjectStore(str(tmp_path / "store"))
+    p = tmp_path / "one.pt"
+    fastpersist.write_state_dict({"w": torch.zeros(1000)}, p)
+    store.upload(str(p), ckpt_name(1))
+    store.upload(str(p), ckpt_name(2))
+    (tmp_path / "store" / (ckpt_name(2) + ".fpcommit")).write_bytes(b"[" * 100_000)
+    assert store.committed() == {ckpt_name(1): p.stat().st_size}
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="damaged commit marker"):
+        store.download(ckpt_name(2), str(tmp_path / "back.pt"))
+
+
 def test_a_local_stores_marker_is_never_written_through_a_link(tmp_path):
     """Regression: a store seeded from another run's with links (``ln -s
     ../run1/* run2/``) had its commit markers written through the links:

@@ -418,9 +418,10 @@ def test_crc_sidecar_checks_safetensors_loads(tmp_path):
         load(str(p))
     os.truncate(p, stats.bytes)
     assert load(str(p)).keys() == t.keys()
-    (tmp_path / CRC_SIDECAR).write_text("{not json")
-    with pytest.raises(fastpersist.CorruptCheckpointError, match=CRC_SIDECAR):
-        load(str(p))
+    for damaged in ("{not json", "[" * 100_000):  # (nested too deep: was a RecursionError)
+        (tmp_path / CRC_SIDECAR).write_text(damaged)
+        with pytest.raises(fastpersist.CorruptCheckpointError, match=CRC_SIDECAR):
+            load(str(p))
     os.remove(tmp_path / CRC_SIDECAR)  # no sidecar: read as fastpersist.patch() reads it, unchecked
     assert load(str(p)).keys() == t.keys()
 

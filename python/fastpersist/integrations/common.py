@@ -47,7 +47,7 @@ import torch
 from .. import _core
 from ..async_save import MODES, AsyncSaver, CheckpointFuture, check_max_pending, future_error
 from ..errors import CorruptCheckpointError
-from ..options import EngineOptions, WriteStats, file_mode, fsync_dir
+from ..options import EngineOptions, WriteStats, file_mode, fsync_dir, parse_json
 from ..patching import load_file_route, save_file_route, torch_load_route, torch_save_route
 from ..reader import detect_format, read_state_dict
 from ..writer import write_state_dict
@@ -609,7 +609,7 @@ def _sidecar_entry(path: str) -> Optional[Dict[str, Any]]:
     except FileNotFoundError:
         return None
     try:
-        doc = json.loads(raw)
+        doc = parse_json(raw)
         files = doc["files"] if doc.get("format") == _SIDECAR_FORMAT else None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptCheckpointError(f"{side}: not a readable fastpersist CRC32 sidecar ({e})") from None

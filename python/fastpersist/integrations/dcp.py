@@ -91,6 +91,7 @@ from ..options import (
     make_dirs,
     names_outside,
     open_beneath,
+    parse_json,
     read_with,
     use_engine,
 )
@@ -1236,7 +1237,7 @@ class FastPersistReader(StorageReader):
         except FileNotFoundError:
             return {}
         try:
-            doc = json.loads(raw)
+            doc = parse_json(raw)
             if doc.get("format") != SIDECAR_FORMAT or doc.get("save_id") != save_id:
                 raise ValueError("not this checkpoint's sidecar")
             out: Dict[Tuple[str, int], List[int]] = {}
