@@ -1183,14 +1183,25 @@ def _drain_at_exit() -> None:
 
 def register_exit(fn: Callable[[], None]) -> None:
     """Run ``fn`` when the process exits: at ``atexit`` (after the threads
-    that are not daemons are joined), and before that with threading's
-    own exit callbacks, the only ones a process ``multiprocessing`` forked
-    runs (it ends in ``os._exit`` without ``atexit``: a save in flight
-    there was dropped without a word). ``fn`` must bear running twice."""
+    that are not daemons are joined), and in a process ``multiprocessing``
+    started, with threading's own exit callbacks, the only ones it runs
+    (it ends in ``os._exit`` without ``atexit``: a save in flight there was
+    dropped without a word). Those run before the threads that are not
+    daemons are joined, so elsewhere ``fn`` waits for ``atexit``."""
     atexit.register(fn)
+
+    def in_a_worker() -> None:
+        import multiprocessing
+
+        if multiprocessing.parent_process() is not None:
+            fn()
+
     hook = getattr(threading, "_register_atexit", None)  # (CPython 3.9+)
     if hook is not None:
-        hook(fn)
+        try:
+            hook(in_a_worker)
+        except RuntimeError:  # imported as the interpreter shuts down: atexit alone
+            pass
 
 
 register_exit(_drain_at_exit)

@@ -910,12 +910,11 @@ class Checkpointer:
         neither waits for them nor logs them, and stages with threads of
         its own."""
         self._lock = threading.RLock()
-        if self._writer_release is not None:
+        if self._writer_release is not None and self._writer_release.detach() is not None:
             # The parent's lock (it stays held there): this process saving
             # here too would be a second writer, and is refused as one.
-            self._writer_release.detach()
             os.close(self._writer_fd)  # type: ignore[arg-type]
-            self._writer_fd, self._writer_release = None, None
+        self._writer_fd, self._writer_release = None, None
         for held in self._records.values():
             os.close(held)  # the parent's: it carries them out (the lock stays its own)
         self._records = {}
@@ -924,7 +923,7 @@ class Checkpointer:
         if self._inflight is not None:
             self.tuner.record_unmeasured()  # the parent's save: never measured here
         self._inflight = None
-        _saving.discard(self)
+        _saving.pop(id(self), None)
         self._last_step_at = None
         self._stage_futures = []
         self._stage_queue = set()
@@ -1023,11 +1022,24 @@ class Checkpointer:
         saving into one directory (two jobs, or ranks given one path without
         ``group=``) would each take the other's newer checkpoints for a run
         it went back on and set them aside, and readers would find none."""
-        why = None if self._writer_fd is not None else self._lock_writer()
-        if self._ctl is not None:
+        if self._writer_fd is not None:
+            return  # (with a group, every rank took its lock at the same first save)
+        why = self._lock_writer()
+        if self._ctl is None:
+            if why is not None:
+                raise RuntimeError(why)
+            return
+        try:
             fail_all(gather(why, self._ctl), "taking the checkpoint directories")
-        elif why is not None:
-            raise RuntimeError(why)
+        except BaseException:
+            self._release_writer()  # (every rank tries again at its next save)
+            raise
+
+    def _release_writer(self) -> None:
+        """Let go of the directory's writer lock, if held."""
+        if self._writer_release is not None:
+            self._writer_release()
+        self._writer_fd, self._writer_release = None, None
 
     def _lock_writer(self) -> Optional[str]:
         """Take :data:`WRITER_LOCK` (held until close(), or until this
@@ -1035,7 +1047,10 @@ class Checkpointer:
         without locks is not checked (a warning)."""
         path = os.path.join(self.directory, WRITER_LOCK)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            # Read-only, held: a descriptor open for writing would keep the
+            # file system from being remounted read-only.
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644))
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as e:
             return f"cannot open {path}, the lock of a Checkpointer saving into {self.directory}: {e}"
         try:
@@ -1043,9 +1058,10 @@ class Checkpointer:
         except BlockingIOError:
             holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "?"
             os.close(fd)
-            return (
-                f"another Checkpointer (pid and host: {holder}) is saving into {self.directory}: one Checkpointer "
-                "saves into a directory at a time (give each process its own, or the ranks of a job group=)"
+            mine = holder.split(" ", 1)[0] == str(os.getpid())
+            who = "another Checkpointer of this process" if mine else f"another Checkpointer (pid and host: {holder})"
+            return f"{who} is saving into {self.directory}: one Checkpointer saves into a directory at a time " + (
+                "(close() the other first)" if mine else "(give each process its own, or the ranks of a job group=)"
             )
         except OSError as e:
             os.close(fd)
@@ -1054,8 +1070,12 @@ class Checkpointer:
             )
             self._writer_fd = -1
             return None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        try:  # (who holds it, for the message of one refused: best effort)
+            with open(path, "r+b", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW | os.O_CLOEXEC)) as w:
+                w.truncate(0)
+                w.write(f"{os.getpid()} {socket.gethostname()}\n".encode())
+        except OSError:
+            pass
         self._writer_fd = fd
         self._writer_release = weakref.finalize(self, os.close, fd)
         return None
@@ -1088,9 +1108,10 @@ class Checkpointer:
             self.tuner.record_unmeasured()  # (the tuner waits for no measure of it)
             raise
         self._inflight = _InFlight(step, fut, t0, self.clock() - t0)
-        _saving.add(self)
-        clock = self.clock  # (the callback holds neither self nor the _InFlight: no cycle)
+        _saving[id(self)] = self
+        clock, key = self.clock, id(self)  # (the callbacks hold neither self nor the _InFlight: no cycle)
         fut.add_done_callback(lambda f: setattr(f, "done_at", clock()))
+        fut.add_done_callback(lambda f: _saving.pop(key, None))
         return fut
 
     def _agree_previous(self) -> None:
@@ -1123,7 +1144,7 @@ class Checkpointer:
         exc = future_error(fl.future, None if wait else 0)
         waited = self.clock() - t
         self._inflight = None
-        _saving.discard(self)
+        _saving.pop(id(self), None)
         self._outcome = (fl.step, exc is None)
         if exc is not None:
             log.error("fastpersist: checkpoint of step %d failed: %r", fl.step, exc)
@@ -1579,8 +1600,7 @@ class Checkpointer:
                     os.close(held)
         if self._replicator is not None:
             self._replicator.shutdown(wait=True)
-        if self._writer_release is not None:
-            self._writer_release()  # (another Checkpointer may save here now)
+        self._release_writer()  # (another Checkpointer may save here now)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -2345,9 +2365,11 @@ class Checkpointer:
 #: Every live Checkpointer, for the reset in a fork child.
 _checkpointers: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
-#: Checkpointers with a save in flight, kept alive until it is finished: one
-#: dropped without close() still commits, logs, retains and stages it at exit.
-_saving: Set[Checkpointer] = set()
+#: Checkpointers with a save in flight (by id), kept alive until it is
+#: done: one dropped without close() as its save runs still logs, retains
+#: and stages it if the process exits meanwhile (and lets go of its
+#: directory once done).
+_saving: Dict[int, Checkpointer] = {}
 
 
 def _after_fork_in_child() -> None:

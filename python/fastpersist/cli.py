@@ -40,7 +40,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if fmt == "torch-legacy":
         return _inspect_legacy(args)
     if args.json:
-        json.dump({"format": fmt, "records": [r.__dict__ for r in recs]}, sys.stdout, indent=1)
+        doc: Dict[str, object] = {"format": fmt, "records": [r.__dict__ for r in recs]}
+        if fmt == "torch":  # (as the text lists them; the legacy format's JSON has them too)
+            tensors = _torch_tensors(args.path)
+            doc["tensors"] = None if tensors is None else [_tensor_row(*t) for t in tensors]
+        json.dump(doc, sys.stdout, indent=1)
         print()
         return EXIT_OK
     total = sum(r.bytes for r in recs)
@@ -64,12 +68,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _tensor_row(key: str, dtype: str, shape: object, nbytes: int) -> Dict[str, object]:
+    """One tensor of ``inspect --json``'s ``tensors``."""
+    return {"key": key, "dtype": dtype, "shape": shape, "bytes": nbytes}
+
+
 def _inspect_legacy(args: argparse.Namespace) -> int:
     """torch's legacy (non-zip) format has no records to list: its tensors,
     from a weights-only load."""
     tensors = _torch_tensors(args.path, mmap=False)
     if args.json:
-        rows = None if tensors is None else [{"key": k, "dtype": d, "shape": s, "bytes": n} for k, d, s, n in tensors]
+        rows = None if tensors is None else [_tensor_row(*t) for t in tensors]
         json.dump({"format": "torch-legacy", "records": [], "tensors": rows}, sys.stdout, indent=1)
         print()
         return EXIT_OK
@@ -205,8 +214,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         # "peer": a holder acknowledged its replica (per the log; the
         # holder's retention may have removed it since).
         tiers = "+".join([c.tier for c in copies] + (["peer"] if step in peer else []))
-        status = "committed"
         files = [c for c in copies if c.tier != "object"]
+        status = "committed" if not files or _regular(files[0].path) else "UNREADABLE"
         if args.verify and files:
             status = _verified(files[0].path)
             if status != "verified":
@@ -272,6 +281,15 @@ def _log_events(path: str) -> List[dict]:
     return out
 
 
+def _regular(path: str) -> bool:
+    """Whether ``path`` is a regular file (a folder or FIFO at a
+    checkpoint's name is none: ``latest()`` passes it by)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _verified(path: str) -> str:
     """``ls --verify``'s status of one file: verified, CORRUPT, FOREIGN (a
     whole file, not a Checkpointer's payload: ``latest()`` passes it by) or
@@ -312,6 +330,25 @@ def _ls_replicas(directory: str, verify: bool) -> int:
     return rc
 
 
+def _bench_room(size: int, directory: str) -> str:
+    """What the machine lacks for a benchmark of ``size`` bytes in
+    ``directory``, or "": the state and one copy read back in memory, the
+    checkpoint and torch.save's file on disk (checked before any of it is
+    made, not found out by a killed process or a full disk)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        avail = None
+    if avail is not None and 2 * size > avail:
+        return f"needs about {2 * size >> 20} MiB of memory (the state and a copy read back); {avail >> 20} MiB is free"
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if 2 * size > free:
+        return f"needs about {2 * size >> 20} MiB free in {directory} (two checkpoints); {free >> 20} MiB is free"
+    return ""
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -321,6 +358,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     size = bench.parse_size(args.size)
     base = args.dir or os.getcwd()
+    short = _bench_room(size, base)
+    if short:
+        print(f"fastpersist: bench --size {args.size}: {short}", file=sys.stderr)
+        return EXIT_USAGE
     with tempfile.TemporaryDirectory(prefix="fastpersist-cli-bench-", dir=base) as d:
         sd = bench.gpt_state_dict(size)
         nbytes = bench.nbytes(sd)

@@ -25,6 +25,7 @@ older ones are released (their memory freed once no save uses them).
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import contextvars
@@ -396,6 +397,87 @@ def with_file_mode(opts: EngineOptions) -> EngineOptions:
     return opts if mode is None else dataclasses.replace(opts, file_mode=mode)
 
 
+#: :func:`counted_for_exit` calls in progress, and the condition the exit
+#: waits on for them (see :func:`_quiesce_at_exit`).
+_engine_users = 0
+_users = threading.Condition(threading.Lock())
+#: The thread that exits the process, once it waits for the engines' users:
+#: any other thread that comes for an engine then waits until the end.
+_exiting_thread: Optional[int] = None
+
+
+#: This thread's :func:`counted_for_exit` calls, nested (a read inside a
+#: save: the inner one never waits for the exit).
+_counted = threading.local()
+
+#: The longest the exit waits for daemon threads' calls (a call blocked on
+#: a file system that stopped answering must not hold the process for ever).
+EXIT_WAIT = 120.0
+
+
+def _enter_engine() -> None:
+    global _engine_users
+    depth = getattr(_counted, "depth", 0)
+    with _users:
+        while depth == 0 and _exiting_thread is not None and threading.get_ident() != _exiting_thread:
+            _users.wait()  # (a daemon thread at exit: ended with the process, outside the core)
+        _engine_users += 1
+    _counted.depth = depth + 1
+
+
+def _leave_engine() -> None:
+    global _engine_users
+    _counted.depth = getattr(_counted, "depth", 1) - 1
+    with _users:
+        _engine_users -= 1
+        _users.notify_all()
+
+
+def counted_for_exit(fn: _F) -> _F:
+    """``fn`` (a public save, read or check) counted for the exit: a daemon
+    thread's call in progress is waited for whole (a save committed, as a
+    background save in flight is; a read back in its caller's code, not in
+    the core or in the torch calls it makes), and one made once the process
+    exits waits there, outside the core, until it ends."""
+
+    @functools.wraps(fn)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        _enter_engine()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _leave_engine()
+
+    return cast(_F, counted)
+
+
+def _quiesce_at_exit() -> None:
+    """At exit, after the saves in flight are committed (registered first,
+    this runs after every other exit hook of the package): wait for the
+    saves and reads daemon threads are making (:func:`counted_for_exit`)
+    and keep any other from beginning. A thread the interpreter finds taking
+    the GIL back from the core as it finalizes is ended by unwinding through
+    it, which aborts the process (SIGABRT), a file half written. (Other
+    calls into the core, and a daemon thread's own torch calls, at exit can
+    still abort it so.)"""
+    global _exiting_thread
+    try:
+        with _users:
+            _exiting_thread = threading.get_ident()
+            if _engine_users:
+                log.warning("fastpersist: waiting for %d call(s) in other threads before exit", _engine_users)
+            end = time.monotonic() + EXIT_WAIT
+            while _engine_users and time.monotonic() < end:
+                _users.wait(0.1)
+            if _engine_users:
+                log.error("fastpersist: exiting with %d call(s) in other threads still running", _engine_users)
+    except KeyboardInterrupt:
+        os._exit(130)  # (finalizing with them inside the core would abort)
+
+
+atexit.register(_quiesce_at_exit)
+
+
 @contextlib.contextmanager
 def use_engine(opts: EngineOptions, index: int = 0) -> Iterator[_core.Engine]:
     """The engine for ``opts``, held for this thread for the block (one
@@ -442,6 +524,8 @@ def _after_fork_in_child() -> None:
     the parent, their threads do not exist here, their temporary files are
     the parent's). Saves pending in the parent are not waited for here."""
     global _engines, _engines_lock, _order_lock, _pending_by_path, _gc_lock, _gc_depth, _defer_lock, _defer_depth
+    global _engine_users, _users, _exiting_thread
+    _engine_users, _users, _exiting_thread = 0, threading.Condition(threading.Lock()), None
     _engines_lock = threading.RLock()
     _engines = OrderedDict()
     _order_lock = threading.RLock()

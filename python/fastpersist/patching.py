@@ -498,10 +498,11 @@ def _torch_save(original: Callable[..., Any], args: tuple, kwargs: dict, options
     try:
         write_state_dict(target[0], target[1], **options)
     except SerializationError as e:  # raised before any file exists: torch.save may take it
-        if e.torch_refuses:
-            # (pickle's refusal: torch.save's too, and the objects' pickling
-            # code, which may have side effects, is not run a second time)
-            raise
+        if e.torch_refuses and e.__cause__ is not None:
+            # pickle's refusal, torch.save's too: raised as torch.save raises
+            # it (the objects' pickling code, which may have side effects, is
+            # not run a second time)
+            raise e.__cause__ from None
         why = f"fastpersist cannot write it ({type(e).__name__})"
         raise _Fallback(why, lambda: _save_replacing(original, args, kwargs, target[1])) from None
     except WriteError as e:  # torch.save's I/O failures are RuntimeErrors

@@ -36,6 +36,7 @@ from .options import (
     ReadReq,
     check_path,
     checksums,
+    counted_for_exit,
     gc_paused,
     open_for_read,
     read_records,
@@ -122,6 +123,7 @@ def detect(head: bytes, size: int, path: str) -> str:
     raise CorruptCheckpointError(f"{path}: neither a torch checkpoint (zip or legacy) nor a safetensors file")
 
 
+@counted_for_exit
 def read_state_dict(
     path: PathLike,
     *,

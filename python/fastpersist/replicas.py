@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import time
 import zlib
 from dataclasses import dataclass
@@ -74,13 +75,25 @@ def replica_dir(directory: str, rank: int) -> str:
 
 def held_ranks(directory: str) -> List[int]:
     """The ranks whose replicas ``directory`` holds (subdirectories named
-    exactly as :func:`replica_dir` names them)."""
+    exactly as :func:`replica_dir` names them; a link at either name is
+    none: what it points at is not this directory's to list, sweep or
+    prune)."""
     root = os.path.join(directory, REPLICA_DIR)
     try:
+        if not stat.S_ISDIR(os.lstat(root).st_mode):
+            return []
         names = os.listdir(root)
     except OSError:
         return []
-    return sorted(int(n[5:]) for n in names if _RANK_RE.fullmatch(n) and os.path.isdir(os.path.join(root, n)))
+    return sorted(int(n[5:]) for n in names if _RANK_RE.fullmatch(n) and _is_folder(os.path.join(root, n)))
+
+
+def _is_folder(path: str) -> bool:
+    """A directory itself, not a link to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def node_ids(ranks: Sequence[int], nodes: Optional[Sequence[Hashable]] = None) -> List[Hashable]:

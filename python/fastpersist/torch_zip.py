@@ -567,7 +567,7 @@ def _unread(name: str, flags: int, disk: int, attrs: int) -> str:
         return f"is marked encrypted (flags {flags:#06x})"
     if disk > 1:
         return f"is on disk {disk} of a split archive"
-    if attrs & _DOS_DIRECTORY or name.endswith("/"):
+    if attrs & _DOS_DIRECTORY:
         return "is marked a folder: torch.load reads no data from it"
     return ""
 
@@ -636,7 +636,8 @@ def _loaded(name: str, prefix: str) -> bool:
     """Whether a load reads the record ``name`` (of an archive whose folder
     is ``prefix``)."""
     rest = name[len(prefix) :] if name.startswith(prefix) else None
-    return rest is not None and (rest in _LOADED or rest.startswith("data/"))
+    # (a folder's own entry, "archive/data/", which zip tools write, is none)
+    return rest is not None and not rest.endswith("/") and (rest in _LOADED or rest.startswith("data/"))
 
 
 def _is_torchscript(names: List[str]) -> bool:
@@ -798,6 +799,8 @@ def read_zip_directory(
     zip's end (appended to it: not as it was written) are corrupt too
     (a read takes the zip they follow, as torch.load does)."""
     d = read_central_directory(fd, file_len, path)
+    if whole and d.end > file_len:
+        raise _corrupt(f"{d.where}the end record's comment runs {d.end - file_len} bytes past the end of the file")
     if whole and d.end != file_len:
         raise _corrupt(f"{d.where}{file_len - d.end} bytes follow the zip's end record (the file was appended to)")
     return resolve_records(fd, d, d.entries, opts)

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from .distributed import INDEX_NAME, read_sharded
 from .errors import CorruptCheckpointError
-from .options import EngineOptions, PathLike, check_path, checksums, open_for_read
+from .options import EngineOptions, PathLike, check_path, checksums, counted_for_exit, open_for_read
 from .pickling import LocationScan, storage_element_size
 from .reader import HEAD_BYTES, check_crcs, check_legacy, detect
 from .safetensors_format import parse_header, torch_shape
@@ -184,6 +184,7 @@ def _check_crcs(fd: int, recs: List[RecordInfo], crcs: List[int], prefix: str, p
     return check_crcs(list(zip(zr, crcs)), unrecorded, path)
 
 
+@counted_for_exit
 def verify_file(path: PathLike, *, direct: Optional[bool] = None) -> VerifyResult:
     """Check a checkpoint without loading it: the structure parses, every
     record's CRC32 matches (zip), the pickle is well formed and names only

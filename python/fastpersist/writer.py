@@ -29,6 +29,7 @@ from .options import (
     EngineOptions,
     PathLike,
     WriteStats,
+    counted_for_exit,
     is_special_file,
     resolve_target,
     sweep_leftovers,
@@ -464,6 +465,7 @@ def write_distributed(
     return distributed.write_replicated(obj, path, group, opts, versions)
 
 
+@counted_for_exit
 @without_gc
 def write_state_dict(
     obj: Any,

@@ -716,6 +716,63 @@ def test_a_save_in_flight_when_a_forked_worker_returns_is_committed(tmp_path, ho
     if how == "checkpointer":
         got = fastpersist.Checkpointer(tmp_path).load_latest()
         assert got is not None and got[0] == 1 and torch.all(got[1]["w3"] == 3)
-        assert '"commit"' in (tmp_path / "checkpoints.jsonl").read_text()
     else:
         assert torch.all(fastpersist.read_state_dict(tmp_path / "p.pt")["w3"] == 3)
+
+
+_DAEMON_AT_EXIT = textwrap.dedent(
+    """
+    import os, sys, threading, time, torch, fastpersist
+    d, how = sys.argv[1], sys.argv[2]
+    sd = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(96)}  # 384 MiB
+    kept = []
+    if how == "read":
+        fastpersist.write_state_dict(sd, os.path.join(d, "x.pt"))
+        work = lambda: kept.append(fastpersist.read_state_dict(os.path.join(d, "x.pt")))  # noqa: E731
+    else:
+        work = lambda: fastpersist.write_state_dict(sd, os.path.join(d, "x.pt"))  # noqa: E731
+    threading.Thread(target=work, daemon=True).start()
+    t = time.monotonic()
+    while time.monotonic() - t < 30 and not (how == "write" and [n for n in os.listdir(d) if n.endswith(".fptmp")]):
+        if how == "read":
+            time.sleep(0.05)
+            break
+        time.sleep(0.001)
+    # exits with the daemon thread's call in progress
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["write", "read"])
+def test_a_daemon_threads_call_in_progress_at_exit_ends_cleanly(tmp_path, how):
+    """Regression: a daemon thread inside write_state_dict or read_state_dict
+    as the interpreter finalized was ended by unwinding through the core
+    (CPython ends a daemon thread that takes the GIL back then): the
+    process aborted (SIGABRT) with a temporary file left. The exit now
+    waits for such a call (a save is committed), and any thread still in
+    the core stops there instead of taking the GIL back."""
+    for _ in range(3):
+        for n in os.listdir(tmp_path):
+            os.unlink(tmp_path / n)
+        r = subprocess.run(
+            [sys.executable, "-c", _DAEMON_AT_EXIT, str(tmp_path), how], capture_output=True, text=True, timeout=300
+        )
+        assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+        assert os.listdir(tmp_path) == ["x.pt"]
+        got = fastpersist.read_state_dict(tmp_path / "x.pt")
+        assert len(got) == 96 and all(torch.all(got[f"w{i}"] == i) for i in (0, 47, 95))
+
+
+def test_an_import_as_the_interpreter_shuts_down_registers_its_exit_hooks(monkeypatch):
+    """Found in review: threading refuses new exit callbacks once the
+    interpreter shuts down (RuntimeError), and an import of fastpersist
+    then (a thread's lazy import) failed: atexit alone takes them."""
+    import threading
+
+    from fastpersist.async_save import register_exit
+
+    def refused(fn):
+        raise RuntimeError("can't register atexit after shutdown")
+
+    monkeypatch.setattr(threading, "_register_atexit", refused, raising=False)
+    register_exit(lambda: None)

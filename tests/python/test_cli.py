@@ -36,6 +36,8 @@ def test_inspect(ckpt):
     assert j["format"] == "torch"
     rec = {x["name"]: x for x in j["records"]}["archive/data/0"]
     assert rec["bytes"] == 64 * 8 * 2 and rec["alignment"] % STORAGE_ALIGNMENT == 0
+    # The tensors the text lists (regression: the JSON of a torch zip had none).
+    assert j["tensors"] == [{"key": "layer.w", "dtype": "bfloat16", "shape": [64, 8], "bytes": 64 * 8 * 2}]
 
 
 def test_inspect_lists_the_tensors_of_a_legacy_torch_file(tmp_path):
@@ -107,12 +109,14 @@ def test_usage_errors():
         (["--rounds", "0"], "must be at least 1"),
         (["--rounds", "x"], "not a whole number"),
         (["--dir", "NOFILE"], "not a directory"),
+        (["--size", "1000TiB"], "of memory"),
     ],
 )
 def test_bench_arguments_are_usage_errors(tmp_path, args, says):
     """Regression: a bad --size or --dir printed a traceback and exited 1
     (the "corrupt checkpoint" status); --rounds 0 printed a table of nan
-    and exited 0; --size 0 ran anyway."""
+    and exited 0; --size 0 ran anyway; a size past the machine's memory
+    was made until the allocation failed (a traceback, status 1)."""
     args = [str(tmp_path / "missing") if a == "NOFILE" else a for a in args]
     r = run("bench", *args)
     assert r.returncode == 2, (r.returncode, r.stderr)
@@ -271,6 +275,10 @@ def test_ls_verify_lists_every_checkpoint_when_one_cannot_be_read(tmp_path, caps
     assert cli.main(["ls", "--verify", str(tmp_path)]) == 1
     rows = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[1:]}
     assert "verified" in rows["1"] and "UNREADABLE" in rows["2"] and "UNREADABLE" in rows["3"], rows
+    # Without --verify too (was: "committed"), status 0.
+    assert cli.main(["ls", str(tmp_path)]) == 0
+    rows = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[1:]}
+    assert "committed" in rows["1"] and "UNREADABLE" in rows["2"] and "UNREADABLE" in rows["3"], rows
 
 
 def test_ls_verify_marks_a_whole_file_that_is_no_checkpointers_payload(tmp_path, capsys):

@@ -19,6 +19,7 @@ import fastpersist
 import pytest
 import torch
 from conftest import is_root
+from fastpersist.checkpoint_manager import WRITER_LOCK
 
 PRELUDE = """
 import faulthandler, os, sys, time, warnings
@@ -100,7 +101,13 @@ if pid == 0:
         fastpersist.save_async({"c": torch.ones(5) * 5}, os.path.join(cd, "snap.pt"), mode="snapshot").result(20)
         with fastpersist.Checkpointer(os.path.join(cd, "ck"), every=1) as cck:
             cck.save(7, {"c": torch.ones(5) * 3}).result(timeout=20)
-        ck.save(9, {"c": torch.ones(5) * 4}).result(timeout=20)
+        # The parent's Checkpointer saves into its directory: the child's
+        # copy saving there too would be a second writer, refused as one.
+        try:
+            ck.save(9, {"c": torch.ones(5) * 4})
+            raise AssertionError("a second writer was let in")
+        except RuntimeError as e:
+            assert "another Checkpointer" in str(e), e
         code = 0
     except BaseException as e:
         print("child:", repr(e), flush=True)
@@ -151,7 +158,7 @@ def test_fork_while_saves_are_in_flight(tmp_path, exit_mode, io_uring):
     assert torch.all(torch.load(tmp_path / "child" / "async.pt")["c"] == 2)
     assert torch.all(torch.load(tmp_path / "child" / "snap.pt")["c"] == 5)
     assert torch.load(tmp_path / "child" / "ck" / "ckpt-000000000007.pt")["state"]["c"][0] == 3
-    assert torch.load(tmp_path / "ck" / "ckpt-000000000009.pt")["state"]["c"][0] == 4
+    assert not (tmp_path / "ck" / "ckpt-000000000009.pt").exists()  # (the child's, refused: a second writer)
     assert sorted(os.listdir(tmp_path / "kids")) == sorted(f"{i}.pt" for i in range(20))
     for i in range(20):
         assert int(torch.load(tmp_path / "kids" / f"{i}.pt")["i"]) == i
@@ -245,7 +252,9 @@ def test_queued_saves_to_a_file_system_turned_read_only(tmp_path, ext4):
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
     assert "checkpoint of step 2 failed" in r.stderr and "Read-only" in r.stderr
     assert torch.all(torch.load(os.path.join(mnt, "model.pt"))["prev"] == 1)
-    assert sorted(set(os.listdir(os.path.join(mnt, "ck"))) - {"checkpoints.jsonl"}) == ["ckpt-000000000001.pt"]
+    assert sorted(set(os.listdir(os.path.join(mnt, "ck"))) - {"checkpoints.jsonl", WRITER_LOCK}) == [
+        "ckpt-000000000001.pt"
+    ]
     assert temp_files(tmp_path) == []
     assert torch.all(torch.load(tmp_path / "after.pt")["after"] == 1)
 
@@ -293,7 +302,9 @@ def test_queued_saves_to_a_file_system_that_fills_up(tmp_path, ext4):
     assert "checkpoint of step 2 failed" in r.stderr and "No space left" in r.stderr
     assert torch.all(torch.load(os.path.join(mnt, "model.pt"))["after"] == 1)
     assert torch.all(torch.load(os.path.join(mnt, "ck", "ckpt-000000000001.pt"))["state"]["prev"] == 1)
-    assert sorted(set(os.listdir(os.path.join(mnt, "ck"))) - {"checkpoints.jsonl"}) == ["ckpt-000000000001.pt"]
+    assert sorted(set(os.listdir(os.path.join(mnt, "ck"))) - {"checkpoints.jsonl", WRITER_LOCK}) == [
+        "ckpt-000000000001.pt"
+    ]
     assert temp_files(tmp_path) == []
 
 

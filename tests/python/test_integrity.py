@@ -382,6 +382,34 @@ def test_15_10_sweep_keeps_locked_and_young_temp_files(tmp_path):
         os.close(fd)
 
 
+@pytest.mark.parametrize("link", ["replicas", "rank"])
+def test_a_link_at_a_replica_folder_is_neither_swept_nor_listed(tmp_path, link):
+    """Regression: a link at ``replicas/`` or ``replicas/rank-<r>`` was
+    followed: every Checkpointer's sweep removed old temporary files of
+    fastpersist's names wherever it pointed, and ``fastpersist ls`` listed
+    (and with --verify read) the files there as replicas."""
+    from fastpersist import cli
+
+    outside = tmp_path / "outside"
+    (outside / "rank-1").mkdir(parents=True)
+    d = tmp_path / "ck"
+    d.mkdir()
+    target = outside / "rank-1" if link == "rank" else outside
+    if link == "rank":
+        (d / "replicas").mkdir()
+        os.symlink(target, d / "replicas" / "rank-1")
+    else:
+        os.symlink(outside, d / "replicas")
+    stale = outside / "rank-1" / f".{ckpt_name(9)}.999999999.1.fptmp"
+    stale.write_bytes(b"x")
+    _old(stale)
+    fastpersist.write_state_dict({"step": 3, "state": {}}, outside / "rank-1" / ckpt_name(3))
+    fastpersist.Checkpointer(d, every=1).close()
+    assert stale.exists()
+    assert fastpersist.replicas.held_ranks(str(d)) == []
+    assert cli.main(["ls", str(d)]) == 0
+
+
 # 12-14. Hostile input.
 
 

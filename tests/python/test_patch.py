@@ -647,8 +647,10 @@ def test_a_save_torch_refuses_too_leaves_the_file_that_was_there(tmp_path):
     with fastpersist.patch() as stats:
         with pytest.raises(RuntimeError) as got:
             torch.save(obj, p)
-    assert str(got.value) == str(want.value)
-    assert stats.fallback_calls == {"torch.save": 1}, stats
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+    # (pickle's own refusal: raised as torch.save raises it, without running
+    # the objects' pickling code again in torch.save)
+    assert stats.fallback_calls == {}, stats
     assert p.read_bytes() == before
     assert os.listdir(tmp_path) == ["ckpt.pt"]
 

@@ -800,3 +800,26 @@ def test_bytes_appended_to_a_zip_fail_verify_and_are_read_past(tmp_path):
     with pytest.raises(fastpersist.CorruptCheckpointError, match="100 bytes follow"):
         verify_file(p)
     assert torch.equal(fastpersist.read_state_dict(p)["w"], sd["w"])
+
+
+def test_a_zip_tools_folder_entries_are_not_records(tmp_path):
+    """Found in review: a checkpoint rewritten by a zip tool that adds
+    folder entries (``archive/data/``, marked folders) was refused by
+    verify as a record marked a folder; torch.load never reads them."""
+    import zipfile
+
+    from fastpersist.verify import verify_file
+
+    src = tmp_path / "ok.pt"
+    fastpersist.write_state_dict({"w": torch.arange(12.0)}, src)
+    out = tmp_path / "rezip.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:
+        names = zin.namelist()
+        prefix = names[0].split("/", 1)[0]
+        zout.mkdir(prefix)
+        zout.mkdir(f"{prefix}/data")
+        for n in names:
+            zout.writestr(zin.getinfo(n), zin.read(n))
+    assert torch.equal(torch.load(out)["w"], torch.arange(12.0))
+    verify_file(out)
+    assert torch.equal(fastpersist.read_state_dict(out)["w"], torch.arange(12.0))
