@@ -6,6 +6,7 @@ ca1316e (the issue's numbering in the names)."""
 from __future__ import annotations
 
 import collections
+import io
 import os
 import pickle
 import struct
@@ -1231,7 +1232,12 @@ def test_packed_quantized_tensors_are_read_as_torch_reads_them(tmp_path, dtype, 
     if dt is None:
         pytest.skip(f"torch has no {dtype}")
     q = torch.quantize_per_tensor(torch.linspace(-1, 1, 12).view(3, 4), 0.1, 3, dt)
-    sd = {"q": q, "v": q[1:], "t": torch.arange(5.0)}
+    sd = {"q": q, "t": torch.arange(5.0)}
+    try:
+        torch.save({"v": q[1:]}, io.BytesIO())  # (torch 2.11 cannot save a view of them)
+        sd["v"] = q[1:]
+    except RuntimeError:
+        pass
     p = tmp_path / "q.pt"
     if writer == "fastpersist":
         fastpersist.write_state_dict(sd, p)
