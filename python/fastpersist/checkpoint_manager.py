@@ -1052,13 +1052,16 @@ class Checkpointer:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644))
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as e:
-            return f"cannot open {path}, the lock of a Checkpointer saving into {self.directory}: {e}"
+            # (a read-only or full file system: the save fails on its own,
+            # logged, and the loop goes on; the lock is tried again next save)
+            log.warning("fastpersist: cannot take %s: %s", path, e)
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "?"
             os.close(fd)
-            mine = holder.split(" ", 1)[0] == str(os.getpid())
+            mine = holder == f"{os.getpid()} {socket.gethostname()}"
             who = "another Checkpointer of this process" if mine else f"another Checkpointer (pid and host: {holder})"
             return f"{who} is saving into {self.directory}: one Checkpointer saves into a directory at a time " + (
                 "(close() the other first)" if mine else "(give each process its own, or the ranks of a job group=)"

@@ -399,10 +399,10 @@ def with_file_mode(opts: EngineOptions) -> EngineOptions:
 
 #: :func:`counted_for_exit` calls in progress, and the condition the exit
 #: waits on for them (see :func:`_quiesce_at_exit`).
-_engine_users = 0
-_users = threading.Condition(threading.Lock())
-#: The thread that exits the process, once it waits for the engines' users:
-#: any other thread that comes for an engine then waits until the end.
+_calls_in_progress = 0
+_calls = threading.Condition(threading.Lock())
+#: The thread that exits the process, once it waits for those calls: a
+#: call any other thread makes then waits until the end.
 _exiting_thread: Optional[int] = None
 
 
@@ -415,22 +415,22 @@ _counted = threading.local()
 EXIT_WAIT = 120.0
 
 
-def _enter_engine() -> None:
-    global _engine_users
+def _enter_counted() -> None:
+    global _calls_in_progress
     depth = getattr(_counted, "depth", 0)
-    with _users:
+    with _calls:
         while depth == 0 and _exiting_thread is not None and threading.get_ident() != _exiting_thread:
-            _users.wait()  # (a daemon thread at exit: ended with the process, outside the core)
-        _engine_users += 1
+            _calls.wait()  # (a daemon thread at exit: ended with the process, outside the core)
+        _calls_in_progress += 1
     _counted.depth = depth + 1
 
 
-def _leave_engine() -> None:
-    global _engine_users
+def _leave_counted() -> None:
+    global _calls_in_progress
     _counted.depth = getattr(_counted, "depth", 1) - 1
-    with _users:
-        _engine_users -= 1
-        _users.notify_all()
+    with _calls:
+        _calls_in_progress -= 1
+        _calls.notify_all()
 
 
 def counted_for_exit(fn: _F) -> _F:
@@ -442,11 +442,11 @@ def counted_for_exit(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def counted(*args: Any, **kwargs: Any) -> Any:
-        _enter_engine()
+        _enter_counted()
         try:
             return fn(*args, **kwargs)
         finally:
-            _leave_engine()
+            _leave_counted()
 
     return cast(_F, counted)
 
@@ -462,15 +462,15 @@ def _quiesce_at_exit() -> None:
     still abort it so.)"""
     global _exiting_thread
     try:
-        with _users:
+        with _calls:
             _exiting_thread = threading.get_ident()
-            if _engine_users:
-                log.warning("fastpersist: waiting for %d call(s) in other threads before exit", _engine_users)
+            if _calls_in_progress:
+                log.warning("fastpersist: waiting for %d call(s) in other threads before exit", _calls_in_progress)
             end = time.monotonic() + EXIT_WAIT
-            while _engine_users and time.monotonic() < end:
-                _users.wait(0.1)
-            if _engine_users:
-                log.error("fastpersist: exiting with %d call(s) in other threads still running", _engine_users)
+            while _calls_in_progress and time.monotonic() < end:
+                _calls.wait(0.1)
+            if _calls_in_progress:
+                log.error("fastpersist: exiting with %d call(s) in other threads still running", _calls_in_progress)
     except KeyboardInterrupt:
         os._exit(130)  # (finalizing with them inside the core would abort)
 
@@ -524,8 +524,8 @@ def _after_fork_in_child() -> None:
     the parent, their threads do not exist here, their temporary files are
     the parent's). Saves pending in the parent are not waited for here."""
     global _engines, _engines_lock, _order_lock, _pending_by_path, _gc_lock, _gc_depth, _defer_lock, _defer_depth
-    global _engine_users, _users, _exiting_thread
-    _engine_users, _users, _exiting_thread = 0, threading.Condition(threading.Lock()), None
+    global _calls_in_progress, _calls, _exiting_thread
+    _calls_in_progress, _calls, _exiting_thread = 0, threading.Condition(threading.Lock()), None
     _engines_lock = threading.RLock()
     _engines = OrderedDict()
     _order_lock = threading.RLock()

@@ -358,6 +358,23 @@ def test_a_thread_still_training_at_exit_is_not_finished_under_it(tmp_path):
         assert commits == list(range(1, 30)), commits
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small file system")
+def test_a_first_save_on_a_read_only_file_system_fails_as_a_save_not_the_loop(tmp_path, caplog):
+    """Found in the final read: the writer lock's file could not be made on
+    a read-only file system, and that raised out of step(): a failed
+    checkpoint must be logged, and the loop go on."""
+    with small_tmpfs(tmp_path) as mnt:
+        d = os.path.join(mnt, "ck")
+        os.mkdir(d)
+        subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+        ck = fastpersist.Checkpointer(d, every=1)
+        fut = ck.step(1, state(1))  # no exception here
+        with pytest.raises(OSError):
+            fut.result(timeout=60)
+        ck.close()
+        subprocess.run(["mount", "-o", "remount,rw", mnt], check=True)
+
+
 def test_tuner_with_a_fake_clock():
     t = FrequencyTuner("auto", max_overhead=0.035, profile_steps=3)
     for _ in range(6):  # 3 to settle, 3 measured
