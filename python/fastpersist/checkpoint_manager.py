@@ -108,6 +108,7 @@ from .options import (
     aside_name,
     fsync_dir,
     make_dirs,
+    parse_json,
     remove_durably,
     remove_stale_temps,
     sweep_due,
@@ -139,6 +140,13 @@ LOG_NAME = "checkpoints.jsonl"
 #: The lock a Checkpointer that saves holds on its directory (the holder's
 #: pid and host inside, for the message of one refused).
 WRITER_LOCK = ".fastpersist-writer.lock"
+
+
+def _holder() -> str:
+    """This process, as :data:`WRITER_LOCK` names its holder: pid and host."""
+    return f"{os.getpid()} {socket.gethostname()}"
+
+
 #: How often latest()/load_latest() list again when listed files vanish.
 _RELIST = 20
 #: How often a restore asks an object store that fails to answer, and the
@@ -270,9 +278,9 @@ def _scan_store(store: Optional[ObjectStore], listing: Optional[StoreListing] = 
 
 
 #: What parsing a damaged (or hostile) record of going back raises: JSON
-#: errors, missing or mistyped fields, ``Infinity`` for an int, nesting too
-#: deep for the decoder.
-_DAMAGED_RECORD = (ValueError, KeyError, TypeError, OverflowError, RecursionError)
+#: errors (nesting too deep for the decoder among them: ``parse_json``),
+#: missing or mistyped fields, ``Infinity`` for an int.
+_DAMAGED_RECORD = (ValueError, KeyError, TypeError, OverflowError)
 
 
 def _names(back: int, staged: Optional[Tuple[int, ...]], step: int) -> bool:
@@ -1061,7 +1069,7 @@ class Checkpointer:
         except BlockingIOError:
             holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "?"
             os.close(fd)
-            mine = holder == f"{os.getpid()} {socket.gethostname()}"
+            mine = holder == _holder()
             who = "another Checkpointer of this process" if mine else f"another Checkpointer (pid and host: {holder})"
             return f"{who} is saving into {self.directory}: one Checkpointer saves into a directory at a time " + (
                 "(close() the other first)" if mine else "(give each process its own, or the ranks of a job group=)"
@@ -1076,7 +1084,7 @@ class Checkpointer:
         try:  # (who holds it, for the message of one refused: best effort)
             with open(path, "r+b", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW | os.O_CLOEXEC)) as w:
                 w.truncate(0)
-                w.write(f"{os.getpid()} {socket.gethostname()}\n".encode())
+                w.write(f"{_holder()}\n".encode())
         except OSError:
             pass
         self._writer_fd = fd
@@ -1368,7 +1376,7 @@ class Checkpointer:
         """A record's step, its later local checkpoints and its staged steps
         (None: every staged step past the step); one of
         :data:`_DAMAGED_RECORD` for a damaged one."""
-        entry = json.loads(data)
+        entry = parse_json(data)
         step = int(entry["step"])
         _check_step(step)
         later = []

@@ -67,6 +67,7 @@ from .options import (
     file_identity,
     make_dirs,
     open_beneath,
+    parse_json,
     use_engine,
     write_stats,
 )
@@ -255,7 +256,7 @@ def _indexed_shards(dirpath: str) -> set:
     try:
         # (a file of the directory: not a link out of it, nor a FIFO a read would wait on)
         with os.fdopen(open_beneath(dirpath, INDEX_NAME), "rb") as f:
-            index = json.loads(f.read(1 << 24))
+            index = parse_json(f.read(1 << 24))
         return {s["file"] for s in index["shards"] if isinstance(s.get("file"), str) and SHARD_RE.fullmatch(s["file"])}
     except Exception:  # noqa: BLE001 - no usable index: nothing is removed on its account
         return set()
@@ -386,11 +387,11 @@ def _load_index(dirpath: str) -> Tuple[List[Dict[str, Any]], int]:
     try:
         # (a file of the directory: not a link out of it, nor a FIFO a read would wait on)
         with os.fdopen(open_beneath(dirpath, INDEX_NAME), "rb") as f:
-            index = json.loads(f.read(1 << 24))
+            index = parse_json(f.read(1 << 24))
         world = _count(index["world_size"], "world_size")
         shards = sorted(index["shards"], key=lambda s: _count(s["rank"], "rank"))
         names = [s["file"] for s in shards]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptCheckpointError(f"{dirpath}: unreadable {INDEX_NAME}: {type(e).__name__}: {e}") from None
     if [s["rank"] for s in shards] != list(range(len(shards))):
         raise CorruptCheckpointError(f"{dirpath}: {INDEX_NAME} does not list ranks 0 to {len(shards) - 1} once each")

@@ -265,8 +265,9 @@ class EngineOptions:
         # depth, gather threads), here where the options are given rather
         # than when the first save makes the engine; a limit a variable's
         # value is past names the variable.
-        counts = {"block_size": block_size, "arena_bytes": arena_bytes, "queue_depth": queue_depth}
-        counts["gather_threads"] = gather_threads
+        counts = dict(
+            block_size=block_size, arena_bytes=arena_bytes, queue_depth=queue_depth, gather_threads=gather_threads
+        )
         try:
             _core.check_engine_options(**{k: getattr(opts, k) for k in counts})
         except ValueError as e:

@@ -517,9 +517,9 @@ def _central_entries(
     as written: not encrypted, on this disk, not marked a folder. ``fd``
     (with ``cd_off``): the file, to tell a compressed record from a
     central entry whose method is damaged (its local header says stored)."""
-    entries = []
+    entries: List[Tuple[str, int, int, int, bytes]] = []
     compressed: List[Tuple[str, int, int]] = []
-    odd: List[Tuple[str, str]] = []
+    prefix = ""  # (the archive's folder: the first record's)
     p = 0
     for i in range(n):
         if p + _CENTRAL.size > len(cd):
@@ -544,13 +544,12 @@ def _central_entries(
             compressed.append((name, method, hoff))
         elif csize != usize:
             raise _corrupt(f"{where}record {name!r} is stored (not compressed) but gives {csize} bytes as {usize}")
-        odd.append((name, _unread(name, flags, disk, attrs)))
+        prefix = prefix if entries else _folder(name)
+        why = _unread(flags, disk, attrs) if _loaded(name, prefix) else ""
+        if why:
+            raise _corrupt(f"{where}record {name!r} {why}")
         entries.append((name, hoff, usize, crc, raw_name))
         p = end
-    prefix = _folder(entries[0][0]) if entries else ""
-    for name, what in odd:
-        if what and _loaded(name, prefix):
-            raise _corrupt(f"{where}record {name!r} {what}")
     if _is_torchscript([e[0] for e in entries]):
         raise UnsupportedFormatError(
             f"{where}a TorchScript archive (torch.jit.save), not a torch.save checkpoint: load it with torch.jit.load"
@@ -559,10 +558,10 @@ def _central_entries(
     return entries
 
 
-def _unread(name: str, flags: int, disk: int, attrs: int) -> str:
+def _unread(flags: int, disk: int, attrs: int) -> str:
     """Why torch's reader would not read the record of a central entry
-    (its name, general purpose flags, disk and external attributes) as
-    written, or ""."""
+    (its general purpose flags, disk and external attributes) as written,
+    or ""."""
     if flags & _UNREAD_FLAGS:
         return f"is marked encrypted (flags {flags:#06x})"
     if disk > 1:
