@@ -131,39 +131,64 @@ def _torch_tensors(path: str, mmap: bool = True) -> Optional[list]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    results = [_verify_one(path) for path in args.paths]
+    if args.json:
+        json.dump(results, sys.stdout, indent=1)
+        print()
+    else:
+        for r in results:
+            print(_verify_line(r))
+    return max((_VERIFY_STATUS[r["status"]] for r in results), default=EXIT_OK)
+
+
+#: ``verify``'s exit status of each file's outcome (the command's: the worst).
+_VERIFY_STATUS = {"ok": EXIT_OK, "corrupt": EXIT_CORRUPT, "error": EXIT_USAGE}
+
+
+def _verify_one(path: str) -> Dict[str, object]:
+    """One file's outcome of ``verify``, as ``--json`` gives it: ``path``,
+    ``status`` (ok, corrupt, error: it could not be read as a checkpoint),
+    ``format``, ``records`` checked and ``unchecked`` ones (ok only),
+    ``message`` (what is wrong; not ok only)."""
     from .errors import CorruptCheckpointError, UnsupportedFormatError
     from .verify import verify_file
 
-    status = EXIT_OK
-    for path in args.paths:
-        try:
-            res = verify_file(path)
-        except CorruptCheckpointError as e:
-            print(f"CORRUPT {e}")
-            status = max(status, EXIT_CORRUPT)
-            continue
-        except UnsupportedFormatError as e:
-            print(f"ERROR   {e}")
-            status = EXIT_USAGE
-            continue
-        except OSError as e:
-            print(f"ERROR   {path}: {e.strerror or e}")
-            status = EXIT_USAGE
-            continue
-        fmt, n = res
-        if fmt == "torch-legacy":
-            print(f"OK      {path}: {fmt}, {n} storages (no checksums in this format: structure only)")
-            continue
-        note = "" if fmt == "torch" else " (safetensors has no checksums: structure and readability only)"
-        if res.unchecked:
-            note += (
-                f"; {len(res.unchecked)} records NOT CHECKED (the writer recorded no CRC32: "
-                + ", ".join(res.unchecked[:5])
-                + (", ..." if len(res.unchecked) > 5 else "")
-                + ")"
-            )
-        print(f"OK      {path}: {fmt}, {n} records verified{note}")
-    return status
+    try:
+        res = verify_file(path)
+    except CorruptCheckpointError as e:
+        return {"path": path, "status": "corrupt", "message": str(e)}
+    except UnsupportedFormatError as e:
+        return {"path": path, "status": "error", "message": str(e)}
+    except OSError as e:
+        return {"path": path, "status": "error", "message": f"{path}: {e.strerror or e}"}
+    return {
+        "path": path,
+        "status": "ok",
+        "format": res.format,
+        "records": res.records,
+        "unchecked": list(res.unchecked),
+    }
+
+
+def _verify_line(r: Dict[str, object]) -> str:
+    """``verify``'s line for one file's outcome."""
+    if r["status"] == "corrupt":
+        return f"CORRUPT {r['message']}"
+    if r["status"] == "error":
+        return f"ERROR   {r['message']}"
+    path, fmt, n, unchecked = r["path"], r["format"], r["records"], r["unchecked"]
+    assert isinstance(unchecked, list)
+    if fmt == "torch-legacy":
+        return f"OK      {path}: {fmt}, {n} storages (no checksums in this format: structure only)"
+    note = " (safetensors has no checksums: structure and readability only)" if fmt == "safetensors" else ""
+    if unchecked:
+        note += (
+            f"; {len(unchecked)} records NOT CHECKED (the writer recorded no CRC32: "
+            + ", ".join(unchecked[:5])
+            + (", ..." if len(unchecked) > 5 else "")
+            + ")"
+        )
+    return f"OK      {path}: {fmt}, {n} records verified{note}"
 
 
 def _ls_store(url: str) -> int:
@@ -459,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("verify", help="check every CRC32 and the structure")
     p.add_argument("paths", nargs="+", metavar="PATH", type=_file_arg)
+    p.add_argument("--json", action="store_true", help="machine-readable output: one object per file")
     p.set_defaults(fn=cmd_verify)
     p = sub.add_parser("ls", help="list the checkpoints of a Checkpointer directory or an object store URL")
     p.add_argument(

@@ -82,6 +82,30 @@ def test_verify_ok_corrupt_missing(ckpt, tmp_path):
     assert run("inspect", trunc).returncode == 1
 
 
+def test_verify_json_gives_each_files_outcome(ckpt, tmp_path):
+    """``verify --json``: one object per file, in the order given, with the
+    same exit status as the text."""
+    raw = bytearray(ckpt.read_bytes())
+    rec = {x["name"]: x for x in json.loads(run("inspect", ckpt, "--json").stdout)["records"]}["archive/data/0"]
+    raw[rec["offset"] + 5] ^= 1
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(bytes(raw))
+    st = tmp_path / "m.safetensors"
+    fastpersist.write_state_dict({"a": make((3, 4), torch.float16)}, st, format="safetensors")
+    r = run("verify", "--json", ckpt, bad, tmp_path / "missing.pt", st)
+    assert r.returncode == 2, r.stderr
+    ok, corrupt, missing, safe = json.loads(r.stdout)
+    assert ok["status"] == "ok" and ok["path"] == str(ckpt) and ok["format"] == "torch"
+    assert ok["records"] > 0 and ok["unchecked"] == []
+    assert corrupt["status"] == "corrupt" and "archive/data/0" in corrupt["message"]
+    assert missing["status"] == "error" and "No such file" in missing["message"]
+    assert safe["status"] == "ok" and safe["format"] == "safetensors"
+    r = run("verify", "--json", ckpt, bad)
+    assert r.returncode == 1 and [x["status"] for x in json.loads(r.stdout)] == ["ok", "corrupt"]
+    r = run("verify", "--json", ckpt)
+    assert r.returncode == 0 and len(json.loads(r.stdout)) == 1
+
+
 def test_verify_and_inspect_safetensors(tmp_path):
     p = tmp_path / "m.safetensors"
     fastpersist.write_state_dict({"a": make((3, 4), torch.float16)}, p, format="safetensors")

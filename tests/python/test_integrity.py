@@ -315,7 +315,7 @@ def test_a_sharded_index_that_is_a_fifo_or_a_link_out_is_not_read(tmp_path):
         fastpersist.read_state_dict(d)
 
 
-def test_verify_checks_a_sharded_checkpoint_whole(tmp_path):
+def test_verify_checks_a_sharded_checkpoint_whole(tmp_path, capsys):
     """Regression: verify of a sharded checkpoint's directory said "Is a
     directory", and of its index.json CORRUPT: a valid checkpoint could
     not be checked. Its index and every shard are verified now."""
@@ -333,6 +333,9 @@ def test_verify_checks_a_sharded_checkpoint_whole(tmp_path):
     res = verify_file(d)
     assert res.format == "sharded" and res.records == 2 * verify_file(d / names[0]).records
     assert cli.main(["verify", str(d)]) == 0
+    # (Its line said "safetensors has no checksums": every shard's CRC32s are checked.)
+    out = capsys.readouterr().out
+    assert "OK" in out and "sharded" in out and "safetensors" not in out, out
     raw = bytearray((d / names[1]).read_bytes())
     raw[raw.find(struct.pack("<f", 1.0) * 4)] ^= 1
     (d / names[1]).write_bytes(bytes(raw))
