@@ -138,7 +138,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         for r in results:
             print(_verify_line(r))
-    return max((_VERIFY_STATUS[r["status"]] for r in results), default=EXIT_OK)
+    return max((_VERIFY_STATUS[str(r["status"])] for r in results), default=EXIT_OK)
 
 
 #: ``verify``'s exit status of each file's outcome (the command's: the worst).
