@@ -4,13 +4,16 @@
 CUDA (if initialised) generator states in a form ``torch.load(...,
 weights_only=True)`` accepts; ``restore_rng_state`` puts them back.
 :class:`ResumableSampler` remembers its epoch and position, so a resumed run
-sees each sample exactly once per epoch (CheckFreq's resumable iterator).
+sees each sample exactly once per epoch (CheckFreq's resumable iterator);
+iterated through :meth:`ResumableSampler.track`, a DataLoader's prefetching
+(its workers draw indices ahead of the batches training has received) is not
+counted as consumed.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterable, Iterator, Optional
 
 import torch
 
@@ -113,8 +116,14 @@ def _decode_arrays(v: Any) -> Any:
 class ResumableSampler(torch.utils.data.Sampler):
     """Indices ``0..n-1`` in a per-epoch order (a seeded permutation when
     ``shuffle``), resumable mid-epoch: ``state_dict()`` records the epoch and
-    how many indices were handed out; after ``load_state_dict`` the sampler
-    continues with the next one. Epochs advance on their own."""
+    the position to go on from; after ``load_state_dict`` the sampler
+    continues with the next index. Epochs advance on their own.
+
+    Iterated directly (or by a DataLoader without workers), the position is
+    the number of indices handed out. A DataLoader with workers draws
+    indices ahead of the batches it has yielded (``prefetch_factor`` batches
+    per worker): iterate ``sampler.track(loader)`` instead of ``loader``, and
+    the position is that of the batches training has received."""
 
     def __init__(self, n: int, *, shuffle: bool = True, seed: int = 0) -> None:
         if n < 0:
@@ -124,6 +133,10 @@ class ResumableSampler(torch.utils.data.Sampler):
         self.seed = seed
         self.epoch = 0
         self.position = 0
+        #: track() iterations in progress: while one is, handing out
+        #: indices moves neither the position nor the epoch (track() does,
+        #: batch by batch as the loader yields them).
+        self._tracking = 0
 
     def _order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
@@ -132,6 +145,11 @@ class ResumableSampler(torch.utils.data.Sampler):
         return torch.randperm(self.n, generator=g)
 
     def __iter__(self) -> Iterator[int]:
+        if self._tracking:
+            order, start = self._order(self.epoch), self.position
+            for p in range(start, self.n):
+                yield int(order[p])
+            return
         order = self._order(self.epoch)
         while self.position < self.n:
             i = int(order[self.position])
@@ -142,6 +160,47 @@ class ResumableSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return self.n - self.position
+
+    def track(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Iterate ``loader``, a ``torch.utils.data.DataLoader`` drawing
+        from this sampler (``sampler=`` with a ``batch_size``, or without
+        batching), and count as consumed only the batches it has yielded:
+        a ``state_dict()`` taken while training on a batch resumes at the
+        next one, whatever the loader's workers have prefetched. The epoch
+        advances when the loader is exhausted (with ``drop_last``, its last
+        partial batch was never a batch); leaving the loop early (``break``,
+        an exception) keeps the position."""
+        per = self._per_batch(loader)
+        self._tracking += 1
+        try:
+            for batch in loader:
+                self.position = min(self.position + per, self.n)
+                yield batch
+            self.epoch += 1
+            self.position = 0
+        finally:
+            self._tracking -= 1
+
+    def _per_batch(self, loader: Any) -> int:
+        """The indices each batch of ``loader`` takes from this sampler (the
+        last batch of an epoch: what is left)."""
+        from torch.utils.data import BatchSampler, DataLoader
+
+        if not isinstance(loader, DataLoader):
+            raise TypeError(f"track() takes a torch.utils.data.DataLoader, not {type(loader).__name__}")
+        if getattr(loader, "in_order", True) is False:
+            raise ValueError("track() needs a DataLoader that yields batches in order (in_order=True)")
+        bs = loader.batch_sampler
+        if bs is None:
+            if loader.sampler is not self:
+                raise ValueError("track(): the DataLoader does not draw from this sampler (pass it as sampler=)")
+            return 1
+        if type(bs) is not BatchSampler or bs.sampler is not self:
+            raise ValueError(
+                "track(): the DataLoader does not draw from this sampler through torch's BatchSampler "
+                "(pass it as sampler= with a batch_size; a batch sampler of its own cannot be counted)"
+            )
+        return int(bs.batch_size)
 
     def state_dict(self) -> Dict[str, int]:
         return {
@@ -159,5 +218,10 @@ class ResumableSampler(torch.utils.data.Sampler):
                 f"shuffle={bool(state['shuffle'])}; this sampler has n={self.n}, "
                 f"seed={self.seed}, shuffle={self.shuffle}"
             )
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.n:
+            raise ValueError(
+                f"sampler state has epoch {epoch} and position {position}; "
+                f"this sampler takes an epoch >= 0 and a position in 0..{self.n}"
+            )
+        self.epoch, self.position = epoch, position

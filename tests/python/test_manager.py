@@ -661,6 +661,70 @@ def test_sampler_exactly_once_across_resume():
         fastpersist.ResumableSampler(49, seed=3).load_state_dict(saved)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_sampler_exactly_once_through_a_prefetching_dataloader(workers, drop_last):
+    """Regression: a DataLoader with workers draws indices ahead of the
+    batches it yields (prefetch_factor per worker), and the sampler counted
+    them as consumed: a run resumed from a state_dict() taken after 3
+    batches of 4 skipped 16 samples. Iterated through track(), the position
+    is that of the batches yielded, across the epoch's end too."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    ds = TensorDataset(torch.arange(42))
+
+    def loader(s):
+        return DataLoader(ds, batch_size=4, sampler=s, num_workers=workers, drop_last=drop_last)
+
+    expected = list(range(40 if drop_last else 42))
+    batches = len(expected) // 4 + (not drop_last)
+    for stop in (2, batches - 2, batches - 1):  # mid-epoch, at the last batch yielded (a partial one without drop_last)
+        s = fastpersist.ResumableSampler(42, seed=1)
+        seen = []
+        for i, (b,) in enumerate(s.track(loader(s))):
+            seen += b.tolist()
+            if i == stop:
+                saved = s.state_dict()
+                break
+        resumed = fastpersist.ResumableSampler(42, seed=1)
+        resumed.load_state_dict(saved)
+        rest = [x for (b,) in resumed.track(loader(resumed)) for x in b.tolist()]
+        got = seen + rest
+        assert len(got) == len(set(got)), (stop, saved)
+        if drop_last:
+            assert len(got) == 40 and set(got) <= set(range(42)), (stop, saved)
+        else:
+            assert sorted(got) == expected, (stop, saved)
+        assert resumed.epoch == 1 and resumed.position == 0
+        nxt = [x for (b,) in resumed.track(loader(resumed)) for x in b.tolist()]
+        assert len(nxt) == len(expected) and nxt != got  # the next epoch, a new order
+    if workers:
+        # Without track(), what the workers prefetched counts as consumed (documented).
+        s = fastpersist.ResumableSampler(42, seed=1)
+        for i, _ in enumerate(loader(s)):
+            if i == 2:
+                break
+        assert s.position > 12
+
+
+def test_sampler_track_refuses_what_it_cannot_count():
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+    ds = TensorDataset(torch.arange(10))
+    s = fastpersist.ResumableSampler(10)
+    with pytest.raises(TypeError, match="DataLoader"):
+        next(s.track(iter([1, 2])))
+    with pytest.raises(ValueError, match="does not draw from this sampler"):
+        next(s.track(DataLoader(ds, batch_size=2)))
+    with pytest.raises(ValueError, match="BatchSampler"):
+        next(s.track(DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(range(10)), 2, False))))
+    one = [x for (x,) in s.track(DataLoader(ds, batch_size=None, sampler=s))]
+    assert sorted(int(x) for x in one) == list(range(10)) and s.epoch == 1
+    for bad in ({"epoch": 0, "position": 11}, {"epoch": -1, "position": 0}, {"epoch": 0, "position": -3}):
+        with pytest.raises(ValueError, match="position"):
+            s.load_state_dict({**s.state_dict(), **bad})
+
+
 def test_rng_state_round_trip(tmp_path):
     import numpy as np
 
