@@ -26,7 +26,8 @@
 //! - [`unpickle`]: a reader of those opcodes (the fast path of the Python
 //!   side's unpickle of plain state dicts);
 //! - [`zip`]: torch.save's zip headers, byte for byte (local headers with
-//!   torch's alignment padding, descriptors, central directory, end records).
+//!   torch's alignment padding, descriptors, central directory, end records);
+//! - [`json`]: how deep JSON text nests, before a parser recurses into it.
 //!
 //! The Python extension lives in `python.rs`, behind the `python` feature.
 
@@ -45,6 +46,7 @@ pub mod gather;
 pub mod guard;
 pub mod handoff;
 pub mod held;
+pub mod json;
 pub mod layout;
 mod lend;
 pub mod pickle;

@@ -2231,11 +2231,15 @@ fn zip_storage_records<'py>(
             )?);
         }
         at = data_off.checked_add(size).ok_or_else(too_far)?;
-        blobs.push(make(&blob, (at, &signature).into_pyobject(py)?)?);
-        slots.push(make(&slot, (at + 4, crc_id).into_pyobject(py)?)?);
-        run.extend_from_slice(&crate::zip::descriptor_sizes(header_off, size));
-        run_at = at + 8;
-        at = run_at.checked_add(run.len() as u64).ok_or_else(too_far)?;
+        if crate::zip::has_descriptor(size) {
+            blobs.push(make(&blob, (at, &signature).into_pyobject(py)?)?);
+            slots.push(make(&slot, (at + 4, crc_id).into_pyobject(py)?)?);
+            run.extend_from_slice(&crate::zip::descriptor_sizes(header_off, size));
+            run_at = at + 8;
+            at = run_at.checked_add(run.len() as u64).ok_or_else(too_far)?;
+        } else {
+            run_at = at; // (an empty record ends at its header's padding)
+        }
         offsets.push((header_off, data_off));
     }
     if !run.is_empty() {
@@ -2502,6 +2506,13 @@ fn tensor_has_data<'py>(
 #[pyfunction]
 fn pickle_memo_bound(py: Python<'_>, data: &[u8]) -> Option<u64> {
     py.allow_threads(|| crate::unpickle::memo_bound(data))
+}
+
+/// The deepest nesting of arrays and objects in JSON text `data`, counted
+/// up to `limit` (see `crate::json::max_depth`).
+#[pyfunction]
+fn json_depth(py: Python<'_>, data: &[u8], limit: usize) -> usize {
+    py.allow_threads(|| crate::json::max_depth(data, limit))
 }
 
 /// What a survey has found so far: the storages with data, keyed by
@@ -3758,6 +3769,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fast_pickle, m)?)?;
     m.add_function(wrap_pyfunction!(survey, m)?)?;
     m.add_function(wrap_pyfunction!(pickle_memo_bound, m)?)?;
+    m.add_function(wrap_pyfunction!(json_depth, m)?)?;
     m.add_class::<SurveyRest>()?;
     m.add_function(wrap_pyfunction!(fast_unpickle, m)?)?;
     m.add("TEMP_MARKER", crate::commit::TEMP_MARKER)?;

@@ -9,6 +9,29 @@
 
 /// Bit 3: sizes and CRC in a data descriptor; bit 11: UTF-8 names.
 pub const FLAGS: u16 = 0x0808;
+/// A record without data: UTF-8 names, no data descriptor (torch's writer,
+/// miniz, writes none after an empty record, and torch's reader counts on
+/// it where it works out where each record lies: `_get_offset` under
+/// `calculate_storage_offsets`, `map_location="meta"`'s offsets, the
+/// `TORCH_SERIALIZATION_DEBUG` check).
+pub const EMPTY_FLAGS: u16 = 0x0800;
+
+/// The general purpose flags of a record of `size` bytes.
+#[must_use]
+pub fn flags(size: u64) -> u16 {
+    if has_descriptor(size) {
+        FLAGS
+    } else {
+        EMPTY_FLAGS
+    }
+}
+
+/// Whether a record of `size` bytes ends with a data descriptor (all but
+/// empty ones, as torch's writer writes them).
+#[must_use]
+pub fn has_descriptor(size: u64) -> bool {
+    size > 0
+}
 /// Fixed part of a local header.
 pub const LOCAL_LEN: u64 = 30;
 /// Signature of a data descriptor.
@@ -85,11 +108,11 @@ pub fn local_header_split(name: &[u8], header_off: u64, size: u64, align: u64) -
     let mut out = Vec::with_capacity(30 + name.len() + extra_len - usize::from(pad16));
     put32(&mut out, 0x0403_4B50);
     put16(&mut out, if wide(header_off, size) { 45 } else { 20 });
-    put16(&mut out, FLAGS);
+    put16(&mut out, flags(size));
     put16(&mut out, 0); // stored
     put16(&mut out, 0); // time
     put16(&mut out, 0); // date
-    put32(&mut out, 0); // CRC, sizes: in the descriptor
+    put32(&mut out, 0); // CRC, sizes: in the descriptor (an empty record's: all 0)
     put32(&mut out, 0);
     put32(&mut out, 0);
     put16(&mut out, name_len);
@@ -187,7 +210,7 @@ pub fn central_entry(name: &[u8], header_off: u64, size: u64, crc: u32) -> Vec<u
     put32(&mut out, 0x0201_4B50);
     put16(&mut out, MADE_BY);
     put16(&mut out, if fields.is_empty() { 20 } else { 45 });
-    put16(&mut out, FLAGS);
+    put16(&mut out, flags(size));
     put16(&mut out, 0); // stored
     put16(&mut out, 0); // time
     put16(&mut out, 0); // date
@@ -563,6 +586,30 @@ mod tests {
         assert_eq!(&c[20..24], &u32::MAX.to_le_bytes());
         assert_eq!(&c[42..46], &u32::MAX.to_le_bytes());
         assert_eq!(c.len(), 46 + 1 + 4 + 24);
+    }
+
+    #[test]
+    fn an_empty_record_says_it_has_no_data_descriptor() {
+        // As torch's writer (miniz) marks them: bit 3 only where data follows.
+        for off in [0, 5 << 30] {
+            assert_eq!(
+                u16_at(&local_header(b"archive/data/3", off, 0, 64), 6),
+                0x0800
+            );
+            assert_eq!(
+                u16_at(&central_entry(b"archive/data/3", off, 0, 0), 8),
+                0x0800
+            );
+            assert_eq!(
+                u16_at(&local_header(b"archive/data/3", off, 1, 64), 6),
+                0x0808
+            );
+            assert_eq!(
+                u16_at(&central_entry(b"archive/data/3", off, 1, 0), 8),
+                0x0808
+            );
+        }
+        assert!(!has_descriptor(0) && has_descriptor(1));
     }
 
     #[test]

@@ -82,6 +82,7 @@ __all__ = [
     "survey",
     "SurveyRest",
     "pickle_memo_bound",
+    "json_depth",
     "fast_unpickle",
     "TEMP_MARKER",
     "TEMP_NAME_PART_MAX",
@@ -388,6 +389,7 @@ class SurveyRest:
     def __len__(self) -> int: ...
 
 def pickle_memo_bound(data: bytes) -> int | None: ...
+def json_depth(data: bytes, limit: int) -> int: ...
 def survey(
     obj: object,
     ctx: _SurveyContext,

@@ -113,6 +113,7 @@ from .options import (
     remove_stale_temps,
     sweep_due,
 )
+from .pickling import resolve_weights_only
 from .reader import read_state_dict
 from .replicas import ReplicaError, Ring, exchange, held_ranks, replica_dir
 from .tiers import ObjectStore, StoreListing, TierError, is_url
@@ -2062,10 +2063,14 @@ class Checkpointer:
 
         return self._first_good(attempt)
 
-    def load_latest(self, *, map_location: Any = None, weights_only: bool = True) -> Optional[Tuple[int, Any]]:
+    def load_latest(
+        self, *, map_location: Any = None, weights_only: Optional[bool] = None
+    ) -> Optional[Tuple[int, Any]]:
         """``(step, state)`` of the newest checkpoint that loads and verifies,
         or None when there is none. With ``group``: the same step on every
-        rank (None on every rank when they have no step in common)."""
+        rank (None on every rank when they have no step in common).
+        ``weights_only`` as :func:`~fastpersist.read_state_dict` takes it."""
+        weights_only = resolve_weights_only(weights_only)
         if self._ctl is not None:
             return self._group_restore(True, {"map_location": map_location, "weights_only": weights_only})
 

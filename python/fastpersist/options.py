@@ -1212,10 +1212,20 @@ def write_stats(
     )
 
 
+#: How deep the JSON fastpersist reads back (sidecars, markers, records,
+#: log lines: a few levels) may nest.
+MAX_JSON_DEPTH = 128
+
+
 def parse_json(raw: Union[str, bytes]) -> Any:
-    """``json.loads``, where nesting too deep for the decoder (a damaged or
-    hostile file: a sidecar, a marker, a log line) is a ValueError like any
-    other malformed JSON, not a RecursionError."""
+    """``json.loads``, where nesting too deep (a damaged or hostile file: a
+    sidecar, a marker, a log line) is a ValueError like any other malformed
+    JSON: counted before the decoder, which recurses once per level (past a
+    raised recursion limit, text nested a million deep would overflow the
+    C stack), not a RecursionError either."""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if _core.json_depth(data, MAX_JSON_DEPTH) >= MAX_JSON_DEPTH:
+        raise ValueError(f"JSON nested {MAX_JSON_DEPTH} or more deep")
     try:
         return json.loads(raw)
     except RecursionError:

@@ -258,18 +258,19 @@ def _torch_load_route(load: Callable[..., Any], args: tuple, kwargs: dict) -> Tu
     odd = _torch_state()
     if odd is not None:
         return None, odd
-    if path.endswith(".safetensors") or not _starts_with(path, b"PK\x03\x04"):
+    if path.endswith(".safetensors") or not _is_torch_zip(path):
         return None, "not a torch zip file"
     return {"path": path, "map_location": map_location, "weights_only": weights_only}, ""
 
 
-def _starts_with(path: str, magic: bytes) -> bool:
+def _is_torch_zip(path: str) -> bool:
+    """Whether ``path`` is a regular file of torch's zip format, as
+    read_state_dict tells formats: a safetensors file whose header length
+    reads as a zip signature (0x04034B50 bytes) is not one, and torch.load
+    refuses it."""
     try:
-        if not os.path.isfile(path):
-            return False
-        with open(path, "rb") as f:
-            return f.read(len(magic)) == magic
-    except OSError:
+        return os.path.isfile(path) and detect_format(path) == "torch"
+    except (OSError, CorruptCheckpointError):
         return False
 
 

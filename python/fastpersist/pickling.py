@@ -27,6 +27,7 @@ import functools
 import inspect
 import io
 import logging
+import os
 import pickle
 import re
 import sys
@@ -50,6 +51,7 @@ from .errors import (
 
 __all__ = [
     "PICKLE_PROTOCOL",
+    "resolve_weights_only",
     "MapLocation",
     "check_extent",
     "find_storages",
@@ -1497,6 +1499,37 @@ def _storage_class_names() -> List[str]:
     """Names of torch's typed storage classes (``FloatStorage``, ...)."""
     table = getattr(torch.storage, "_dtype_to_storage_type_map", None)
     return sorted(set(table().values())) if table is not None else []
+
+
+#: The values torch.load takes for "set" in TORCH_FORCE_(NO_)WEIGHTS_ONLY_LOAD.
+_TRUE_VALUES = ("1", "y", "yes", "true")
+
+
+def resolve_weights_only(weights_only: Optional[bool]) -> bool:
+    """``weights_only`` as torch.load resolves it: None (not given) is
+    torch's default, True; ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` makes every
+    load weights-only; ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` one that did
+    not say (with torch's warning); both set is torch's RuntimeError."""
+    force = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE_VALUES
+    force_no = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE_VALUES
+    if force and force_no:
+        raise RuntimeError(
+            "Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` "
+            "should be set, but both were set."
+        )
+    if force:
+        return True
+    if weights_only is None:
+        if force_no:
+            warnings.warn(
+                "Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected, since the `weights_only` "
+                "argument was not explicitly passed, forcing weights_only=False.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return False
+        return True
+    return bool(weights_only)
 
 
 def _fast_unpickle_context(weights_only: bool) -> Optional[tuple]:

@@ -46,6 +46,7 @@ from .pickling import (
     MapLocation,
     is_legacy_torch,
     load_plain,
+    resolve_weights_only,
     restore_location,
     storage_element_size,
     unpickle,
@@ -128,7 +129,7 @@ def read_state_dict(
     path: PathLike,
     *,
     map_location: MapLocation = None,
-    weights_only: bool = True,
+    weights_only: Optional[bool] = None,
     verify: bool = True,
     direct: Optional[bool] = None,
     io_uring: Optional[bool] = None,
@@ -139,7 +140,10 @@ def read_state_dict(
     format), or a safetensors file (detected from its first bytes).
 
     ``weights_only`` has torch's meaning (only tensors, primitive types and
-    allow-listed classes are unpickled; pass False only for files you trust).
+    allow-listed classes are unpickled; pass False only for files you trust;
+    None, the default, is torch's default, True; torch's
+    ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` and ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+    act as they act on torch.load).
     ``verify`` checks every record's CRC32 (zip files; safetensors has no
     checksums) and raises :class:`~fastpersist.CorruptCheckpointError`,
     naming the record, on any mismatch or structural damage: wrong data is
@@ -152,6 +156,7 @@ def read_state_dict(
     if stats is not None and not callable(getattr(stats, "append", None)):
         raise TypeError(f"stats must be a list (it receives a ReadStats), not {type(stats).__name__}")
     check_group(group, "read_state_dict()")
+    weights_only = resolve_weights_only(weights_only)
     # A read of many tensors makes objects that all live on (storages,
     # tensors, the containers): cyclic collections meanwhile free nothing
     # and cost (10,000 tensors: 80 of 220 ms of unpickling), as for saves.

@@ -14,12 +14,14 @@ metadata are raw UTF-8. Reading accepts exactly what safetensors accepts.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections import defaultdict
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
+from . import _core
 from .errors import (
     CorruptCheckpointError,
     NoDataError,
@@ -132,7 +134,7 @@ def shared_groups(tensors: Mapping[str, torch.Tensor]) -> List[List[str]]:
     """Groups of names whose tensors' bytes overlap (a tie, a view of
     another entry), sorted; tensors of one storage that do not overlap are
     not shared (as safetensors decides). Empty tensors share nothing."""
-    by_storage: Dict[Tuple[str, int], List[Tuple[int, int, str]]] = defaultdict(list)
+    by_storage: Dict[Tuple[str, int, int], List[Tuple[int, int, str]]] = defaultdict(list)
     for name, t in tensors.items():
         if t.numel() == 0 or t.device.type == "meta":
             continue
@@ -140,7 +142,9 @@ def shared_groups(tensors: Mapping[str, torch.Tensor]) -> List[List[str]]:
         if st.nbytes() == 0:
             continue
         start = t.data_ptr()
-        by_storage[(str(t.device), st.data_ptr())].append((start, start + _span(t), name))
+        # (safetensors' key: two storages at one address with different
+        # sizes, torch.from_numpy of an array and of its slice, are not one)
+        by_storage[(str(t.device), st.data_ptr(), st.nbytes())].append((start, start + _span(t), name))
     groups: List[List[str]] = []
     for spans in by_storage.values():
         spans.sort()
@@ -238,8 +242,13 @@ def is_safetensors(head: bytes, file_len: int) -> bool:
     if len(head) < 9:
         return False
     (n,) = struct.unpack_from("<Q", head)
-    # JSON may start with whitespace, and safetensors' own parser takes it.
-    return 2 <= n <= min(MAX_HEADER, file_len - 8) and head[8 : 8 + n].lstrip(b" \t\n\r")[:1] == b"{"
+    if not 2 <= n <= min(MAX_HEADER, file_len - 8):
+        return False
+    # JSON may start with whitespace, and safetensors' own parser takes it
+    # (a header whose whitespace runs past the bytes read: parse_header
+    # tells).
+    text = head[8 : 8 + n].lstrip(b" \t\n\r")
+    return text[:1] == b"{" or (not text and len(head) < 8 + n)
 
 
 #: Largest dimension accepted when reading (torch sizes are int64).
@@ -252,12 +261,28 @@ def _no_constant(name: str) -> Any:
 
 def _json_int(text: str) -> Any:
     """A JSON integer as safetensors' parser (serde) reads it: ``-0`` is
-    the float -0.0 (no integer where one is wanted), others ints."""
-    return -0.0 if text == "-0" else int(text)
+    the float -0.0 (no integer where one is wanted), others ints; one past
+    64 bits is read as a float, and one past a float's range refused
+    ("number out of range"), wherever it is, in a field ignored or not."""
+    if text == "-0":
+        return -0.0
+    v = int(text)
+    if not -(1 << 63) <= v < 1 << 64:
+        _json_float(text)
+    return v
 
 
-def _int(x: Any, what: str) -> int:
-    if type(x) is not int or not 0 <= x <= _MAX_DIM:
+def _json_float(text: str) -> float:
+    """A JSON number with a fraction or exponent as serde reads it: past a
+    float's range (``1e400``) refused, not infinity."""
+    v = float(text)
+    if math.isinf(v):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return v
+
+
+def _int(x: Any, what: str, most: int = _MAX_DIM) -> int:
+    if type(x) is not int or not 0 <= x <= most:
         raise ValueError(f"{what} {x!r} is not a non-negative 64-bit integer")
     return x
 
@@ -302,21 +327,30 @@ def torch_dtype_error(e: Entry, path: str = "") -> UnsupportedDtypeError:
     )
 
 
+def _fields(info: Any, most: int) -> Tuple[str, List[int], int, int]:
+    """A tensor entry's dtype, shape and offsets, each of its type (numbers
+    up to ``most``); KeyError, TypeError or ValueError naming what is not."""
+    if not isinstance(info, dict):
+        raise TypeError("the entry is not a JSON object")
+    code = info["dtype"]
+    if not isinstance(code, str) or code not in BITS:
+        raise KeyError(code)
+    shape_raw, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape_raw, list) or not isinstance(offsets, list) or len(offsets) != 2:
+        raise TypeError("shape must be a list and data_offsets a list of two integers")
+    shape = [_int(x, "dimension", most) for x in shape_raw]
+    begin, end = (_int(x, "offset", most) for x in offsets)
+    return code, shape, begin, end
+
+
 def _entry(name: str, info: Any, data_len: int, where: str) -> Entry:
     """One tensor's header entry, checked: every value of the right type
     and range, and its offsets exactly its bytes inside the data area."""
     try:
-        if not isinstance(info, dict):
-            raise TypeError("the entry is not a JSON object")
-        code = info["dtype"]
-        bits = BITS[code]
-        shape_raw, offsets = info["shape"], info["data_offsets"]
-        if not isinstance(shape_raw, list) or not isinstance(offsets, list) or len(offsets) != 2:
-            raise TypeError("shape must be a list and data_offsets a list of two integers")
-        shape = [_int(x, "dimension") for x in shape_raw]
-        begin, end = (_int(x, "offset") for x in offsets)
+        code, shape, begin, end = _fields(info, _MAX_DIM)
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{where}tensor {name!r}: bad header entry ({e!r})") from None
+    bits = BITS[code]
     numel = 1
     for d in shape:
         numel *= d
@@ -357,18 +391,22 @@ def _makeable(shape: List[int]) -> bool:
 
 
 class _Obj(dict):
-    """A JSON object of a header, with the keys it gave more than once."""
+    """A JSON object of a header, with the keys it gave more than once and
+    the values the later ones hid (serde reads each; Python keeps the last)."""
 
-    __slots__ = ("repeated",)
+    __slots__ = ("hidden", "repeated")
     repeated: Tuple[str, ...]
+    hidden: Tuple[Tuple[str, Any], ...]
 
 
 def _pairs(pairs: List[Tuple[str, Any]]) -> _Obj:
     d = _Obj()
     d.repeated = ()
+    d.hidden = ()
     for k, v in pairs:
         if k in d:
             d.repeated += (k,)
+            d.hidden += ((k, d[k]),)
         d[k] = v
     return d
 
@@ -392,10 +430,15 @@ def _check_text(header: Dict[str, Any], where: str) -> None:
     bad = "safetensors header is not valid JSON: "
     if "__metadata__" in getattr(header, "repeated", ()):
         raise CorruptCheckpointError(f"{where}{bad}duplicate field '__metadata__'")
-    for name, info in header.items():
-        twice = [f for f in getattr(info, "repeated", ()) if f in _FIELDS] if name != "__metadata__" else []
+    # A tensor given twice: serde reads both entries (the map keeps the
+    # last), so the hidden one must be a well-typed entry too.
+    for name, info in [*header.items(), *getattr(header, "hidden", ())]:
+        if name == "__metadata__":
+            continue
+        twice = [f for f in getattr(info, "repeated", ()) if f in _FIELDS]
         if twice:
             raise CorruptCheckpointError(f"{where}{bad}tensor {name!r}: duplicate field {twice[0]!r}")
+    _check_hidden(header, where)
     stack: List[Tuple[Any, int]] = [(header, 1)]
     while stack:
         v, depth = stack.pop()
@@ -407,8 +450,24 @@ def _check_text(header: Dict[str, Any], where: str) -> None:
         elif isinstance(v, (dict, list)):
             if depth >= _MAX_DEPTH:
                 raise CorruptCheckpointError(f"{where}{bad}nested {_MAX_DEPTH} deep (serde_json's limit)")
-            items = [x for kv in v.items() for x in kv] if isinstance(v, dict) else v
+            items = [x for kv in (*v.items(), *getattr(v, "hidden", ())) for x in kv] if isinstance(v, dict) else v
             stack.extend((x, depth + 1) for x in items)
+
+
+def _check_hidden(header: Dict[str, Any], where: str) -> None:
+    """The values a key given again hid: a tensor's entry of its types, a
+    ``__metadata__`` value a string (serde reads each before the map keeps
+    the last)."""
+    for name, info in getattr(header, "hidden", ()):
+        try:
+            _fields(info, _USIZE_MAX)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(
+                f"{where}tensor {name!r}: bad header entry given before its last ({e!r})"
+            ) from None
+    for k, v in getattr(header.get("__metadata__"), "hidden", ()):
+        if not isinstance(v, str):
+            raise CorruptCheckpointError(f"{where}safetensors __metadata__ value of {k!r} is not a string: {v!r}")
 
 
 def _metadata(header: Dict[str, Any], where: str) -> Optional[Dict[str, str]]:
@@ -451,12 +510,20 @@ def parse_header(raw: bytes, file_len: int, path: str = "") -> Tuple[int, List[E
     (n,) = struct.unpack_from("<Q", raw)
     if n > MAX_HEADER or 8 + n > file_len or len(raw) < 8 + n:
         raise CorruptCheckpointError(f"{where}safetensors header length {n} does not fit the file")
+    text = raw[8 : 8 + n]
+    if _core.json_depth(text, _MAX_DEPTH) >= _MAX_DEPTH:
+        # (before the decoder, which recurses once per level: past a raised
+        # recursion limit, a header nested a million deep overflows the stack)
+        raise CorruptCheckpointError(
+            f"{where}safetensors header is not valid JSON: nested {_MAX_DEPTH} deep (serde_json's limit)"
+        )
     try:
         # UTF-8 only (json.loads of bytes would guess UTF-16 or UTF-32 too)
         header = json.loads(
-            raw[8 : 8 + n].decode("utf-8"),
+            text.decode("utf-8"),
             parse_constant=_no_constant,
             parse_int=_json_int,
+            parse_float=_json_float,
             object_pairs_hook=_pairs,
         )
     except (UnicodeDecodeError, ValueError, RecursionError) as e:

@@ -7,7 +7,8 @@ every tensor storage, each at its offset in the file. The Rust engine then
 gathers those pieces into aligned buffers and writes them with O_DIRECT.
 
 The file is what ``torch.save`` writes (same record names, same pickle,
-flags 0x808 with data descriptors, uncompressed, zip64 where needed, storage
+flags 0x808 with data descriptors (an empty record: 0x800 and none, as
+torch's writer writes it), uncompressed, zip64 where needed, storage
 records 64-byte aligned as torch aligns them by default), except that the
 storage records come first, so their bytes can be on their way to disk while
 the pickle is made. The engine cuts the file into block-aligned extents
@@ -351,9 +352,14 @@ class TorchZipLayout:
         size = len(data)
         head = _core.zip_local_header(name_b, header_off, size, SMALL_ALIGNMENT)
         crc = _core.crc32(data)
-        sizes = _core.zip_descriptor_sizes(header_off, size)
-        self._batch.blobs.append(Blob(header_off, b"".join((head, data, _SIGNATURE, struct.pack("<I", crc), sizes))))
-        self.cursor += len(head) + size + 8 + len(sizes)
+        # (torch's writer ends an empty record with no data descriptor)
+        tail = (
+            b"".join((_SIGNATURE, struct.pack("<I", crc), _core.zip_descriptor_sizes(header_off, size)))
+            if size
+            else b""
+        )
+        self._batch.blobs.append(Blob(header_off, b"".join((head, data, tail))))
+        self.cursor += len(head) + size + len(tail)
         self.records.append((name, header_off + len(head), size))
         self.entries.append((name_b, header_off, size, crc, None))
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import fastpersist
 import pytest
@@ -190,6 +192,22 @@ def test_17_7_disjoint_parts_of_one_storage_are_not_shared(tmp_path):
     # writes non-contiguous tensors as their contiguous copy).
     with pytest.raises(SharedTensorsError):
         ours({"t": base.view(2, 4).t(), "col": base.view(2, 4)[:, 1]}, tmp_path / "x.safetensors")
+
+
+def test_17_7_two_storages_at_one_address_are_shared_only_as_safetensors_decides(tmp_path):
+    """Regression: torch.from_numpy of an array and of its slice are two
+    storages at one address with different sizes; safetensors (which keys
+    sharing by device, address and size) saves them, fastpersist raised
+    SharedTensorsError."""
+    np = pytest.importorskip("numpy")
+    arr = np.arange(8, dtype=np.float32)
+    sd = {"whole": torch.from_numpy(arr), "head": torch.from_numpy(arr[:3])}
+    assert sd["whole"].untyped_storage().data_ptr() == sd["head"].untyped_storage().data_ptr()
+    save_file(sd, tmp_path / "st.safetensors")
+    ours(sd, tmp_path / "fp.safetensors")
+    assert split(tmp_path / "fp.safetensors") == split(tmp_path / "st.safetensors")
+    got = load_file(tmp_path / "fp.safetensors")
+    assert all(bits(got[k]) == bits(v) for k, v in sd.items())
 
 
 # 8. Exception types as safetensors'.
@@ -395,6 +413,34 @@ def test_17_11_non_contiguous_tensors_are_written_contiguous(tmp_path):
         b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"\\udc00":1}}',
         b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":' + b"[" * 125 + b"]" * 125 + b"}}",
         b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":' + b"[" * 126 + b"]" * 126 + b"}}",
+        # A tensor given twice: serde reads the entry the later one hides.
+        b'{"a":{"dtype":"BAD","shape":[1],"data_offsets":[0,4]},"a":'
+        + b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+        + b"}",
+        b'{"a":5,"a":' + b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}' + b"}",
+        b'{"a":{"dtype":"F32","dtype":"I8","shape":[1],"data_offsets":[0,4]},"a":'
+        + b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+        + b"}",
+        b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"e":"\\ud800"},"a":'
+        + b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+        + b"}",
+        b'{"a":' + b"[" * 200 + b"]" * 200 + b',"a":' + b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}' + b"}",
+        b'{"a":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]},"a":'
+        + b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+        + b"}",
+        b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1,"x":"\\udc00"}}',
+        b'{"__metadata__":{"k":1,"k":"2"},"a":' + b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}' + b"}",
+        b'{"__metadata__":{"k":"1","k":"2"},"a":' + b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}' + b"}",
+        b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":'
+        + b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+        + b"}",
+        # Numbers past a float's range, in a field safetensors ignores.
+        b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1e400}}',
+        b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":-1.8e308}}',
+        b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":' + b"9" * 401 + b"}}",
+        b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":-' + b"9" * 401 + b"}}",
+        b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":' + b"9" * 300 + b',"y":1e-400}}',
+        b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":18446744073709551616}}',
     ],
     ids=[
         "empty-huge-dims",
@@ -413,6 +459,22 @@ def test_17_11_non_contiguous_tensors_are_written_contiguous(tmp_path):
         "surrogate-other-field-name",
         "nested-127",
         "nested-128",
+        "hidden-entry-bad-dtype",
+        "hidden-entry-not-an-object",
+        "hidden-entry-dtype-twice",
+        "hidden-entry-surrogate",
+        "hidden-entry-nested-200",
+        "hidden-entry-float-dimension",
+        "hidden-other-field-surrogate",
+        "hidden-metadata-value-not-a-string",
+        "hidden-metadata-value-a-string",
+        "hidden-entry-valid",
+        "float-past-range",
+        "negative-float-past-range",
+        "int-past-float-range",
+        "negative-int-past-float-range",
+        "big-int-and-underflow",
+        "int-past-u64",
     ],
 )
 def test_headers_read_exactly_as_safetensors_reads_them(tmp_path, header):
@@ -442,6 +504,39 @@ def test_headers_read_exactly_as_safetensors_reads_them(tmp_path, header):
     verify_file(p)
 
 
+def test_a_header_nested_a_million_deep_is_refused_under_a_raised_recursion_limit(tmp_path):
+    """Regression: with the recursion limit raised (training stacks do),
+    json.loads recursed into a header nested a million deep and the process
+    died of a segmentation fault (read and verify); safetensors refuses it.
+    The nesting is now counted before the decoder runs; the JSON readers of
+    sidecars, markers and logs (options.parse_json) likewise."""
+    code = (
+        "import struct, sys, fastpersist\n"
+        "from fastpersist.options import parse_json\n"
+        "from fastpersist.verify import verify_file\n"
+        "sys.setrecursionlimit(10**7)\n"
+        f"p = {str(tmp_path / 'deep.safetensors')!r}\n"
+        "h = b'{\"a\":' + b'[' * 1000000 + b']' * 1000000 + b'}'\n"
+        "open(p, 'wb').write(struct.pack('<Q', len(h)) + h)\n"
+        "for f in (fastpersist.read_state_dict, verify_file):\n"
+        "    try:\n"
+        "        f(p)\n"
+        "    except fastpersist.CorruptCheckpointError as e:\n"
+        "        assert '128 deep' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('read')\n"
+        "try:\n"
+        "    parse_json('[' * 1000000 + ']' * 1000000)\n"
+        "except ValueError as e:\n"
+        "    assert 'deep' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('parse_json')\n"
+        "print('refused')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "refused" in r.stdout, (r.returncode, r.stderr[-2000:])
+
+
 def test_a_header_that_starts_with_whitespace_reads_as_safetensors_reads_it(tmp_path):
     """Regression: a header with whitespace before its opening brace (JSON
     allows it, safetensors' parser takes it) was "neither a torch
@@ -457,6 +552,19 @@ def test_a_header_that_starts_with_whitespace_reads_as_safetensors_reads_it(tmp_
     got = fastpersist.read_state_dict(p)
     assert list(got) == list(want) and torch.equal(got["w"], want["w"])
     verify_file(p)
+    # Regression: whitespace running past the first 512 bytes read was
+    # "neither a torch checkpoint nor a safetensors file".
+    header = b" " * 600 + raw[8 : 8 + n]
+    p.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n :])
+    want = load_file(p)
+    got = fastpersist.read_state_dict(p)
+    assert list(got) == list(want) and torch.equal(got["w"], want["w"])
+    assert verify_file(p).format == "safetensors"
+    p.write_bytes(struct.pack("<Q", 1000) + b" " * 1000)  # whitespace only: not JSON
+    with pytest.raises(Exception):
+        load_file(p)
+    with pytest.raises(fastpersist.CorruptCheckpointError, match="JSON"):
+        fastpersist.read_state_dict(p)
 
 
 def _shrunk(n: int) -> torch.Tensor:

@@ -711,3 +711,29 @@ def test_a_refusal_pickle_meets_is_raised_not_tried_again_with_torch_save(tmp_pa
             torch.save(d, tmp_path / "patched.pt")
     assert _GrowsItsDict.calls == 1
     assert not (tmp_path / "patched.pt").exists()
+
+
+def test_a_safetensors_file_whose_header_length_reads_as_a_zip_signature_goes_to_torch_load(tmp_path):
+    """Regression: a safetensors file whose header length is 0x04034B50
+    bytes begins "PK\\x03\\x04"; the patched torch.load routed it to
+    read_state_dict, which read it as safetensors, where torch.load raises
+    (it is no zip). Only what read_state_dict takes for a torch zip is
+    routed."""
+    import json
+
+    n = 0x04034B50
+    body = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    header = body + b" " * (n - len(body))
+    p = tmp_path / "looks_like_a_zip.pt"
+    p.write_bytes(struct.pack("<Q", n) + header + struct.pack("<f", 1.0))
+    try:
+        assert p.read_bytes()[:4] == b"PK\x03\x04"
+        assert fastpersist.detect_format(p) == "safetensors"
+        with pytest.raises(RuntimeError) as theirs:
+            torch.load(p)
+        with fastpersist.patch() as stats:
+            with pytest.raises(RuntimeError) as ours:
+                torch.load(p)
+        assert type(ours.value) is type(theirs.value) and "not a torch zip file" in " | ".join(stats.reasons)
+    finally:
+        p.unlink()

@@ -60,6 +60,58 @@ def test_weights_only_refuses_arbitrary_objects(tmp_path):
     assert fastpersist.read_state_dict(p, weights_only=False)["when"].year == 2024
 
 
+def test_weights_only_none_and_torchs_environment_as_torch_load(tmp_path, monkeypatch):
+    """Regression: weights_only=None (a wrapper passing its own default on)
+    was taken for False and ran the file's pickled code, where torch.load
+    takes None for its default, True; TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 did
+    not make weights_only=False safe as it does for torch.load. Both are
+    torch.load's now (read_state_dict and Checkpointer.load_latest)."""
+    p = tmp_path / "obj.pt"
+    fastpersist.write_state_dict({"when": __import__("datetime").date(2024, 1, 2)}, p)
+    for v in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
+        monkeypatch.delenv(v, raising=False)
+
+    def outcome(load, **kw):
+        try:
+            return load(p, **kw)["when"].year
+        except pickle.UnpicklingError as e:
+            assert "Weights only load failed" in str(e)
+            return "refused"
+        except RuntimeError as e:
+            return f"RuntimeError: {e}"
+
+    cases = [
+        ({}, {}),
+        ({}, {"weights_only": None}),
+        ({}, {"weights_only": False}),
+        ({"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}, {"weights_only": False}),
+        ({"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "true"}, {}),
+        ({"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, {}),
+        ({"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, {"weights_only": True}),
+        ({"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "0"}, {}),
+        ({"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, {}),
+    ]
+    for env, kw in cases:
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                want, got = outcome(torch.load, **kw), outcome(fastpersist.read_state_dict, **kw)
+        assert got == want, (env, kw)
+    with monkeypatch.context() as m:
+        m.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+        ck = fastpersist.Checkpointer(tmp_path / "run", every=1)
+        ck.save(1, {"when": __import__("datetime").date(2024, 1, 2)}).result()
+        ck.close()
+        # (a refusal is the caller's to see, not damage to skip)
+        with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+            fastpersist.Checkpointer(tmp_path / "run").load_latest(weights_only=False)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        fastpersist.Checkpointer(tmp_path / "run").load_latest(weights_only=None)
+    assert fastpersist.Checkpointer(tmp_path / "run").load_latest(weights_only=False)[0] == 1
+
+
 def test_map_location_cpu_forms(tmp_path):
     p = tmp_path / "m.pt"
     sd = {"t": make((10,), torch.float32)}

@@ -15,7 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 U32, U16 = 0xFFFFFFFF, 0xFFFF
-FLAGS = 0x0808
+
+
+def flags(size: int) -> int:
+    """Bit 3 (a data descriptor follows) only where data does, as torch's
+    writer (miniz) writes an empty record; bit 11 (UTF-8 names)."""
+    return 0x0808 if size else 0x0800
+
+
 LOCAL = struct.Struct("<IHHHHHIIIHH")
 CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 
@@ -32,7 +39,7 @@ def ref_local(name: bytes, off: int, size: int, align: int) -> bytes:
     pad = (-(off + LOCAL.size + len(name) + len(z64) + 4)) % align
     extra = z64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad
     ver = 20 if size < U32 and off < U32 else 45
-    return LOCAL.pack(0x04034B50, ver, FLAGS, 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+    return LOCAL.pack(0x04034B50, ver, flags(size), 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
 
 
 def ref_sizes(off: int, size: int) -> bytes:
@@ -49,7 +56,7 @@ def ref_central(name: bytes, off: int, size: int, crc: int) -> bytes:
     extra = struct.pack("<HH", 0x0001, len(fields)) + fields if fields else b""
     small = min(size, U32)
     head = CENTRAL.pack(
-        0x02014B50, (3 << 8) | 45, 45 if fields else 20, FLAGS, 0, 0, 0, crc, small, small, len(name), len(extra),
+        0x02014B50, (3 << 8) | 45, 45 if fields else 20, flags(size), 0, 0, 0, crc, small, small, len(name), len(extra),
         0, 0, 0, 0, min(off, U32),
     )  # fmt: skip
     return head + name + extra
@@ -105,7 +112,7 @@ def test_storage_records_match_the_reference(recs, start, align):
         assert (h_off, d_off) == (at, at + len(head))
         if size and not staged:
             want_regions.append(Region(d_off, addr, size, crc_id))
-        tail = struct.pack("<II", 0x08074B50, crcs[crc_id]) + ref_sizes(at, size)
+        tail = struct.pack("<II", 0x08074B50, crcs[crc_id]) + ref_sizes(at, size) if size else b""
         at = d_off + size + len(tail)
         want.append((h_off, head, d_off + size, tail))
     assert regions == want_regions and all(type(r) is Region for r in regions)
