@@ -1,10 +1,12 @@
 """The ``fastpersist`` command line.
 
     fastpersist inspect PATH [--json]     records or tensors: names, dtypes, shapes, bytes, alignment
-    fastpersist verify PATH...            every CRC32 and the structure; exit 0 only when all is well
-    fastpersist ls DIR [--verify]         checkpoints of a Checkpointer directory: step, size, tier, status
+    fastpersist verify [--json] PATH...   every CRC32 and the structure; exit 0 only when all is well
+    fastpersist ls DIR [--verify] [--stage-dir DIR]
+                                          checkpoints of a Checkpointer directory: step, size, tier, status
                                           (and the replicas it holds for other ranks)
-    fastpersist bench [--size] [--dir]    write and read benchmarks against fio and torch
+    fastpersist bench [--size] [--dir] [--rounds] [--progress]
+                                          write and read benchmarks against fio and torch
 
 Exit status: 0 success, 1 a checkpoint is corrupt, 2 bad usage or a file that
 cannot be opened.

@@ -21,6 +21,10 @@ __all__ = ["capture_rng_state", "restore_rng_state", "ResumableSampler"]
 
 
 def capture_rng_state() -> Dict[str, Any]:
+    """The Python, NumPy (when installed), torch CPU and CUDA (when
+    initialised) generators' states, as tensors and plain values that
+    ``torch.load(..., weights_only=True)`` (and ``read_state_dict``) accept:
+    save it with the checkpoint, give it to :func:`restore_rng_state`."""
     version, internal, gauss = random.getstate()
     state: Dict[str, Any] = {
         "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
@@ -35,6 +39,9 @@ def capture_rng_state() -> Dict[str, Any]:
 
 
 def restore_rng_state(state: Dict[str, Any]) -> None:
+    """Put back the generators' states :func:`capture_rng_state` took (the
+    CUDA ones only where CUDA is available; NumPy's bit generator made
+    again when the global one is of another kind)."""
     py = state["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     torch.set_rng_state(state["torch"])
