@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -58,6 +58,8 @@ from .options import (
     forget_pending,
     gc_paused,
     note_pending,
+    registering,
+    registering_here,
     resolve_target,
     wait_for_earlier,
     with_file_mode,
@@ -66,7 +68,7 @@ from .pickling import ON_CHANGE, TensorVersions
 from .plan import MemoryGuard, Plan, Region
 from .safetensors_format import plan_safetensors
 from .torch_zip import plan_torch_save
-from .writer import FORMATS, write_distributed, write_plan, write_safetensors, write_torch_zip
+from .writer import FORMATS, write_distributed, write_plan, write_safetensors, write_state_dict, write_torch_zip
 
 __all__ = ["save_async", "CheckpointFuture", "SnapshotPool", "AsyncSaver", "wait_all", "MODES"]
 
@@ -98,7 +100,9 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
         #: When the save finished by its owner's clock (a Checkpointer's), once it has.
         self.done_at: Optional[float] = None
         # Whether its outcome was asked for (result(), exception(), a raising wait_snapshot()).
-        self._seen = False
+        self._seen_flag = False
+        #: Its saver's reports of failures nobody read (see AsyncSaver._reports).
+        self._reports: Optional[Dict[int, str]] = None
 
     def _check_waiter(self, what: str) -> None:
         """Refuse a wait that could never end: from one of the threads that
@@ -124,6 +128,33 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
             return super().exception(timeout)
         finally:
             self._seen = self._seen or self.done()
+
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future[WriteStats]], object]) -> None:
+        """``fn(future)`` once the save is done (committed, failed or
+        cancelled), on fastpersist's thread for callbacks, in the order they
+        were added: never on the threads that run saves, so a callback may
+        save again, or wait for another save, without stalling them. On the
+        calling thread, at once, when the save is done already. An error
+        ``fn`` raises is logged."""
+        if self.done():
+            _run_callback(fn, self)
+            return
+        super().add_done_callback(lambda f: _callback_worker().submit(_run_callback, fn, f))
+
+    def _on_done(self, fn: Callable[[concurrent.futures.Future[WriteStats]], object]) -> None:
+        """``fn(future)`` on the thread that completes the save, before any
+        caller's callback runs: fastpersist's own bookkeeping."""
+        super().add_done_callback(fn)
+
+    @property
+    def _seen(self) -> bool:
+        return self._seen_flag
+
+    @_seen.setter
+    def _seen(self, seen: bool) -> None:
+        self._seen_flag = seen
+        if seen and self._reports is not None:
+            self._reports.pop(id(self), None)
 
     def _failed_unseen(self) -> bool:
         """Failed (not cancelled), and nobody has asked for its outcome."""
@@ -198,6 +229,35 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
                     f"({os.getpid()}); process {parent} completes it, this one does not"
                 )
             )
+
+
+def _run_callback(fn: Callable[[Any], object], fut: concurrent.futures.Future) -> None:
+    try:
+        fn(fut)
+    except Exception:
+        log.exception("fastpersist: exception calling a done-callback of the save of %s", getattr(fut, "path", fut))
+
+
+_callbacks: Optional[_Worker] = None
+_callbacks_lock = threading.RLock()
+
+
+def _callback_worker() -> _Worker:
+    """The thread that runs the callers' done-callbacks of saves."""
+    global _callbacks
+    with _callbacks_lock:
+        if _callbacks is None:
+            _callbacks = _Worker("fastpersist-callbacks", 0)
+        return _callbacks
+
+
+def _callback_jobs() -> List[concurrent.futures.Future]:
+    """The done-callbacks queued or running (none on that thread itself,
+    which cannot wait for them)."""
+    w = _callbacks
+    if w is None or threading.current_thread() is w._thread:
+        return []
+    return w.jobs()
 
 
 def future_error(fut: concurrent.futures.Future, timeout: Optional[float] = None) -> Optional[BaseException]:
@@ -536,7 +596,7 @@ class _Worker:
         self._queue: queue.SimpleQueue[Optional[Callable[[], None]]] = queue.SimpleQueue()
         self._name = name
         self._nice = nice
-        self._start_lock = threading.Lock()
+        self._start_lock = threading.RLock()
         self._thread: Optional[threading.Thread] = None
         # Every job queued and not finished (set.add/discard: atomic).
         self._jobs: Set[concurrent.futures.Future] = set()
@@ -551,7 +611,7 @@ class _Worker:
         queue is the parent's work: a fresh queue, and a thread of this
         process started when work comes."""
         self._queue = queue.SimpleQueue()
-        self._start_lock = threading.Lock()
+        self._start_lock = threading.RLock()
         self._thread = None
         self._jobs = set()
 
@@ -617,6 +677,15 @@ def _stop_workers(*workers: _Worker) -> None:
         w._queue.put(None)
 
 
+def _saver_dropped(reports: Dict[int, str], *workers: _Worker) -> None:
+    """A saver dropped without close(): the failures nobody read are
+    logged (as close() and the exit log them), and its threads end."""
+    for what in list(reports.values()):
+        log.error("fastpersist: checkpoint %s", what)
+    reports.clear()
+    _stop_workers(*workers)
+
+
 #: Default niceness of the background threads (``FASTPERSIST_BACKGROUND_NICE``).
 DEFAULT_NICE = 10
 
@@ -680,8 +749,14 @@ class AsyncSaver:
         # Failed saves whose outcome nobody asked for (see wait_all).
         self._unseen: List[CheckpointFuture] = []
         _savers.add(self)
-        # A saver dropped without close(): its threads end once idle.
-        fin = weakref.finalize(self, _stop_workers, self._snap, self._write)
+        #: What each failure nobody read is (the failed futures' ids):
+        #: the reports of a saver dropped without close(), which its
+        #: finalizer logs (the futures themselves would keep the saver
+        #: alive: their callbacks, their errors' frames).
+        self._reports: Dict[int, str] = {}
+        # A saver dropped without close(): its threads end once idle, and
+        # the failures nobody read are logged.
+        fin = weakref.finalize(self, _saver_dropped, self._reports, self._snap, self._write)
         fin.atexit = False  # at exit the threads just stay idle (waking them during finalization is unsafe)
 
     def prepare(
@@ -750,11 +825,15 @@ class AsyncSaver:
         # The files get the mode of the caller's file_mode() block, if any,
         # though the save runs on other threads.
         opts = with_file_mode(check_save_options(mode, options, what))
+        if registering_here():
+            return _save_here(obj, p, mode, options)
         group = options.pop("group", None)
         on_change = options.pop("on_change", "error")
         sharded = options.pop("sharded", False)
         fmt = options.pop("format", "torch")
         metadata = options.pop("metadata", None)
+        if isinstance(metadata, Mapping):
+            metadata = dict(metadata)  # (its values at the call, as the tensors')
         if group is not None:
             checkpoint_group(group)  # collective: made here, on every rank's calling thread
         # On the caller's thread, now: device copies made later in the
@@ -817,20 +896,22 @@ class AsyncSaver:
         try:
             fut = CheckpointFuture(p, mode)
             fut._workers = (self._snap, self._write)
-            self._inflight.append(fut)
-            self._last = fut
-            note_pending(p, fut)
-            fut.add_done_callback(self._finished)
-            if group is not None:
-                self._write.submit(_on(home, self._distributed), held, p, opts, fut, group, sharded, ready)
-            elif mode == "snapshot":
-                planner = _planner(fmt, metadata)
-                self._snap.submit(_on(home, self._snapshot_then_write), held, p, opts, fut, ready, planner)
-            elif fmt == "safetensors":
-                self._write.submit(_on(home, self._pipelined_safetensors), held, p, opts, fut, metadata)
-            else:
-                self._write.submit(_on(home, self._pipelined), held, p, opts, fut, ready)
-            held.registered = True
+            fut._reports = self._reports
+            with registering(fut):  # (a signal handler's save meanwhile is made at once, see _save)
+                self._inflight.append(fut)
+                self._last = fut
+                note_pending(p, fut)
+                fut._on_done(self._finished)
+                if group is not None:
+                    self._write.submit(_on(home, self._distributed), held, p, opts, fut, group, sharded, ready)
+                elif mode == "snapshot":
+                    planner = _planner(fmt, metadata)
+                    self._snap.submit(_on(home, self._snapshot_then_write), held, p, opts, fut, ready, planner)
+                elif fmt == "safetensors":
+                    self._write.submit(_on(home, self._pipelined_safetensors), held, p, opts, fut, metadata)
+                else:
+                    self._write.submit(_on(home, self._pipelined), held, p, opts, fut, ready)
+                held.registered = True
         except BaseException:
             # Not handed to its thread (a thread that cannot start, an
             # interrupt): nothing is written, and nothing waits for it.
@@ -876,6 +957,7 @@ class AsyncSaver:
         self._last = None
         self._inflight = []
         self._unseen = []
+        self._reports.clear()  # (the finalizer's own dict)
         self.pool._after_fork()
         self._snap._after_fork()
         self._write._after_fork()
@@ -897,6 +979,10 @@ class AsyncSaver:
                 # Kept (its error's frames dropped) until wait_all() reports it:
                 # a failure nobody reads must not pass silently.
                 self._unseen = [f for f in self._unseen[-(MAX_UNSEEN - 1) :] if f._failed_unseen()] + [fut]
+                error = concurrent.futures.Future.exception(fut, 0)  # (not asked by a reader: not seen)
+                self._reports[id(fut)] = f"{fut.path} was NOT saved: {error!r}"
+                for gone in set(self._reports) - {id(f) for f in self._unseen}:
+                    self._reports.pop(gone, None)
         self._slot_free.set()
 
     def _pipelined(
@@ -1060,11 +1146,23 @@ class AsyncSaver:
         earlier failures whose outcome nobody asked for yet (the last
         ``MAX_UNSEEN``), each reported once."""
         pending = self.pending()
+        waited = list(pending)
         concurrent.futures.wait(pending, timeout=timeout)
+        if timeout is None:
+            # And the done-callbacks of those saves, then the saves they
+            # started (a callback that saves again), until none is left.
+            while True:
+                concurrent.futures.wait(_callback_jobs())
+                more = [f for f in self.pending() if f not in waited]
+                if not more:
+                    break
+                waited += more
+                concurrent.futures.wait(more)
         with self._lock:
             unseen, self._unseen = [f for f in self._unseen if f._failed_unseen()], []
-        failed = [f for f in unseen if f not in pending]
-        failed += [f for f in pending if f.done() and future_error(f) is not None]
+            self._reports.clear()
+        failed = [f for f in unseen if f not in waited]
+        failed += [f for f in waited if f.done() and future_error(f) is not None]
         for f in failed:
             f._seen = True
         return failed
@@ -1075,7 +1173,8 @@ class AsyncSaver:
         no threads left to run them); closing again does nothing."""
         with self._lock:
             self._closed = True
-        self.wait_all()
+        for f in self.wait_all():  # (failures nobody read: not dropped with the saver)
+            log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, future_error(f))
         self._snap.stop()
         self._write.stop()
         self.pool.release()
@@ -1094,6 +1193,23 @@ class AsyncSaver:
             raise RuntimeError("this AsyncSaver is closed: its threads are gone (make a new one)")
 
 
+def _save_here(obj: Any, p: str, mode: str, options: Dict[str, Any]) -> CheckpointFuture:
+    """A background save asked for while this thread is registering
+    another (a signal handler that interrupted ``save_async``): that one
+    cannot be handed to its thread before the handler returns, and one
+    registered behind it would wait for it for ever. This one is written
+    here and now (its future done on return), ordered before the save it
+    interrupted."""
+    fut = CheckpointFuture(p, mode)
+    try:
+        stats = write_state_dict(obj, p, **options)
+    except Exception as e:  # noqa: BLE001 - the save's error goes to its future, as a background save's
+        fut._fail(e)
+    else:
+        fut._succeed(stats)
+    return fut
+
+
 def _planner(fmt: str, metadata: Any) -> Callable[[Any, Optional[TensorVersions]], Plan]:
     """The whole-file layout of a snapshot save. Torch: device storages stay
     where they are in the plan (``plan.device``), to be copied once; tensors
@@ -1106,7 +1222,9 @@ def _planner(fmt: str, metadata: Any) -> Callable[[Any, Optional[TensorVersions]
 _default: Optional[AsyncSaver] = None
 #: Every live saver, for the drain at exit.
 _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
-_default_lock = threading.Lock()
+#: Reentrant: a signal handler that saves runs on the thread it interrupted,
+#: perhaps inside this lock.
+_default_lock = threading.RLock()
 
 
 def default_saver() -> AsyncSaver:
@@ -1135,7 +1253,9 @@ def _after_fork_in_child() -> None:
     """Every saver of a child made by ``os.fork()`` starts afresh (see
     :meth:`AsyncSaver._after_fork_in_child`)."""
     global _default_lock
-    _default_lock = threading.Lock()
+    _default_lock = threading.RLock()
+    if _callbacks is not None:
+        _callbacks._after_fork()
     for s in list(_savers):
         s._after_fork_in_child()
 
@@ -1154,13 +1274,19 @@ def _drain_at_exit() -> None:
         pending = [f for s in savers for f in s.pending()]
         if pending:
             log.warning("fastpersist: waiting for %d checkpoint save(s) in flight before exit", len(pending))
-        for s in savers:
-            for f in s.wait_all():
-                log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, future_error(f))
-        # Then the rest of the background work (a snapshot buffer made
-        # ahead by prepare(background=True), a save's last steps): none may
-        # be inside the core when the interpreter finalizes.
-        concurrent.futures.wait([j for s in savers for j in s._snap.jobs() + s._write.jobs()])
+        while True:
+            for s in savers:
+                for f in s.wait_all():
+                    log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, future_error(f))
+            # Then the rest of the background work (a snapshot buffer made
+            # ahead by prepare(background=True), a save's last steps, the
+            # done-callbacks): none may be inside the core when the
+            # interpreter finalizes. A callback may have saved again (on
+            # a saver made meanwhile too): round again until none has.
+            concurrent.futures.wait([j for s in savers for j in s._snap.jobs() + s._write.jobs()] + _callback_jobs())
+            savers = list(_savers)
+            if not any(s.pending() for s in savers) and not _callback_jobs():
+                break
     except KeyboardInterrupt:
         # Ctrl-C while waiting: the saves still in flight are given up (the
         # files at their paths stay as they were; their temporary files are

@@ -1122,8 +1122,8 @@ class Checkpointer:
         self._inflight = _InFlight(step, fut, t0, self.clock() - t0)
         _saving[id(self)] = self
         clock, key = self.clock, id(self)  # (the callbacks hold neither self nor the _InFlight: no cycle)
-        fut.add_done_callback(lambda f: setattr(f, "done_at", clock()))
-        fut.add_done_callback(lambda f: _saving.pop(key, None))
+        fut._on_done(lambda f: setattr(f, "done_at", clock()))
+        fut._on_done(lambda f: _saving.pop(key, None))
         return fut
 
     def _agree_previous(self) -> None:

@@ -53,7 +53,7 @@ class DistributedTensorChangedError(DistributedCheckpointError, TensorChangedErr
 
 
 _groups: Dict[Tuple[int, ...], Any] = {}
-_groups_lock = threading.Lock()
+_groups_lock = threading.RLock()  # (reentrant: a signal handler's save)
 
 
 def check_group(group: Any, what: str) -> None:

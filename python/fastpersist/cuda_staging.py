@@ -350,7 +350,7 @@ def side_streams(ready: ReadyEvents) -> Iterator[None]:
 
 
 _streams: Dict[int, Any] = {}
-_streams_lock = threading.Lock()
+_streams_lock = threading.RLock()  # (reentrant: a signal handler's save)
 #: CU_STREAM_NON_BLOCKING: no implicit ordering with the legacy default stream.
 _CU_STREAM_NON_BLOCKING = 1
 

@@ -401,7 +401,7 @@ def with_file_mode(opts: EngineOptions) -> EngineOptions:
 #: :func:`counted_for_exit` calls in progress, and the condition the exit
 #: waits on for them (see :func:`_quiesce_at_exit`).
 _calls_in_progress = 0
-_calls = threading.Condition(threading.Lock())
+_calls = threading.Condition(threading.RLock())  # (reentrant: a signal handler's save)
 #: The thread that exits the process, once it waits for those calls: a
 #: call any other thread makes then waits until the end.
 _exiting_thread: Optional[int] = None
@@ -526,7 +526,7 @@ def _after_fork_in_child() -> None:
     the parent's). Saves pending in the parent are not waited for here."""
     global _engines, _engines_lock, _order_lock, _pending_by_path, _gc_lock, _gc_depth, _defer_lock, _defer_depth
     global _calls_in_progress, _calls, _exiting_thread
-    _calls_in_progress, _calls, _exiting_thread = 0, threading.Condition(threading.Lock()), None
+    _calls_in_progress, _calls, _exiting_thread = 0, threading.Condition(threading.RLock()), None
     _engines_lock = threading.RLock()
     _engines = OrderedDict()
     _order_lock = threading.RLock()
@@ -534,7 +534,7 @@ def _after_fork_in_child() -> None:
     # A save of the parent's other threads may have paused the collector
     # (or deferred full collections) at the fork: the child has no such
     # save, and would run without a collector for ever.
-    _gc_lock = threading.Lock()
+    _gc_lock = threading.RLock()
     if _gc_depth:
         _gc_depth = 0
         if _gc_was_enabled:
@@ -966,7 +966,8 @@ def note_pending(path: str, fut: Any) -> None:
     path commit in the order of their calls)."""
     with _order_lock:
         _pending_by_path.setdefault(path, []).append(fut)
-    fut.add_done_callback(functools.partial(forget_pending, path))
+    # (on the thread that completes it, before the caller's callbacks)
+    getattr(fut, "_on_done", fut.add_done_callback)(functools.partial(forget_pending, path))
 
 
 def forget_pending(path: str, fut: Any) -> None:
@@ -980,7 +981,9 @@ def forget_pending(path: str, fut: Any) -> None:
             _pending_by_path.pop(path, None)
 
 
-_gc_lock = threading.Lock()
+#: Reentrant: a signal handler that saves runs on the thread it interrupted,
+#: perhaps inside this lock.
+_gc_lock = threading.RLock()
 _gc_depth = 0
 _gc_was_enabled = False
 
@@ -1135,14 +1138,42 @@ def has_pending(path: Any) -> bool:
 def wait_for_earlier(path: str, fut: Any = None) -> None:
     """Wait until every save to ``path`` called before ``fut`` (every one
     still pending, when ``fut`` is None: a synchronous save) has finished,
-    so the last call to a path wins."""
+    so the last call to a path wins. A save this thread is registering (a
+    signal handler's save interrupted its registration) is not waited for:
+    it cannot run before the handler returns, and is ordered after."""
     with _order_lock:
         lst = list(_pending_by_path.get(path, ()))
     if fut is not None:
         lst = lst[: lst.index(fut)] if fut in lst else lst
+    mine = getattr(_registering, "futures", ())
     for f in lst:
-        if f is not fut:
+        if f is not fut and not any(f is m for m in mine):
             concurrent.futures.wait([f])
+
+
+#: The background saves this thread is registering (see :func:`registering`).
+_registering = threading.local()
+
+
+@contextlib.contextmanager
+def registering(fut: Any) -> Iterator[None]:
+    """``fut``'s save is being registered by this thread, from when it is
+    noted pending until it is handed to its thread: a save a signal handler
+    makes meanwhile (on this thread) must not wait for it."""
+    mine = getattr(_registering, "futures", None)
+    if mine is None:
+        mine = _registering.futures = []
+    mine.append(fut)
+    try:
+        yield
+    finally:
+        mine.remove(fut)
+
+
+def registering_here() -> bool:
+    """Whether this thread is registering a background save (a signal
+    handler's call interrupted it)."""
+    return bool(getattr(_registering, "futures", None))
 
 
 @dataclass(frozen=True)

@@ -724,7 +724,7 @@ def _storage_key(t: torch.Tensor) -> Optional[Tuple[int, str]]:
 # optimizer step marks as written (:func:`_optimizer_step_pre_hook`).
 _WATCHING: weakref.WeakSet[TensorVersions] = weakref.WeakSet()
 _STEP_HOOK: List[Any] = []
-_STEP_HOOK_LOCK = threading.Lock()
+_STEP_HOOK_LOCK = threading.RLock()  # (reentrant: a signal handler's save)
 
 
 def _optimizer_step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -73,11 +73,16 @@ def test_unpicklable_fails_at_snapshot(tmp_path, mode):
 
 def test_future_protocol(tmp_path):
     seen = []
+    called = threading.Event()
     f = fastpersist.save_async({"a": torch.ones(3)}, tmp_path / "f.pt")
-    f.add_done_callback(lambda fut: seen.append(fut.result().path))
+    f.add_done_callback(lambda fut: (seen.append(fut.result().path), called.set()))
     st = f.result(timeout=60)
     assert isinstance(st, fastpersist.WriteStats) and f.done() and not f.cancelled()
+    assert called.wait(60)  # (on fastpersist's callback thread: perhaps after result() returns)
     assert seen == [str(tmp_path / "f.pt")]
+    late = []
+    f.add_done_callback(lambda fut: late.append(threading.current_thread()))  # done already: at once, here
+    assert late == [threading.current_thread()]
     assert f.snapshot_seconds is not None and f.snapshot_seconds >= 0
 
 
@@ -489,31 +494,163 @@ def test_a_cancelled_save_writes_nothing_and_breaks_nothing(tmp_path, mode):
 
 
 def test_waiting_on_a_save_from_the_thread_that_runs_it_raises_instead_of_hanging(tmp_path):
-    """Regression: a done-callback (it runs on the saver's write thread)
-    that started another save and waited for it hung for ever: the save
-    it waited for was queued behind the callback, on that same thread."""
-    import threading
-
+    """A wait from one of the threads that run a save (code a save runs
+    there, as a done-callback used to) for a save queued behind it on that
+    same thread would never return: it raises."""
     saver = AsyncSaver()
     seen: dict = {}
-    done = threading.Event()
+    box: dict = {}
+    gate = threading.Event()
 
-    def callback(_):
-        g = saver.save({"a": torch.ones(2)}, tmp_path / "inner.pt")
+    def on_the_write_thread():
+        g = box["g"]
         for name, wait in (("result", g.result), ("exception", g.exception), ("wait_snapshot", g.wait_snapshot)):
             try:
                 wait(timeout=30)
             except RuntimeError as e:
                 seen[name] = str(e)
-        seen["inner"] = g
-        done.set()
 
-    f = saver.save({"a": torch.ones(2)}, tmp_path / "outer.pt")
-    f.add_done_callback(callback)
-    assert done.wait(60)
-    assert set(seen) == {"result", "exception", "wait_snapshot", "inner"}, seen
+    saver._write.submit(lambda: gate.wait(60))  # (the write thread held until the save is queued)
+    waiter = saver._write.submit(on_the_write_thread)
+    box["g"] = saver.save({"a": torch.ones(2)}, tmp_path / "inner.pt")  # queued behind the waiter
+    gate.set()
+    waiter.result(timeout=60)
+    assert set(seen) == {"result", "exception", "wait_snapshot"}, seen
     assert "would never return" in seen["result"]
-    seen["inner"].result(timeout=60)  # from this thread it completes
+    box["g"].result(timeout=60)  # from this thread it completes
+    saver.close()
+
+
+@pytest.mark.parametrize("call", ["result", "save to the same path", "write_state_dict", "wait_all", "close", "cancel"])
+def test_a_done_callback_may_save_again_and_wait(tmp_path, call):
+    """Regression: done-callbacks ran on the saver's write thread, and one
+    that waited for a save queued behind it there hung the saver for ever
+    (and the process at exit): a save started from it while another was
+    queued, a write_state_dict to a path a later save was pending on,
+    wait_all(), close(); cancel() ran them on the cancelling thread before
+    the snapshot phase was ended, and one that waited for it hung cancel().
+    Callbacks run on a thread of their own now, in order; their errors are
+    logged."""
+    code = textwrap.dedent(
+        f"""
+        import os, threading, torch, fastpersist
+        from fastpersist.async_save import AsyncSaver
+        d, call = {str(tmp_path)!r}, {call!r}
+        saver = AsyncSaver()
+        out = {{}}
+        done = threading.Event()
+        big = {{"w": torch.ones(4 << 20)}}
+
+        def callback(f):
+            try:
+                if call == "result":
+                    g = saver.save(big, os.path.join(d, "inner.pt"))
+                    out["inner"] = g.result().bytes > 0
+                elif call == "save to the same path":
+                    g = saver.save({{"v": torch.full((4,), 2.0)}}, os.path.join(d, "later.pt"))
+                    out["inner"] = g.result().bytes > 0
+                elif call == "write_state_dict":
+                    fastpersist.write_state_dict({{"v": torch.full((4,), 3.0)}}, os.path.join(d, "sync.pt"))
+                    out["inner"] = True
+                elif call == "wait_all":
+                    out["inner"] = saver.wait_all() == []
+                elif call == "close":
+                    saver.close()
+                    out["inner"] = True
+                else:
+                    f.wait_snapshot()
+                    out["inner"] = f.snapshot_done()
+            finally:
+                done.set()
+
+        if call == "cancel":
+            saver._write.submit(lambda: done.wait(60))  # (the save stays queued)
+            f = saver.save(big, os.path.join(d, "c.pt"))
+            f.add_done_callback(callback)
+            assert f.cancel()
+        else:
+            f = saver.save(big, os.path.join(d, "outer.pt"))
+            saver.save({{"v": torch.full((4,), 1.0)}}, os.path.join(d, "later.pt"))  # (queued behind)
+            f.add_done_callback(callback)
+        assert done.wait(60), "the callback never ended"
+        assert out.get("inner") is True, out
+        if call != "close":
+            saver.close()
+        print("OK")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    if call == "save to the same path":
+        assert torch.load(tmp_path / "later.pt")["v"][0] == 2.0  # (the later call wins)
+
+
+def test_a_save_a_done_callback_starts_at_exit_is_committed(tmp_path):
+    """Regression: the exit drained the saves in flight once; a save a
+    done-callback started meanwhile (copying to latest.pt when a save
+    lands, say) was dropped without a word, or the process aborted with a
+    temporary file left. The drain goes on until nothing new is in flight."""
+    code = textwrap.dedent(
+        f"""
+        import os, torch, fastpersist
+        d = {str(tmp_path)!r}
+        def chain(f):
+            fastpersist.save_async({{"w": torch.full((4 << 20,), 2.0)}}, os.path.join(d, "second.pt"))
+        f = fastpersist.save_async({{"w": torch.full((4 << 20,), 1.0)}}, os.path.join(d, "first.pt"))
+        f.add_done_callback(chain)
+        """
+    )
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert sorted(os.listdir(tmp_path)) == ["first.pt", "second.pt"], (os.listdir(tmp_path), r.stderr)
+        assert torch.load(tmp_path / "second.pt")["w"][0] == 2.0
+        for n in os.listdir(tmp_path):
+            os.unlink(tmp_path / n)
+
+
+@pytest.mark.parametrize("how", ["close", "dropped"])
+def test_failures_nobody_read_are_logged_by_close_and_a_dropped_saver(tmp_path, how, caplog):
+    """Regression: close() took the failures nobody had read from
+    wait_all() and dropped them, and a saver dropped without close() lost
+    them with it: a save that failed passed without a word. Both log them,
+    as the exit does."""
+    import gc
+    import logging
+
+    (tmp_path / "dir.pt").mkdir()  # a save there fails
+    saver = AsyncSaver()
+    f = saver.save({"a": torch.ones(2)}, tmp_path / "dir.pt")
+    concurrent.futures.wait([f], timeout=60)
+    concurrent.futures.wait(saver._write.jobs(), timeout=60)  # (the job's frame, which holds the saver, gone)
+    del f
+    with caplog.at_level(logging.ERROR, logger="fastpersist"):
+        if how == "close":
+            saver.close()
+        else:
+            del saver
+            gc.collect()
+    assert any("dir.pt was NOT saved" in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
+def test_safetensors_metadata_is_taken_at_the_call(tmp_path, mode):
+    """Regression: save_async kept the caller's metadata dict and read it
+    in the background: a dict reused and updated right after the call put
+    the new values in the file."""
+    from safetensors import safe_open
+
+    meta = {"step": "100"}
+    gate = threading.Event()
+    saver = AsyncSaver()
+    saver._snap.submit(gate.wait)
+    saver._write.submit(gate.wait)
+    f = saver.save({"w": torch.ones(4)}, tmp_path / "m.safetensors", mode=mode, format="safetensors", metadata=meta)
+    meta["step"] = "101"
+    gate.set()
+    f.result(timeout=60)
+    with safe_open(str(tmp_path / "m.safetensors"), "pt") as st:
+        assert st.metadata() == {"step": "100"}
     saver.close()
 
 

@@ -136,6 +136,106 @@ def test_22_4_save_in_a_signal_handler_during_a_save(tmp_path):
     assert torch.all(torch.load(tmp_path / "periodic.pt")["w15"] == 15)
 
 
+@pytest.mark.parametrize("where", ["gc_paused", "the exit count", "the step hook", "the default saver", "registering"])
+def test_22_4_a_signal_inside_fastpersists_own_locks_does_not_hang_a_handlers_save(tmp_path, where):
+    """Regression: a signal handler runs on the thread it interrupted, in
+    the middle of whatever it interrupted. Landing while a save held one of
+    fastpersist's plain locks (the collector pause, the exit's count of
+    calls, the optimizer step hook's, the default saver's), the handler's
+    save waited for that lock for ever; landing while save_async had noted
+    its save pending and not yet handed it to its thread, the handler's
+    save to that path waited for a save that could not start. The locks
+    are reentrant, and a save made while this thread registers another is
+    written at once, ordered before it."""
+    code = textwrap.dedent(
+        f"""
+        import os, signal, torch, fastpersist
+        from fastpersist import async_save, options, pickling
+        d, where = {str(tmp_path)!r}, {where!r}
+        P = os.path.join(d, "ckpt.pt")
+        fired, later = [], []
+        def handler(sig, frame):
+            if where == "registering":
+                f = fastpersist.save_async({{"emergency": torch.ones(4)}}, P)
+                fastpersist.write_state_dict({{"emergency": torch.ones(4)}}, os.path.join(d, "sync.pt"))
+                fired.append(f.done() and f.result().bytes > 0)
+            else:
+                fastpersist.write_state_dict({{"emergency": torch.ones(4)}}, os.path.join(d, "emergency.pt"))
+                # (not waited for here: its thread may need a lock the
+                # interrupted code holds, Python's own included)
+                later.append(fastpersist.save_async({{"emergency": torch.ones(4)}}, os.path.join(d, "async.pt")))
+                fired.append(True)
+        signal.signal(signal.SIGUSR1, handler)
+        once = []
+        def fire():
+            if not once:
+                once.append(1)
+                os.kill(os.getpid(), signal.SIGUSR1)  # (the handler runs at the next bytecode: inside the lock)
+
+        class Wrap:
+            def __init__(self, inner):
+                self.inner = inner
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+        if where == "gc_paused":
+            g = Wrap(options.gc)
+            g.disable = lambda: (fire(), __import__("gc").disable())
+            options.gc = g
+        elif where == "the exit count":
+            real = options._calls
+            class Calls:
+                def __enter__(self):
+                    real.__enter__()
+                    fire()
+                    return self
+                def __exit__(self, *a):
+                    return real.__exit__(*a)
+                def __getattr__(self, name):
+                    return getattr(real, name)
+            options._calls = Calls()
+        elif where == "the step hook":
+            real_ws = pickling._WATCHING
+            class Watching:
+                def add(self, v):
+                    fire()
+                    real_ws.add(v)
+                def __getattr__(self, name):
+                    return getattr(real_ws, name)
+                def __iter__(self):
+                    return iter(real_ws)
+                def __len__(self):
+                    return len(real_ws)
+            pickling._WATCHING = Watching()
+        elif where == "the default saver":
+            real_default = async_save.AsyncSaver
+            class Saver(real_default):
+                def __init__(self, *a, **k):
+                    fire()
+                    super().__init__(*a, **k)
+            async_save.AsyncSaver = Saver
+        else:
+            real_note = async_save.note_pending
+            def note_pending(p, fut):
+                real_note(p, fut)
+                fire()
+            async_save.note_pending = note_pending
+        if where in ("the default saver", "registering"):
+            f = fastpersist.save_async({{"step": torch.zeros(4)}}, P)
+            f.result()
+        else:
+            fastpersist.write_state_dict({{"step": torch.zeros(4)}}, P)
+        assert fired == [True], fired
+        assert all(f.result().bytes > 0 for f in later)
+        print("OK")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    if where == "registering":
+        # The handler's save is ordered before the one it interrupted.
+        assert torch.load(tmp_path / "ckpt.pt")["step"].sum() == 0
+
+
 # 5. Saves to one path commit in program order.
 
 
