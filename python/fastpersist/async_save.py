@@ -101,6 +101,8 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
         self.done_at: Optional[float] = None
         # Whether its outcome was asked for (result(), exception(), a raising wait_snapshot()).
         self._seen_flag = False
+        #: Callers' done-callbacks handed to the callback thread and not yet run.
+        self._queued_callbacks = 0
         #: Its saver's reports of failures nobody read (see AsyncSaver._reports).
         self._reports: Optional[Dict[int, str]] = None
 
@@ -136,10 +138,25 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
         save again, or wait for another save, without stalling them. On the
         calling thread, at once, when the save is done already. An error
         ``fn`` raises is logged."""
-        if self.done():
+        with self._condition:
+            queue_it = not self.done() or self._queued_callbacks > 0
+            if queue_it:
+                self._queued_callbacks += 1  # (one added later runs after it, not ahead)
+        if not queue_it:
             _run_callback(fn, self)
             return
-        super().add_done_callback(lambda f: _callback_worker().submit(_run_callback, fn, f))
+
+        def run(f: concurrent.futures.Future[WriteStats]) -> None:
+            try:
+                _run_callback(fn, f)
+            finally:
+                with self._condition:
+                    self._queued_callbacks -= 1
+
+        if self.done():
+            _callback_worker().submit(run, self)
+        else:
+            super().add_done_callback(lambda f: _callback_worker().submit(run, f))
 
     def _on_done(self, fn: Callable[[concurrent.futures.Future[WriteStats]], object]) -> None:
         """``fn(future)`` on the thread that completes the save, before any
@@ -825,7 +842,9 @@ class AsyncSaver:
         # The files get the mode of the caller's file_mode() block, if any,
         # though the save runs on other threads.
         opts = with_file_mode(check_save_options(mode, options, what))
-        if registering_here():
+        if registering_here() or self._lock._is_owned():  # type: ignore[attr-defined]
+            # (a signal handler's call on a thread inside this saver's
+            # step: it cannot wait for what that step would let go)
             return _save_here(obj, p, mode, options)
         group = options.pop("group", None)
         on_change = options.pop("on_change", "error")
@@ -1145,19 +1164,10 @@ class AsyncSaver:
         """Wait for every save in flight; returns those that failed, and the
         earlier failures whose outcome nobody asked for yet (the last
         ``MAX_UNSEEN``), each reported once."""
-        pending = self.pending()
-        waited = list(pending)
-        concurrent.futures.wait(pending, timeout=timeout)
-        if timeout is None:
-            # And the done-callbacks of those saves, then the saves they
-            # started (a callback that saves again), until none is left.
-            while True:
-                concurrent.futures.wait(_callback_jobs())
-                more = [f for f in self.pending() if f not in waited]
-                if not more:
-                    break
-                waited += more
-                concurrent.futures.wait(more)
+        waited = self.pending()
+        # (Not the done-callbacks: as concurrent.futures.wait, this does not
+        # wait for them, which may need what its caller holds.)
+        concurrent.futures.wait(waited, timeout=timeout)
         with self._lock:
             unseen, self._unseen = [f for f in self._unseen if f._failed_unseen()], []
             self._reports.clear()
@@ -1174,7 +1184,8 @@ class AsyncSaver:
         with self._lock:
             self._closed = True
         for f in self.wait_all():  # (failures nobody read: not dropped with the saver)
-            log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, future_error(f))
+            if not f.cancelled():
+                log.error("fastpersist: checkpoint %s was NOT saved: %r", f.path, future_error(f))
         self._snap.stop()
         self._write.stop()
         self.pool.release()
@@ -1231,7 +1242,9 @@ def default_saver() -> AsyncSaver:
     global _default
     with _default_lock:
         if _default is None:
-            _default = AsyncSaver()
+            made = AsyncSaver()
+            if _default is None:  # (a signal handler's call may have made one meanwhile)
+                _default = made
         return _default
 
 
@@ -1252,8 +1265,9 @@ def wait_all(timeout: Optional[float] = None) -> List[CheckpointFuture]:
 def _after_fork_in_child() -> None:
     """Every saver of a child made by ``os.fork()`` starts afresh (see
     :meth:`AsyncSaver._after_fork_in_child`)."""
-    global _default_lock
+    global _default_lock, _callbacks_lock
     _default_lock = threading.RLock()
+    _callbacks_lock = threading.RLock()
     if _callbacks is not None:
         _callbacks._after_fork()
     for s in list(_savers):

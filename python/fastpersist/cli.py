@@ -133,13 +133,14 @@ def _torch_tensors(path: str, mmap: bool = True) -> Optional[list]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    results = [_verify_one(path) for path in args.paths]
+    results = []
+    for path in args.paths:
+        results.append(_verify_one(path))
+        if not args.json:
+            print(_verify_line(results[-1]), flush=True)  # (each file as it is checked)
     if args.json:
         json.dump(results, sys.stdout, indent=1)
         print()
-    else:
-        for r in results:
-            print(_verify_line(r))
     return max((_VERIFY_STATUS[str(r["status"])] for r in results), default=EXIT_OK)
 
 

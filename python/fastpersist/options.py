@@ -1012,9 +1012,12 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         with _gc_lock:
-            _gc_depth = max(0, _gc_depth - 1)
-            if _gc_depth == 0 and _gc_was_enabled:
+            # Enabled before the depth drops: a signal handler's save
+            # landing in between finds a save still counted (and leaves
+            # the collector alone), not a depth of 0 and a collector off.
+            if _gc_depth <= 1 and _gc_was_enabled:
                 gc.enable()
+            _gc_depth = max(0, _gc_depth - 1)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

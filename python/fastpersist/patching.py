@@ -269,9 +269,16 @@ def _is_torch_zip(path: str) -> bool:
     reads as a zip signature (0x04034B50 bytes) is not one, and torch.load
     refuses it."""
     try:
-        return os.path.isfile(path) and detect_format(path) == "torch"
+        # (and a local header first: torch's reader takes an empty zip,
+        # "PK\x05\x06", for no zip at all, and raises its own error)
+        return os.path.isfile(path) and _starts_with(path, b"PK\x03\x04") and detect_format(path) == "torch"
     except (OSError, CorruptCheckpointError):
         return False
+
+
+def _starts_with(path: str, magic: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic
 
 
 def _is_torchscript(path: str) -> bool:

@@ -177,7 +177,9 @@ class ResumableSampler(torch.utils.data.Sampler):
         advances when the loader is exhausted (with ``drop_last``, its last
         partial batch was never a batch); leaving the loop early (``break``,
         an exception) keeps the position."""
-        per = self._per_batch(loader)
+        return self._tracked(loader, self._per_batch(loader))  # (a loader it cannot count: refused at the call)
+
+    def _tracked(self, loader: Iterable[Any], per: int) -> Iterator[Any]:
         self._tracking += 1
         try:
             for batch in loader:

@@ -83,6 +83,18 @@ def test_future_protocol(tmp_path):
     late = []
     f.add_done_callback(lambda fut: late.append(threading.current_thread()))  # done already: at once, here
     assert late == [threading.current_thread()]
+    # In the order added, also one added once the save is done while
+    # earlier ones still wait their turn (found in review).
+    order, gate = [], threading.Event()
+    g = fastpersist.save_async({"a": torch.ones(3)}, tmp_path / "g.pt")
+    g.add_done_callback(lambda fut: (gate.wait(60), order.append("first")))
+    g.result(timeout=60)
+    g.add_done_callback(lambda fut: order.append("second"))
+    gate.set()
+    fastpersist.wait_all()
+    end = threading.Event()
+    g.add_done_callback(lambda fut: end.set())
+    assert end.wait(60) and order == ["first", "second"], order
     assert f.snapshot_seconds is not None and f.snapshot_seconds >= 0
 
 
@@ -550,7 +562,7 @@ def test_a_done_callback_may_save_again_and_wait(tmp_path, call):
                     g = saver.save({{"v": torch.full((4,), 2.0)}}, os.path.join(d, "later.pt"))
                     out["inner"] = g.result().bytes > 0
                 elif call == "write_state_dict":
-                    fastpersist.write_state_dict({{"v": torch.full((4,), 3.0)}}, os.path.join(d, "sync.pt"))
+                    fastpersist.write_state_dict({{"v": torch.full((4,), 3.0)}}, os.path.join(d, "later.pt"))
                     out["inner"] = True
                 elif call == "wait_all":
                     out["inner"] = saver.wait_all() == []
@@ -581,8 +593,36 @@ def test_a_done_callback_may_save_again_and_wait(tmp_path, call):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
-    if call == "save to the same path":
-        assert torch.load(tmp_path / "later.pt")["v"][0] == 2.0  # (the later call wins)
+    if call in ("save to the same path", "write_state_dict"):
+        # (the later call wins: it waited for the save queued before it)
+        assert torch.load(tmp_path / "later.pt")["v"][0] == (2.0 if call == "save to the same path" else 3.0)
+
+
+def test_a_save_made_inside_the_savers_own_step_is_written_at_once(tmp_path):
+    """Regression (found in review): a signal handler runs on the thread
+    it interrupted; one landing inside the saver's locked step (the lock
+    reentrant, so its save entered the step) with no room for another
+    save waited for a slot while holding the lock the saves in flight need
+    to give theirs back: for ever. Such a save is written at once."""
+    saver = AsyncSaver(max_pending=1)
+    gate = threading.Event()
+    saver._write.submit(lambda: gate.wait(60))
+    first = saver.save({"a": torch.ones(2)}, tmp_path / "first.pt")  # in flight, held
+    out = []
+
+    def handler_like():
+        with saver._lock:  # (as inside the step a signal interrupted)
+            out.append(saver.save({"b": torch.full((2,), 2.0)}, tmp_path / "second.pt"))
+
+    t = threading.Thread(target=handler_like, daemon=True)
+    t.start()
+    t.join(30)
+    gate.set()
+    assert not t.is_alive(), "the save inside the step never returned"
+    assert out[0].done() and out[0].result().bytes > 0
+    assert first.result(timeout=60).bytes > 0
+    assert torch.load(tmp_path / "second.pt")["b"][0] == 2.0
+    saver.close()
 
 
 def test_a_save_a_done_callback_starts_at_exit_is_committed(tmp_path):

@@ -236,6 +236,45 @@ def test_22_4_a_signal_inside_fastpersists_own_locks_does_not_hang_a_handlers_sa
         assert torch.load(tmp_path / "ckpt.pt")["step"].sum() == 0
 
 
+def test_22_4_a_save_nested_anywhere_in_the_collector_pause_leaves_the_collector_on(tmp_path):
+    """Regression (found in review): a signal handler's save that landed in
+    the collector pause's exit after the depth dropped to 0 and before the
+    collector was enabled again took the collector for off, and neither
+    save enabled it: collection stayed off for the rest of the process.
+    A save nested at every instruction of the pause now leaves it on."""
+    import dis
+    import gc
+
+    from fastpersist import options
+
+    code = options.gc_paused.__wrapped__.__code__
+    offsets = [i.offset for i in dis.get_instructions(code)]
+    assert gc.isenabled()
+    for at in offsets:
+        fired = []
+
+        def tracer(frame, event, arg, at=at, fired=fired):
+            if frame.f_code is not code:
+                return None
+            frame.f_trace_opcodes = True
+
+            def local(frame, event, arg):
+                if event == "opcode" and frame.f_lasti == at and not fired:
+                    fired.append(1)
+                    sys.settrace(None)
+                    fastpersist.write_state_dict({"nested": torch.ones(2)}, tmp_path / "nested.pt")
+                return local
+
+            return local
+
+        sys.settrace(tracer)
+        try:
+            fastpersist.write_state_dict({"outer": torch.ones(2)}, tmp_path / "outer.pt")
+        finally:
+            sys.settrace(None)
+        assert gc.isenabled() and options._gc_depth == 0, (at, fired)
+
+
 # 5. Saves to one path commit in program order.
 
 

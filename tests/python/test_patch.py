@@ -737,3 +737,14 @@ def test_a_safetensors_file_whose_header_length_reads_as_a_zip_signature_goes_to
         assert type(ours.value) is type(theirs.value) and "not a torch zip file" in " | ".join(stats.reasons)
     finally:
         p.unlink()
+    # An empty zip (an end record alone): torch takes it for no zip at all.
+    import zipfile
+
+    e = tmp_path / "empty.pt"
+    zipfile.ZipFile(e, "w").close()
+    with pytest.raises(Exception) as theirs:
+        torch.load(e)
+    with fastpersist.patch():
+        with pytest.raises(Exception) as ours:
+            torch.load(e)
+    assert type(ours.value) is type(theirs.value)
