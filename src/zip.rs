@@ -592,22 +592,11 @@ mod tests {
     fn an_empty_record_says_it_has_no_data_descriptor() {
         // As torch's writer (miniz) marks them: bit 3 only where data follows.
         for off in [0, 5 << 30] {
-            assert_eq!(
-                u16_at(&local_header(b"archive/data/3", off, 0, 64), 6),
-                0x0800
-            );
-            assert_eq!(
-                u16_at(&central_entry(b"archive/data/3", off, 0, 0), 8),
-                0x0800
-            );
-            assert_eq!(
-                u16_at(&local_header(b"archive/data/3", off, 1, 64), 6),
-                0x0808
-            );
-            assert_eq!(
-                u16_at(&central_entry(b"archive/data/3", off, 1, 0), 8),
-                0x0808
-            );
+            for (size, want) in [(0, 0x0800), (1, 0x0808)] {
+                let local = local_header(b"archive/data/3", off, size, 64);
+                let central = central_entry(b"archive/data/3", off, size, 0);
+                assert_eq!((u16_at(&local, 6), u16_at(&central, 8)), (want, want));
+            }
         }
         assert!(!has_descriptor(0) && has_descriptor(1));
     }
