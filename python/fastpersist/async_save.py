@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -851,8 +851,8 @@ class AsyncSaver:
         sharded = options.pop("sharded", False)
         fmt = options.pop("format", "torch")
         metadata = options.pop("metadata", None)
-        if isinstance(metadata, Mapping):
-            metadata = dict(metadata)  # (its values at the call, as the tensors')
+        if type(metadata) is dict:
+            metadata = dict(metadata)  # (its values at the call, as the tensors'; other types refused later)
         if group is not None:
             checkpoint_group(group)  # collective: made here, on every rank's calling thread
         # On the caller's thread, now: device copies made later in the

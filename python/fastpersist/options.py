@@ -1012,12 +1012,14 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         with _gc_lock:
-            # Enabled before the depth drops: a signal handler's save
-            # landing in between finds a save still counted (and leaves
-            # the collector alone), not a depth of 0 and a collector off.
-            if _gc_depth <= 1 and _gc_was_enabled:
-                gc.enable()
+            # Whether to enable it, read before the depth drops: a signal
+            # handler's save landing after that takes the collector for
+            # off and records so, and this one enables it all the same.
+            # (Enabled last: a collection it sets off is not inside a save.)
+            was_enabled = _gc_was_enabled
             _gc_depth = max(0, _gc_depth - 1)
+            if _gc_depth == 0 and was_enabled:
+                gc.enable()
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
