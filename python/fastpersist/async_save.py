@@ -108,13 +108,15 @@ class CheckpointFuture(concurrent.futures.Future[WriteStats]):
 
     def _check_waiter(self, what: str) -> None:
         """Refuse a wait that could never end: from one of the threads that
-        run this save (a done-callback of another save, which runs there,
-        starting this one and waiting for it)."""
+        run this save (code another save runs there, a tensor's
+        ``__reduce__`` say, starting this one and waiting for it; callers'
+        done-callbacks run on a thread of their own)."""
         me = threading.current_thread()
         if not self.done() and any(w._thread is me for w in self._workers):
             raise RuntimeError(
                 f"{what} of the save of {self.path} on {me.name}, the thread that runs it, would never return "
-                "(a done-callback runs on fastpersist's thread: hand the wait to a thread of your own)"
+                "(code a save runs, such as a tensor's __reduce__, runs on fastpersist's thread: "
+                "hand the wait to a thread of your own)"
             )
 
     def result(self, timeout: Optional[float] = None) -> WriteStats:
@@ -1209,8 +1211,7 @@ def _save_here(obj: Any, p: str, mode: str, options: Dict[str, Any]) -> Checkpoi
     another (a signal handler that interrupted ``save_async``): that one
     cannot be handed to its thread before the handler returns, and one
     registered behind it would wait for it for ever. This one is written
-    here and now (its future done on return), ordered before the save it
-    interrupted."""
+    here and now, synchronously (its future done on return)."""
     fut = CheckpointFuture(p, mode)
     try:
         stats = write_state_dict(obj, p, **options)
