@@ -17,7 +17,7 @@ import json
 import math
 import struct
 from collections import defaultdict
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -395,19 +395,22 @@ class _Obj(dict):
     the values the later ones hid (serde reads each; Python keeps the last)."""
 
     __slots__ = ("hidden", "repeated")
-    repeated: Tuple[str, ...]
-    hidden: Tuple[Tuple[str, Any], ...]
+    repeated: Sequence[str]
+    hidden: Sequence[Tuple[str, Any]]
 
 
 def _pairs(pairs: List[Tuple[str, Any]]) -> _Obj:
     d = _Obj()
-    d.repeated = ()
-    d.hidden = ()
+    # (appended to: a tuple copied at every repeat took minutes for a
+    # header of a million repeats)
+    repeated: List[str] = []
+    hidden: List[Tuple[str, Any]] = []
     for k, v in pairs:
         if k in d:
-            d.repeated += (k,)
-            d.hidden += ((k, d[k]),)
+            repeated.append(k)
+            hidden.append((k, d[k]))
         d[k] = v
+    d.repeated, d.hidden = (repeated, hidden) if repeated else ((), ())
     return d
 
 

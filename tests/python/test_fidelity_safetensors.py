@@ -537,6 +537,20 @@ def test_a_header_nested_a_million_deep_is_refused_under_a_raised_recursion_limi
     assert r.returncode == 0 and "refused" in r.stdout, (r.returncode, r.stderr[-2000:])
 
 
+def test_a_header_repeating_a_field_a_million_times_reads_as_safetensors_reads_it(tmp_path):
+    """Regression: each repeat of a key copied the tuple of the repeats so
+    far: a header repeating an ignored field a million times (6 MB, which
+    safetensors reads at once) took about an hour to parse. (The timeout
+    is a hang guard: the fixed parse takes seconds.)"""
+    p = tmp_path / "rep.safetensors"
+    h = b'{"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]' + b',"z":1' * 1_000_000 + b"}}"
+    p.write_bytes(struct.pack("<Q", len(h)) + h + struct.pack("<f", 1.5))
+    assert load_file(p)["x"].item() == 1.5
+    code = f"import fastpersist; print(fastpersist.read_state_dict({str(p)!r})['x'].item())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and r.stdout.strip() == "1.5", r.stderr[-2000:]
+
+
 def test_a_header_that_starts_with_whitespace_reads_as_safetensors_reads_it(tmp_path):
     """Regression: a header with whitespace before its opening brace (JSON
     allows it, safetensors' parser takes it) was "neither a torch
